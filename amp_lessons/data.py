@@ -1,0 +1,133 @@
+"""Data for the lessons, all available offline.
+
+- ``digits``: scikit-learn's handwritten digits (1,797 real 8x8 images that ship with the library),
+  as flat vectors for MLPs or as 1x32x32 images for CNNs, with one fixed train/test split.
+  Lessons 01-05 train on it.
+- ``synthetic_images``: ImageNet-shaped random batches made on the device, for speed and memory
+  measurements where the data pipeline must not be what is measured (lessons 04-05).
+- ``image_folder_loader``: a torchvision ``ImageFolder`` loader for learners' own images.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator, Optional, Tuple, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+DIGITS_CLASSES = 10
+DIGITS_TEST_FRACTION = 0.25
+DIGITS_SPLIT_SEED = 0
+
+
+@lru_cache(maxsize=1)
+def _digits_split() -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = (bunch.images / 16.0).astype(np.float32)  # pixel values are 0..16
+    y = bunch.target.astype(np.int64)
+    return tuple(train_test_split(x, y, test_size=DIGITS_TEST_FRACTION,
+                                  random_state=DIGITS_SPLIT_SEED, stratify=y))  # type: ignore
+
+
+def digits(split: str = "train", image_size: Optional[int] = None,
+           device: Union[str, torch.device, None] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The digits set as tensors ``(x, y)``: 1,347 train or 450 test examples (fixed split).
+
+    ``image_size=None`` gives flat 64-vectors (for MLPs); an int gives ``N x 1 x S x S`` images,
+    bilinearly upsampled from 8x8 (for CNNs). Inputs are standardised with the train set's
+    mean and standard deviation.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test'; got {split!r}")
+    if image_size is not None and (not isinstance(image_size, int) or image_size < 8):
+        raise ValueError(f"image_size must be None or an integer >= 8; got {image_size!r}")
+    x_train, x_test, y_train, y_test = _digits_split()
+    mean, std = float(x_train.mean()), float(x_train.std())
+    x = torch.from_numpy(((x_train if split == "train" else x_test) - mean) / std)
+    y = torch.from_numpy(y_train if split == "train" else y_test)
+    if image_size is None:
+        x = x.reshape(len(x), -1)
+    else:
+        x = x.unsqueeze(1)
+        if image_size != 8:
+            x = F.interpolate(x, size=(image_size, image_size), mode="bilinear",
+                              align_corners=False)
+    return x.contiguous().to(device), y.to(device)
+
+
+@dataclass
+class TensorBatches:
+    """Mini-batches of in-memory tensors, shuffled reproducibly per epoch.
+
+    The order of epoch ``e`` depends only on ``(seed, e)``, so a run resumed from a checkpoint
+    at epoch ``e``, batch ``k`` sees exactly the batches an uninterrupted run would.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    batch_size: int
+    shuffle: bool = True
+    drop_last: bool = False
+    seed: int = 0
+    epoch: int = 0
+
+    def __post_init__(self):
+        if len(self.x) != len(self.y):
+            raise ValueError(f"x and y must have the same length; got {len(self.x)} and {len(self.y)}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1; got {self.batch_size!r}")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose shuffle the next iteration uses."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.x)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        n = len(self.x)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            order = torch.randperm(n, generator=g).to(self.x.device)
+        else:
+            order = torch.arange(n, device=self.x.device)
+        for i in range(len(self)):
+            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+            yield self.x[idx], self.y[idx]
+
+
+def digits_loaders(batch_size: int = 64, image_size: Optional[int] = None,
+                   device: Union[str, torch.device, None] = None,
+                   seed: int = 0) -> Tuple[TensorBatches, TensorBatches]:
+    """Train and test batches of the digits set, held on ``device`` (it is under 1 MB)."""
+    x_train, y_train = digits("train", image_size, device)
+    x_test, y_test = digits("test", image_size, device)
+    return (TensorBatches(x_train, y_train, batch_size, shuffle=True, seed=seed),
+            TensorBatches(x_test, y_test, batch_size, shuffle=False))
+
+
+def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 1000,
+                     device: Union[str, torch.device, None] = None,
+                     channels_last: bool = False, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One ImageNet-shaped batch ``(x, y)`` of random data made directly on ``device``.
+
+    Speed and memory do not depend on pixel values, so lessons time the model, not a loader.
+    """
+    for name, value, low in (("batch_size", batch_size, 1), ("image_size", image_size, 8),
+                             ("num_classes", num_classes, 2)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    g = torch.Generator(device=device).manual_seed(seed) if device is not None else \
+        torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, 3, image_size, image_size, device=device, generator=g)
+    y = torch.randint(0, num_classes, (batch_size,), device=device, generator=g)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y

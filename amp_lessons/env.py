@@ -1,0 +1,180 @@
+"""Where the course is running: platform, device, what the device supports, and the profile.
+
+Introduced in every notebook's setup cell (``env = al.setup()``). The profile decides the sizes a
+lesson uses: ``quick`` (tiny models, few steps, seconds on a CPU, what CI runs) or ``full`` (real
+sizes on a GPU). It comes from ``AMP_LESSONS_PROFILE`` and defaults to ``full`` when CUDA is present.
+"""
+from __future__ import annotations
+
+import os
+import platform as _platform
+import random
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+PROFILES = ("quick", "full")
+PROFILE_VARIABLE = "AMP_LESSONS_PROFILE"
+
+
+def detect_platform() -> str:
+    """Return ``"colab"``, ``"kaggle"`` or ``"local"`` for the runtime this process is in."""
+    if "google.colab" in sys.modules or os.environ.get("COLAB_RELEASE_TAG"):
+        return "colab"
+    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE") or os.environ.get("KAGGLE_URL_BASE"):
+        return "kaggle"
+    return "local"
+
+
+def get_profile(value: Optional[str] = None) -> str:
+    """Resolve the profile: ``value``, else ``$AMP_LESSONS_PROFILE``, else by hardware.
+
+    Raises ``ValueError`` naming the setting and its allowed values for anything else.
+    """
+    if value is None:
+        value = os.environ.get(PROFILE_VARIABLE) or None
+    if value is None:
+        return "full" if torch.cuda.is_available() else "quick"
+    value = value.strip().lower()
+    if value not in PROFILES:
+        raise ValueError(
+            f"{PROFILE_VARIABLE} must be one of {', '.join(PROFILES)}; got {value!r}")
+    return value
+
+
+def default_device() -> torch.device:
+    """The device lessons train on: the current CUDA device if there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python's, NumPy's and torch's generators (every device) so a lesson repeats."""
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer; got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class Env:
+    """What ``setup()`` found. ``device`` is where lessons put tensors; never write ``"cuda"``."""
+
+    platform: str
+    device: torch.device
+    device_name: str
+    capability: Optional[Tuple[int, int]]
+    bf16: bool
+    fp16_tensor_cores: bool
+    total_memory_gib: Optional[float]
+    torch_version: str
+    python_version: str
+    profile: str
+    seed: int
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"`` or ``"cpu"``: the ``device_type`` argument of ``torch.autocast``."""
+        return self.device.type
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when lessons run on a CUDA GPU."""
+        return self.device.type == "cuda"
+
+    @property
+    def quick(self) -> bool:
+        """True in the ``quick`` profile (tiny sizes, what CI runs)."""
+        return self.profile == "quick"
+
+    @property
+    def amp_dtype(self) -> torch.dtype:
+        """The half type that suits this device: bf16 where it is native, else fp16."""
+        return torch.bfloat16 if self.bf16 else torch.float16
+
+    def describe(self) -> str:
+        """One line a learner can paste into a bug report."""
+        cap = f"sm_{self.capability[0]}{self.capability[1]}" if self.capability else "n/a"
+        mem = f"{self.total_memory_gib:.1f} GiB" if self.total_memory_gib else "n/a"
+        return (f"platform={self.platform} device={self.device} ({self.device_name}, {mem}) "
+                f"capability={cap} bf16={'yes' if self.bf16 else 'no'} "
+                f"fp16-tensor-cores={'yes' if self.fp16_tensor_cores else 'no'} "
+                f"torch={self.torch_version} profile={self.profile}")
+
+    def as_dict(self) -> dict:
+        """Plain data (for notebook metadata and JSON results)."""
+        out = asdict(self)
+        out["device"] = str(self.device)
+        out["capability"] = list(self.capability) if self.capability else None
+        return out
+
+
+def probe(profile: Optional[str] = None, seed: int = 0) -> Env:
+    """Inspect the hardware and profile without printing or seeding anything."""
+    device = default_device()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        capability = (props.major, props.minor)
+        name = props.name
+        total = props.total_memory / 2**30
+        try:
+            bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch < 2.3 has no including_emulation
+            bf16 = capability >= (8, 0)
+        fp16_tc = capability >= (7, 0)
+    else:
+        capability, total, fp16_tc = None, None, False
+        name = _platform.processor() or _platform.machine() or "CPU"
+        bf16 = True  # CPU autocast supports bf16 everywhere torch runs (emulated where needed)
+    return Env(platform=detect_platform(), device=device, device_name=name,
+               capability=capability, bf16=bf16, fp16_tensor_cores=fp16_tc,
+               total_memory_gib=total, torch_version=torch.__version__,
+               python_version=_platform.python_version(), profile=get_profile(profile),
+               seed=seed)
+
+
+def _configure_notebook_frontend(platform: str) -> None:
+    """Choose how plotly and widgets render for the front end in use."""
+    try:
+        import plotly.io as pio
+    except ImportError:  # plotly is a dependency; keep setup() working without it anyway
+        return
+    if platform == "colab":
+        pio.renderers.default = "colab"
+        try:
+            from google.colab import output  # type: ignore
+            output.enable_custom_widget_manager()
+        except Exception:  # noqa: BLE001 - older Colab images lack it; plain figures still work
+            pass
+    elif platform == "kaggle":
+        pio.renderers.default = "notebook_connected"
+    else:
+        # The mimetype renders in JupyterLab; notebook_connected keeps saved notebooks readable
+        # in static viewers without embedding 3 MB of plotly.js in every output.
+        pio.renderers.default = "plotly_mimetype+notebook_connected"
+
+
+def setup(profile: Optional[str] = None, seed: int = 0, quiet: bool = False) -> Env:
+    """Start a lesson: detect platform and device, resolve the profile, seed every RNG.
+
+    Prints one line per fact (platform, device, capability, torch version, profile). Never fails
+    on a machine without a GPU: the lesson then runs on the CPU in the ``quick`` profile.
+    """
+    env = probe(profile, seed)
+    seed_everything(seed)
+    _configure_notebook_frontend(env.platform)
+    if not quiet:
+        cap = f"{env.capability[0]}.{env.capability[1]}" if env.capability else "n/a (CPU)"
+        mem = f", {env.total_memory_gib:.0f} GiB" if env.total_memory_gib else ""
+        print(f"platform   : {env.platform}")
+        print(f"device     : {env.device} ({env.device_name}{mem})")
+        print(f"capability : {cap}; native bf16: {'yes' if env.bf16 else 'no'}; "
+              f"fp16 tensor cores: {'yes' if env.fp16_tensor_cores else 'no'}")
+        print(f"torch      : {env.torch_version} (Python {env.python_version})")
+        print(f"profile    : {env.profile}")
+    return env

@@ -1,0 +1,134 @@
+"""Execute the course notebooks headless, in order, and record which run produced their outputs.
+
+This is how notebooks are run on a GPU before they are committed
+(``python -m amp_lessons run-notebooks --profile full``): every notebook in the repository carries
+the outputs of its latest full run and, in its metadata under ``amp_lessons.run``, the device name,
+torch version, profile and date of that run.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator, List, Optional, Sequence
+
+import nbformat
+
+from .env import PROFILE_VARIABLE, get_profile, probe
+
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+GPU_TAG = "requires-gpu"
+
+
+class NotebookRunError(RuntimeError):
+    """A cell failed: the message names the notebook, the cell and the error."""
+
+    def __init__(self, notebook: Path, cell_index: int, cell_source: str, error: str):
+        first = next((line for line in cell_source.splitlines() if line.strip()), "")
+        self.notebook, self.cell_index, self.error = notebook, cell_index, error
+        super().__init__(f"{notebook.name}: cell {cell_index} ({first[:70]!r}) failed:\n{error}")
+
+
+def course_notebooks(directory: Path = NOTEBOOK_DIR) -> List[Path]:
+    """The lesson notebooks (``NN_name.ipynb``) in course order."""
+    return sorted(p for p in Path(directory).glob("[0-9][0-9]_*.ipynb"))
+
+
+def run_record(profile: str) -> dict:
+    """What to store in a notebook's metadata about the run that produced its outputs."""
+    env = probe(profile)
+    return {
+        "device": str(env.device),
+        "device_name": env.device_name,
+        "device_count": _device_count(),
+        "capability": list(env.capability) if env.capability else None,
+        "torch": env.torch_version,
+        "python": env.python_version,
+        "profile": profile,
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+    }
+
+
+def _device_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@contextmanager
+def _profile_environment(profile: str) -> Iterator[None]:
+    old = os.environ.get(PROFILE_VARIABLE)
+    os.environ[PROFILE_VARIABLE] = profile
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(PROFILE_VARIABLE, None)
+        else:
+            os.environ[PROFILE_VARIABLE] = old
+
+
+def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] = None,
+                 timeout: int = 1800, progress: bool = True,
+                 kernel_name: str = "python3") -> Path:
+    """Execute one notebook top to bottom and write the executed copy.
+
+    ``out`` is a folder for the copy; by default the notebook is rewritten in place, and only
+    after every cell succeeded. Cells tagged ``requires-gpu`` are left unexecuted without CUDA.
+    Raises ``NotebookRunError`` naming the cell that failed (a partial copy is still written to
+    ``out`` when one was given, so the failure can be read).
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+    from tqdm.auto import tqdm
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no notebook at {path}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds; got {timeout}")
+    profile = get_profile(profile)
+    has_gpu = _device_count() > 0
+    nb = nbformat.read(path, as_version=4)
+    target = Path(out) / path.name if out is not None else path
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
+                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    started = time.perf_counter()
+    with _profile_environment(profile), client.setup_kernel():
+        cells = tqdm(list(enumerate(nb.cells)), desc=path.stem, unit="cell", disable=not progress,
+                     leave=True)
+        for index, cell in cells:
+            if cell.cell_type != "code":
+                continue
+            if GPU_TAG in cell.metadata.get("tags", []) and not has_gpu:
+                cell.outputs, cell.execution_count = [], None
+                continue
+            try:
+                client.execute_cell(cell, index)
+            except CellExecutionError as exc:
+                if out is not None:
+                    _write(nb, target)
+                raise NotebookRunError(path, index, cell.source, str(exc)) from None
+        client.set_widgets_metadata()
+    record = run_record(profile)
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    nb.metadata.setdefault("amp_lessons", {})["run"] = record
+    _write(nb, target)
+    return target
+
+
+def _write(nb, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".ipynb.tmp")
+    nbformat.write(nb, tmp)
+    os.replace(tmp, target)
+
+
+def run_notebooks(paths: Optional[Sequence[Path]] = None, profile: Optional[str] = None,
+                  out: Optional[Path] = None, timeout: int = 1800,
+                  progress: bool = True) -> List[Path]:
+    """Execute notebooks in order (all lessons when ``paths`` is empty); stop at the first failure."""
+    chosen: Iterable[Path] = paths or course_notebooks()
+    return [run_notebook(Path(p), profile=profile, out=out, timeout=timeout, progress=progress)
+            for p in chosen]

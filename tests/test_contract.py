@@ -1,0 +1,90 @@
+"""Every lesson notebook follows DESIGN.md's contract and carries the outputs of a full GPU run."""
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from notebook_contract import SETUP_SOURCE, colab_url, kaggle_url
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+EXPECTED = ["01_fp16_ranges_and_underflow.ipynb", "02_basic_amp_loop.ipynb",
+            "03_grad_scaler_tuning.ipynb", "04_resnet50_memory_and_speed.ipynb",
+            "05_checkpointing_and_accumulation.ipynb", "06_multi_gpu.ipynb"]
+WARNING_TEXT = re.compile(r"\b\w*Warning\b|\bwarn(ing)?:", re.IGNORECASE)
+
+
+def _ids(paths):
+    return [p.name for p in paths]
+
+
+def test_lessons_are_the_designed_ones():
+    names = [p.name for p in NOTEBOOKS]
+    assert names == [n for n in EXPECTED if n in names], "lessons out of order"
+    assert names, "no lesson notebooks found"
+
+
+@pytest.fixture(params=NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def nb(request):
+    notebook = nbformat.read(request.param, as_version=4)
+    notebook["_name"] = request.param.name
+    return notebook
+
+
+def test_title_cell(nb):
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("# ")
+    assert colab_url(nb["_name"]) in first.source
+    assert kaggle_url(nb["_name"]) in first.source
+    assert "What you will learn" in first.source
+    assert "Hardware" in first.source
+
+
+def test_setup_cell_is_the_shared_one(nb):
+    assert nb.cells[1].cell_type == "code"
+    assert nb.cells[1].source == SETUP_SOURCE
+
+
+def test_parameters_cell(nb):
+    cell = nb.cells[2]
+    assert cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", [])
+    assert "env." in cell.source, "parameters must come from the profile (env.quick / env.profile)"
+
+
+def test_checks_section_ends_the_lesson(nb):
+    headings = [i for i, c in enumerate(nb.cells)
+                if c.cell_type == "markdown" and c.source.lstrip().startswith("## Checks")]
+    assert len(headings) == 1, "exactly one '## Checks' section"
+    after = nb.cells[headings[0] + 1:]
+    assert after and all(c.cell_type == "code" for c in after)
+    assert all("assert " in c.source for c in after)
+
+
+def test_no_device_literal(nb):
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert '"cuda"' not in cell.source and "'cuda'" not in cell.source, cell.source[:80]
+
+
+def test_outputs_come_from_a_full_gpu_run(nb):
+    run = nb.metadata.get("amp_lessons", {}).get("run")
+    assert run, "notebook has no recorded run: execute it with `python -m amp_lessons run-notebooks`"
+    assert run["profile"] == "full" and run["device"].startswith("cuda"), run
+    assert run["device_name"] and run["torch"] and run["date"]
+    counts = [c.execution_count for c in nb.cells if c.cell_type == "code" and c.execution_count]
+    assert counts == sorted(counts) and len(set(counts)) == len(counts), "outputs out of order"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    untagged = [c for c in code if "requires-gpu" not in c.metadata.get("tags", [])]
+    assert all(c.execution_count for c in untagged), "some cells were not executed"
+
+
+def test_no_errors_or_stray_warnings_in_outputs(nb):
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        about_warnings = "shows-warning" in cell.metadata.get("tags", [])
+        for out in cell.get("outputs", []):
+            if out.output_type == "error":
+                assert "raises-exception" in cell.metadata.get("tags", []), out.get("ename")
+            if out.output_type == "stream" and out.name == "stderr" and not about_warnings:
+                assert not WARNING_TEXT.search(out.text), out.text[:300]

@@ -60,6 +60,41 @@ def _cmd_run_notebooks(args) -> int:
     return 0
 
 
+# --- readme ------------------------------------------------------------------------------------
+
+def _add_readme(sub) -> None:
+    p = sub.add_parser("readme", help="rebuild the README's results section from the notebooks",
+                       description="Rebuild README.md's results section from the tables the "
+                                   "committed notebooks published in their latest run.")
+    p.add_argument("--check", action="store_true",
+                   help="change nothing; exit 1 if the section is out of date")
+    p.add_argument("--readme", type=Path, default=None, help="README to update (default: the repo's)")
+    p.set_defaults(func=_cmd_readme)
+
+
+def _cmd_readme(args) -> int:
+    from .report import results_section, update_readme
+    from .runner import NOTEBOOK_DIR, course_notebooks
+
+    readme = args.readme or NOTEBOOK_DIR.parent / "README.md"
+    notebooks = course_notebooks()
+    if args.check:
+        current = readme.read_text()
+        if results_section(notebooks) not in current:
+            print(f"{readme}: results section is out of date; run `python -m amp_lessons readme`",
+                  file=sys.stderr)
+            return 1
+        print(f"{readme}: results section is current")
+        return 0
+    try:
+        changed = update_readme(readme, notebooks)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{readme}: {'updated' if changed else 'already current'}")
+    return 0
+
+
 # --- entry point ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # One ``_add_<command>(subparsers)`` function per subcommand, defined above in its own section.
-_COMMANDS = [_add_run_notebooks]
+_COMMANDS = [_add_run_notebooks, _add_readme]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

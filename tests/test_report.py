@@ -1,0 +1,64 @@
+"""Published results, and the README's results section rebuilt from the committed notebooks."""
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+from amp_lessons import cli, report
+from amp_lessons.runner import NOTEBOOK_DIR, course_notebooks
+
+ROWS = [{"config": "fp32", "img/s": 905.4, "peak GiB": 21.4}, {"config": "fp16", "img/s": 2944.0,
+                                                                "peak GiB": None}]
+
+
+def test_markdown_table_formats_cells():
+    text = report.markdown_table(ROWS)
+    assert text.splitlines()[0] == "| config | img/s | peak GiB |"
+    assert "| fp32 | 905 | 21.40 |" in text and "| fp16 | 2,944 | - |" in text
+    with pytest.raises(ValueError, match="rows must hold at least one row"):
+        report.markdown_table([])
+
+
+def test_bundle_carries_rows_for_the_readme():
+    bundle = report.result_bundle("lesson04.table", ROWS, "ResNet-50", note="batch 256")
+    assert bundle[report.RESULT_MIME]["rows"][0]["img/s"] == 905.4
+    assert bundle["text/markdown"].startswith("**ResNet-50**") and "batch 256" in bundle["text/markdown"]
+    with pytest.raises(ValueError, match="key must be lowercase"):
+        report.result_bundle("Bad Key", ROWS, "t")
+    with pytest.raises(ValueError, match="title must be"):
+        report.result_bundle("k", ROWS, "")
+
+
+def _executed(tmp_path: Path) -> Path:
+    nb = new_notebook(cells=[new_code_cell("publish(...)")])
+    nb.cells[0].outputs = [new_output("display_data",
+                                      data=report.result_bundle("k", ROWS, "Speed")), ]
+    nb.metadata["amp_lessons"] = {"run": {"device_name": "NVIDIA H200", "torch": "2.11.0",
+                                          "profile": "full", "date": "2026-11-29T10:00:00+00:00"}}
+    path = tmp_path / "04_x.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_collect_and_update_readme(tmp_path):
+    nb = _executed(tmp_path)
+    found = report.collect([nb])
+    assert found[0]["title"] == "Speed" and found[0]["run"]["device_name"] == "NVIDIA H200"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.START}\nold\n{report.END}\nafter\n")
+    assert report.update_readme(readme, [nb]) is True
+    text = readme.read_text()
+    assert "NVIDIA H200, torch 2.11.0, profile full, 2026-11-29" in text and "| fp32 | 905 |" in text
+    assert text.startswith("intro\n") and text.endswith("after\n") and "old" not in text
+    assert report.update_readme(readme, [nb]) is False
+    (tmp_path / "bare.md").write_text("no markers")
+    with pytest.raises(ValueError, match="lacks the results markers"):
+        report.update_readme(tmp_path / "bare.md", [nb])
+
+
+def test_readme_results_match_the_committed_notebooks():
+    readme = (NOTEBOOK_DIR.parent / "README.md").read_text()
+    assert report.results_section(course_notebooks()) in readme, \
+        "README results are stale: run `python -m amp_lessons readme`"
+    assert cli.main(["readme", "--check"]) == 0

@@ -13,7 +13,7 @@ from .env import Env, get_profile, probe, seed_everything, setup
 __version__ = "0.1.0"
 __all__ = ["Env", "get_profile", "probe", "seed_everything", "setup", "__version__"]
 
-_SUBMODULES = {"bench", "cli", "data", "distributed", "env", "formats", "models", "plots",
+_SUBMODULES = {"bench", "cli", "data", "distributed", "env", "formats", "models", "plots", "report",
                "runner", "trainer", "widgets"}
 
 

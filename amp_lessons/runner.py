@@ -92,7 +92,9 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
     has_gpu = _device_count() > 0
     nb = nbformat.read(path, as_version=4)
     target = Path(out) / path.name if out is not None else path
+    # Widget state is not saved: anywidget-based FigureWidgets would embed plotly.js (5 MB) each.
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
+                            store_widget_state=False,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     started = time.perf_counter()
     with _profile_environment(profile), client.setup_kernel():
@@ -110,12 +112,29 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
                 if out is not None:
                     _write(nb, target)
                 raise NotebookRunError(path, index, cell.source, str(exc)) from None
-        client.set_widgets_metadata()
+    _tidy_widget_outputs(nb)
     record = run_record(profile)
     record["seconds"] = round(time.perf_counter() - started, 1)
     nb.metadata.setdefault("amp_lessons", {})["run"] = record
     _write(nb, target)
     return target
+
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+WIDGET_NOTE = "Interactive widget: run the notebook to use it."
+
+
+def _tidy_widget_outputs(nb) -> None:
+    """Give widget outputs a short plain-text stand-in for viewers that cannot run them.
+
+    ipywidgets' own stand-in is the widget's repr, which for a plotly FigureWidget is the whole
+    figure as text; static viewers (GitHub, nbviewer) would print that instead of a chart.
+    """
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET_MIME in data:
+                data["text/plain"] = WIDGET_NOTE
 
 
 def _write(nb, target: Path) -> None:

@@ -85,3 +85,13 @@ def test_bad_timeout(tmp_path):
     path = _write(tmp_path / "06_t.ipynb", "1")
     with pytest.raises(ValueError, match="timeout must be a positive"):
         runner.run_notebook(path, timeout=0)
+
+
+def test_widget_outputs_get_a_short_stand_in(tmp_path):
+    path = _write(tmp_path / "07_widget.ipynb",
+                  "import ipywidgets as w\nw.IntSlider(value=3, description='x' * 5000)")
+    runner.run_notebook(path, profile="quick", progress=False)
+    nb = nbformat.read(path, as_version=4)
+    data = nb.cells[1].outputs[0]["data"]
+    assert runner.WIDGET_MIME in data and data["text/plain"] == runner.WIDGET_NOTE
+    assert "widgets" not in nb.metadata, "widget state must not be saved"

@@ -1,0 +1,146 @@
+"""Lesson 01's figures (amp_lessons.plots, section "Lesson 01"): titles, axis titles with units,
+traces, shaded bands, and that the numbers they draw are the formats module's numbers."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from amp_lessons import formats as F
+from amp_lessons import plots as P
+
+GRADS = {"fc1": np.array([2.0**-26, 2.0**-20, 2.0**-10, 0.0, 1.0], dtype=np.float32),
+         "fc2": torch.tensor([3e-3, -2e-3, 0.0, 0.0])}
+
+
+def axis_titles(fig):
+    return fig.layout.xaxis.title.text, fig.layout.yaxis.title.text
+
+
+def test_format_ranges_number_line():
+    fig = P.format_ranges()
+    x_title, y_title = axis_titles(fig)
+    assert fig.layout.title.text and "log scale" in x_title and y_title == "format"
+    assert [t.name for t in fig.data] == ["subnormal range", "normal range", "limits"]
+    assert fig.layout.xaxis.type == "log"
+    normal = fig.data[1]
+    assert list(normal.x[6:8]) == [2.0**-14, 65504.0]           # fp16 (third row): normal range
+    assert list(fig.data[0].x[6:8]) == [2.0**-24, 2.0**-14]      # and its subnormal range
+    assert len(fig.data[2].x) == 3 * len(F.FORMATS)
+    assert any("65504" in a.text for a in fig.layout.annotations)
+    small = P.format_ranges(["fp16", "bf16"])
+    assert set(small.data[1].y) - {None} == {"fp16", "bf16"}
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        P.format_ranges(["fp12"])
+
+
+def test_gradient_histogram_bars_bands_and_title():
+    fig = P.gradient_histogram(GRADS, scale=1.0, fmt="fp16")
+    x_title, y_title = axis_titles(fig)
+    assert "loss scale" in x_title and "(count)" in y_title
+    assert len(fig.data) == 2 and fig.layout.barmode == "stack"
+    assert fig.data[0].name == "fc1 (1 exact zeros)" and fig.data[1].name == "fc2 (2 exact zeros)"
+    assert sum(fig.data[0].y) == 4 and sum(fig.data[1].y) == 2      # nonzero values only
+    centers = dict(zip(fig.data[0].x, fig.data[0].y))
+    assert centers[-25.5] == 1 and centers[-19.5] == 1 and centers[0.5] == 1
+    names = [s.name for s in fig.layout.shapes]
+    assert names == ["flushed", "subnormal", "normal", "overflow"]
+    sub = fig.layout.shapes[1]
+    assert (sub.x0, sub.x1) == (-25.0, -14.0)
+    assert fig.layout.shapes[2].x1 == pytest.approx(math.log2(65520))
+    labels = " ".join(a.text for a in fig.layout.annotations)
+    assert "flushed to zero" in labels and "subnormal" in labels and "overflow (inf)" in labels
+    f = F.scaled_fractions(list(GRADS.values()), 1.0, "fp16")
+    assert f"{100 * f['flushed']:.3g}% flushed to zero, {100 * f['subnormal']:.3g}% subnormal" \
+        in fig.layout.title.text
+    assert "× 2^0" in fig.layout.title.text
+
+
+def test_gradient_histogram_scale_log_y_and_other_formats():
+    fig = P.gradient_histogram(GRADS, scale=2.0**10, fmt="fp16", log_y=True)
+    assert "× 2^10" in fig.layout.title.text and fig.layout.yaxis.type == "log"
+    assert 0.5 + 10 in fig.data[0].x and dict(zip(fig.data[0].x, fig.data[0].y))[10.5] == 1
+    e4 = P.gradient_histogram(GRADS, fmt="e4m3fn")
+    assert "overflow (NaN)" in " ".join(a.text for a in e4.layout.annotations)
+    assert "in fp8_e4m3fn" in e4.layout.title.text
+    assert "× 3" in P.gradient_histogram(GRADS, scale=3.0).layout.title.text
+
+
+def test_gradient_histogram_fixed_range_clips_into_end_bins():
+    fig = P.gradient_histogram(GRADS, x_range=(-20.0, 4.0))
+    assert tuple(fig.layout.xaxis.range) == (-20.0, 4.0)
+    assert min(fig.data[0].x) == -19.5 and sum(fig.data[0].y) == 4
+    assert dict(zip(fig.data[0].x, fig.data[0].y))[-19.5] == 2   # 2^-26 and 2^-20 share it
+
+
+def test_gradient_histogram_range_covers_every_scale():
+    lo, hi = P.gradient_histogram_range(GRADS, (1.0, 2.0**32), "fp16")
+    assert lo <= -26 and hi >= 33 and lo == math.floor(lo)
+    lo1, hi1 = P.gradient_histogram_range(GRADS)
+    assert lo1 <= math.log2(2.0**-25) - 3 and hi1 >= 16 + 3
+
+
+@pytest.mark.parametrize("kwargs,match", [({"magnitudes_by_layer": {}}, "at least one layer"),
+                                          ({"scale": 0}, "scale must be"),
+                                          ({"fmt": "fp64"}, "fmt must be one of")])
+def test_gradient_histogram_bad_input(kwargs, match):
+    args = dict(magnitudes_by_layer=GRADS) | kwargs
+    with pytest.raises(ValueError, match=match):
+        P.gradient_histogram(**args)
+
+
+def test_update_gradient_histogram_in_place():
+    x_range = P.gradient_histogram_range(GRADS, (1.0, 2.0**20))
+    fig = P.gradient_histogram(GRADS, scale=1.0, x_range=x_range)
+    shapes = [s.to_plotly_json() for s in fig.layout.shapes]
+    P.update_gradient_histogram(fig, GRADS, scale=2.0**12)
+    fresh = P.gradient_histogram(GRADS, scale=2.0**12, x_range=x_range)
+    assert [list(t.y) for t in fig.data] == [list(t.y) for t in fresh.data]
+    assert fig.layout.title.text == fresh.layout.title.text and "× 2^12" in fig.layout.title.text
+    assert [s.to_plotly_json() for s in fig.layout.shapes] == shapes      # the bands stay put
+    with pytest.raises(ValueError, match="layer traces"):
+        P.update_gradient_histogram(fig, {"fc1": GRADS["fc1"]}, 1.0)
+
+
+def test_scale_sweep_figure():
+    rows = F.scale_sweep(GRADS["fc1"], range(0, 33))
+    fig = P.scale_sweep_figure(rows, marks={"default": 16, "best": 12})
+    x_title, y_title = axis_titles(fig)
+    assert fig.layout.title.text and "loss scale" in x_title and "(%)" in y_title
+    assert [t.name for t in fig.data] == ["underflow (flushed + subnormal)", "flushed to zero",
+                                          "overflow"]
+    assert list(fig.data[0].x) == list(range(33)) and fig.data[0].y[0] == 50.0
+    assert fig.data[2].y[16] == 25.0
+    assert sorted(s.x0 for s in fig.layout.shapes) == [12, 16]
+    with pytest.raises(ValueError, match="at least one"):
+        P.scale_sweep_figure([])
+
+
+def test_accumulation_figure():
+    fig = P.accumulation_figure({"fp16": [0, 1, 1], "fp32": [0, 1, 2]}, exact=[0, 1, 2])
+    assert [t.name for t in fig.data] == ["fp16", "fp32", "exact"]
+    assert fig.layout.title.text and all("(" in t for t in axis_titles(fig))
+    assert list(fig.data[0].x) == [0, 1, 2]
+    with pytest.raises(ValueError, match="at least one line"):
+        P.accumulation_figure({})
+
+
+def test_bit_layout_html():
+    html = P.bit_layout_html([F.decode(65504.0, "fp16"), F.decode(70000.0, "fp16"),
+                              F.decode(0.1, "bf16")], caption="x = 65504")
+    assert html.startswith("<table") and "x = 65504" in html
+    assert "0x7BFF" in html and "0x7C00" in html and "inf (overflow)" in html
+    assert html.count(P.BIT_COLORS["sign"]) >= 3 + 1            # one sign box per row + legend
+    assert "<td>15</td>" in html and "0.10009765625" in html            # 65504 = 1.11.. x 2^15
+    with pytest.raises(ValueError, match="at least one"):
+        P.bit_layout_html([])
+
+
+def test_accumulation_figure_thins_long_runs():
+    ys = np.arange(10_001) * 1e-4
+    fig = P.accumulation_figure({"fp32": ys}, exact=ys, max_points=1000)
+    x = np.asarray(fig.data[0].x)
+    assert len(x) <= 1001 and x[0] == 0 and x[-1] == 10_000
+    assert np.allclose(fig.data[0].y, x * 1e-4)
+    with pytest.raises(ValueError, match="max_points must be"):
+        P.accumulation_figure({"a": ys}, max_points=1)

@@ -1,0 +1,418 @@
+"""amp_lessons.distributed: launching, DDP/ZeRO/FSDP2 with mixed precision, errors (lesson 06).
+
+The slow tests start two CPU processes with gloo (the quick profile's setup). One sweep, shared
+by several tests, trains every configuration they check in a single launch.
+"""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from amp_lessons import distributed as D
+from amp_lessons.distributed import RunConfig, SweepResult
+from amp_lessons.models import TinyTransformer, lm_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+TWO_CPUS = D.device_slots("gloo") >= 2
+needs_two = pytest.mark.skipif(not TWO_CPUS, reason="needs two CPU cores for two processes")
+
+# Tolerances, stated: fp32 DDP vs one process differ only in summation order (~1e-7 here);
+# under autocast the two half-batch weight gradients are rounded separately before DDP averages
+# them, so parameters agree to the rounding of fp16 (11 significant bits, ~5e-5 measured) and of
+# bf16 (8 significant bits, ~2e-3 measured after 4 SGD steps at lr 0.2).
+ATOL = {"fp32": 1e-5, "fp16": 5e-4, "bf16": 5e-3}
+# FSDP2 bf16 (bf16 parameters in every op) vs DDP bf16 (autocast: fp32 parameters cast per op)
+# round differently; over a few steps their losses stay within 2% of each other.
+FSDP_LOSS_RTOL = 0.02
+
+MLP = dict(model="mlp", optimizer="sgd", lr=0.2, steps=3, warmup=1, keep_params=True)
+TINY_TF = dict(model="tiny_transformer", optimizer="adamw", lr=1e-3, steps=2, warmup=1,
+               batch_size=2, model_kwargs={"d_model": 32, "n_layers": 4, "n_heads": 2,
+                                           "seq_len": 16, "vocab_size": 64})
+
+
+# --- fast: configuration, checks, tables --------------------------------------------------------
+
+def test_run_config_validates_each_setting():
+    assert RunConfig(precision="amp").precision == "fp16"
+    for bad in (dict(model="vgg"), dict(strategy="zero3"), dict(precision="fp8"),
+                dict(batch_size=0), dict(steps=0), dict(warmup=-1), dict(optimizer="lamb"),
+                dict(lr=0), dict(init_scale=0), dict(image_size=4), dict(model_kwargs=[1])):
+        key = next(iter(bad))
+        with pytest.raises(ValueError, match=key):
+            RunConfig(**bad)
+    assert RunConfig(model="tiny_transformer").unit == "seq"
+    assert RunConfig(label="x").name == "x"
+    assert RunConfig().name == "small_cnn ddp bf16"
+
+
+def test_backend_and_world_size_errors():
+    with pytest.raises(ValueError, match="backend"):
+        D.check_backend("mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="nccl.*CUDA"):
+            D.check_backend("nccl")
+        assert D.default_backend() == "gloo"
+    with pytest.raises(ValueError, match="world_size"):
+        D.check_world_size(0, "gloo")
+    too_many = D.device_slots("gloo") + 1
+    with pytest.raises(ValueError, match=f"world_size={too_many}.*allowed: 1..{too_many - 1}"):
+        D.check_world_size(too_many, "gloo")
+    assert D.available_world_sizes("gloo", (1, 2, 4, 8)) == \
+        [n for n in (1, 2, 4, 8) if n <= D.device_slots("gloo")]
+
+
+def test_launch_refuses_bad_requests_before_starting_processes():
+    with pytest.raises(ValueError, match="importable module"):
+        D.launch(lambda ctx: 0, 1, backend="gloo")
+    with pytest.raises(ValueError, match="world_size"):
+        D.launch(D.run_plan, D.device_slots("gloo") + 1, backend="gloo")
+    with pytest.raises(ValueError, match="timeout_s"):
+        D.launch(D.run_plan, 1, backend="gloo", timeout_s=0)
+    with pytest.raises(ValueError, match="plan"):
+        D.run_experiments([])
+    with pytest.raises(ValueError, match="RunConfig"):
+        D.run_experiments([("ddp", 2)])
+
+
+def test_grid_orders_by_world_size():
+    a, b = RunConfig(label="a"), RunConfig(label="b")
+    assert D.grid([a, b], [1, 2]) == [(a, 1), (b, 1), (a, 2), (b, 2)]
+    with pytest.raises(ValueError):
+        D.grid([a], [0])
+
+
+def test_tiny_transformer_and_shard_units():
+    m = TinyTransformer(vocab_size=50, d_model=16, n_layers=3, n_heads=2, seq_len=8)
+    tokens = torch.randint(0, 50, (2, 8))
+    logits = m(tokens)
+    assert logits.shape == (2, 8, 50)
+    assert math.isclose(lm_loss(logits, tokens).item(), math.log(50), rel_tol=0.3)
+    assert m.parameter_count() == sum(p.numel() for p in m.parameters())
+    assert D.shard_units(m) == list(m.blocks)
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        TinyTransformer(d_model=10, n_heads=3)
+    with pytest.raises(ValueError, match="seq_len"):
+        m(torch.randint(0, 50, (1, 9)))
+    from amp_lessons.models import resnet18
+    assert len(D.shard_units(resnet18(num_classes=10))) == 8  # 2 basic blocks x 4 stages
+
+
+def test_causal_attention_does_not_look_ahead():
+    torch.manual_seed(0)
+    m = TinyTransformer(vocab_size=20, d_model=16, n_layers=2, n_heads=2, seq_len=6).eval()
+    a = torch.randint(0, 20, (1, 6))
+    b = a.clone()
+    b[0, -1] = (a[0, -1] + 1) % 20
+    assert torch.allclose(m(a)[0, :-1], m(b)[0, :-1])
+    assert not torch.allclose(m(a)[0, -1], m(b)[0, -1])
+
+
+def test_local_state_bytes_counts_adamw_state():
+    model = torch.nn.Linear(10, 10)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 10)).sum().backward()
+    opt.step()
+    held = D.local_state_bytes(model, opt)
+    n = sum(p.numel() for p in model.parameters())
+    assert held["params"] == held["grads"] == 4 * n
+    assert 8 * n <= held["optimizer_state"] <= 8 * n + 64  # exp_avg, exp_avg_sq (+ step counts)
+
+
+def _rows(label, n, step_ms, opt_mib, peak=None):
+    return [{"label": label, "model": "m", "strategy": "s", "precision": "bf16", "world_size": n,
+             "rank": r, "unit": "img", "batch_size": 4, "step_ms": step_ms + r,
+             "per_rank_per_s": 1.0, "peak_gib": peak, "param_mib": 1.0, "grad_mib": 1.0,
+             "optimizer_state_mib": opt_mib, "losses": [2.0, 1.0]} for r in range(n)]
+
+
+def test_summary_efficiency_and_tables():
+    result = SweepResult(rows=_rows("a", 1, 10.0, 2.0) + _rows("a", 2, 10.0, 1.0), backend="gloo",
+                         launched=2)
+    one, two = result.find("a", 1), result.find("a", 2)
+    assert one["per_s"] == pytest.approx(400.0)  # 4 examples / 10 ms
+    assert two["per_s"] == pytest.approx(8 / 0.011)  # the slower rank (11 ms) sets the pace
+    assert two["efficiency"] == pytest.approx(two["per_s"] / (2 * one["per_s"]))
+    assert two["model_state_mib"] == pytest.approx(3.0)
+    with pytest.raises(KeyError):
+        result.find("a", 4)
+    table = result.scaling_table()
+    assert "scaling eff." in table and "n/a" in table  # no peak memory on the CPU
+    assert len(result.per_rank_table().splitlines()) == 2 + 3
+    with pytest.raises(ValueError):
+        D.format_table([], [])
+    published = result.published_rows()
+    assert published[1]["scaling efficiency (%)"] == pytest.approx(100 * two["efficiency"])
+    assert published[1]["throughput (img/s)"] == pytest.approx(two["per_s"])
+    assert published[0]["peak memory per rank (GiB)"] is None
+
+
+def test_scaling_and_memory_figures():
+    from amp_lessons import plots
+    result = SweepResult(rows=_rows("a", 1, 10.0, 2.0) + _rows("a", 2, 10.0, 1.0, peak=0.5),
+                         backend="nccl", launched=2)
+    fig = plots.scaling_figure(result.summary())
+    assert [t.name for t in fig.data] == ["a", "a: perfect"]
+    assert list(fig.data[1].y) == [pytest.approx(400.0), pytest.approx(800.0)]
+    assert fig.data[0].text[1] == f"{result.find('a', 2)['efficiency']:.0%}"
+    assert fig.layout.title.text and fig.layout.xaxis.title.text
+    assert "/s" in fig.layout.yaxis.title.text
+    mem = plots.memory_per_rank_figure(result.rows)
+    assert [t.name for t in mem.data] == ["parameters", "gradients", "optimizer state",
+                                          "peak allocated"]
+    assert list(mem.data[3].y) == [512.0, 512.0]  # 0.5 GiB in MiB, both ranks of world size 2
+    assert "MiB" in mem.layout.yaxis.title.text and "2 processes" in mem.layout.title.text
+    with pytest.raises(ValueError):
+        plots.memory_per_rank_figure(result.rows, world_size=4)
+    with pytest.raises(ValueError):
+        plots.scaling_figure([])
+
+
+def test_describe_world_and_deepspeed_answers():
+    assert 0 < D.free_port() < 65536
+    text = D.describe_world("gloo", (1, 2, 10_000))
+    assert "gloo" in text and "not run  : world sizes 10000" in text
+    assert D.parameter_count(RunConfig(model="mlp")) == sum(
+        p.numel() for p in D.build_model(RunConfig(model="mlp")).parameters())
+    answer = D.deepspeed_equivalents()
+    assert '"amp": {"enabled": true, "opt_level": "O2"}' in answer and "Apex" in answer
+    assert '"bf16": {"enabled": true}' in answer and "ZeroRedundancyOptimizer" in answer
+    support = D.native_support()
+    assert support["torch.amp.GradScaler"] and support["ZeroRedundancyOptimizer"]
+    assert isinstance(support["deepspeed installed"], bool)
+
+
+def test_r10_verdict_follows_the_measurement():
+    def result(peak_base, peak_zero):
+        return SweepResult(rows=_rows("base", 2, 10.0, 8.0, peak_base)
+                           + _rows("zero", 2, 10.0, 4.0, peak_zero), backend="nccl", launched=2)
+    held = D.zero_savings(result(10.0, 3.5), "base", "zero", 2)
+    assert held["judged_on"] == "peak memory" and held["saved"] == pytest.approx(0.65)
+    assert held["optimizer_state_saved"] == pytest.approx(0.5)
+    assert "the claim held" in D.verdict_r10(held)
+    less = D.zero_savings(result(10.0, 8.0), "base", "zero", 2)
+    assert "below" in D.verdict_r10(less) and "did not hold" in D.verdict_r10(less)
+    rows = D.r10_rows(held, [less])
+    assert [r["claim held"] for r in rows] == [True, None]  # comparisons get no verdict
+    assert rows[0]["saved per rank (%)"] == pytest.approx(65.0)
+    assert rows[1]["optimizer state saved per rank (%)"] == pytest.approx(50.0)
+    assert D.r10_rows(less)[0]["claim held"] is False
+    cpu = D.zero_savings(SweepResult(rows=_rows("base", 2, 1.0, 8.0) + _rows("zero", 2, 1.0, 4.0),
+                                     backend="gloo", launched=2), "base", "zero", 2)
+    assert cpu["judged_on"] == "model state"
+    assert cpu["saved"] == pytest.approx(1 - 6 / 10)
+
+
+def test_command_line_rejects_bad_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        D.main(["--precision", "fp8"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        D.main(["--batch-size", "0", "--nproc", "1", "--backend", "gloo"])
+    assert "batch_size" in capsys.readouterr().err
+
+
+# --- slow: two processes with gloo --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sweep():
+    """One launch of two processes training every configuration the tests below compare."""
+    plan = []
+    for p in ("fp32", "bf16", "fp16"):
+        plan += [(RunConfig(**MLP, precision=p, batch_size=8, label=f"one {p}"), 1),
+                 (RunConfig(**MLP, precision=p, batch_size=4, label=f"ddp {p}"), 2),
+                 (RunConfig(**MLP, precision=p, batch_size=4, strategy="fsdp2",
+                            label=f"fsdp2 {p}"), 2)]
+    plan.append((RunConfig(**MLP, precision="fp32", batch_size=4, label="half batch"), 1))
+    plan += [(RunConfig(**TINY_TF, precision="bf16", strategy=s, label=f"tf {s}"), 2)
+             for s in ("ddp", "ddp_zero", "fsdp2")]
+    return D.run_experiments(plan, backend="gloo")
+
+
+def _params(result, label, world_size):
+    return next(r["params"] for r in result.rows
+                if r["label"] == label and r["world_size"] == world_size and r["rank"] == 0)
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+@needs_two
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_ddp_with_amp_matches_one_process_on_the_whole_batch(sweep, precision):
+    atol = ATOL[precision]
+    one = _params(sweep, f"one {precision}", 1)
+    ddp = _params(sweep, f"ddp {precision}", 2)
+    assert _max_diff(one, ddp) <= atol
+    # The comparison can fail: one process that saw only half the batch ends elsewhere.
+    assert _max_diff(_params(sweep, "half batch", 1), ddp) > 20 * atol
+    ranks = [r for r in sweep.rows if r["label"] == f"ddp {precision}"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank trained on its own half
+
+
+@pytest.mark.slow
+@needs_two
+def test_fsdp2_matches_ddp(sweep):
+    # fp32: the same arithmetic, sharded; bf16/fp16: the stated loss tolerance.
+    assert _max_diff(_params(sweep, "fsdp2 fp32", 2), _params(sweep, "ddp fp32", 2)) <= ATOL["fp32"]
+    for p in ("bf16", "fp16"):
+        fsdp = [r for r in sweep.rows if r["label"] == f"fsdp2 {p}"]
+        ddp = [r for r in sweep.rows if r["label"] == f"ddp {p}"]
+        for f, d in zip(fsdp, ddp):
+            assert f["rank"] == d["rank"]
+            for lf, ld in zip(f["losses"], d["losses"]):
+                assert math.isfinite(lf) and abs(lf - ld) <= FSDP_LOSS_RTOL * abs(ld)
+        summary = sweep.find(f"fsdp2 {p}", 2)
+        assert summary["final_loss"] < fsdp[0]["losses"][0]  # it trains
+    tf = sweep.find("tf fsdp2", 2)
+    assert all(math.isfinite(v) for r in sweep.rows if r["label"] == "tf fsdp2" for v in r["losses"])
+    # FSDP2 shards the parameters too: each rank holds about half of DDP's.
+    assert tf["param_mib"] == pytest.approx(sweep.find("tf ddp", 2)["param_mib"] / 2, rel=0.1)
+
+
+@pytest.mark.slow
+@needs_two
+def test_zero_shards_the_optimizer_state(sweep):
+    ddp = [r for r in sweep.rows if r["label"] == "tf ddp"]
+    zero = [r for r in sweep.rows if r["label"] == "tf ddp_zero"]
+    full = ddp[0]["optimizer_state_mib"]
+    assert all(r["optimizer_state_mib"] == pytest.approx(full) for r in ddp)
+    for r in zero:  # ZeRO splits by whole parameters: about half each
+        assert 0.3 * full <= r["optimizer_state_mib"] <= 0.7 * full
+    assert sum(r["optimizer_state_mib"] for r in zero) == pytest.approx(full, rel=0.02)
+    assert all(r["param_mib"] == pytest.approx(ddp[0]["param_mib"]) for r in zero)  # stage 1 only
+    savings = D.zero_savings(sweep, "tf ddp", "tf ddp_zero", 2)
+    assert savings["judged_on"] == "model state" and 0 < savings["saved"] < 0.5
+    assert "Measured on 2 ranks" in D.verdict_r10(savings)
+    assert sweep.find("tf ddp", 2)["efficiency"] is None  # no one-process run of it in the sweep
+
+
+# Workers below are imported by name in the spawned processes (tests/ is on their sys.path).
+
+def settings_worker(ctx, mismatch):
+    D.check_same_settings({"precision": "bf16" if ctx.rank == 0 or not mismatch else "fp16",
+                           "batch_size": 4})
+    return "agreed"
+
+
+def failing_worker(ctx):
+    if ctx.rank == 1:
+        raise RuntimeError("boom on rank 1")
+    torch.distributed.barrier()
+
+
+def inf_on_one_rank_worker(ctx):
+    """fp16 FSDP2: an inf in rank 0's gradient shard makes every rank skip the step."""
+    from torch.distributed.device_mesh import DeviceMesh
+    torch.manual_seed(0)
+    config = RunConfig(model="mlp", strategy="fsdp2", precision="fp16", batch_size=4)
+    model = D.build_model(config)
+    D.fsdp2_shard(model, "fp16", DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu"))
+    opt = D.make_optimizer(config, model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = D.make_batch(config, model, ctx.rank, ctx.world_size, ctx.device)
+    stepped = []
+    for step in range(2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if step == 0 and ctx.rank == 0:
+            next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+        before = [p.to_local().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        stepped.append(any(not torch.equal(b, p.to_local())
+                           for b, p in zip(before, model.parameters())))
+    gathered = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, (stepped, scaler.get_scale()))
+    return gathered
+
+
+@pytest.mark.slow
+@needs_two
+def test_settings_must_agree_across_ranks():
+    with pytest.raises(ValueError, match=r"precision \(rank 0: 'bf16', rank 1: 'fp16'\)"):
+        D.launch(settings_worker, 2, args=(True,), backend="gloo")
+
+
+@pytest.mark.slow
+@needs_two
+def test_a_failing_rank_is_reported_with_its_traceback():
+    with pytest.raises(RuntimeError, match="rank 1 failed with RuntimeError: boom on rank 1"):
+        D.launch(failing_worker, 2, backend="gloo", timeout_s=120)
+
+
+@pytest.mark.slow
+@needs_two
+def test_fsdp2_fp16_scaler_skips_on_every_rank_together():
+    results = D.launch(inf_on_one_rank_worker, 2, backend="gloo")
+    for stepped, scale in results:  # rank 1's own shard was finite, yet it skipped too
+        assert stepped == [False, True]
+        assert scale == 512.0
+
+
+@pytest.mark.slow
+@needs_two
+def test_torchrun_runs_the_module():
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    out = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "amp_lessons.distributed",
+         "--model", "mlp", "--strategy", "fsdp2", "--precision", "bf16", "--backend", "gloo",
+         "--steps", "2", "--warmup", "0", "--batch-size", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("mlp fsdp2 bf16") for line in lines) == 3  # 2 ranks + summary
+
+
+def sleepy_worker(ctx):
+    import time
+    time.sleep(60)
+
+
+@pytest.mark.slow
+@needs_two
+def test_a_launch_past_its_timeout_is_stopped():
+    import time
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="timeout_s=3"):
+        D.launch(sleepy_worker, 2, backend="gloo", timeout_s=3)
+    assert time.monotonic() - started < 40
+
+
+@pytest.mark.slow
+def test_runs_that_cannot_run_here_are_skipped_with_the_reason(monkeypatch):
+    # One process, in this one: run_plan's bookkeeping without spawning anything.
+    monkeypatch.setattr(D, "_precision_problem",
+                        lambda config, device: "no fsdp2 here" if config.strategy == "fsdp2"
+                        else None)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{D.free_port()}",
+                                         rank=0, world_size=1)
+    try:
+        ctx = D.RankContext(0, 1, 0, "gloo", torch.device("cpu"))
+        out = D.run_plan(ctx, [(RunConfig(model="mlp", strategy="fsdp2", steps=1, warmup=0,
+                                          batch_size=4, label="f"), 1),
+                               (RunConfig(model="mlp", steps=1, warmup=0, batch_size=4,
+                                          label="d"), 1)])
+    finally:
+        torch.distributed.destroy_process_group()
+    result = SweepResult(rows=out["rows"], backend="gloo", launched=1, skipped=out["skipped"],
+                         warnings=out["warnings"])
+    assert result.ran("d", 1) and not result.ran("f", 1)
+    assert result.skipped == [{"label": "f", "world_size": 1, "reason": "no fsdp2 here"}]
+    with pytest.raises(KeyError, match="skipped, no fsdp2 here"):
+        result.find("f", 1)
+    assert "not run: f on 1 processes: no fsdp2 here" in result.notes()
+    assert result.find("d", 1)["efficiency"] == pytest.approx(1.0)

@@ -95,6 +95,195 @@ def _cmd_readme(args) -> int:
     return 0
 
 
+# --- bench ---------------------------------------------------------------------------------------
+
+def _add_bench(sub) -> None:
+    from .bench import COMPILE_MODES, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+
+    p = sub.add_parser("bench", help="time a training step and measure its memory (lesson 04)",
+                       description="Measure img/s (median over steps, CUDA events on a GPU) and "
+                                   "peak memory of a training step, one row per precision, all "
+                                   "in this process. Sizes default to the profile's.")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="default: resnet50 (full profile), resnet18 (quick)")
+    p.add_argument("--precision", nargs="+", choices=list(PRECISIONS) + ["amp"],
+                   default=["fp32", "fp16"], help="one row per precision (default: fp32 fp16)")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="default: 256 scaled to the GPU's memory (full), 8 (quick)")
+    p.add_argument("--image-size", type=_positive_int, default=None,
+                   help="default: 224 (full), 32 (quick)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory format")
+    p.add_argument("--compile", nargs="?", const="default", default=None,
+                   choices=[m for m in COMPILE_MODES if m],
+                   help="torch.compile the model (optionally with a mode)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the whole eager step in one CUDA graph")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    p.add_argument("--impl", choices=OPTIMIZER_IMPLS, default="default",
+                   help="optimizer kernels: for-loop, foreach or fused")
+    p.add_argument("--checkpoint", choices=["block", "stage"], default=None,
+                   help="activation checkpointing per residual block or per stage")
+    p.add_argument("--trainer", action="store_true",
+                   help="time Trainer.train_step instead of the hand-written loop")
+    p.add_argument("--warmup", type=_positive_int, default=None, help="default: 5 (full), 1 (quick)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="default: 15 (full), 3 (quick)")
+    p.add_argument("--profile", choices=["quick", "full"], default=None,
+                   help="default sizes to use (default: full with CUDA, quick without)")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args) -> int:
+    import json
+
+    from .bench import BenchConfig, batch_size_for, format_table, results_document, run_configs
+    from .env import probe
+
+    env = probe(args.profile)
+    quick = env.profile == "quick"
+    model = args.model or ("resnet18" if quick else "resnet50")
+    image = args.image_size or (32 if quick else 224)
+    batch = args.batch_size or (8 if quick else batch_size_for(env.total_memory_gib, image))
+    precisions = list(dict.fromkeys("fp16" if p == "amp" else p for p in args.precision))
+    try:
+        configs = [BenchConfig(model=model, precision=p, channels_last=args.channels_last,
+                               batch_size=batch, image_size=image, optimizer=args.optimizer,
+                               impl=args.impl, compile=args.compile, cuda_graph=args.cuda_graph,
+                               checkpoint=args.checkpoint,
+                               loop="trainer" if args.trainer else "hand")
+                   for p in precisions]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = run_configs(configs, env.device, warmup=args.warmup or (1 if quick else 5),
+                       steps=args.steps or (3 if quick else 15), progress=False)
+    print(format_table(rows))
+    if args.json is not None:
+        doc = results_document(rows, env.device, profile=env.profile)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.json}")
+    return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
+
+
+# --- train ---------------------------------------------------------------------------------------
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _add_train(sub) -> None:
+    from .trainer import DIGITS_MODELS, EVAL_PRECISIONS, PRECISIONS
+
+    p = sub.add_parser("train", help="train a digits model at one precision (lesson 02)",
+                       description="Train on scikit-learn's digits with the course's trainer and "
+                                   "print time per epoch, peak memory and test accuracy. Run it "
+                                   "with --precision fp32 and with --precision amp for the "
+                                   "comparison of article B's train.py (claim B2).")
+    p.add_argument("--precision", choices=list(PRECISIONS) + ["amp"], default="fp32",
+                   help="fp32 (TF32 off), tf32, fp16 = amp (autocast + GradScaler), bf16")
+    p.add_argument("--model", choices=DIGITS_MODELS, default="cnn", help="default: cnn")
+    p.add_argument("--width", type=_positive_int, default=32, help="model width (default 32)")
+    p.add_argument("--epochs", type=_positive_int, default=3,
+                   help="total epochs, counting those a --resume checkpoint already did (default 3)")
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="default 64")
+    p.add_argument("--lr", type=_number, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--init-scale", type=_number, default=2.0 ** 16,
+                   help="GradScaler init_scale, > 0 (default 65536)")
+    p.add_argument("--growth-factor", type=_number, default=2.0, help="> 1 (default 2.0)")
+    p.add_argument("--backoff-factor", type=_number, default=0.5, help="in (0, 1) (default 0.5)")
+    p.add_argument("--growth-interval", type=_whole, default=2000, help=">= 1 (default 2000)")
+    p.add_argument("--clip", type=_number, default=None, metavar="MAX_NORM",
+                   help="clip the gradient norm (after unscale_) to MAX_NORM")
+    p.add_argument("--accumulate", type=_positive_int, default=1,
+                   help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--eval-precision", choices=EVAL_PRECISIONS, default="same",
+                   help="evaluate under training's autocast (same) or another precision")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="default: the GPU if there is one")
+    p.add_argument("--seed", type=_whole, default=0, help="default 0")
+    p.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
+                   help="save a training checkpoint here after every epoch (atomically)")
+    p.add_argument("--resume", type=Path, default=None, metavar="PATH",
+                   help="continue exactly from this checkpoint")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT",
+                   help="also write the per-epoch results, summary and step history here")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=_cmd_train, parser=p)
+
+
+def _mib(value) -> str:
+    return "n/a on a CPU" if value is None else f"{value / 2 ** 20:.1f} MiB"
+
+
+def _cmd_train(args) -> int:
+    import json
+
+    from .trainer import ARTICLE_B2, ScalerSettings, _json_safe, train_digits
+
+    def on_epoch(e: dict) -> None:
+        print(f"epoch {e['epoch'] + 1}/{args.epochs}: {e['time_s']:.2f} s, "
+              f"peak memory {_mib(e['peak_memory_bytes'])}, train loss {e['train_loss']:.4f}, "
+              f"test accuracy {100 * e['test_accuracy']:.1f}%, skipped steps {e['skipped']}",
+              flush=True)
+
+    try:
+        if args.seed < 0:
+            raise ValueError(f"seed must be a whole number >= 0; got {args.seed}")
+        if args.resume is not None and not args.resume.is_file():
+            raise ValueError(f"resume must name an existing checkpoint file; got '{args.resume}'")
+        scaler = ScalerSettings(init_scale=args.init_scale, growth_factor=args.growth_factor,
+                                backoff_factor=args.backoff_factor,
+                                growth_interval=args.growth_interval)
+        run = train_digits(args.precision, model=args.model, epochs=args.epochs,
+                           batch_size=args.batch_size, lr=args.lr, width=args.width,
+                           scaler=scaler, clip_norm=args.clip, accumulate=args.accumulate,
+                           eval_precision=args.eval_precision,
+                           device=None if args.device == "auto" else args.device,
+                           seed=args.seed, progress=not args.no_progress,
+                           checkpoint=args.checkpoint, resume=args.resume, on_epoch=on_epoch)
+    except ValueError as exc:
+        args.parser.error(str(exc))  # exits with status 2
+    s = run.summary()
+    if not run.epochs:
+        args.parser.error("resume: the checkpoint holds no finished epoch; nothing to report")
+    peak = s["peak_memory_mib"]
+    print(f"summary: {s['model']} at {s['precision']} on {s['device']}, {s['epochs']} epochs")
+    print(f"  time per epoch : {s['epoch_time_s']:.2f} s "
+          f"({'median, first epoch left out' if s['epochs'] > 1 else 'one epoch'})")
+    print(f"  peak memory    : {'n/a on a CPU' if peak is None else f'{peak:.1f} MiB'}")
+    print(f"  test accuracy  : {100 * s['accuracy']:.1f}%")
+    print(f"  skipped steps  : {s['skipped_steps']}")
+    claim = ARTICLE_B2.get(s["precision"])
+    if claim:
+        flag = "fp32" if s["precision"] == "fp32" else "amp"
+        print(f"  article B (claim B2; RTX 3090, its own model and data): --precision {flag} "
+              f"took about {claim['memory_gb']} GB and {claim['epoch_s']} s per epoch; run this "
+              f"command with --precision fp32 and with --precision amp to compare")
+    if args.json is not None:
+        from .env import probe
+
+        doc = {"command": "train",
+               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                        if k not in ("func", "parser")},
+               "env": probe().as_dict(), "summary": s, "epochs": run.epochs,
+               "history": run.history.columns()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_json_safe(doc), indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
 # --- entry point ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # One ``_add_<command>(subparsers)`` function per subcommand, defined above in its own section.
-_COMMANDS = [_add_run_notebooks, _add_readme]
+_COMMANDS = [_add_run_notebooks, _add_readme, _add_bench, _add_train]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -131,3 +131,92 @@ def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     return x, y
+
+
+# --- learners' own images (image folders) and torchvision's classic sets ------------------------
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+TORCHVISION_SETS = ("CIFAR10", "CIFAR100", "MNIST", "FashionMNIST")
+
+
+def _check_loader_args(image_size, batch_size, num_workers) -> None:
+    for name, value, low in (("image_size", image_size, 8), ("batch_size", batch_size, 1),
+                             ("num_workers", num_workers, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+
+
+def image_transforms(image_size: int, train: bool = True, channels: int = 3):
+    """torchvision transforms: random resized crop + flip for training, resize + centre crop for
+    evaluation; then a tensor normalised with ImageNet's statistics (``channels=1``: grayscale)."""
+    from torchvision import transforms as T
+
+    if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 8:
+        raise ValueError(f"image_size must be an integer >= 8; got {image_size!r}")
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be 1 or 3; got {channels!r}")
+    if train:
+        steps = [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip()]
+    else:
+        steps = [T.Resize(int(round(image_size * 256 / 224)), antialias=True),
+                 T.CenterCrop(image_size)]
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,), (0.5,))
+    head = [T.Grayscale(1)] if channels == 1 else []  # ImageFolder already gives RGB images
+    return T.Compose(head + steps + [T.ToTensor(), T.Normalize(mean, std)])
+
+
+def image_folder_loader(root: Union[str, Path], image_size: int = 224, batch_size: int = 32,
+                        train: bool = True, num_workers: int = 0,
+                        seed: int = 0) -> "torch.utils.data.DataLoader":
+    """A ``DataLoader`` over your own images laid out as ``root/<class name>/<image file>``.
+
+    Training loaders shuffle (reproducibly from ``seed``) and augment; evaluation loaders keep
+    order. Batches are ``(N x 3 x S x S float32, N int64)``; ``loader.dataset.classes`` names
+    the classes. Pinned memory when CUDA is present. ValueError for a missing or empty folder.
+    """
+    from torchvision.datasets import ImageFolder
+
+    _check_loader_args(image_size, batch_size, num_workers)
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"root must be an existing folder of class subfolders; got {str(root)!r}")
+    try:
+        dataset = ImageFolder(str(root), transform=image_transforms(image_size, train))
+    except (FileNotFoundError, RuntimeError) as exc:  # no class folders / no images
+        raise ValueError(f"root must hold one subfolder of images per class; {exc}") from None
+    generator = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train,
+                                       drop_last=False, num_workers=num_workers,
+                                       pin_memory=torch.cuda.is_available(), generator=generator)
+
+
+def torchvision_dataset_loader(name: str, root: Union[str, Path], image_size: int = 32,
+                               batch_size: int = 64, train: bool = True, download: bool = False,
+                               num_workers: int = 0, seed: int = 0) -> "torch.utils.data.DataLoader":
+    """A ``DataLoader`` over one of torchvision's classic sets (CIFAR10, CIFAR100, MNIST,
+    FashionMNIST) stored under ``root``; ``download=True`` fetches it first (needs internet).
+    MNIST-like sets come as 1-channel images."""
+    import torchvision.datasets as sets
+
+    if name not in TORCHVISION_SETS:
+        raise ValueError(f"name must be one of {', '.join(TORCHVISION_SETS)}; got {name!r}")
+    _check_loader_args(image_size, batch_size, num_workers)
+    if not isinstance(download, bool):
+        raise ValueError(f"download must be True or False; got {download!r}")
+    channels = 1 if "MNIST" in name else 3
+    if channels == 1:  # small grayscale digits: no random crops, just the size
+        from torchvision import transforms as T
+        transform = T.Compose([T.Resize(image_size, antialias=True), T.ToTensor(),
+                               T.Normalize((0.5,), (0.5,))])
+    else:
+        transform = image_transforms(image_size, train, channels)
+    try:
+        dataset = getattr(sets, name)(str(root), train=train, download=download,
+                                      transform=transform)
+    except RuntimeError as exc:  # "Dataset not found or corrupted"
+        raise ValueError(f"root must hold {name} (or pass download=True); {exc}") from None
+    generator = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train,
+                                       num_workers=num_workers,
+                                       pin_memory=torch.cuda.is_available(), generator=generator)

@@ -20,3 +20,769 @@ def styled(fig: go.Figure, title: str, x_title: str, y_title: str, height: int =
     fig.update_xaxes(title_text=x_title)
     fig.update_yaxes(title_text=y_title)
     return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 03: loss-scale dynamics (scale per step with skipped steps marked, loss, presets)
+# ---------------------------------------------------------------------------------------------
+import math as _math
+from typing import Mapping as _Mapping, Sequence as _Sequence
+
+SKIPPED_COLOR = "#d62728"
+SCALE_AXIS_TITLE = "loss scale (log2 axis: 2<sup>k</sup>)"
+STEP_AXIS_TITLE = "optimizer step (count)"
+LOSS_AXIS_TITLE = "training loss (cross-entropy, nats)"
+
+
+def _log2(values: _Sequence[float]) -> list:
+    return [_math.log2(v) if v and v > 0 and _math.isfinite(v) else None for v in values]
+
+
+def _skipped_points(steps, scales, skipped):
+    pts = [(s, _math.log2(v), v) for s, v, k in zip(steps, scales, skipped)
+           if k and v and v > 0 and _math.isfinite(v)]
+    return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+
+
+def set_scale_ticks(fig: go.Figure, scales: _Sequence[float], row: int = 1) -> go.Figure:
+    """Lesson 03: integer-power-of-two ticks (``2^k``) on a scale axis that plots log2 values.
+
+    The tick step grows with the range so the labels never crowd; widgets call this after each
+    live update because the range changes as a run goes on.
+    """
+    logs = [v for v in _log2(scales) if v is not None]
+    span = (max(logs) - min(logs)) if logs else 0.0
+    dtick = 1 if span <= 10 else 2 if span <= 20 else 4 if span <= 40 else 8
+    fig.update_yaxes(tickmode="linear", tick0=0, dtick=dtick, tickprefix="2<sup>",
+                     ticksuffix="</sup>", row=row, col=1)
+    return fig
+
+
+def scale_and_loss(steps: _Sequence[int], scales: _Sequence[float], skipped: _Sequence[bool],
+                   losses: _Sequence[float],
+                   title: str = "Loss scale and loss per step") -> go.Figure:
+    """Lesson 03: the loss scale per step (top, log2 axis) with skipped steps marked, and the loss.
+
+    Traces, in this order (widgets update them in place): ``loss scale`` (the scale the step used),
+    ``skipped step`` (red crosses at the scale of each skipped step) and ``loss``.
+    Raises ``ValueError`` when the four sequences differ in length.
+    """
+    n = len(steps)
+    if not (len(scales) == len(skipped) == len(losses) == n):
+        raise ValueError("steps, scales, skipped and losses must have the same length; got "
+                         f"{n}, {len(scales)}, {len(skipped)}, {len(losses)}")
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        row_heights=[0.6, 0.4])
+    fig.add_trace(go.Scatter(x=list(steps), y=_log2(scales), customdata=list(scales),
+                             mode="lines", name="loss scale", line=dict(shape="hv"),
+                             hovertemplate="step %{x}<br>scale %{customdata:.6g}<extra></extra>"),
+                  row=1, col=1)
+    sx, sy, sv = _skipped_points(steps, scales, skipped)
+    fig.add_trace(go.Scatter(x=sx, y=sy, customdata=sv, mode="markers", name="skipped step",
+                             marker=dict(symbol="x", size=9, color=SKIPPED_COLOR),
+                             hovertemplate="step %{x} skipped<br>scale %{customdata:.6g}"
+                                           "<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=list(steps), y=list(losses), mode="lines", name="loss",
+                             line=dict(color="#2ca02c"),
+                             hovertemplate="step %{x}<br>loss %{y:.4f}<extra></extra>"),
+                  row=2, col=1)
+    styled(fig, title, STEP_AXIS_TITLE, SCALE_AXIS_TITLE, height=480)
+    fig.update_xaxes(title_text=None, row=1, col=1)
+    fig.update_yaxes(title_text=LOSS_AXIS_TITLE, row=2, col=1)
+    return set_scale_ticks(fig, scales)
+
+
+def update_scale_and_loss(fig, steps, scales, skipped, losses) -> None:
+    """Lesson 03: put new data into a figure made by ``scale_and_loss`` (a FigureWidget or not).
+
+    Call it inside ``FigureWidget.batch_update()`` so the browser redraws once.
+    """
+    sx, sy, sv = _skipped_points(steps, scales, skipped)
+    fig.data[0].update(x=list(steps), y=_log2(scales), customdata=list(scales))
+    fig.data[1].update(x=sx, y=sy, customdata=sv)
+    fig.data[2].update(x=list(steps), y=list(losses))
+    set_scale_ticks(fig, scales)
+
+
+_PRESET_COLORS = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+
+
+def preset_comparison(runs: _Mapping[str, _Mapping[str, _Sequence]],
+                      title: str = "GradScaler presets on the same run") -> go.Figure:
+    """Lesson 03: several scaler settings trained on the same seed and data, plotted together.
+
+    ``runs`` maps a preset's name to columns ``steps``, ``scales``, ``skipped``, ``losses``
+    (``ScalerRun.columns()`` gives these). Top: the scale per step (log2 axis), skipped steps
+    marked with crosses in the preset's colour; bottom: the loss per step. One legend entry per
+    preset. Raises ``ValueError`` for no runs or columns of different lengths.
+    """
+    if not runs:
+        raise ValueError("runs must name at least one preset")
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        row_heights=[0.6, 0.4])
+    all_scales = []
+    for i, (name, cols) in enumerate(runs.items()):
+        steps, scales, skipped, losses = (list(cols[k])
+                                          for k in ("steps", "scales", "skipped", "losses"))
+        if not (len(steps) == len(scales) == len(skipped) == len(losses)):
+            raise ValueError(f"columns of preset {name!r} differ in length")
+        color = _PRESET_COLORS[i % len(_PRESET_COLORS)]
+        all_scales += scales
+        fig.add_trace(go.Scatter(x=steps, y=_log2(scales), customdata=scales, mode="lines",
+                                 name=name, legendgroup=name, line=dict(color=color, shape="hv"),
+                                 hovertemplate=f"{name}<br>step %{{x}}<br>scale %{{customdata:.6g}}"
+                                               "<extra></extra>"), row=1, col=1)
+        sx, sy, sv = _skipped_points(steps, scales, skipped)
+        fig.add_trace(go.Scatter(x=sx, y=sy, customdata=sv, mode="markers",
+                                 name=f"{name}: skipped", legendgroup=name, showlegend=False,
+                                 marker=dict(symbol="x", size=8, color=color),
+                                 hovertemplate=f"{name}<br>step %{{x}} skipped<extra></extra>"),
+                      row=1, col=1)
+        fig.add_trace(go.Scatter(x=steps, y=losses, mode="lines", name=f"{name}: loss",
+                                 legendgroup=name, showlegend=False,
+                                 line=dict(color=color, width=1.5),
+                                 hovertemplate=f"{name}<br>step %{{x}}<br>loss %{{y:.4f}}"
+                                               "<extra></extra>"), row=2, col=1)
+    styled(fig, title, STEP_AXIS_TITLE, SCALE_AXIS_TITLE, height=520)
+    # one entry per preset: on the right, where long names and many presets fit
+    fig.update_layout(legend=dict(orientation="v", x=1.02, xanchor="left", y=1, yanchor="top",
+                                  title_text="preset (× = skipped step)"),
+                      margin=dict(r=20))
+    fig.update_xaxes(title_text=None, row=1, col=1)
+    fig.update_yaxes(title_text=LOSS_AXIS_TITLE, row=2, col=1)
+    return set_scale_ticks(fig, all_scales)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 01: number formats (ranges on a number line, gradient magnitudes against fp16's bands,
+# swamping, loss-scale sweep, bit layouts)
+# ---------------------------------------------------------------------------------------------
+import html as _l01_html
+import math as _l01_math
+from typing import Mapping as _L01Mapping, Optional as _L01Optional, Sequence as _L01Sequence
+
+import numpy as _l01_np
+
+BAND_COLORS = {"flushed": "#d62728", "subnormal": "#ff7f0e", "normal": "#2ca02c",
+               "overflow": "#7f0000"}
+BIT_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
+MAGNITUDE_AXIS_TITLE = "magnitude |x| (log scale, dimensionless)"
+GRADIENT_AXIS_TITLE = "|gradient| × loss scale (log2 axis: bin k holds 2<sup>k</sup> to 2<sup>k+1</sup>)"
+GRADIENT_COUNT_TITLE = "gradient values per bin (count)"
+
+
+def format_ranges(names: _L01Optional[_L01Sequence[str]] = None,
+                  title: str = "What each format can hold: subnormal and normal ranges") -> go.Figure:
+    """Lesson 01: a number line of each format's bands on a log axis.
+
+    One row per format: its subnormal range (smallest subnormal to smallest normal) and its normal
+    range (smallest normal to max). Traces: ``subnormal range``, ``normal range``, ``limits``
+    (markers with the exact values on hover). Unknown names raise ``ValueError``.
+    """
+    from . import formats as _formats
+
+    infos = [_formats.get_format(n) for n in (names or _formats.FORMAT_NAMES)]
+    sub_x, sub_y, norm_x, norm_y = [], [], [], []
+    lim_x, lim_y, lim_text = [], [], []
+    for f in infos:
+        sub_x += [f.smallest_subnormal, f.smallest_normal, None]
+        sub_y += [f.name, f.name, None]
+        norm_x += [f.smallest_normal, f.max, None]
+        norm_y += [f.name, f.name, None]
+        for label, v in (("smallest subnormal", f.smallest_subnormal),
+                         ("smallest normal", f.smallest_normal), ("max", f.max)):
+            lim_x.append(v)
+            lim_y.append(f.name)
+            lim_text.append(f"{f.name} {label}: {v:.6g}")
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=sub_x, y=sub_y, mode="lines", name="subnormal range",
+                             line=dict(color=BAND_COLORS["subnormal"], width=14),
+                             hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=norm_x, y=norm_y, mode="lines", name="normal range",
+                             line=dict(color=BAND_COLORS["normal"], width=14), hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=lim_x, y=lim_y, mode="markers", name="limits",
+                             marker=dict(symbol="line-ns-open", size=22, color="black"),
+                             text=lim_text, hovertemplate="%{text}<extra></extra>"))
+    for f in infos:
+        fig.add_annotation(x=_l01_math.log10(f.max), y=f.name, text=f" max {f.max:.0f}" if f.max < 1e6 else f" max {f.max:.4g}",
+                           xanchor="left", showarrow=False, font=dict(size=11))
+    styled(fig, title, MAGNITUDE_AXIS_TITLE, "format", height=120 + 55 * len(infos))
+    fig.update_xaxes(type="log", exponentformat="power", dtick=10)
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def _l01_scale_label(scale: float) -> str:
+    m, e = _l01_math.frexp(scale)
+    return f"2^{e - 1}" if m == 0.5 else f"{scale:g}"
+
+
+def _l01_log2_bins(values, scale: float):
+    """Nonzero finite magnitudes of ``values`` times ``scale`` as integer log2 bins, and the zeros."""
+    import torch as _torch
+
+    if isinstance(values, _torch.Tensor):
+        values = values.detach().float().cpu().numpy()
+    a = _l01_np.abs(_l01_np.asarray(values, dtype=_l01_np.float64).reshape(-1)) * scale
+    finite = _l01_np.isfinite(a)
+    zeros = int(_l01_np.sum(finite & (a == 0)))
+    a = a[finite & (a > 0)]
+    return _l01_np.floor(_l01_np.log2(a)).astype(_l01_np.int64), zeros
+
+
+def gradient_histogram_range(magnitudes_by_layer, scales: _L01Sequence[float] = (1.0,),
+                             fmt: str = "fp16") -> tuple:
+    """Lesson 01/03: an x range (log2 units) that shows the data at every scale in ``scales`` and
+    the format's bands; widgets fix it so the bars move, not the axis."""
+    from . import formats as _formats
+
+    limits = _formats.band_limits(fmt)
+    lo = _l01_math.log2(limits["flushed_max"]) - 3
+    hi = _l01_math.log2(limits["overflow_from"]) + 3
+    for s in scales:
+        for values in magnitudes_by_layer.values():
+            bins, _ = _l01_log2_bins(values, float(s))
+            if bins.size:
+                lo, hi = min(lo, int(bins.min())), max(hi, int(bins.max()) + 1)
+    return (float(_l01_math.floor(lo)), float(_l01_math.ceil(hi)))
+
+
+def _l01_histogram_data(magnitudes_by_layer, scale, x_range):
+    lo, hi = int(_l01_math.floor(x_range[0])), int(_l01_math.ceil(x_range[1]))
+    edges = _l01_np.arange(lo, hi + 1)
+    out = {}
+    for name, values in magnitudes_by_layer.items():
+        bins, zeros = _l01_log2_bins(values, scale)
+        bins = _l01_np.clip(bins, lo, hi - 1)  # out-of-range values land in the end bins
+        counts = _l01_np.bincount(bins - lo, minlength=hi - lo)[: hi - lo]
+        out[name] = (edges[:-1] + 0.5, counts, zeros)
+    return out
+
+
+def _l01_histogram_title(magnitudes_by_layer, scale, fmt) -> str:
+    from . import formats as _formats
+
+    f = _formats.scaled_fractions(list(magnitudes_by_layer.values()), scale, fmt)
+    pct = {k: f"{100 * v:.3g}%" for k, v in f.items()}
+    return (f"|gradient| × {_l01_scale_label(scale)} in {_formats.get_format(fmt).name}: "
+            f"{pct['flushed']} flushed to zero, {pct['subnormal']} subnormal, "
+            f"{pct['overflow']} overflow")
+
+
+def gradient_histogram(magnitudes_by_layer: _L01Mapping[str, object], scale: float = 1.0,
+                       fmt: str = "fp16", x_range: _L01Optional[tuple] = None,
+                       title: _L01Optional[str] = None, log_y: bool = False) -> go.Figure:
+    """Lesson 01 (and lesson 03's widget): gradient magnitudes in log2 bins, one stacked bar
+    trace per layer, over the format's shaded bands: flushed to zero, subnormal, normal,
+    overflow.
+
+    ``magnitudes_by_layer`` maps a layer name to its gradient values (numpy array or tensor; signs
+    are ignored). ``scale`` multiplies every value (a loss scale). ``x_range`` (log2 units) fixes
+    the axis, e.g. ``gradient_histogram_range(...)`` for a widget; values outside it are counted
+    in the end bins. Exact zeros cannot sit on a log axis and are counted in the legend instead.
+    ``log_y`` puts the counts on a log axis so the few values in the tails show (stack tops
+    stay the totals). The title gives the exact fractions (``formats.scaled_fractions``).
+    Raises ``ValueError`` for an empty mapping, a bad scale or an unknown format.
+    """
+    from . import formats as _formats
+
+    if not magnitudes_by_layer:
+        raise ValueError("magnitudes_by_layer must name at least one layer")
+    scale = _formats._check_scale(scale)
+    info = _formats.get_format(fmt)
+    if x_range is None:
+        x_range = gradient_histogram_range(magnitudes_by_layer, (scale,), info.name)
+    data = _l01_histogram_data(magnitudes_by_layer, scale, x_range)
+    fig = go.Figure()
+    for name, (centers, counts, zeros) in data.items():
+        fig.add_trace(go.Bar(x=centers, y=counts, width=1.0, name=f"{name} ({zeros} exact zeros)",
+                             customdata=centers - 0.5,
+                             hovertemplate=f"{name}<br>2^%{{customdata}} ≤ |g|×scale < "
+                                           f"2^(%{{customdata}}+1)<br>%{{y}} values<extra></extra>"))
+    limits = _formats.band_limits(info)
+    lg = _l01_math.log2
+    bands = [("flushed", x_range[0], lg(limits["flushed_max"])),
+             ("subnormal", lg(limits["flushed_max"]), lg(limits["smallest_normal"])),
+             ("normal", lg(limits["smallest_normal"]), lg(limits["overflow_from"])),
+             ("overflow", lg(limits["overflow_from"]), x_range[1])]
+    labels = {"flushed": "flushed to zero", "subnormal": "subnormal", "normal": "normal",
+              "overflow": "overflow (inf)" if info.has_inf else "overflow (NaN)"}
+    for band, x0, x1 in bands:
+        if x1 <= x0:
+            continue
+        fig.add_vrect(x0=x0, x1=x1, fillcolor=BAND_COLORS[band], opacity=0.12, layer="below",
+                      line_width=0, name=band)
+        fig.add_annotation(x=(x0 + x1) / 2, y=1.0, xref="x", yref="paper", yanchor="bottom",
+                           text=f"{info.name} {labels[band]}", showarrow=False,
+                           font=dict(size=10, color=BAND_COLORS[band]))
+    styled(fig, title or _l01_histogram_title(magnitudes_by_layer, scale, info.name),
+           GRADIENT_AXIS_TITLE, GRADIENT_COUNT_TITLE, height=460)
+    fig.update_layout(barmode="stack", bargap=0, margin=dict(t=110),
+                      legend=dict(y=-0.25, yanchor="top", x=0, xanchor="left"))
+    fig.update_xaxes(range=list(x_range), tickmode="linear", tick0=0, dtick=4,
+                     tickprefix="2<sup>", ticksuffix="</sup>")
+    if log_y:
+        fig.update_yaxes(type="log", title_text=GRADIENT_COUNT_TITLE.replace("(count)",
+                                                                              "(count, log scale)"))
+    return fig
+
+
+def update_gradient_histogram(fig, magnitudes_by_layer: _L01Mapping[str, object],
+                              scale: float = 1.0, fmt: str = "fp16") -> None:
+    """Lesson 01/03: move a ``gradient_histogram`` figure (FigureWidget or not) to a new scale in
+    place: new bar heights and title, the same axis range and bands. Call it inside
+    ``FigureWidget.batch_update()`` so the browser redraws once."""
+    from . import formats as _formats
+
+    scale = _formats._check_scale(scale)
+    x_range = tuple(fig.layout.xaxis.range)
+    data = _l01_histogram_data(magnitudes_by_layer, scale, x_range)
+    if len(data) != len(fig.data):
+        raise ValueError(f"figure has {len(fig.data)} layer traces; got {len(data)} layers")
+    for trace, (name, (centers, counts, zeros)) in zip(fig.data, data.items()):
+        trace.update(x=centers, y=counts, customdata=centers - 0.5,
+                     name=f"{name} ({zeros} exact zeros)")
+    fig.layout.title.text = _l01_histogram_title(magnitudes_by_layer, scale, fmt)
+
+
+def scale_sweep_figure(rows: _L01Sequence[_L01Mapping], fmt: str = "fp16",
+                       marks: _L01Optional[_L01Mapping[str, int]] = None,
+                       title: _L01Optional[str] = None) -> go.Figure:
+    """Lesson 01: what a loss scale 2^k does to gradients in a format, from ``formats.scale_sweep``
+    rows: the percent of nonzero values that underflow (flushed + subnormal), that are flushed,
+    and that overflow, against k. ``marks`` draws labelled vertical lines at chosen k."""
+    if not rows:
+        raise ValueError("rows must hold at least one scale_sweep row")
+    ks = [r["k"] for r in rows]
+    fig = go.Figure()
+    for key, label, color in (("underflow", "underflow (flushed + subnormal)", BAND_COLORS["subnormal"]),
+                              ("flushed", "flushed to zero", BAND_COLORS["flushed"]),
+                              ("overflow", "overflow", BAND_COLORS["overflow"])):
+        fig.add_trace(go.Scatter(x=ks, y=[100 * r[key] for r in rows], mode="lines+markers",
+                                 name=label, line=dict(color=color),
+                                 hovertemplate=f"scale 2^%{{x}}<br>{label}: %{{y:.4f}}%<extra></extra>"))
+    for i, (label, k) in enumerate((marks or {}).items()):
+        fig.add_vline(x=k, line=dict(color="gray", dash="dash"))
+        # labels stacked downwards so that marks a step apart stay readable
+        fig.add_annotation(x=k, y=0.97 - 0.09 * i, xref="x", yref="paper", text=f" {label}",
+                           xanchor="left", showarrow=False, bgcolor="rgba(255,255,255,0.8)",
+                           font=dict(size=11))
+    styled(fig, title or f"Loss scale 2^k against {fmt}: values lost at each end",
+           "loss scale (2<sup>k</sup>, k on the axis)", "nonzero gradient values (%)")
+    fig.update_layout(legend=dict(y=-0.22, yanchor="top", x=0, xanchor="left"))
+    fig.update_xaxes(tickmode="linear", tick0=0, dtick=2, tickprefix="2<sup>", ticksuffix="</sup>")
+    return fig
+
+
+def _l01_thin(ys, max_points: int):
+    """Every n-th point (the last one kept) so a saved figure stays small."""
+    ys = _l01_np.asarray(ys, dtype=_l01_np.float64)
+    idx = _l01_np.arange(len(ys))
+    if len(ys) > max_points:
+        idx = _l01_np.unique(_l01_np.append(idx[:: -(-len(ys) // max_points)], len(ys) - 1))
+    return idx, ys[idx]
+
+
+def accumulation_figure(trajectories: _L01Mapping[str, _L01Sequence[float]],
+                        exact: _L01Optional[_L01Sequence[float]] = None,
+                        title: str = "Adding the same small update again and again",
+                        max_points: int = 1000) -> go.Figure:
+    """Lesson 01: running values of repeated additions (``formats.accumulate``), one line per
+    storage format, with the exact float64 sum dashed. Swamped lines go flat. Long runs are
+    drawn with at most ``max_points`` points per line (every n-th addition, the last kept)."""
+    if not trajectories:
+        raise ValueError("trajectories must hold at least one line")
+    if not isinstance(max_points, int) or max_points < 2:
+        raise ValueError(f"max_points must be an integer >= 2; got {max_points!r}")
+    fig = go.Figure()
+    for name, ys in trajectories.items():
+        x, y = _l01_thin(ys, max_points)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=name))
+    if exact is not None:
+        x, y = _l01_thin(exact, max_points)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name="exact",
+                                 line=dict(color="black", dash="dash", width=1)))
+    return styled(fig, title, "additions (count)", "running value (dimensionless)")
+
+
+def bit_layout_html(decoded: _L01Sequence[object], caption: str = "") -> str:
+    """Lesson 01: an HTML table of ``formats.decode`` results, one row per format: coloured bit
+    boxes (sign, exponent, mantissa), hex, unbiased exponent, stored value, kind, relative
+    error."""
+    if not decoded:
+        raise ValueError("decoded must hold at least one formats.Decoded")
+    esc = _l01_html.escape
+
+    def boxes(bits: str, part: str) -> str:
+        return "".join(f'<span title="{part}" style="display:inline-block;width:0.95em;'
+                       f'text-align:center;margin:0 1px 0 0;color:white;border-radius:2px;'
+                       f'font-size:12px;background:{BIT_COLORS[part]}">{b}</span>' for b in bits)
+
+    rows = []
+    for d in decoded:
+        rel = d.rel_error
+        rel_text = "n/a" if _l01_math.isnan(rel) else f"{rel:.3g}"
+        note = " (overflow)" if d.overflow else ""
+        rows.append(
+            "<tr>"
+            f"<td style='text-align:left'><b>{esc(d.fmt)}</b></td>"
+            f"<td style='text-align:left;font-family:monospace;white-space:nowrap'>{boxes(str(d.sign), 'sign')}&nbsp;"
+            f"{boxes(d.exponent_bits, 'exponent')}&nbsp;{boxes(d.mantissa_bits, 'mantissa')}</td>"
+            f"<td style='font-family:monospace'>{esc(d.hex)}</td>"
+            f"<td>{'' if d.exponent is None else d.exponent}</td>"
+            f"<td style='font-family:monospace'>{esc(repr(d.rounded))}</td>"
+            f"<td style='white-space:nowrap'>{esc(d.kind)}{note}</td><td>{rel_text}</td></tr>")
+    legend = " ".join(f'<span style="color:{c}">■ {p}</span>' for p, c in BIT_COLORS.items())
+    head = ("<tr><th>format</th><th>bits</th><th>hex</th><th>exponent</th><th>stored&nbsp;value</th>"
+            "<th>kind</th><th>relative error</th></tr>")
+    cap = f"<caption style='text-align:left'>{esc(caption)} {legend}</caption>"
+    return f"<table class='amp-bits'>{cap}{head}{''.join(rows)}</table>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 06: several processes (throughput and scaling efficiency; what each rank holds)
+# ---------------------------------------------------------------------------------------------
+from typing import Any as _L06Any, Dict as _L06Dict, Optional as _L06Optional
+from typing import Sequence as _L06Sequence
+
+_L06_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+_L06_PARTS = (("param_mib", "parameters", "#1f77b4"), ("grad_mib", "gradients", "#ff7f0e"),
+              ("optimizer_state_mib", "optimizer state", "#2ca02c"))
+
+
+def scaling_figure(summary: _L06Sequence[_L06Dict[str, _L06Any]],
+                   title: str = "Throughput against the number of processes") -> go.Figure:
+    """Lesson 06: examples/s of each run against its world size, with perfect scaling dashed.
+
+    ``summary``: ``SweepResult.summary()`` rows (label, world_size, per_s, efficiency, unit).
+    Each point is labelled with its scaling efficiency (throughput over world size x the
+    one-process throughput) where the sweep ran the one-process case.
+    """
+    if not summary:
+        raise ValueError("summary must hold at least one row")
+    fig = go.Figure()
+    labels = list(dict.fromkeys(r["label"] for r in summary))
+    for i, label in enumerate(labels):
+        rows = sorted((r for r in summary if r["label"] == label), key=lambda r: r["world_size"])
+        color = _L06_COLORS[i % len(_L06_COLORS)]
+        n = [r["world_size"] for r in rows]
+        text = [f"{r['efficiency']:.0%}" if r.get("efficiency") is not None else ""
+                for r in rows]
+        fig.add_trace(go.Scatter(x=n, y=[r["per_s"] for r in rows], name=label,
+                                 mode="lines+markers+text", text=text,
+                                 textposition="top left", line=dict(color=color),
+                                 hovertemplate="%{x} processes: %{y:,.0f}/s<br>"
+                                               "scaling efficiency %{text}<extra>" + label
+                                               + "</extra>"))
+        one = next((r["per_s"] for r in rows if r["world_size"] == 1), None)
+        if one is not None and len(n) > 1:
+            fig.add_trace(go.Scatter(x=n, y=[one * k for k in n], name=f"{label}: perfect",
+                                     mode="lines", line=dict(color=color, dash="dot"),
+                                     hoverinfo="skip"))
+    units = {r.get("unit", "examples") for r in summary}
+    unit = units.pop() if len(units) == 1 else "examples"
+    sizes = sorted({r["world_size"] for r in summary})
+    fig = styled(fig, title, "processes (GPUs, or CPU processes in the quick profile)",
+                 f"throughput ({unit}/s, whole world)")
+    fig.update_xaxes(tickmode="array", tickvals=sizes)
+    return fig
+
+
+def memory_per_rank_figure(rows: _L06Sequence[_L06Dict[str, _L06Any]],
+                           world_size: _L06Optional[int] = None,
+                           title: str = "What each rank holds") -> go.Figure:
+    """Lesson 06: per-rank parameters, gradients and optimizer state (stacked, MiB) per run.
+
+    ``rows``: ``SweepResult.rows`` (one per rank). Only ``world_size`` (default: the largest in
+    ``rows``) is shown. Where peak memory was measured (GPUs), a diamond marks each rank's peak.
+    """
+    if not rows:
+        raise ValueError("rows must hold at least one per-rank row")
+    world_size = world_size or max(r["world_size"] for r in rows)
+    chosen = [r for r in rows if r["world_size"] == world_size]
+    if not chosen:
+        raise ValueError(f"world_size must be one of the sizes in rows; got {world_size}")
+    x = [f"{r['label']}<br>rank {r['rank']}" for r in chosen]
+    fig = go.Figure()
+    for key, name, color in _L06_PARTS:
+        fig.add_trace(go.Bar(x=x, y=[r[key] for r in chosen], name=name, marker_color=color,
+                             hovertemplate="%{y:,.1f} MiB<extra>" + name + "</extra>"))
+    peaks = [r.get("peak_gib") for r in chosen]
+    if any(p is not None for p in peaks):
+        fig.add_trace(go.Scatter(x=x, y=[p * 1024 if p is not None else None for p in peaks],
+                                 name="peak allocated", mode="markers",
+                                 marker=dict(symbol="diamond", size=11, color="#111111"),
+                                 hovertemplate="%{y:,.0f} MiB<extra>peak allocated</extra>"))
+    fig.update_layout(barmode="stack")
+    return styled(fig, f"{title} ({world_size} processes)", "run and rank",
+                  "memory per rank (MiB)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 02 (the basic AMP loop): FP32 vs AMP side by side, and training curves.
+# ---------------------------------------------------------------------------------------------
+from typing import Mapping as _L02Mapping, Sequence as _L02Sequence
+
+_L02_PANELS = (("epoch_time_s", "time per epoch (s)", "{:.3g} s"),
+               ("peak_memory_mib", "peak memory (MiB)", "{:.1f} MiB"),
+               ("accuracy_pct", "test accuracy (%)", "{:.1f}%"))
+
+
+def precision_comparison(rows: _L02Sequence[_L02Mapping], title: str = "FP32 vs AMP on digits"):
+    """Lesson 02: three bar panels per precision (time per epoch in s, peak memory in MiB, test
+    accuracy in %) from ``trainer.compare_precisions`` rows. Rows that did not run, and memory a
+    CPU cannot count, are left out and named in the subtitle."""
+    from plotly.subplots import make_subplots
+
+    ran = [r for r in rows if r.get("ran")]
+    if not ran:
+        raise ValueError("rows must hold at least one precision that ran")
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[p[1] for p in _L02_PANELS],
+                        horizontal_spacing=0.09)
+    notes = [f"{r['precision']} not run here" for r in rows if not r.get("ran")]
+    for col, (key, label, fmt) in enumerate(_L02_PANELS, start=1):
+        shown = [r for r in ran if r.get(key) is not None]
+        if not shown:
+            notes.append(f"{label.split(' (')[0]} not measured on this device")
+        fig.add_trace(go.Bar(x=[r["precision"] for r in shown], y=[r[key] for r in shown],
+                             text=[fmt.format(r[key]) for r in shown], textposition="outside",
+                             marker_color=["#4C78A8" if r["precision"] in ("fp32", "tf32")
+                                           else "#F58518" for r in shown],
+                             name=label, showlegend=False,
+                             hovertemplate="%{x}: %{text}<extra>" + label + "</extra>"),
+                      row=1, col=col)
+        fig.update_yaxes(title_text=label, row=1, col=col)
+        fig.update_xaxes(title_text="precision", row=1, col=col)
+    if notes:
+        title = f"{title}<br><sup>{'; '.join(notes)}</sup>"
+    styled(fig, title, "precision", "time per epoch (s)")
+    for col, (_, label, _) in enumerate(_L02_PANELS, start=1):  # styled set one title on all
+        fig.update_yaxes(title_text=label, rangemode="tozero", row=1, col=col)
+    return fig
+
+
+def loss_curves(curves: _L02Mapping[str, _L02Mapping[str, _L02Sequence]],
+                title: str = "Training loss per optimizer step"):
+    """Lesson 02: one line per run, ``{label: {"step": [...], "loss": [...]}}`` (e.g. a
+    History's ``columns()``); the loss is unitless cross-entropy (nats)."""
+    if not curves:
+        raise ValueError("curves must hold at least one run")
+    fig = go.Figure()
+    for label, cols in curves.items():
+        if len(cols["step"]) != len(cols["loss"]):
+            raise ValueError(f"curve {label!r}: step and loss must have the same length")
+        fig.add_trace(go.Scatter(x=list(cols["step"]), y=list(cols["loss"]), mode="lines",
+                                 name=label))
+    fig.update_layout(showlegend=True)
+    return styled(fig, title, "optimizer step (count)", "training loss (nats)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 04: ResNet-50 speed against memory, one point per configuration
+# ---------------------------------------------------------------------------------------------
+from typing import Mapping as _L04Mapping, Optional as _L04Optional, Sequence as _L04Sequence
+
+_L04_COLORS = {"fp32": "#4C78A8", "tf32": "#72B7B2", "fp16": "#F58518", "bf16": "#E45756"}
+_L04_COUNTED = ("params_gib", "grads_gib", "optimizer_state_gib", "activations_gib")
+
+
+def _l04_memory(row: _L04Mapping, key: str) -> _L04Optional[float]:
+    if key == "counted_gib":
+        parts = [row.get(k) for k in _L04_COUNTED]
+        return sum(parts) if all(p is not None for p in parts) else None
+    return row.get(key)
+
+
+def throughput_memory(rows: _L04Sequence[_L04Mapping], title: str = "ResNet training step: "
+                      "speed against memory", memory_key: str = "peak_allocated_gib") -> go.Figure:
+    """Lesson 04: img/s against peak memory (GiB), one point per measured configuration.
+
+    ``rows`` are ``bench.run_configs`` rows; those without both numbers (skipped, out of memory)
+    are named in the subtitle. One trace per precision. Where no row has a peak (a CPU), memory
+    falls back to the counted total: parameters + gradients + optimizer state + saved activations.
+    """
+    if not any(_l04_memory(r, memory_key) is not None for r in rows):
+        memory_key = "counted_gib"
+    x_title = ("peak allocated memory (GiB)" if memory_key == "peak_allocated_gib" else
+               "counted memory: params + grads + optimizer state + activations (GiB)"
+               if memory_key == "counted_gib" else f"{memory_key} (GiB)")
+    shown = [r for r in rows if r.get("img_per_s") is not None and r.get("status") == "ok"
+             and _l04_memory(r, memory_key) is not None]
+    if not shown:
+        raise ValueError("rows must hold at least one measured configuration (status ok)")
+    fig = go.Figure()
+    for precision, color in _L04_COLORS.items():
+        group = [r for r in shown if r.get("config", {}).get("precision") == precision]
+        if not group:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[_l04_memory(r, memory_key) for r in group], y=[r["img_per_s"] for r in group],
+            mode="markers", name=precision, marker=dict(size=11, color=color,
+                                                        line=dict(width=1, color="white")),
+            text=[r["label"] for r in group],
+            hovertemplate="%{text}<br>%{y:,.0f} img/s, %{x:.2f} GiB<extra></extra>"))
+    others = [r for r in shown if r.get("config", {}).get("precision") not in _L04_COLORS]
+    if others:
+        fig.add_trace(go.Scatter(x=[_l04_memory(r, memory_key) for r in others],
+                                 y=[r["img_per_s"] for r in others], mode="markers",
+                                 name="other", text=[r["label"] for r in others]))
+    left_out = [f"{r.get('label', '?')} ({r.get('status', '?')})" for r in rows if r not in shown]
+    if left_out:
+        title = (f"{title}<br><sup>not shown: "
+                 f"{'; '.join(left_out[:4])}{' ...' if len(left_out) > 4 else ''}</sup>")
+    fig.update_layout(showlegend=True)
+    styled(fig, title, x_title, "throughput (img/s)", height=480)
+    fig.update_xaxes(rangemode="tozero")
+    fig.update_yaxes(rangemode="tozero")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 05: checkpointing and accumulation (memory against time per technique, the largest
+# batch per simulated card, memory per micro-batch count, resume with and without scaler state)
+# ---------------------------------------------------------------------------------------------
+from typing import Any as _L05Any, Mapping as _L05Mapping, Sequence as _L05Sequence
+
+_L05_COLORS = {"fp32": "#4C78A8", "fp32 + checkpointing": "#9ECAE9", "AMP": "#F58518",
+               "AMP + checkpointing": "#FFBF79", "bf16": "#E45756",
+               "bf16 + checkpointing": "#FF9D98"}
+_L05_OTHER = ("#54A24B", "#B279A2", "#9D755D", "#BAB0AC")
+# AMP and bf16 land on top of each other: their labels go left and right, checkpointed below
+_L05_TEXT = {"fp32": "top center", "fp32 + checkpointing": "bottom center", "AMP": "top left",
+             "AMP + checkpointing": "bottom left", "bf16": "top right",
+             "bf16 + checkpointing": "bottom right"}
+
+
+def _l05_color(name: str, i: int) -> str:
+    return _L05_COLORS.get(name, _L05_OTHER[i % len(_L05_OTHER)])
+
+
+def technique_memory_time(rows: _L05Sequence[_L05Mapping[str, _L05Any]],
+                          title: str = "Memory against step time per technique") -> go.Figure:
+    """Lesson 05: one point per technique: step time (ms, x) against memory (GiB, y).
+
+    ``rows`` are ``bench.technique_table`` rows (``technique``, ``step_ms``, ``memory_gib``,
+    ``memory_source``); rows that did not run are named under the title with their status.
+    """
+    shown = [r for r in rows if r.get("status") == "ok" and r.get("step_ms") is not None
+             and r.get("memory_gib") is not None]
+    if not shown:
+        raise ValueError("rows must hold at least one measured technique (status ok)")
+    fig = go.Figure()
+    for i, r in enumerate(shown):
+        name = r.get("technique", r.get("label", "?"))
+        fig.add_trace(go.Scatter(
+            x=[r["step_ms"]], y=[r["memory_gib"]], mode="markers+text", name=name,
+            text=[name], textposition=_L05_TEXT.get(name, "top center"),
+            marker=dict(size=13, color=_l05_color(name, i), line=dict(width=1, color="#333")),
+            hovertemplate=f"{name}<br>%{{x:,.1f}} ms per step<br>%{{y:.3f}} GiB<extra></extra>"))
+    left_out = [f"{r.get('technique', r.get('label', '?'))} ({r.get('status')})" for r in rows
+                if r not in shown]
+    if left_out:
+        title = f"{title}<br><sup>not measured here: {'; '.join(left_out)}</sup>"
+    source = shown[0].get("memory_source") or "peak allocated"
+    batch = shown[0].get("config", {}).get("batch_size")
+    if batch:
+        title = f"{title} (batch {batch})"
+    fig = styled(fig, title, "training step time (ms, median)", f"memory (GiB, {source})",
+                 height=460)
+    # room for the labels beside the outermost points
+    fig.update_xaxes(range=[0, 1.2 * max(r["step_ms"] for r in shown)])
+    fig.update_yaxes(range=[0, 1.15 * max(r["memory_gib"] for r in shown)])
+    return fig
+
+
+def largest_batch_chart(rows: _L05Sequence[_L05Mapping[str, _L05Any]],
+                        title: str = "The largest batch per simulated card") -> go.Figure:
+    """Lesson 05: grouped bars, the largest batch (images) per card size and technique.
+
+    ``rows`` are ``bench.largest_batch_table`` rows; skipped cells have no bar and are counted
+    under the title (the table says why).
+    """
+    if not rows:
+        raise ValueError("rows must hold at least one largest_batch_table row")
+    cards = sorted({r["card_gb"] for r in rows})
+    labels = [f"{c:g} GB" for c in cards]
+    techniques = list(dict.fromkeys(r["technique"] for r in rows))
+    fig = go.Figure()
+    for i, t in enumerate(techniques):
+        by_card = {r["card_gb"]: r for r in rows if r["technique"] == t}
+        ys = [by_card[c]["largest_batch"] if c in by_card and by_card[c]["status"] == "ok"
+              else None for c in cards]
+        if all(y is None for y in ys):
+            continue
+        fig.add_trace(go.Bar(x=labels, y=ys, name=t, marker_color=_l05_color(t, i),
+                             text=[f"{y:,}" if y is not None else "" for y in ys],
+                             textposition="outside", textangle=-90 if len(techniques) > 2 else 0,
+                             textfont=dict(size=10), cliponaxis=False,
+                             hovertemplate=f"{t}<br>%{{x}} card: %{{y:,}} images<extra></extra>"))
+    skipped = sum(1 for r in rows if r["status"] != "ok")
+    if skipped:
+        title = f"{title}<br><sup>{skipped} card/technique pairs skipped (see the table)</sup>"
+    fig.update_layout(barmode="group", showlegend=True)
+    fig = styled(fig, title, "simulated card (GB of memory)",
+                 "largest batch that trains (images)", height=480)
+    top = max((r["largest_batch"] or 0) for r in rows if r["status"] == "ok") if any(
+        r["status"] == "ok" for r in rows) else 1
+    return fig.update_yaxes(range=[0, 1.15 * max(top, 1)])  # room for the labels
+
+
+def accumulation_memory_chart(rows: _L05Sequence[_L05Mapping[str, _L05Any]],
+                              title: str = "Memory per effective batch: accumulation against "
+                                           "one batch") -> go.Figure:
+    """Lesson 05 (claim R9): memory against the effective batch, reached by accumulating
+    micro-batches and by one big batch. Peak allocated memory where measured (a GPU), else the
+    counted bytes saved for backward. ``rows`` are ``bench.accumulation_memory`` rows."""
+    if not rows:
+        raise ValueError("rows must hold at least one accumulation_memory row")
+    gpu = all(r.get("accumulated_peak_gib") is not None for r in rows)
+    key = "peak_gib" if gpu else "saved_gib"
+    y_title = ("peak allocated memory (GiB)" if gpu else
+               "saved for backward, largest forward (GiB, counted)")
+    fig = go.Figure()
+    micro = rows[0]["micro_batch"]
+    fig.add_trace(go.Scatter(
+        x=[r["effective_batch"] for r in rows], y=[r[f"accumulated_{key}"] for r in rows],
+        mode="lines+markers", name=f"accumulating micro-batches of {micro}",
+        text=[f"{r['micro_batches']} x {micro}" for r in rows],
+        hovertemplate="%{text}<br>%{y:.3f} GiB<extra></extra>"))
+    one = [r for r in rows if r.get(f"one_batch_{key}") is not None]
+    if one:
+        fig.add_trace(go.Scatter(x=[r["effective_batch"] for r in one],
+                                 y=[r[f"one_batch_{key}"] for r in one],
+                                 mode="lines+markers", name="one batch",
+                                 hovertemplate="batch %{x}<br>%{y:.3f} GiB<extra></extra>"))
+    fig.update_layout(showlegend=True)
+    fig = styled(fig, title, "effective batch (images per optimizer step)", y_title)
+    fig.update_yaxes(rangemode="tozero")
+    return fig
+
+
+def resume_chart(result: _L05Mapping[str, _L05Any],
+                 title: str = "Resuming from a checkpoint, with and without the scaler's state"
+                 ) -> go.Figure:
+    """Lesson 05: loss scale (top, skipped steps crossed) and loss per step of the three runs of
+    ``bench.resume_experiment``, with the resume step marked."""
+    runs = result.get("runs") or {}
+    if not runs:
+        raise ValueError("result must hold the runs of bench.resume_experiment")
+    step = result["resume_step"]
+
+    def columns(name, c):  # resumed runs: only their own steps (before, they are the same run)
+        first = 0 if name == "uninterrupted" else step
+        return {"steps": c["step"][first:], "scales": c["scale"][first:],
+                "skipped": c["skipped"][first:], "losses": c["loss"][first:]}
+
+    fig = preset_comparison({name: columns(name, c) for name, c in runs.items()}, title=title)
+    for trace in fig.data:  # the exact resume lies on the uninterrupted run: draw it dashed
+        if trace.legendgroup == "resumed with scaler state" and trace.mode == "lines":
+            trace.line.dash = "dash"
+    fig.update_layout(legend_title_text="run (× = skipped step)")
+    fig.add_vline(x=step - 0.5, line=dict(color="#555", dash="dash"))
+    fig.add_annotation(x=step - 0.5, y=1.0, xref="x", yref="paper", text="resume",
+                       showarrow=False, xanchor="left", yanchor="bottom")
+    return fig

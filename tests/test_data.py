@@ -1,0 +1,132 @@
+"""amp_lessons.data: digits, batches, synthetic images, image folders, torchvision sets."""
+import numpy as np
+import pytest
+import torch
+
+from amp_lessons import data
+
+
+def test_digits_shapes_and_split():
+    x, y = data.digits("train")
+    xt, yt = data.digits("test", image_size=32)
+    assert x.shape == (1347, 64) and y.shape == (1347,) and y.dtype == torch.int64
+    assert xt.shape == (450, 1, 32, 32) and set(yt.tolist()) == set(range(10))
+    assert abs(float(x.mean())) < 1e-4  # standardised with the train statistics
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(split="val"), "split must be"),
+                                            (dict(image_size=4), "image_size must be None or")])
+def test_digits_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        data.digits(**kwargs)
+
+
+def test_tensor_batches_reproducible_per_epoch():
+    x, y = torch.arange(10.0).unsqueeze(1), torch.arange(10)
+    b = data.TensorBatches(x, y, batch_size=4, seed=1)
+    first = [t[1].tolist() for t in b]
+    assert len(b) == 3 and sum(len(f) for f in first) == 10
+    assert [t[1].tolist() for t in b] == first
+    b.set_epoch(1)
+    assert [t[1].tolist() for t in b] != first
+    assert len(data.TensorBatches(x, y, 4, drop_last=True)) == 2
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        data.TensorBatches(x, y, 0)
+    with pytest.raises(ValueError, match="same length"):
+        data.TensorBatches(x, y[:3], 2)
+
+
+def test_digits_loaders():
+    train, test = data.digits_loaders(100, image_size=16)
+    xb, yb = next(iter(train))
+    assert xb.shape == (100, 1, 16, 16) and not test.shuffle and train.shuffle
+
+
+def test_synthetic_images():
+    x, y = data.synthetic_images(2, 16, 5, channels_last=True)
+    assert x.shape == (2, 3, 16, 16) and x.is_contiguous(memory_format=torch.channels_last)
+    assert int(y.max()) < 5
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 2"):
+        data.synthetic_images(2, 16, 1)
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for cls, n in (("cat", 3), ("dog", 2)):
+        (tmp_path / cls).mkdir()
+        for i in range(n):
+            pixels = rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(tmp_path / cls / f"{i}.png")
+    Image.fromarray(np.zeros((10, 10), dtype=np.uint8)).save(tmp_path / "dog" / "gray.png")
+    return tmp_path
+
+
+def test_image_folder_loader_reads_pngs(image_folder):
+    loader = data.image_folder_loader(image_folder, image_size=16, batch_size=4, train=False)
+    assert loader.dataset.classes == ["cat", "dog"]
+    batches = list(loader)
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    assert x.shape == (6, 3, 16, 16) and x.dtype == torch.float32
+    assert y.tolist() == [0, 0, 0, 1, 1, 1]  # evaluation keeps order; grayscale became RGB
+
+
+def test_image_folder_loader_training_shuffles_reproducibly(image_folder):
+    def labels(seed):
+        loader = data.image_folder_loader(image_folder, 16, batch_size=6, train=True, seed=seed)
+        return next(iter(loader))[1].tolist()
+
+    assert labels(3) == labels(3) and sorted(labels(3)) == [0, 0, 0, 1, 1, 1]
+
+
+def test_image_folder_loader_trains_with_the_trainer(image_folder):
+    from amp_lessons import trainer as T
+    from amp_lessons.models import SmallCNN
+
+    loader = data.image_folder_loader(image_folder, 16, batch_size=3)
+    model = SmallCNN(in_channels=3, width=4, num_classes=2)
+    t = T.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                  T.TrainConfig(precision="bf16", progress=False))
+    t.fit(loader)
+    assert t.step == 2
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(image_size=4), "image_size must be an integer >= 8"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(num_workers=-1), "num_workers must be an integer >= 0"),
+])
+def test_image_folder_loader_bad_arguments(image_folder, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        data.image_folder_loader(image_folder, **kwargs)
+
+
+def test_image_folder_loader_bad_folders(tmp_path):
+    with pytest.raises(ValueError, match="root must be an existing folder"):
+        data.image_folder_loader(tmp_path / "missing")
+    with pytest.raises(ValueError, match="root must hold one subfolder of images per class"):
+        data.image_folder_loader(tmp_path)
+
+
+def test_image_transforms():
+    from PIL import Image
+
+    image = Image.fromarray(np.zeros((30, 40, 3), dtype=np.uint8))
+    assert data.image_transforms(16, train=True)(image).shape == (3, 16, 16)
+    assert data.image_transforms(16, train=False, channels=1)(image).shape == (1, 16, 16)
+    with pytest.raises(ValueError, match="channels must be 1 or 3"):
+        data.image_transforms(16, channels=2)
+
+
+def test_torchvision_dataset_loader_checks_arguments_offline(tmp_path):
+    with pytest.raises(ValueError, match="name must be one of CIFAR10, CIFAR100, MNIST"):
+        data.torchvision_dataset_loader("ImageNet", tmp_path)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        data.torchvision_dataset_loader("CIFAR10", tmp_path, batch_size=0)
+    with pytest.raises(ValueError, match="download must be True or False"):
+        data.torchvision_dataset_loader("CIFAR10", tmp_path, download="yes")
+    with pytest.raises(ValueError, match=r"root must hold CIFAR10 \(or pass download=True\)"):
+        data.torchvision_dataset_loader("CIFAR10", tmp_path)

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.amp-lessons-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8888
-NBVAL  := --nbval-lax --nbval-current-env --sanitize-with tests/nbval_sanitize.cfg
+NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 .PHONY: lab test unit notebooks browser clean
 

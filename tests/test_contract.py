@@ -86,5 +86,5 @@ def test_no_errors_or_stray_warnings_in_outputs(nb):
         for out in cell.get("outputs", []):
             if out.output_type == "error":
                 assert "raises-exception" in cell.metadata.get("tags", []), out.get("ename")
-            if out.output_type == "stream" and out.name == "stderr" and not about_warnings:
+            if out.output_type == "stream" and not about_warnings:
                 assert not WARNING_TEXT.search(out.text), out.text[:300]

@@ -416,3 +416,11 @@ def test_runs_that_cannot_run_here_are_skipped_with_the_reason(monkeypatch):
         result.find("f", 1)
     assert "not run: f on 1 processes: no fsdp2 here" in result.notes()
     assert result.find("d", 1)["efficiency"] == pytest.approx(1.0)
+
+
+def test_r10_is_not_decided_on_one_process():
+    one = {"saved": 0.12, "world_size": 1, "zero": "ddp_zero bf16", "baseline": "ddp fp32",
+           "judged_on": "peak memory", "optimizer_state_saved": 0.0}
+    text = D.verdict_r10(one)
+    assert "Not decided here" in text and "held" not in text
+    assert D.r10_rows(one)[0]["claim held"] == "not decided (1 process)"

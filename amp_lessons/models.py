@@ -70,3 +70,228 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+
+# --- ResNets (lessons 04-05) ----------------------------------------------------------------------
+# torchvision's ResNet-50 and ResNet-18 (random weights), optionally with activation checkpointing
+# per residual block or per stage, and the "optimized" variant of article R (claim R4): layer3,
+# layer4 and fc forced to fp32 inside an autocast region. Lesson 04 measures their speed and memory,
+# lesson 05 their checkpointing.
+
+CHECKPOINT_MODES = (None, "block", "stage")
+
+
+class _KeepBatchNormStats:
+    """Recompute context for checkpointing: BatchNorm buffers are restored after recomputation.
+
+    Recomputing a checkpointed region in training mode runs its BatchNorm layers a second time,
+    which would update their running statistics (and ``num_batches_tracked``) twice per step.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.buffers = [b for m in module.modules()
+                        if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+        self.saved: list = []
+
+    def __enter__(self):
+        self.saved = [b.detach().clone() for b in self.buffers]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, s in zip(self.buffers, self.saved):
+                b.copy_(s)
+        self.saved = []
+        return False
+
+
+class Checkpointed(nn.Module):
+    """Run ``module`` under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    Only the input is kept for backward; the activations inside are recomputed. Safe with
+    torchvision's in-place ReLUs because the wrapped unit (a residual block or a whole stage)
+    never modifies its own input in place, and BatchNorm statistics are updated once per step.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def _contexts(self):
+        from contextlib import nullcontext
+        return nullcontext(), _KeepBatchNormStats(self.module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.module(x)
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.module, x, use_reentrant=False, context_fn=self._contexts)
+
+
+def _check_checkpoint(checkpoint) -> None:
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of None, 'block', 'stage'; got {checkpoint!r}")
+
+
+def _resnet(builder, num_classes: int, checkpoint, in_channels: int, small_input: bool):
+    _check_positive("num_classes", num_classes)
+    _check_positive("in_channels", in_channels)
+    _check_checkpoint(checkpoint)
+    model = builder(weights=None, num_classes=num_classes)
+    if in_channels != 3 or small_input:
+        # Small images (digits at 32x32): a 3x3 stride-1 stem and no max-pool, as for CIFAR,
+        # so layer4 still sees 4x4 maps instead of 1x1.
+        k, s, p = (3, 1, 1) if small_input else (7, 2, 3)
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=k, stride=s, padding=p, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+        if small_input:
+            model.maxpool = nn.Identity()
+    for name in ("layer1", "layer2", "layer3", "layer4"):
+        stage = getattr(model, name)
+        if checkpoint == "stage":
+            setattr(model, name, Checkpointed(stage))
+        elif checkpoint == "block":
+            setattr(model, name, nn.Sequential(*[Checkpointed(block) for block in stage]))
+    return model
+
+
+def resnet50(num_classes: int = 1000, checkpoint=None, in_channels: int = 3,
+             small_input: bool = False) -> nn.Module:
+    """torchvision's ResNet-50 with random weights (25.6 M parameters at 1000 classes).
+
+    ``checkpoint``: ``None``, ``"block"`` (each of the 16 bottleneck blocks recomputes its inside
+    in backward) or ``"stage"`` (each of layer1..layer4 does). ``in_channels=1`` and
+    ``small_input=True`` adapt the stem to the digits set at 32x32. Lessons 04 and 05.
+    """
+    from torchvision.models import resnet50 as _resnet50
+    return _resnet(_resnet50, num_classes, checkpoint, in_channels, small_input)
+
+
+def resnet18(num_classes: int = 1000, checkpoint=None, in_channels: int = 3,
+             small_input: bool = False) -> nn.Module:
+    """torchvision's ResNet-18 (11.7 M parameters): the quick profile's stand-in for ResNet-50."""
+    from torchvision.models import resnet18 as _resnet18
+    return _resnet(_resnet18, num_classes, checkpoint, in_channels, small_input)
+
+
+RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4", "fc")
+
+
+class SelectiveAutocastResNet(nn.Module):
+    """Article R's "optimized" ResNet (claim R4): the stages from ``fp32_from`` on run in fp32.
+
+    The stem and the earlier stages run under whatever autocast region encloses the call; from
+    ``fp32_from`` (default ``"layer3"``: layer3, layer4 and fc) a nested
+    ``torch.autocast(enabled=False)`` turns autocast off and the activations are cast back to
+    fp32 with ``.float()``. Lesson 04 measures what this costs in speed, memory and accuracy.
+    """
+
+    def __init__(self, resnet: nn.Module, fp32_from: str = "layer3"):
+        super().__init__()
+        if fp32_from not in RESNET_STAGES:
+            raise ValueError(f"fp32_from must be one of {', '.join(RESNET_STAGES)}; "
+                             f"got {fp32_from!r}")
+        self.resnet = resnet
+        self.fp32_from = fp32_from
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.resnet
+        x = r.maxpool(r.relu(r.bn1(r.conv1(x))))
+        fp32 = False
+        for name in RESNET_STAGES[:-1]:
+            if name == self.fp32_from:
+                fp32 = True
+            x = self._run(getattr(r, name), x, fp32)
+        return self._run(lambda t: r.fc(torch.flatten(r.avgpool(t), 1)), x,
+                         fp32 or self.fp32_from == "fc")
+
+    @staticmethod
+    def _run(module, x: torch.Tensor, fp32: bool) -> torch.Tensor:
+        if not fp32:
+            return module(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return module(x.float())
+
+
+def optimized_resnet50(num_classes: int = 1000, fp32_from: str = "layer3", **kwargs) -> nn.Module:
+    """ResNet-50 wrapped in ``SelectiveAutocastResNet`` (claim R4's layer3/4 + fc in fp32)."""
+    return SelectiveAutocastResNet(resnet50(num_classes, **kwargs), fp32_from=fp32_from)
+
+
+def optimized_resnet18(num_classes: int = 1000, fp32_from: str = "layer3", **kwargs) -> nn.Module:
+    """ResNet-18 wrapped in ``SelectiveAutocastResNet`` (the quick profile's R4 model)."""
+    return SelectiveAutocastResNet(resnet18(num_classes, **kwargs), fp32_from=fp32_from)
+
+
+# --- A small transformer (lesson 06) ------------------------------------------------------------
+# A decoder-only language model (GPT-style, pre-LayerNorm) whose size is set by a few numbers:
+# tiny on a CPU, hundreds of millions of parameters on a GPU, where its parameters, gradients and
+# AdamW state (16 bytes per parameter in fp32) are what sharding (ZeRO, FSDP2) cuts per rank.
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: causal self-attention (``scaled_dot_product_attention``), then an MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("mlp_ratio", mlp_ratio)):
+            _check_positive(name, value)
+        if d_model % n_heads:
+            raise ValueError(f"d_model must be a multiple of n_heads; got {d_model} and {n_heads}")
+        self.n_heads = n_heads
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(),
+                                 nn.Linear(mlp_ratio * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        att = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformer(nn.Module):
+    """A GPT-style language model: token + position embeddings, ``n_layers`` blocks, a head.
+
+    ``forward(tokens)`` takes ``B x T`` token ids (``T <= seq_len``) and returns ``B x T x
+    vocab_size`` logits; ``lm_loss`` scores them against the next tokens. ``blocks`` holds the
+    units that FSDP2 shards one by one. The defaults are CPU-sized; lesson 06 scales ``d_model``
+    and ``n_layers`` up on a GPU (``parameter_count`` says how large it became).
+    """
+
+    def __init__(self, vocab_size: int = 256, d_model: int = 64, n_layers: int = 2,
+                 n_heads: int = 4, seq_len: int = 64, mlp_ratio: int = 4):
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("n_layers", n_layers),
+                            ("seq_len", seq_len)):
+            _check_positive(name, value)
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, mlp_ratio)
+                                    for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.shape[1] > self.seq_len:
+            raise ValueError(f"tokens must be B x T with T <= seq_len={self.seq_len}; "
+                             f"got shape {tuple(tokens.shape)}")
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def parameter_count(self) -> int:
+        """Number of parameters (every one trained)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``B x T x V`` logits against ``B x T`` target ids (in fp32)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -1,0 +1,432 @@
+"""Lesson 05 on the CPU: checkpointing computes the same step (BatchNorm statistics included),
+the largest-batch search under a fake memory limit, accumulation equivalence, exact resume with
+and without the scaler's state, claims R8-R10 and the lesson's charts."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from amp_lessons import bench as B
+from amp_lessons import models as M
+from amp_lessons import plots as P
+from amp_lessons import trainer as T
+
+TINY = dict(model="resnet18", image_size=16, num_classes=10)  # layer3 and layer4 at 1x1
+
+
+# --- checkpointing: same step, BatchNorm updated once ------------------------------------------
+
+@pytest.mark.parametrize("mode", ["block", "stage"])
+def test_checkpointed_resnet_matches_plain(mode):
+    out = B.checkpoint_equivalence("resnet18", mode, image_size=16, batch_size=4)
+    assert out["loss_diff"] <= 1e-6
+    assert out["grad_rel_diff"] <= 1e-5
+    assert out["weight_rel_diff"] <= 1e-6
+    assert out["bn_rel_diff"] <= 1e-6  # running mean and variance as after a plain step
+    assert out["batches_tracked"] == {"plain": 1, "checkpointed": 1,
+                                      "checkpointed without the fix": 2}
+    assert out["bn_rel_diff_without_fix"] > 1e-3  # the double update is visible, not rounding
+
+
+def test_without_fix_updates_batchnorm_twice_by_the_momentum_formula():
+    """Recomputation runs BatchNorm again on the same input: the running mean moves twice
+    toward the same batch mean, (1-m)^2 r0 + (1 - (1-m)^2) mu, instead of once."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3, momentum=0.1)
+    bn.running_mean.fill_(1.0)
+    block = nn.Sequential(nn.Conv2d(3, 3, 1), bn)
+    wrapped = B.CheckpointedWithoutBatchNormFix(block)
+    x = torch.randn(4, 3, 5, 5)
+    with torch.no_grad():
+        mu = block[0](x).mean(dim=(0, 2, 3))
+    wrapped(x).sum().backward()
+    m = 0.1
+    expected = (1 - m) ** 2 * 1.0 + (1 - (1 - m) ** 2) * mu
+    assert int(bn.num_batches_tracked) == 2
+    torch.testing.assert_close(bn.running_mean, expected, rtol=1e-5, atol=1e-6)
+    # the course's Checkpointed restores the buffers after recomputation: one update
+    bn2 = nn.BatchNorm2d(3, momentum=0.1)
+    bn2.running_mean.fill_(1.0)
+    block2 = nn.Sequential(nn.Conv2d(3, 3, 1), bn2)
+    block2[0].load_state_dict(block[0].state_dict())
+    M.Checkpointed(block2)(x).sum().backward()
+    assert int(bn2.num_batches_tracked) == 1
+    torch.testing.assert_close(bn2.running_mean, (1 - m) * 1.0 + m * mu, rtol=1e-5, atol=1e-6)
+
+
+def test_without_batchnorm_fix_swaps_every_unit_and_nothing_else():
+    net = M.resnet18(num_classes=10, checkpoint="block")
+    n = sum(isinstance(m, M.Checkpointed) for m in net.modules())
+    B.without_batchnorm_fix(net)
+    assert sum(type(m) is B.CheckpointedWithoutBatchNormFix for m in net.modules()) == n == 8
+
+
+@pytest.mark.slow
+def test_checkpoint_sequential_pitfall_is_the_stem_relu_at_a_boundary():
+    out = B.checkpoint_sequential_pitfall(segments=4)
+    assert "modified by an inplace operation" in out["error"]
+    assert out["inplace_first"] == [["relu", "maxpool"]]
+    assert out["segments"][0] == ["conv1", "bn1"]
+    assert out["batchnorm_updates_per_step"] == 2  # runs once out of place, BN moves twice
+
+
+def test_pitfall_rejects_bad_segments():
+    with pytest.raises(ValueError, match="segments"):
+        B.checkpoint_sequential_pitfall(segments=1)
+    with pytest.raises(ValueError, match="segments"):
+        B.checkpoint_sequential_pitfall(segments=40)
+
+
+# --- largest_batch under a fake memory limit -----------------------------------------------------
+
+def _fake(fixed, per_image):
+    return lambda b: fixed + per_image * b
+
+
+@pytest.fixture
+def no_gc(monkeypatch):
+    """The search frees memory after every trial (gc.collect: slow, and nothing to free here)."""
+    monkeypatch.setattr(B, "free_memory", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("cap,start,limit", [(1000, 1, 4096), (1000, 3, 64), (5000, 1, 100),
+                                             (150, 1, 4096), (99, 1, 16)])
+def test_largest_batch_bisects_to_the_exact_answer(cap, start, limit, no_gc):
+    fixed, per = 100, 7
+    expected = min(limit, max(0, (cap - fixed) // per))
+    ran = []
+    found = B.largest_batch(lambda b: (lambda: ran.append(b)), cap, start=start, limit=limit,
+                            peak_bytes=_fake(fixed, per))
+    assert found.batch_size == expected
+    fits = [t["batch_size"] for t in found.trials if t["fits"]]
+    fails = [t["batch_size"] for t in found.trials if not t["fits"]]
+    assert all(b <= expected for b in fits) and all(b > expected for b in fails)
+    if expected < limit:
+        assert expected + 1 in fails or expected < start  # the boundary itself was tried
+    assert len(found.trials) <= 2 * math.ceil(math.log2(limit + 1)) + 2
+    assert all(b in ran for b in fits)  # a trial runs the step (twice)
+
+
+def test_largest_batch_survives_a_real_out_of_memory_error(no_gc):
+    """make_step raising the allocator's error (as a GPU would) counts as "does not fit"; the
+    search goes on and the process is fine; any other error is not swallowed."""
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+    def make(b):
+        def run():
+            if b > 37:
+                raise oom(f"CUDA out of memory. Tried to allocate {b} MiB")
+            return torch.ones(b).sum()
+        return run
+
+    found = B.largest_batch(make, 10 ** 9, start=1, limit=1000, peak_bytes=lambda b: 1)
+    assert found.batch_size == 37
+    assert any(t["reason"] == "out of memory" for t in found.trials)
+    assert torch.ones(3).sum().item() == 3.0  # still alive
+
+    def broken(b):
+        def run():
+            raise RuntimeError("shape mismatch")
+        return run
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        B.largest_batch(broken, 10 ** 9, peak_bytes=lambda b: 1)
+
+
+def test_largest_batch_table_on_the_cpu_follows_the_counted_line(monkeypatch, no_gc):
+    """On a CPU the search runs on the counted memory line: the answer is the largest multiple
+    of the resolution whose counted peak stays under the card."""
+    lines = {"fp32": (0.05 * B.GIB, 2 ** 20), "bf16 + checkpointing": (0.06 * B.GIB, 2 ** 18)}
+    monkeypatch.setattr(B, "counted_memory_model", lambda config, device: dict(
+        zip(("fixed_bytes", "bytes_per_image"), lines[config.label])))
+    rows = B.largest_batch_table((0.2, 0.4), tuple(lines), device="cpu", resolution_parts=4,
+                                 **TINY)
+    assert [(r["card_gb"], r["technique"]) for r in rows] == [
+        (0.2, "fp32"), (0.4, "fp32"), (0.2, "bf16 + checkpointing"),
+        (0.4, "bf16 + checkpointing")]
+    for r in rows:
+        fixed, per = lines[r["technique"]]
+        res, cap = r["resolution"], r["card_gb"] * B.GIB
+        assert r["status"] == "ok" and r["how"].startswith("counted") and r["reason"] == ""
+        assert res >= 1 and res & (res - 1) == 0 and r["largest_batch"] % res == 0
+        assert fixed + per * r["largest_batch"] <= cap < fixed + per * (r["largest_batch"] + res)
+        assert 2 <= r["trials"] <= 8
+    assert rows[1]["largest_batch"] > rows[0]["largest_batch"] > 100
+    assert rows[2]["largest_batch"] > rows[0]["largest_batch"]
+
+
+def test_largest_batch_table_skips_with_the_reason(monkeypatch, no_gc):
+    monkeypatch.setattr(B, "skip_reason", lambda config, device: "no such hardware here")
+    rows = B.largest_batch_table((8, 16), ("AMP",), device="cpu", **TINY)
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]
+    assert all(r["reason"] == "no such hardware here" and r["largest_batch"] is None
+               for r in rows)
+
+
+def test_largest_batch_table_rejects_bad_settings():
+    with pytest.raises(ValueError, match="card_sizes_gb"):
+        B.largest_batch_table((), device="cpu")
+    with pytest.raises(ValueError, match="card_sizes_gb"):
+        B.largest_batch_table((8, -1), device="cpu")
+    with pytest.raises(ValueError, match="technique"):
+        B.largest_batch_table((8,), ("fp8",), device="cpu")
+    with pytest.raises(ValueError, match="time_budget_s"):
+        B.largest_batch_table((8,), device="cpu", time_budget_s=0)
+    with pytest.raises(ValueError, match="checkpoint"):
+        B.technique_configs(["fp32"], checkpoint="layer")
+
+
+# --- counted memory and the technique table -----------------------------------------------------
+
+def test_counted_memory_sees_what_checkpointing_keeps_and_recomputes():
+    plain, ckpt = (B.counted_step_memory(c, "cpu") for c in B.technique_configs(
+        ["fp32", "fp32 + checkpointing"], batch_size=4, **TINY))
+    assert plain["state_bytes"] == ckpt["state_bytes"] > 0
+    assert plain["recompute_bytes"] == 0 < ckpt["recompute_bytes"]
+    assert ckpt["kept_bytes"] < plain["kept_bytes"]
+    params = sum(p.numel() for p in M.resnet18(num_classes=10).parameters()) * 4
+    assert plain["state_bytes"] == 3 * params  # weights, gradients, SGD momentum
+
+
+def test_technique_table_and_claim_r8_on_the_cpu():
+    rows = B.technique_table(["fp32", "fp32 + checkpointing"], device="cpu", batch_size=2,
+                             warmup=0, steps=1, **TINY)
+    assert [r["technique"] for r in rows] == ["fp32", "fp32 + checkpointing"]
+    assert all(r["status"] == "ok" and r["memory_gib"] > 0 for r in rows)
+    assert rows[1]["activations_gib"] < rows[0]["activations_gib"]
+    assert rows[0]["memory_source"].startswith("counted")
+    costs = B.checkpointing_costs(rows)
+    assert [c["pair"] for c in costs] == ["fp32 -> fp32 + checkpointing"]
+    verdict = B.claim_r8(rows)
+    assert verdict["claim"] == B.R8_CLAIM and verdict["pair"] == costs[0]["pair"]
+    assert isinstance(verdict["held"], bool)
+
+
+def _row(technique, memory, step_ms, img_per_s=None):
+    return {"technique": technique, "status": "ok", "memory_gib": memory, "step_ms": step_ms,
+            "img_per_s": img_per_s if img_per_s is not None else 1000.0 / step_ms,
+            "config": {"batch_size": 64}, "memory_source": "peak allocated (CUDA)"}
+
+
+def test_claim_r8_verdicts_are_computed():
+    held = B.claim_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
+    assert held["held"] is True and "within" in held["verdict"]
+    assert "25% saved" in held["measured"] and "+30%" in held["measured"]
+    more = B.claim_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 4.0, 160.0)])
+    assert more["held"] is False
+    assert "more than the claimed 20-30%" in more["verdict"]
+    assert "more than the claimed 20-40%" in more["verdict"]
+    none = B.claim_r8([_row("AMP", 10.0, 100.0)])
+    assert none["held"] is None and none["verdict"].startswith("not measured")
+
+
+def test_claim_r10_rows():
+    techniques = [_row("fp32", 20.0, 100.0, 1000.0), _row("AMP", 11.0, 40.0, 3000.0),
+                  _row("AMP + checkpointing", 4.5, 55.0, 2300.0)]
+    cards = [{"card_gb": c, "technique": t, "largest_batch": b, "status": "ok"}
+             for c, t, b in [(8, "fp32", 90), (8, "AMP", 180), (8, "AMP + checkpointing", 430),
+                             (16, "fp32", 190), (16, "AMP", 370),
+                             (16, "AMP + checkpointing", 870)]]
+    cards.append({"card_gb": 24, "technique": "fp32", "largest_batch": None,
+                  "status": "skipped"})
+    rows = B.claim_r10(cards, techniques)
+    assert [r["claim"] for r in rows] == list(B.R10_CLAIMS)
+    assert "1 of 1" in rows[0]["verdict"] and "memory saved 78%: more than" in rows[0]["verdict"]
+    assert "8 GB: fp32 90" in rows[0]["measured"]
+    assert "memory saved 45%: within the claimed 40-50%" in rows[1]["verdict"]
+    assert "the faster way" in rows[1]["verdict"] and "24 GB" not in rows[1]["measured"]
+    assert all(r["verdict"].startswith("not measured") for r in rows[2:])
+    # only small cards measured: the second row says so
+    only_small = B.claim_r10([c for c in cards if c["card_gb"] == 8], techniques)
+    assert only_small[1]["verdict"].startswith("not measured")
+    # bf16 stands in where AMP did not run
+    bf = [dict(r, technique=r["technique"].replace("AMP", "bf16")) for r in techniques]
+    bf_cards = [dict(c, technique=c["technique"].replace("AMP", "bf16")) for c in cards]
+    assert "standing in for AMP" in B.claim_r10(bf_cards, bf)[0]["measured"]
+
+
+# --- gradient accumulation -----------------------------------------------------------------------
+
+def test_accumulation_equals_one_big_batch_in_fp32():
+    out = B.accumulation_equivalence("mlp", "fp32", micro_batch=8, micro_batches=4)
+    assert out["loss_diff"] <= 1e-6
+    assert out["grad_rel_diff"] <= 1e-5 and out["weight_rel_diff"] <= 1e-6
+
+
+def test_accumulation_equals_one_big_batch_with_the_scaler():
+    out = B.accumulation_equivalence("mlp", "fp16", micro_batch=8, micro_batches=4)
+    assert out["scale"] == (65536.0, 65536.0) and out["skipped"] == (False, False)
+    assert out["loss_diff"] <= 1e-3
+    assert out["grad_rel_diff"] <= 5e-3  # fp16 rounding of four partial sums
+    assert out["weight_rel_diff"] <= 1e-3
+
+
+def test_accumulation_differs_with_batchnorm():
+    """BatchNorm normalises each micro-batch by its own statistics: not the big batch's step."""
+    out = B.accumulation_equivalence("cnn", "fp32", micro_batch=4, micro_batches=2)
+    assert out["grad_rel_diff"] > 1e-3
+
+
+def test_trainer_accumulation_against_a_hand_written_big_batch():
+    """The trainer's accumulate=4 against F.cross_entropy on all 32 examples at once."""
+    torch.manual_seed(0)
+    net = M.MLP(hidden=(32,))
+    ref = M.MLP(hidden=(32,))
+    ref.load_state_dict(net.state_dict())
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    trainer = T.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.5),
+                        T.TrainConfig(accumulate=4, progress=False, seed=None))
+    trainer.train_step([(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)])
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    F.cross_entropy(ref(x), y).backward()
+    opt.step()
+    for a, b in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_accumulation_memory_and_claim_r9():
+    rows = B.accumulation_memory(micro_batch=2, counts=(1, 3), precision="fp32",
+                                 device="cpu", **TINY)
+    assert [r["effective_batch"] for r in rows] == [2, 6]
+    acc = [r["accumulated_saved_gib"] for r in rows]
+    one = [r["one_batch_saved_gib"] for r in rows]
+    assert max(acc) == pytest.approx(min(acc), rel=1e-6)  # one micro-batch saved at a time
+    assert one[1] > 2 * one[0]  # one big batch saves ~3x
+    assert all(r["accumulated_peak_gib"] is None for r in rows)  # no peak counter on a CPU
+    verdict = B.claim_r9(rows)
+    assert verdict["held"] is True and "saved for backward" in verdict["measured"]
+    grown = [dict(r, accumulated_saved_gib=r["one_batch_saved_gib"]) for r in rows]
+    assert B.claim_r9(grown)["held"] is False
+    with pytest.raises(ValueError, match="counts"):
+        B.accumulation_memory(counts=(0,))
+    with pytest.raises(ValueError, match="rows"):
+        B.claim_r9([])
+
+
+# --- training checkpoints ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def resumed():
+    return B.resume_experiment("fp16", "mlp", total_steps=24, resume_at=12, init_scale=2.0 ** 24)
+
+
+def test_resume_with_scaler_state_is_exact(resumed):
+    with_state = resumed["summary"][0]
+    assert with_state["run"] == "resumed with scaler state" and with_state["steps"] == 24
+    assert with_state["same_history_before_resume"]
+    assert with_state["max_loss_diff_after_resume"] == 0.0
+    assert with_state["same_scales_after_resume"]
+    assert with_state["first_scale_after_resume"] == resumed["saved_scale"]
+    assert with_state["skipped_after_resume"] == with_state["uninterrupted_skipped_after_resume"]
+
+
+def test_resume_without_scaler_state_restarts_the_scale(resumed):
+    """A fresh GradScaler starts at init_scale: the first resumed step has the uninterrupted
+    run's loss (same weights, same batch) but overflows; the scale halves once per skipped step
+    until it is back at the scale the run had reached: log2(init / saved) steps in a row."""
+    without = resumed["summary"][1]
+    cols, ref = resumed["runs"]["resumed without scaler state"], resumed["runs"]["uninterrupted"]
+    k = resumed["resume_step"]
+    assert resumed["saved_scale"] < resumed["init_scale"]
+    assert without["first_scale_after_resume"] == resumed["init_scale"]
+    assert cols["loss"][k] == ref["loss"][k]
+    assert without["skipped_in_a_row_at_resume"] == resumed["expected_burst"] >= 1
+    burst = without["skipped_in_a_row_at_resume"]
+    assert cols["scale"][k:k + burst + 1] == [resumed["init_scale"] / 2 ** i
+                                              for i in range(burst + 1)]
+    assert cols["scale"][k + burst] == resumed["saved_scale"]
+    assert without["max_loss_diff_after_resume"] > 0  # skipped steps left the weights behind
+
+
+def test_resume_rejects_bad_settings():
+    with pytest.raises(ValueError, match="resume_at"):
+        B.resume_experiment(total_steps=10, resume_at=10)
+
+
+# --- charts -------------------------------------------------------------------------------------
+
+def _titles(fig):
+    return fig.layout.title.text, fig.layout.xaxis.title.text, fig.layout.yaxis.title.text
+
+
+def test_charts_have_titles_units_and_legends(resumed):
+    techniques = [_row("fp32", 20.0, 100.0), _row("AMP", 11.0, 40.0),
+                  dict(_row("bf16", 0, 1), status="skipped", reason="no bf16")]
+    fig = P.technique_memory_time(techniques)
+    title, x, y = _titles(fig)
+    assert "ms" in x and "GiB" in y and "bf16 (skipped)" in title and len(fig.data) == 2
+    cards = [{"card_gb": 8, "technique": "fp32", "largest_batch": 90, "status": "ok"},
+             {"card_gb": 8, "technique": "AMP", "largest_batch": 180, "status": "ok"},
+             {"card_gb": 80, "technique": "AMP", "largest_batch": None, "status": "skipped"}]
+    fig = P.largest_batch_chart(cards)
+    title, x, y = _titles(fig)
+    assert "GB" in x and "images" in y and "1 card/technique" in title and len(fig.data) == 2
+    acc = [{"micro_batches": n, "micro_batch": 2, "effective_batch": 2 * n,
+            "accumulated_peak_gib": 1.0, "accumulated_saved_gib": 0.5,
+            "one_batch_peak_gib": float(n), "one_batch_saved_gib": 0.5 * n} for n in (1, 2)]
+    fig = P.accumulation_memory_chart(acc)
+    assert "peak allocated" in _titles(fig)[2] and len(fig.data) == 2
+    fig = P.resume_chart(resumed)
+    assert fig.layout.title.text and len(fig.data) == 9
+    for fn in (P.technique_memory_time, P.largest_batch_chart, P.accumulation_memory_chart):
+        with pytest.raises(ValueError):
+            fn([])
+    with pytest.raises(ValueError):
+        P.resume_chart({})
+
+
+# --- tables for the notebook and the README ------------------------------------------------------
+
+def test_report_rows():
+    rows = [dict(_row("fp32", 20.0, 100.0), status="ok"), _row("AMP", 10.0, 50.0),
+            {"technique": "bf16", "status": "skipped", "reason": "no bf16", "config": {}}]
+    table = B.technique_report_rows(rows)
+    assert [r["technique"] for r in table] == ["fp32", "AMP", "bf16"]
+    assert table[1]["memory x fp32"] == 0.5 and table[1]["time x fp32"] == 0.5
+    assert table[2]["status"] == "skipped: no bf16" and table[2]["memory GiB"] is None
+    cards = [{"card_gb": 8, "technique": "fp32", "largest_batch": 88, "status": "ok",
+              "reason": "", "how": "CUDA allocator capped at 8 GiB", "resolution": 8},
+             {"card_gb": 80, "technique": "fp32", "largest_batch": None, "status": "skipped",
+              "reason": "this device has 14.6 GiB", "how": "", "resolution": None},
+             {"card_gb": 8, "technique": "AMP", "largest_batch": 176, "status": "ok",
+              "reason": "", "how": "CUDA allocator capped at 8 GiB", "resolution": 16}]
+    pivot = B.largest_batch_report_rows(cards)
+    assert pivot["columns"] == ["card (GB)", "fp32", "AMP"]
+    assert pivot["rows"] == [{"card (GB)": "8", "fp32": 88, "AMP": 176},
+                             {"card (GB)": "80", "fp32": None, "AMP": None}]
+    assert "steps of 8, 16 images" in pivot["note"] and "14.6 GiB" in pivot["note"]
+    with pytest.raises(ValueError, match="rows"):
+        B.largest_batch_report_rows([])
+
+
+def test_accumulation_equivalence_rejects_bad_settings():
+    with pytest.raises(ValueError, match="micro_batches"):
+        B.accumulation_equivalence(micro_batches=0)
+    with pytest.raises(ValueError, match="precision"):
+        B.accumulation_equivalence(precision="fp8")
+
+
+def test_pitfall_with_resnet18_has_the_same_stem():
+    out = B.checkpoint_sequential_pitfall(segments=4, model="resnet18")
+    assert "modified by an inplace operation" in out["error"]
+    assert out["inplace_first"] == [["relu", "maxpool"]]
+    fine = B.checkpoint_sequential_pitfall(segments=2, model="resnet18")  # ReLU inside segment 0
+    assert fine["error"] == "" and fine["inplace_first"] == []
+    with pytest.raises(ValueError, match="model"):
+        B.checkpoint_sequential_pitfall(model="vgg16")
+
+
+def test_accumulation_plan():
+    cards = [{"card_gb": 8, "technique": "fp32", "largest_batch": 88, "status": "ok"},
+             {"card_gb": 8, "technique": "AMP", "largest_batch": 1100, "status": "ok"},
+             {"card_gb": 16, "technique": "fp32", "largest_batch": None, "status": "skipped"},
+             {"card_gb": 16, "technique": "AMP", "largest_batch": 256, "status": "ok"}]
+    plan = B.accumulation_plan(cards, 1024)
+    assert plan["columns"] == ["card (GB)", "fp32", "AMP"]
+    assert plan["rows"] == [{"card (GB)": "8", "fp32": "12 x 86", "AMP": "1 x 1024"},
+                            {"card (GB)": "16", "fp32": None, "AMP": "4 x 256"}]
+    with pytest.raises(ValueError, match="target_batch"):
+        B.accumulation_plan(cards, 0)

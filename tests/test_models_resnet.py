@@ -1,0 +1,128 @@
+"""The ResNets of lessons 04-05: sizes, checkpointing that changes nothing but memory, and the
+article's selective-autocast ("optimized") variant."""
+import pytest
+import torch
+
+from amp_lessons import models
+from amp_lessons.bench import SavedActivations
+
+
+def _count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_torchvision_sizes():
+    assert _count(models.resnet50()) == 25_557_032
+    assert _count(models.resnet18()) == 11_689_512
+    assert _count(models.optimized_resnet50()) == 25_557_032  # the same weights, wrapped
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(checkpoint="layer"), "checkpoint"), (dict(checkpoint=True), "checkpoint"),
+    (dict(num_classes=0), "num_classes"), (dict(in_channels=0), "in_channels"),
+])
+def test_bad_settings_raise(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        models.resnet18(**kwargs)
+
+
+def test_small_input_stem_for_digits():
+    model = models.resnet18(num_classes=10, in_channels=1, small_input=True)
+    assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    assert model(torch.randn(2, 1, 32, 32)).shape == (2, 10)
+    plain = models.resnet18(num_classes=10, in_channels=1)
+    assert plain.conv1.kernel_size == (7, 7) and plain.conv1.in_channels == 1
+
+
+def _step(model, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _buffers(model):
+    # Checkpointed models wrap blocks ("layer1.0.module.bn1"); compare by order, not by name.
+    return [b.clone() for b in model.buffers()]
+
+
+@pytest.mark.parametrize("mode", ["block", "stage"])
+def test_checkpointing_changes_nothing_but_memory(mode):
+    torch.manual_seed(0)
+    plain = models.resnet18(num_classes=10)
+    ckpt = models.resnet18(num_classes=10, checkpoint=mode)
+    ckpt.load_state_dict(_renamed(plain.state_dict(), ckpt))
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    loss_a, grads_a = _step(plain, x, y)
+    loss_b, grads_b = _step(ckpt, x, y)
+    assert torch.allclose(loss_a, loss_b)
+    for (_, ga), (_, gb) in zip(sorted(grads_a.items(), key=lambda kv: _plain_name(kv[0])),
+                                sorted(grads_b.items(), key=lambda kv: _plain_name(kv[0]))):
+        assert torch.allclose(ga, gb, rtol=1e-4, atol=1e-6)
+    # BatchNorm statistics moved once, not twice (the recomputation restores them)
+    for a, b in zip(_buffers(plain), _buffers(ckpt)):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7)
+    # and the activations kept for backward shrink
+    with SavedActivations(exclude=list(plain.parameters())) as s_plain:
+        plain(x)
+    with SavedActivations(exclude=list(ckpt.parameters())) as s_ckpt:
+        ckpt(x)
+    assert s_ckpt.bytes < 0.8 * s_plain.bytes
+
+
+def _plain_name(name):
+    return name.replace(".module", "")
+
+
+def _renamed(state, target):
+    names = list(target.state_dict())
+    plain_to_target = {_plain_name(n): n for n in names}
+    return {plain_to_target[k]: v for k, v in state.items()}
+
+
+def test_checkpointing_is_off_in_eval_and_no_grad():
+    model = models.resnet18(num_classes=10, checkpoint="block").eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def _stage_dtypes(model, x, dtype):
+    seen = {}
+    hooks = [getattr(model.resnet, name).register_forward_hook(
+        lambda m, i, o, name=name: seen.__setitem__(name, (i[0].dtype, o.dtype)))
+        for name in ("layer1", "layer2", "layer3", "layer4", "fc")]
+    with torch.autocast(device_type="cpu", dtype=dtype):
+        out = model(x)
+    for h in hooks:
+        h.remove()
+    return seen, out
+
+
+def test_selective_autocast_runs_layer3_on_in_fp32():
+    torch.manual_seed(0)
+    model = models.optimized_resnet18(num_classes=10)
+    seen, out = _stage_dtypes(model, torch.randn(2, 3, 32, 32), torch.bfloat16)
+    assert seen["layer1"][1] == torch.bfloat16 and seen["layer2"][1] == torch.bfloat16
+    assert seen["layer3"] == (torch.float32, torch.float32)
+    assert seen["layer4"][1] == torch.float32 and seen["fc"][1] == torch.float32
+    assert out.dtype == torch.float32
+
+
+def test_selective_autocast_boundary_is_configurable():
+    model = models.SelectiveAutocastResNet(models.resnet18(num_classes=10), fp32_from="fc")
+    seen, out = _stage_dtypes(model, torch.randn(2, 3, 32, 32), torch.bfloat16)
+    assert seen["layer4"][1] == torch.bfloat16
+    assert seen["fc"] == (torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="fp32_from"):
+        models.SelectiveAutocastResNet(models.resnet18(), fp32_from="layer5")
+
+
+def test_optimized_resnet_trains_one_step_with_checkpointing():
+    model = models.optimized_resnet18(num_classes=10, checkpoint="stage")
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters())

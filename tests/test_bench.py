@@ -349,7 +349,6 @@ def test_autocast_error_by_op():
         bench.autocast_error_by_op("cpu", torch.float32)
 
 
-@pytest.mark.slow
 def test_digits_accuracy_runs_with_the_trainer():
     row = bench.digits_accuracy("resnet18", "bf16", "cpu", epochs=1, batch_size=16,
                                 image_size=16, small_input=False, max_train=32, max_test=64)

@@ -1089,8 +1089,12 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
                  eval_precision: str = "same", device: Device = None, seed: int = 0,
                  progress: bool = True, checkpoint: Union[str, Path, None] = None,
                  resume: Union[str, Path, None] = None, hooks: Sequence[Hooks] = (),
-                 on_epoch: Optional[Callable[[dict], None]] = None) -> DigitsRun:
+                 on_epoch: Optional[Callable[[dict], None]] = None,
+                 lr_schedule: str = "constant") -> DigitsRun:
     """Train a digits model (SGD, momentum 0.9) and evaluate it on the test split every epoch.
+
+    ``lr_schedule``: ``"constant"`` (``lr`` throughout) or ``"cosine"`` (``lr`` decayed to 0 over
+    ``epochs``; the schedule then depends on the total, so resume with the same ``epochs``).
 
     ``epochs`` is the total: a run resumed from ``resume`` trains only the epochs still missing.
     ``checkpoint``: saved (atomically) after every epoch. ``image_size`` overrides the CNN's 32.
@@ -1103,6 +1107,8 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
             raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
     if not _is_real(lr) or lr <= 0:
         raise ValueError(f"lr must be a finite number > 0; got {lr!r}")
+    if lr_schedule not in ("constant", "cosine"):
+        raise ValueError(f"lr_schedule must be 'constant' or 'cosine'; got {lr_schedule!r}")
     dev = _as_device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
         else torch.device("cpu"))
@@ -1118,7 +1124,13 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
                          eval_precision=eval_precision, progress=progress, seed=seed)
     net.to(dev)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    trainer = Trainer(net, opt, config, device=dev, hooks=hooks)
+    schedule = None
+    if lr_schedule == "cosine":
+        # Decay to zero over the run: the final weights settle, so precisions are compared on
+        # converged runs, not on where a constant learning rate happened to leave them.
+        steps = epochs * -(-len(train) // accumulate)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    trainer = Trainer(net, opt, config, device=dev, scheduler=schedule, hooks=hooks)
     if resume is not None:
         trainer.load_checkpoint(resume)
     while trainer.epoch < epochs:

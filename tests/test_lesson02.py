@@ -29,6 +29,7 @@ def test_train_digits_checkpoint_and_resume_to_a_total(tmp_path):
     (dict(epochs=0), "epochs must be a whole number >= 1"),
     (dict(batch_size=0), "batch_size must be a whole number >= 1"),
     (dict(lr=0), "lr must be a finite number > 0"),
+    (dict(lr_schedule="step"), "lr_schedule must be 'constant' or 'cosine'"),
     (dict(model="vgg"), "model must be one of"),
     (dict(precision="fp8"), "precision must be one of"),
 ])
@@ -147,3 +148,10 @@ def test_digits_run_peak_memory_leaves_out_what_was_allocated_before():
     assert run.accuracy == 0.95
     empty = T.DigitsRun("fp32", "cnn", "cpu", [], T.History(), None)
     assert empty.epoch_time_s is None and empty.accuracy is None and empty.peak_memory_mib is None
+
+
+def test_cosine_schedule_decays_to_zero():
+    run = T.train_digits("fp32", epochs=2, lr_schedule="cosine", **QUICK)
+    lrs = run.history.columns()["lr"]
+    assert lrs[0] == pytest.approx(0.05) and lrs[-1] < 0.01 * lrs[0]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))

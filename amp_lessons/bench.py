@@ -645,6 +645,26 @@ def format_table(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -> 
     return "\n".join(lines)
 
 
+def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -> List[Dict[str, object]]:
+    """Rows keyed by column heading, for ``report.publish`` (the README's results section).
+
+    Same columns and status text as ``format_table``; numbers stay numbers.
+    """
+    columns = [(k, h) for k, h in columns if any(k in r for r in rows)]
+    if not columns:
+        raise ValueError("columns must name at least one key present in the rows")
+    out = []
+    for r in rows:
+        row = {}
+        for k, h in columns:
+            v = r.get(k)
+            if k == "status" and v != "ok" and r.get("reason"):
+                v = f"{v}: {r['reason']}"
+            row[h] = v
+        out.append(row)
+    return out
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 

@@ -417,3 +417,13 @@ def test_throughput_memory_plot_counts_memory_on_a_cpu():
     assert "counted" in fig.layout.xaxis.title.text
     with pytest.raises(ValueError, match="measured"):
         plots.throughput_memory([_row("a", None, None, status="skipped")])
+
+
+def test_published_rows_follow_the_table_columns():
+    rows = [{"label": "fp32", "img_per_s": 905.0, "speedup": 1.0, "status": "ok"},
+            {"label": "fp16", "img_per_s": None, "status": "skipped", "reason": "no bf16"}]
+    out = bench.published_rows(rows)
+    assert list(out[0]) == ["configuration", "img/s", "x fp32", "status"]
+    assert out[0]["img/s"] == 905.0 and out[1]["status"] == "skipped: no bf16"
+    with pytest.raises(ValueError, match="columns must name at least one key"):
+        bench.published_rows(rows, (("nope", "x"),))

@@ -240,12 +240,7 @@ def _spawn_entry(index: int, fn: Callable, world_size: int, backend: str, port: 
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    # Every rank is past the barrier and rank 0's result is on disk. Leave at once: tearing the
-    # gloo groups down at interpreter exit sometimes aborts a rank ("terminate called without an
-    # active exception", SIGABRT, seen on a loaded 2-core CPU), which would fail a finished launch.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave_now()  # every rank is past the barrier and rank 0's result is on disk
 
 
 def _check_importable(fn: Callable) -> None:
@@ -1076,10 +1071,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             ctx = _init_rank(int(os.environ["RANK"]), world, local, backend, "env://", 600.0)
             try:
                 out = run_plan(ctx, [(config, world)])
-            finally:
+            except BaseException:
                 dist.destroy_process_group()
+                raise
             if ctx.rank != 0:
-                return 0
+                _leave_now()  # see _leave_now: gloo's teardown at exit can abort a finished rank
             result = SweepResult(rows=out["rows"], backend=backend, launched=world,
                                  skipped=out["skipped"], warnings=out["warnings"])
         else:
@@ -1093,7 +1089,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(result.scaling_table())
     for line in result.notes():
         print(line)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _leave_now()
     return 0
+
+
+def _leave_now() -> None:
+    """Exit this rank at once, output flushed: every collective is done, and tearing the gloo
+    groups down at interpreter exit sometimes aborts a process (SIGABRT, "terminate called
+    without an active exception"), which would turn a finished run into a failed one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.amp-lessons-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8888
+# Jupyter refuses to run as root unless told; containers and CI machines often are root.
+ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 .PHONY: lab test unit notebooks browser clean
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 # JupyterLab on localhost only, token authentication left on (the URL with the token is printed).
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
+	$(BIN)/jupyter lab $(ROOT_OK) --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
 		--ServerApp.root_dir=notebooks --ServerApp.open_browser=$${OPEN_BROWSER:-True}
 
 test: $(STAMP)

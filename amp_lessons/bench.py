@@ -70,14 +70,7 @@ def native_bf16(device) -> bool:
 
 # --- configurations -----------------------------------------------------------------------------
 
-def _check_int(name: str, value, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-
-
-def _check_choice(name: str, value, allowed: Sequence) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+from ._validate import _check_choice, _check_int  # noqa: E402 - shared checks
 
 
 @dataclass(frozen=True)

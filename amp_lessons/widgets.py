@@ -675,7 +675,38 @@ _DESC = {"description_width": "150px"}
 _ROW = _w.Layout(width="360px")
 
 
-class ScalerPanel:
+class _BackgroundRun:
+    """The Run button of a panel: ``run()`` in a thread when ``background``, else inline.
+
+    A panel sets ``background``, ``_running``, ``_thread`` and ``run_button``, and names the HTML
+    widget that shows a failure in ``_status_html()``; a thread's error would be lost otherwise.
+    """
+
+    def start(self):
+        """What the Run button does: ``run()`` in a thread when ``background``, else inline."""
+        if self._running:
+            return None
+        if not self.background:
+            return self.run()
+        self._running = True  # before the thread starts, so a second click is ignored
+        self._thread = _threading.Thread(target=self._run_reporting_errors, daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def _join(self, timeout: _Optional[float]) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run_reporting_errors(self):
+        try:
+            self.run()
+        except Exception as exc:  # noqa: BLE001
+            self._status_html().value = f"<span style='color:#d62728'>Run failed: {exc!r}</span>"
+            self._running = False
+            self.run_button.disabled = False
+
+
+class ScalerPanel(_BackgroundRun):
     """Lesson 03's panel: GradScaler's four knobs, an overflow-injection rate, a step count, Run
     and Reset; a live chart of the scale per step (skipped steps marked) and the loss; a summary.
 
@@ -790,30 +821,13 @@ class ScalerPanel:
             self._injector.rate = float(change["new"])
 
     # -- actions -------------------------------------------------------------------------------
-    def start(self):
-        """What the Run button does: ``run()`` in a thread when ``background``, else inline."""
-        if self._running:
-            return None
-        if not self.background:
-            return self.run()
-        self._running = True  # before the thread starts, so a second click is ignored
-        self._thread = _threading.Thread(target=self._run_reporting_errors, daemon=True)
-        self._thread.start()
-        return self._thread
+    def _status_html(self):
+        return self.summary
 
     def wait(self, timeout: _Optional[float] = None) -> _Optional[ScalerRun]:
         """Wait for a background run to finish; return its ``ScalerRun``."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._join(timeout)
         return self.run_result
-
-    def _run_reporting_errors(self):
-        try:
-            self.run()
-        except Exception as exc:  # noqa: BLE001 - a thread's error would be lost otherwise
-            self.summary.value = f"<span style='color:#d62728'>Run failed: {exc!r}</span>"
-            self._running = False
-            self.run_button.disabled = False
 
     def run(self, steps: _Optional[int] = None) -> ScalerRun:
         """Train with the knobs' settings for ``steps`` (default: the steps box), updating the
@@ -1119,7 +1133,7 @@ def comparison_table_html(runs: _Mapping[str, ScalerRun]) -> str:
             f"mean of the last {FINAL_LOSS_WINDOW} steps</small>")
 
 
-class PresetComparison:
+class PresetComparison(_BackgroundRun):
     """Several scaler presets trained on the same seed and data, drawn together as they finish.
 
     A checkbox per preset (class ``amp-preset``), steps (``amp-presets-steps``), an injected
@@ -1173,30 +1187,13 @@ class PresetComparison:
         """The ticked presets."""
         return {n: s for n, s in self.presets.items() if self.checks[n].value}
 
-    def start(self):
-        """What the button does: ``run()`` in a thread when ``background``, else inline."""
-        if self._running:
-            return None
-        if not self.background:
-            return self.run()
-        self._running = True
-        self._thread = _threading.Thread(target=self._run_reporting_errors, daemon=True)
-        self._thread.start()
-        return self._thread
+    def _status_html(self):
+        return self.table
 
     def wait(self, timeout: _Optional[float] = None) -> _Dict[str, ScalerRun]:
         """Wait for a background run; return its runs."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._join(timeout)
         return self.runs
-
-    def _run_reporting_errors(self):
-        try:
-            self.run()
-        except Exception as exc:  # noqa: BLE001 - a thread's error would be lost otherwise
-            self.table.value = f"<span style='color:#d62728'>Run failed: {exc!r}</span>"
-            self._running = False
-            self.run_button.disabled = False
 
     def run(self) -> _Dict[str, ScalerRun]:
         """Train every ticked preset for ``steps``; redraw after each; fill the table."""

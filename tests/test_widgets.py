@@ -422,3 +422,20 @@ def test_preset_comparison_figure_one_legend_entry_per_preset():
     assert fig.layout.title.text and fig.layout.yaxis2.title.text
     with pytest.raises(ValueError):
         plots.preset_comparison({})
+
+
+@pytest.mark.parametrize("make,status", [
+    (lambda: W.ScalerPanel(SETUP, steps=2, figure_mode="output", background=True), "summary"),
+    (lambda: W.PresetComparison(W.scaler_presets(), steps=2, setup=SETUP, figure_mode="output",
+                                background=True), "table"),
+])
+def test_a_failing_background_run_is_shown_not_lost(monkeypatch, make, status):
+    panel = make()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("out of cheese")
+    monkeypatch.setattr(panel, "run", boom)
+    panel.start()
+    panel.wait(timeout=30)
+    assert "Run failed" in getattr(panel, status).value and "out of cheese" in getattr(panel, status).value
+    assert not panel.run_button.disabled

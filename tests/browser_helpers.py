@@ -136,3 +136,48 @@ class JupyterLabServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# --- what every browser test does first ----------------------------------------------------------
+
+# The status bar reads "Python 3 (ipykernel) | Idle" once the kernel is up.
+KERNEL_IDLE = "() => /\\|\\s*Idle/.test(document.body.innerText)"
+ALL_CELLS_RAN = """() => {
+    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
+        .map(e => e.textContent.trim());
+    return prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t));
+}"""
+
+
+def lab_serving(tmp_path_factory, notebooks) -> JupyterLabServer:
+    """A quick-profile JupyterLab server over copies of ``notebooks`` (paths), in a temp folder."""
+    root = tmp_path_factory.mktemp("notebooks")
+    for nb in notebooks:
+        shutil.copy(nb, root / Path(nb).name)
+    return JupyterLabServer(root, tmp_path_factory.mktemp("jupyter"),
+                            env={"AMP_LESSONS_PROFILE": "quick"})
+
+
+def open_and_run_all(page, lab: JupyterLabServer, notebook: str, kernel_timeout_ms: int = 120_000,
+                     run_timeout_ms: int = 150_000) -> list:
+    """Open ``notebook`` in JupyterLab, wait for its kernel, Run All Cells, wait until every
+    code cell has run, and return the texts of the stderr outputs. On a time-out, saves a
+    screenshot to test-output/ and fails with the server's log."""
+    import re
+
+    page.goto(lab.url(f"lab/tree/{notebook}"))
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+    # the kernel must be up before Run All, or JupyterLab asks which kernel to use
+    page.locator(".jp-Notebook").first.click()
+    page.wait_for_function(KERNEL_IDLE, timeout=kernel_timeout_ms)
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+    try:
+        page.wait_for_function(ALL_CELLS_RAN, timeout=run_timeout_ms)
+    except Exception:
+        OUTPUT_DIR.mkdir(exist_ok=True)
+        page.screenshot(path=str(OUTPUT_DIR / f"{Path(notebook).stem}_run_all_failed.png"),
+                        full_page=True)
+        raise AssertionError(f"not every cell of {notebook} ran; server log:\n{lab.log()}")
+    return page.locator(".jp-OutputArea-output[data-mime-type="
+                        "'application/vnd.jupyter.stderr']").all_inner_texts()

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from browser_helpers import CHROMIUM_ARGS, OUTPUT_DIR, REPO, JupyterLabServer, chromium_executable
+from browser_helpers import CHROMIUM_ARGS, OUTPUT_DIR, REPO, lab_serving, open_and_run_all
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
@@ -22,41 +22,17 @@ RUN_ALL_TIMEOUT_MS = 150_000
 # The panel's chart as plotly.js holds it: each trace's name, x and y (typed arrays as lists).
 CHART_DATA = """el => el.data.map(t => ({name: t.name,
     x: Array.from(t.x || []), y: Array.from(t.y || [])}))"""
-KERNEL_IDLE = """() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]
-    .some(e => /\\|\\s*Idle\\s*$/.test(e.textContent))"""
-ALL_CELLS_RAN = """() => {
-    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
-        .map(e => e.textContent.trim());
-    return prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t));
-}"""
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    path = chromium_executable()
-    if path is None:
-        pytest.skip("no Chromium executable (install Debian's: apt-get install -y chromium)")
-    return path
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("notebooks")
-    for nb in (REPO / "notebooks").glob("*.ipynb"):
-        shutil.copy(nb, root / nb.name)
-    with JupyterLabServer(root, tmp_path_factory.mktemp("jupyter"),
-                          env={"AMP_LESSONS_PROFILE": "quick"}) as server:
+    with lab_serving(tmp_path_factory, (REPO / "notebooks").glob("*.ipynb")) as server:
         yield server
 
 
 def _chart(page, css):
     # a FigureWidget is itself the .js-plotly-plot element; the Output fallback holds one inside
     return page.locator(f"{css}.js-plotly-plot, {css} .js-plotly-plot").first.evaluate(CHART_DATA)
-
-
-def _run_all_cells(page):
-    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
 
 
 def test_lesson03_panel_in_jupyterlab(chromium, lab):
@@ -67,21 +43,8 @@ def test_lesson03_panel_in_jupyterlab(chromium, lab):
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.goto(lab.url(f"lab/tree/{NOTEBOOK}"))
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
-            # the kernel must be up before Run All, or JupyterLab asks which kernel to use
-            page.locator(".jp-Notebook").first.click()
-            page.wait_for_function(KERNEL_IDLE, timeout=60_000)
-            _run_all_cells(page)
-            try:
-                page.wait_for_function(ALL_CELLS_RAN, timeout=RUN_ALL_TIMEOUT_MS)
-            except Exception:
-                page.screenshot(path=str(OUTPUT_DIR / "lesson03_run_all_failed.png"),
-                                full_page=True)
-                raise AssertionError(f"not every cell ran; server log:\n{lab.log()}")
-
-            errors = page.locator(".jp-OutputArea-output[data-mime-type="
-                                  "'application/vnd.jupyter.stderr']").all_inner_texts()
+            errors = open_and_run_all(page, lab, NOTEBOOK, kernel_timeout_ms=60_000,
+                                      run_timeout_ms=RUN_ALL_TIMEOUT_MS)
             on_purpose = "unexpected keyword argument 'scale_factor'"  # the B4 cell
             unexpected = [e for e in errors if ("Traceback" in e or "Error" in e)
                           and on_purpose not in e]

@@ -151,8 +151,16 @@ def build_model(config: BenchConfig, device, in_channels: int = 3) -> nn.Module:
     return model.train()
 
 
-def build_optimizer(config: BenchConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-    """SGD (momentum 0.9) or Adam/AdamW with the configuration's kernels, eps and amsgrad."""
+def build_optimizer(config: BenchConfig, params: Iterable[torch.Tensor],
+                    prime_momentum: bool = True) -> torch.optim.Optimizer:
+    """SGD (momentum 0.9) or Adam/AdamW with the configuration's kernels, eps and amsgrad.
+
+    ``prime_momentum``: give fused SGD zero momentum buffers up front
+    (``trainer.prime_momentum_buffers``), so a first step that GradScaler skips cannot leave
+    them uninitialised; the updates are the same as without priming.
+    """
+    if not isinstance(prime_momentum, bool):
+        raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
     kwargs: Dict[str, object] = {}
     if config.impl == "for-loop":
         kwargs["foreach"] = False
@@ -161,7 +169,10 @@ def build_optimizer(config: BenchConfig, params: Iterable[torch.Tensor]) -> torc
     elif config.impl == "fused":
         kwargs["fused"] = True
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr or 0.1, momentum=0.9, **kwargs)
+        sgd = torch.optim.SGD(params, lr=config.lr or 0.1, momentum=0.9, **kwargs)
+        if prime_momentum and config.impl == "fused":
+            _trainer.prime_momentum_buffers(sgd)
+        return sgd
     if config.cuda_graph:
         kwargs["capturable"] = True
     cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
@@ -727,22 +738,26 @@ def find_row(rows: Sequence[Dict[str, object]], **match) -> Optional[Dict[str, o
 
 
 def skipped_step_check(optimizer: str = "sgd", impl: str = "fused", device=None,
-                       size: int = 1024) -> Dict[str, object]:
+                       size: int = 1024, prime_momentum: bool = False) -> Dict[str, object]:
     """Does a step that GradScaler skips leave the optimizer exactly as it was?
 
     One parameter vector, two steps: the first step's gradient holds an inf (GradScaler skips
     it, as it does early in fp16 training while the scale settles), the second is finite. The
     parameters after step two are compared with those of the for-loop optimizer, which skips
     cleanly. Returns ``max_abs_diff`` (0.0 when ``impl`` agrees), ``finite`` and ``state_after_skip``
-    (whether the skipped step left optimizer state behind).
+    (whether the skipped step left optimizer state behind). ``prime_momentum=True`` applies the
+    course's workaround (zero SGD momentum buffers before the first step) to the checked optimizer.
     """
+    if not isinstance(prime_momentum, bool):
+        raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
     _check_choice("optimizer", optimizer, OPTIMIZERS)
     _check_choice("impl", impl, OPTIMIZER_IMPLS)
     device = torch.device(device) if device is not None else torch.device("cpu")
     results = {}
     for name in ("for-loop", impl):
         p = nn.Parameter(torch.linspace(-1, 1, size, device=device))
-        opt = build_optimizer(BenchConfig(optimizer=optimizer, impl=name), [p])
+        opt = build_optimizer(BenchConfig(optimizer=optimizer, impl=name), [p],
+                              prime_momentum=prime_momentum and name == impl)
         scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
         bad = torch.ones(size, device=device)
         bad[0] = float("inf")
@@ -758,7 +773,8 @@ def skipped_step_check(optimizer: str = "sgd", impl: str = "fused", device=None,
         results[name] = (p.detach().clone(), state_after_skip)
     ref, got = results["for-loop"][0], results[impl][0]
     diff = (got - ref).abs().max().item() if torch.isfinite(got).all() else float("inf")
-    return {"optimizer": optimizer, "impl": impl, "device": str(device), "max_abs_diff": diff,
+    return {"optimizer": optimizer, "impl": impl, "primed": prime_momentum and optimizer == "sgd",
+            "device": str(device), "max_abs_diff": diff,
             "finite": bool(torch.isfinite(got).all()),
             "state_after_skip": results[impl][1], "reference_state_after_skip": results["for-loop"][1]}
 

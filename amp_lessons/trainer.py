@@ -508,6 +508,10 @@ class _BatchNormGuard:
 
     No host sync: the buffers are gathered into one flat tensor per (device, dtype) and
     ``torch.where(skipped, saved, current)`` is copied back, a handful of kernels per step.
+    ``restore_if`` leaves the snapshot current for the next step, so the trainer can call it before
+    ``scaler.step`` (whose host sync would otherwise expose this CPU work as idle GPU time), and the
+    next ``snapshot`` costs nothing unless something changed the buffers in between (tensor version
+    counters tell).
     """
 
     _NAMES = ("running_mean", "running_var", "num_batches_tracked")
@@ -517,6 +521,7 @@ class _BatchNormGuard:
                         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
         self._buffers: list = []
         self._groups: list = []  # (views, saved_flat, current_flat, current_splits)
+        self._versions: Optional[list] = None  # buffer versions when the snapshot was current
 
     def _current(self) -> list:
         return [b for m in self.modules for b in (m._buffers.get(k) for k in self._NAMES)
@@ -535,20 +540,26 @@ class _BatchNormGuard:
             current = torch.empty_like(saved)
             splits = current.split([v.numel() for v in views])
             self._groups.append((views, saved, current, splits))
+        self._versions = None
 
     def snapshot(self) -> None:
-        """Copy the buffers aside (call before the step's first forward)."""
+        """Copy the buffers aside (call before the step's first forward); a no-op while the
+        snapshot ``restore_if`` left is still current."""
         if not self.modules:
             return
         buffers = self._current()
         if len(buffers) != len(self._buffers) or any(
                 a is not b for a, b in zip(buffers, self._buffers)):
             self._rebuild(buffers)
+        elif self._versions is not None and self._versions == [b._version for b in buffers]:
+            return
         for views, saved, _, _ in self._groups:
             torch.cat(views, out=saved)
+        self._versions = [b._version for b in buffers]
 
     def restore_if(self, skipped: torch.Tensor) -> None:
-        """Where ``skipped`` (a 0-dim tensor, nonzero = skipped) is set, put the snapshot back."""
+        """Where ``skipped`` (a 0-dim tensor, nonzero = skipped) is set, put the snapshot back;
+        either way the snapshot then holds the buffers' values for the next step."""
         if not self.modules or not self._groups:
             return
         flag = skipped > 0
@@ -556,6 +567,8 @@ class _BatchNormGuard:
             torch.cat(views, out=current)
             torch.where(flag.to(current.device, non_blocking=True), saved, current, out=current)
             torch._foreach_copy_(views, splits)
+            saved.copy_(current)
+        self._versions = [b._version for b in self._buffers]
 
 
 # --- checkpoint files ----------------------------------------------------------------------------
@@ -642,6 +655,41 @@ def _total_norm(grads: List[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 
 
+def prime_momentum_buffers(optimizer: torch.optim.Optimizer) -> int:
+    """Give each SGD parameter without one a zero momentum buffer; return how many were made.
+
+    Works around a PyTorch bug (seen on 2.11 CUDA and 2.14 CPU): fused SGD allocates its momentum
+    buffers uninitialised on the first step, and when GradScaler skips that step the kernel never
+    writes them, so the next step reads garbage (NaN parameters on a GPU). A zero buffer gives the
+    same first update as SGD's own ``buf = grad`` when ``dampening == 0``, so priming changes no
+    result; groups with ``momentum == 0`` need no buffer and are left alone.
+
+    Raises ``ValueError`` for a non-SGD optimizer, or a group with ``dampening != 0`` (priming
+    would change its first update; such a group must not be fused under GradScaler).
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(f"optimizer must be a torch.optim.SGD; got {type(optimizer).__name__}")
+    made = 0
+    for group in optimizer.param_groups:
+        if not group.get("momentum"):
+            continue
+        if group.get("dampening", 0):
+            raise ValueError(f"dampening must be 0 to prime momentum buffers (a zero buffer "
+                             f"would change the first update); got {group['dampening']!r}")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                made += 1
+    return made
+
+
+def _is_fused_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, torch.optim.SGD) and any(
+        g.get("fused") and g.get("momentum") and not g.get("dampening", 0)
+        for g in optimizer.param_groups)
+
+
 class Trainer:
     """Train ``model`` with ``optimizer`` under ``config`` (see the module docstring for the order).
 
@@ -691,6 +739,8 @@ class Trainer:
                                    or self.config.clip_value is not None
                                    or self.config.track_grad_norm or self._after_unscale)
         self.scaler = self._make_scaler(self.config.scaler)
+        if _is_fused_sgd(optimizer):  # a skipped first step would leave garbage momentum
+            prime_momentum_buffers(optimizer)
         self._bn_guard = _BatchNormGuard(model)
         self.history = History()
         self.step = 0
@@ -726,6 +776,15 @@ class Trainer:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
 
+    def _skip_flag(self, grad_norm: Optional[torch.Tensor]) -> torch.Tensor:
+        """Whether this step is (or was) skipped, as a 0-dim tensor (> 0 = skipped), no sync."""
+        found_inf = self._found_inf()
+        if found_inf is None:  # private API gone: a non-finite norm means a skip
+            norm = grad_norm if grad_norm is not None else _total_norm(
+                [p.grad for p in self._params if p.grad is not None])
+            found_inf = (~torch.isfinite(norm)).float()
+        return found_inf
+
     def _found_inf(self) -> Optional[torch.Tensor]:
         """The scaler's inf/NaN flag for this step (a 0-dim tensor, > 0 = skipped), no sync."""
         try:
@@ -753,8 +812,11 @@ class Trainer:
         Cost beyond a hand-written loop (lesson 04 measures it): two CUDA events; one detach per
         micro-batch; with ``track_grad_norm`` a foreach norm over the gradients (and an explicit
         ``unscale_``, which ``scaler.step`` would do anyway); for fp16 a copy of the 0-dim scale;
-        with skip-safe BatchNorm about ten small kernels over one flat copy of the BN buffers;
-        with ``track_memory`` two allocator queries. No ``.item()``, no host sync.
+        with skip-safe BatchNorm about ten small kernels over one flat copy of the BN buffers,
+        queued before ``scaler.step`` (for non-fused optimizers through an explicit ``unscale_``,
+        which ``scaler.step`` would do anyway), so GradScaler's host sync does not leave the GPU
+        idle while they are launched; with ``track_memory`` two allocator queries. No
+        ``.item()``, no host sync of its own.
         ``TrainConfig(track_grad_norm=False, track_memory=False, skip_safe_batchnorm=False)``
         leaves only the events, the detach and the scale copy.
         """
@@ -792,7 +854,11 @@ class Trainer:
                 for h in self._after_backward:
                     h.after_backward(self, i)
 
-            if self._unscale_first:  # true gradients from here on (a no-op without scaling)
+            # with skip-safe BatchNorm and an optimizer that GradScaler steps from the host
+            # (everything but fused), unscale_ here, as scaler.step would, so the skip flag is
+            # known and the BN restore is queued before step()'s host sync, not after it
+            early_guard = guard is not None and not getattr(opt, "_step_supports_amp_scaling", False)
+            if self._unscale_first or early_guard:  # true gradients from here on
                 scaler.unscale_(opt)
             for h in self._after_unscale:
                 h.after_unscale(self)
@@ -806,22 +872,20 @@ class Trainer:
                 if cfg.clip_value is not None:
                     torch.nn.utils.clip_grad_value_(self._params, cfg.clip_value)
             lr = opt.param_groups[0]["lr"]
+            found_inf, scale = None, 1.0
             if scaling:  # the scale this step used, before update() changes it in place
                 current = getattr(scaler, "_scale", None)
                 scale = (current.detach().clone() if current is not None
                          else torch.tensor(scaler.get_scale()))
+            if early_guard:
+                found_inf = self._skip_flag(grad_norm)
+                guard.restore_if(found_inf)
 
             scaler.step(opt)  # unscales here if not done above; skips on inf/NaN
-            if scaling:
-                found_inf = self._found_inf()  # set by unscale_/step, cleared by update()
-                if found_inf is None:  # private API gone: a non-finite norm means a skip
-                    norm = grad_norm if grad_norm is not None else _total_norm(
-                        [p.grad for p in self._params if p.grad is not None])
-                    found_inf = (~torch.isfinite(norm)).float()
-            else:
-                found_inf, scale = None, 1.0
+            if scaling and found_inf is None:
+                found_inf = self._skip_flag(grad_norm)  # set by unscale_/step, cleared by update()
             scaler.update()
-            if guard is not None:
+            if guard is not None and not early_guard:
                 guard.restore_if(found_inf)
             opt.zero_grad(set_to_none=True)
 

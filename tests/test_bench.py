@@ -427,3 +427,26 @@ def test_published_rows_follow_the_table_columns():
     assert out[0]["img/s"] == 905.0 and out[1]["status"] == "skipped: no bf16"
     with pytest.raises(ValueError, match="columns must name at least one key"):
         bench.published_rows(rows, (("nope", "x"),))
+
+
+def test_fused_sgd_skipped_first_step_bug_and_priming_fix():
+    # the PyTorch bug the lesson shows: fused SGD's momentum is garbage after a skipped first step
+    raw = bench.skipped_step_check("sgd", "fused", "cpu", size=256)
+    assert raw["primed"] is False
+    assert not (raw["finite"] and raw["max_abs_diff"] < 1e-6), raw
+    fixed = bench.skipped_step_check("sgd", "fused", "cpu", size=256, prime_momentum=True)
+    assert fixed["primed"] is True and fixed["finite"] and fixed["max_abs_diff"] < 1e-6
+    with pytest.raises(ValueError, match="prime_momentum"):
+        bench.skipped_step_check("sgd", "fused", "cpu", prime_momentum="yes")
+
+
+def test_build_optimizer_primes_fused_sgd_only():
+    p = torch.nn.Parameter(torch.ones(4))
+    fused = bench.build_optimizer(bench.BenchConfig(impl="fused"), [p])
+    assert torch.equal(fused.state[p]["momentum_buffer"], torch.zeros(4))
+    raw = bench.build_optimizer(bench.BenchConfig(impl="fused"), [p], prime_momentum=False)
+    assert not raw.state
+    foreach = bench.build_optimizer(bench.BenchConfig(impl="foreach"), [p])
+    assert not foreach.state
+    with pytest.raises(ValueError, match="prime_momentum"):
+        bench.build_optimizer(bench.BenchConfig(), [p], prime_momentum=1)

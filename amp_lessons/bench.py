@@ -699,16 +699,23 @@ def batch_size_for(total_memory_gib: Optional[float], image_size: int = 224,
 def lesson_configs(model: str = "resnet50", batch_size: int = 256, image_size: int = 224,
                    num_classes: int = 1000, amp: str = "fp16",
                    compile_precision: Optional[str] = "bf16",
-                   cudnn_benchmark: bool = True) -> List[BenchConfig]:
+                   cudnn_benchmark: bool = True,
+                   compile_modes: Sequence[str] = ("default", "reduce-overhead")
+                   ) -> List[BenchConfig]:
     """Lesson 04's table: precisions x memory formats, optimizer kernels, R4, R5, torch.compile.
 
     ``amp`` is the half precision of the optimizer and R4 rows (fp16 as in the articles; bf16
-    where fp16 would only be emulated); ``compile_precision`` picks the one compiled row
-    (``None`` leaves torch.compile out; fp16 gets foreach SGD there, since fused SGD mishandles
-    steps that GradScaler skips: see ``skipped_step_check``). ``cudnn_benchmark=False`` saves
+    where fp16 would only be emulated); ``compile_precision`` is the precision of the compiled
+    rows, channels_last with fused SGD, one per mode in ``compile_modes`` (``None`` leaves
+    torch.compile out; ``"reduce-overhead"`` adds CUDA graphs). ``cudnn_benchmark=False`` saves
     the minutes cuDNN's autotuning takes for every new precision and memory format.
     """
     _check_choice("amp", amp, tuple(_AMP_DTYPES))
+    if isinstance(compile_modes, str) or not compile_modes:
+        raise ValueError(f"compile_modes must be a non-empty sequence of modes from "
+                         f"{COMPILE_MODES[1:]}; got {compile_modes!r}")
+    for mode in compile_modes:
+        _check_choice("compile_modes", mode, COMPILE_MODES[1:])
     base = dict(model=model, batch_size=batch_size, image_size=image_size,
                 num_classes=num_classes, cudnn_benchmark=cudnn_benchmark)
     r4 = f"{model}-r4"
@@ -722,9 +729,8 @@ def lesson_configs(model: str = "resnet50", batch_size: int = 256, image_size: i
              BenchConfig(impl="fused", eps=1e-7, **adam),
              BenchConfig(impl="fused", amsgrad=True, **adam)]
     if compile_precision:
-        cfgs.append(BenchConfig(precision=compile_precision, channels_last=True,
-                                impl="fused" if compile_precision == "bf16" else "foreach",
-                                compile="default", **base))
+        cfgs += [BenchConfig(precision=compile_precision, channels_last=True, impl="fused",
+                             compile=mode, **base) for mode in compile_modes]
     return cfgs
 
 
@@ -1219,6 +1225,36 @@ def verdict_b1(fp32: Dict[str, object], fp16: Dict[str, object]) -> Dict[str, ob
     return {"speedup": speedup, "memory_saving_pct": saving, "speed_verdict": speed,
             "memory_verdict": mem, "text": text,
             "held": (lo <= speedup and (saving is None or saving >= 40))}
+
+
+PUBLISHED_FASTEST = {"img_per_s": 7950.0, "batch_size": 256,
+                     "source": "MLPerf Training v4.0, ResNet-50 on H200 with fused MXNet, the best "
+                               "published per-GPU training throughput"}
+
+
+def fastest_row(rows: Sequence[Dict[str, object]]) -> Optional[Dict[str, object]]:
+    """The row with the most img/s among those that ran (status ok) and kept a finite loss, or None.
+
+    A configuration whose loss went non-finite is fast at nothing useful, so it cannot win.
+    """
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("img_per_s")
+          and r.get("loss") is not None and math.isfinite(r["loss"])]
+    return max(ok, key=lambda r: r["img_per_s"]) if ok else None
+
+
+def verdict_fastest(row: Dict[str, object], fp32: Dict[str, object]) -> Dict[str, object]:
+    """The fastest measured step against fp32 (same run) and ``PUBLISHED_FASTEST``."""
+    for name, r in (("row", row), ("fp32", fp32)):
+        if not isinstance(r, dict) or not r.get("img_per_s"):
+            raise ValueError(f"{name} must be a measured row (status ok, img_per_s > 0); got {r!r}")
+    ref = PUBLISHED_FASTEST["img_per_s"]
+    share = row["img_per_s"] / ref
+    text = (f"fastest here: {row['label']} at {row['img_per_s']:,.0f} img/s "
+            f"({row['img_per_s'] / fp32['img_per_s']:.2f}x fp32 with TF32 off, batch "
+            f"{(row.get('config') or {}).get('batch_size', '?')}); "
+            f"{share:.0%} of the published {ref:,.0f} img/s ({PUBLISHED_FASTEST['source']})")
+    return {"img_per_s": row["img_per_s"], "share_of_published": share, "beats_published": share > 1,
+            "text": text}
 
 
 R6_COLUMNS = (("configuration", "R6 row"), ("measured_label", "measured as"),

@@ -3,13 +3,11 @@
 Times the hand-written step and the Trainer with each optional feature on alone, all on one
 ResNet-50 (fp16 + GradScaler, channels_last, foreach SGD), interleaved in rounds so that clock
 drift hits every variant alike. Prints img/s per variant, its cost against the hand loop, and the
-host (CPU) time per step. With ``--profile`` it also records a few steps of the hand loop and of
-the trainer's defaults with torch.profiler and reports how long the GPU sat idle in each step
-(GradScaler's ``step`` waits for the host with non-fused optimizers, so CPU work after it shows up
-as idle GPU time).
+host (CPU) time per step (GradScaler's ``step`` waits for the host with non-fused optimizers, so
+host work after that wait shows up as idle GPU time and the two medians stay close).
 
     python benchmarks/trainer_overhead.py [--batch-size 256] [--rounds 6] [--steps 15]
-        [--cudnn-benchmark] [--profile] [--json OUT] [--in-kernel]
+        [--cudnn-benchmark] [--json OUT] [--in-kernel]
 
 ``--in-kernel`` runs the same measurement inside a Jupyter kernel (through nbclient), the way a
 lesson notebook runs it, and prints what it printed.
@@ -46,48 +44,6 @@ def host_timed(step):
     return wrapper
 
 
-def gpu_idle(step, x, y, steps: int = 5) -> dict:
-    """Per step: the span from the first kernel's start to the last kernel's end, the time kernels
-    ran (overlaps merged), and the difference (the GPU idle inside the step), in ms."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        step(x, y)
-    torch.cuda.synchronize()
-    marks = []
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            with torch.profiler.record_function("one_step"):
-                step(x, y)
-        torch.cuda.synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-                     and e.time_range.end > e.time_range.start)
-    marks = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.name == "one_step" and getattr(e, "device_type", None) ==
-                   torch.autograd.DeviceType.CPU)
-    out = []
-    for i, (s, _) in enumerate(marks):
-        e = marks[i + 1][0] if i + 1 < len(marks) else float("inf")
-        ks = [k for k in kernels if s <= k[0] < e]
-        if not ks:
-            continue
-        busy, cur_s, cur_e = 0.0, ks[0][0], ks[0][1]
-        for ks_, ke in ks[1:]:
-            if ks_ > cur_e:
-                busy += cur_e - cur_s
-                cur_s, cur_e = ks_, ke
-            else:
-                cur_e = max(cur_e, ke)
-        busy += cur_e - cur_s
-        span = max(k[1] for k in ks) - ks[0][0]
-        out.append({"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
-                    "kernels": len(ks)})
-    med = {k: statistics.median(r[k] for r in out) for k in ("span_ms", "busy_ms", "idle_ms",
-                                                               "kernels")} if out else {}
-    return {"steps": out, "median": med}
-
-
 def run_in_kernel(argv) -> int:
     """Run this script with ``argv`` in a fresh Jupyter kernel; print its output."""
     import shlex
@@ -110,7 +66,6 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="autotune convolutions (lesson 04 runs with it off)")
-    p.add_argument("--profile", action="store_true", help="GPU idle time per step (CUDA only)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--in-kernel", action="store_true", help="run inside a Jupyter kernel")
     args = p.parse_args(argv)
@@ -150,17 +105,12 @@ def main(argv=None):
                      "cost_pct": 100 * (med / hand - 1), "host_ms": host, "steps": len(ts)})
         print(f"{name:22s} {med:8.2f} ms  {batch / med * 1e3:8.0f} img/s  "
               f"{100 * (med / hand - 1):+6.2f}%  host {host:6.2f} ms", flush=True)
-    idle = {}
-    if args.profile and device.type == "cuda":
-        for name in ("hand-written", "trainer, defaults", "trainer, lean"):
-            idle[name] = gpu_idle(steps[name], x, y)
-            print(f"{name:22s} GPU idle per step: {idle[name]['median']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "cudnn_benchmark": args.cudnn_benchmark,
             "batch_size": batch, "rounds": args.rounds, "steps_per_round": args.steps,
-            "rows": rows, "gpu_idle": idle}, indent=1))
+            "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

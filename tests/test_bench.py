@@ -73,10 +73,17 @@ def test_lesson_configs_cover_the_issue():
     assert any(c.model == "resnet18-r4" for c in cfgs)
     adam = [c for c in cfgs if c.optimizer == "adam"]
     assert {c.eps for c in adam} == {1e-8, 1e-7} and any(c.amsgrad for c in adam)
-    assert [c.compile for c in cfgs if c.compile] == ["default"]
+    compiled = [c for c in cfgs if c.compile]
+    assert [c.compile for c in compiled] == ["default", "reduce-overhead"]
+    assert all(c.impl == "fused" and c.channels_last and c.precision == "bf16" for c in compiled)
+    one = bench.lesson_configs("resnet18", compile_modes=("default",))
+    assert [c.compile for c in one if c.compile] == ["default"]
     assert not any(c.compile for c in bench.lesson_configs("resnet18", compile_precision=None))
     with pytest.raises(ValueError, match="amp"):
         bench.lesson_configs(amp="fp32")
+    for bad in ("default", (), ("fast",), (None,)):
+        with pytest.raises(ValueError, match="compile_modes"):
+            bench.lesson_configs(compile_modes=bad)
 
 
 @pytest.mark.parametrize("memory, expected", [(None, 256), (15.0, 64), (22.0, 128),
@@ -450,3 +457,15 @@ def test_build_optimizer_primes_fused_sgd_only():
     assert not foreach.state
     with pytest.raises(ValueError, match="prime_momentum"):
         bench.build_optimizer(bench.BenchConfig(), [p], prime_momentum=1)
+
+
+def test_fastest_row_ignores_rows_that_did_not_train():
+    rows = [dict(_row("a", 1000.0, 10.0), loss=2.0), dict(_row("nan", 9000.0, 10.0), loss=float("nan")),
+            dict(_row("b", 3000.0, 10.0), loss=1.5), {"label": "oom", "status": "out of memory"}]
+    assert bench.fastest_row(rows)["label"] == "b"
+    assert bench.fastest_row([rows[1], rows[3]]) is None
+    out = bench.verdict_fastest(rows[2], rows[0])
+    assert out["share_of_published"] == pytest.approx(3000.0 / bench.PUBLISHED_FASTEST["img_per_s"])
+    assert not out["beats_published"] and "3.00x fp32" in out["text"]
+    with pytest.raises(ValueError, match="fp32 must be a measured row"):
+        bench.verdict_fastest(rows[2], rows[3])

@@ -421,22 +421,26 @@ def cuda_graph_step(step: Step, x: torch.Tensor, y: torch.Tensor, warmup: int = 
 # --- timing -------------------------------------------------------------------------------------
 
 def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5,
-               steps: int = 15, device=None) -> Dict[str, object]:
+               steps: int = 15, device=None, reset_peak: bool = True) -> Dict[str, object]:
     """Run ``warmup`` untimed steps, then time ``steps`` steps one by one.
 
     On a GPU each step is bracketed by CUDA events (device time, no host sync inside the loop);
     on a CPU by ``time.perf_counter``. Returns ``times_ms`` (per step), ``loss`` (last, float)
-    and ``timer``. Peak memory is reset after the warm-up when on a GPU.
+    and ``timer``. With ``reset_peak`` the GPU's peak-memory counter is reset after the warm-up
+    (leave it off to count memory set aside during the warm-up, such as a CUDA graph's pool).
     """
     _check_int("warmup", warmup, 0)
     _check_int("steps", steps, 1)
+    if not isinstance(reset_peak, bool):
+        raise ValueError(f"reset_peak must be True or False; got {reset_peak!r}")
     device = torch.device(device) if device is not None else x.device
     loss = None
     for _ in range(warmup):
         loss = step(x, y)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         for i in range(steps):
@@ -500,19 +504,26 @@ def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
     if breakdown:  # on the eager model: saved-tensor hooks do not see inside compiled graphs
         row.update(memory_breakdown(hand_step(model, optimizer, config.precision, device),
                                     x, y, device))
+    graphed = config.cuda_graph or cudagraph_mode
+    if graphed and device.type == "cuda":
+        # a CUDA graph's memory pool is set aside during warm-up and capture and held for the
+        # whole run: count it, so the row's peak is what the configuration really needs
+        free_memory(device)
+        torch.cuda.reset_peak_memory_stats(device)
     run = step
     if config.cuda_graph:
         run = cuda_graph_step(step, x, y, warmup=max(warmup, 2))
-    timing = time_steps(run, x, y, warmup=warmup, steps=steps, device=device)
+    timing = time_steps(run, x, y, warmup=warmup, steps=steps, device=device,
+                        reset_peak=not graphed)
     row.update(summarize_times(timing["times_ms"], config.batch_size))
     row.update(loss=timing["loss"], timer=timing["timer"], steps=steps, warmup=warmup)
     row["optimizer_state_gib"] = tensor_bytes(optimizer_state_tensors(optimizer)) / GIB
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
-        if config.cuda_graph or cudagraph_mode:
-            row["reason"] = ("peak read after capture: the graph's memory pool was allocated "
-                             "before the counter was reset (see peak reserved)")
+        if graphed:
+            row["reason"] = ("peak over warm-up, capture and timed steps: a CUDA graph holds "
+                             "its memory pool for the whole run")
     if not math.isfinite(row["loss"]):
         row["status"] = "error"
         row["reason"] = f"loss is {row['loss']} after {warmup + steps} steps (timing kept)"

@@ -145,6 +145,32 @@ def test_time_steps_and_summary():
         bench.time_steps(lambda x, y: None, torch.zeros(1), torch.zeros(1), steps=0)
     with pytest.raises(ValueError, match="times_ms"):
         bench.summarize_times([], 1)
+    with pytest.raises(ValueError, match="reset_peak"):
+        bench.time_steps(lambda x, y: None, torch.zeros(1), torch.zeros(1), reset_peak=None)
+
+
+def test_time_steps_resets_the_peak_counter_only_when_asked(monkeypatch):
+    resets = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: resets.append(1))
+
+    class Event:  # stands in for torch.cuda.Event on a machine without CUDA
+        def __init__(self, **kwargs):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    step = lambda x, y: torch.tensor(1.0)  # noqa: E731
+    for reset, expected in ((True, [1]), (False, [])):
+        resets.clear()
+        out = bench.time_steps(step, torch.zeros(1), torch.zeros(1), warmup=1, steps=2,
+                               device=torch.device("cuda", 0), reset_peak=reset)
+        assert resets == expected and out["times_ms"] == [2.0, 2.0]
 
 
 def test_measure_a_tiny_resnet_on_the_cpu():

@@ -616,6 +616,8 @@ def _fmt(value, digits: int = 2) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
+        if abs(value) >= 1e7:  # beyond any img/s or MiB figure: a blown-up value, say so briefly
+            return f"{value:.{digits + 1}g}"
         if abs(value) >= 100:
             return f"{value:,.0f}"
         if value == 0 or abs(value) >= 0.995:
@@ -1264,6 +1266,8 @@ def verdict_fastest(row: Dict[str, object], fp32: Dict[str, object]) -> Dict[str
             f"({row['img_per_s'] / fp32['img_per_s']:.2f}x fp32 with TF32 off, batch "
             f"{(row.get('config') or {}).get('batch_size', '?')}); "
             f"{share:.0%} of the published {ref:,.0f} img/s ({PUBLISHED_FASTEST['source']})")
+    if row.get("timer") == "perf_counter":
+        text += "; timed on a CPU at small sizes here, so not comparable with that GPU figure"
     return {"img_per_s": row["img_per_s"], "share_of_published": share, "beats_published": share > 1,
             "text": text}
 

@@ -493,5 +493,13 @@ def test_fastest_row_ignores_rows_that_did_not_train():
     out = bench.verdict_fastest(rows[2], rows[0])
     assert out["share_of_published"] == pytest.approx(3000.0 / bench.PUBLISHED_FASTEST["img_per_s"])
     assert not out["beats_published"] and "3.00x fp32" in out["text"]
+    assert "not comparable" not in out["text"]
+    assert "not comparable" in bench.verdict_fastest(dict(rows[2], timer="perf_counter"), rows[0])["text"]
     with pytest.raises(ValueError, match="fp32 must be a measured row"):
         bench.verdict_fastest(rows[2], rows[3])
+
+
+def test_format_table_writes_blown_up_numbers_briefly():
+    text = bench.format_table([{"label": "x", "max_abs_diff": 7.77e39}, {"label": "y", "max_abs_diff": 1234.5}],
+                              (("label", "run"), ("max_abs_diff", "diff")))
+    assert "7.77e+39" in text and "1,234" in text

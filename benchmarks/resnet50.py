@@ -166,6 +166,12 @@ def explore_entries(sizes: dict):
         (BenchConfig(label="fp16 + GradScaler, channels_last, compile, fused SGD, conv_1x1_as_mm",
                      precision="fp16", compile="default", **base),
          {"conv_1x1_as_mm": True}, 80),
+        (BenchConfig(label="bf16, channels_last, compile reduce-overhead, fused SGD, "
+                           "coordinate-descent tuning",
+                     precision="bf16", compile="reduce-overhead", **base),
+         {"coordinate_descent_tuning": True}, 150),
+        (BenchConfig(precision="bf16", compile="reduce-overhead", **dict(base, batch_size=big)),
+         None, 90),
     ]
     return [(replace(c, label=f"{c.label}, batch {c.batch_size}"), o, t)
             for c, o, t in entries]
@@ -239,11 +245,12 @@ def _kernel_group(name: str) -> str:
     return "other"
 
 
-def explore_suite(rec: Recorder, device, sizes: dict, budget: float) -> None:
+def explore_suite(rec: Recorder, device, sizes: dict, budget: float, only=(),
+                  profile: bool = True) -> None:
     compiled = BenchConfig(precision="fp16", model=sizes["model"], batch_size=sizes["batch"],
                            image_size=sizes["image"], channels_last=True, impl="fused",
                            compile="default")
-    if device.type == "cuda" and rec.elapsed() + 40 <= budget:
+    if profile and device.type == "cuda" and rec.elapsed() + 40 <= budget:
         try:
             rec.add(top_kernels(compiled, device))
         except Exception as exc:  # noqa: BLE001
@@ -251,6 +258,8 @@ def explore_suite(rec: Recorder, device, sizes: dict, budget: float) -> None:
                      "reason": f"{type(exc).__name__}: {exc}"[:300]})
     for config, overrides, cost in explore_entries(sizes):
         if config.compile and device.type != "cuda":
+            continue
+        if only and not any(o in config.label for o in only):
             continue
         if rec.elapsed() + cost > budget:
             rec.add({"label": config.label, "kind": "explore", "status": "skipped",
@@ -288,6 +297,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=600.0,
                         help="seconds; explore skips what would not finish in time")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="explore only configurations whose label contains TEXT (repeatable)")
+    parser.add_argument("--no-profile", action="store_true", help="explore without the profile")
     args = parser.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
@@ -318,7 +330,8 @@ def main(argv=None) -> int:
     if args.suite in ("explore", "all", "notebook"):
         spent = sum(r.elapsed() for r in recorders)
         rec = Recorder(args.out / "resnet50_explore.json", device, suite="explore", sizes=sizes)
-        explore_suite(rec, device, sizes, max(0.0, args.budget - spent))
+        explore_suite(rec, device, sizes, max(0.0, args.budget - spent), only=args.only,
+                      profile=not args.no_profile)
         recorders.append(rec)
     print()
     print(short_table([r for rec in recorders for r in rec.rows]))

@@ -507,11 +507,11 @@ class _BatchNormGuard:
     """Snapshot BatchNorm buffers before a step; put them back if the step was skipped.
 
     No host sync: the buffers are gathered into one flat tensor per (device, dtype) and
-    ``torch.where(skipped, saved, current)`` is copied back, a handful of kernels per step.
-    ``restore_if`` leaves the snapshot current for the next step, so the trainer can call it before
-    ``scaler.step`` (whose host sync would otherwise expose this CPU work as idle GPU time), and the
-    next ``snapshot`` costs nothing unless something changed the buffers in between (tensor version
-    counters tell).
+    ``torch.where(skipped, saved, current)`` is copied back, a handful of kernels per step. The
+    trainer calls ``restore_if`` before ``scaler.step``, whose host sync would otherwise leave the
+    GPU idle while these kernels are launched. The snapshot is taken at every step: tensor version
+    counters cannot tell whether something changed the buffers in between (BatchNorm's own
+    kernels and ``.data`` writes leave ``running_mean``'s counter alone).
     """
 
     _NAMES = ("running_mean", "running_var", "num_batches_tracked")
@@ -521,7 +521,6 @@ class _BatchNormGuard:
                         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
         self._buffers: list = []
         self._groups: list = []  # (views, saved_flat, current_flat, current_splits)
-        self._versions: Optional[list] = None  # buffer versions when the snapshot was current
 
     def _current(self) -> list:
         return [b for m in self.modules for b in (m._buffers.get(k) for k in self._NAMES)
@@ -540,26 +539,20 @@ class _BatchNormGuard:
             current = torch.empty_like(saved)
             splits = current.split([v.numel() for v in views])
             self._groups.append((views, saved, current, splits))
-        self._versions = None
 
     def snapshot(self) -> None:
-        """Copy the buffers aside (call before the step's first forward); a no-op while the
-        snapshot ``restore_if`` left is still current."""
+        """Copy the buffers aside (call before the step's first forward)."""
         if not self.modules:
             return
         buffers = self._current()
         if len(buffers) != len(self._buffers) or any(
                 a is not b for a, b in zip(buffers, self._buffers)):
             self._rebuild(buffers)
-        elif self._versions is not None and self._versions == [b._version for b in buffers]:
-            return
         for views, saved, _, _ in self._groups:
             torch.cat(views, out=saved)
-        self._versions = [b._version for b in buffers]
 
     def restore_if(self, skipped: torch.Tensor) -> None:
-        """Where ``skipped`` (a 0-dim tensor, nonzero = skipped) is set, put the snapshot back;
-        either way the snapshot then holds the buffers' values for the next step."""
+        """Where ``skipped`` (a 0-dim tensor, nonzero = skipped) is set, put the snapshot back."""
         if not self.modules or not self._groups:
             return
         flag = skipped > 0
@@ -567,8 +560,6 @@ class _BatchNormGuard:
             torch.cat(views, out=current)
             torch.where(flag.to(current.device, non_blocking=True), saved, current, out=current)
             torch._foreach_copy_(views, splits)
-            saved.copy_(current)
-        self._versions = [b._version for b in self._buffers]
 
 
 # --- checkpoint files ----------------------------------------------------------------------------
@@ -684,10 +675,11 @@ def prime_momentum_buffers(optimizer: torch.optim.Optimizer) -> int:
     return made
 
 
-def _is_fused_sgd(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.SGD) and any(
-        g.get("fused") and g.get("momentum") and not g.get("dampening", 0)
-        for g in optimizer.param_groups)
+def _fused_sgd_groups(optimizer: torch.optim.Optimizer) -> list:
+    """The param groups of a fused SGD that keep momentum buffers."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return []
+    return [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum")]
 
 
 class Trainer:
@@ -697,7 +689,8 @@ class Trainer:
     ``scheduler`` steps once per optimizer step that was not skipped. ``hooks``: Hooks instances.
     Attributes: model, optimizer, scheduler, scaler (a GradScaler, enabled only for fp16), config,
     history (a History), step (optimizer steps taken, skipped ones included), epoch (finished
-    epochs).
+    epochs). Under fp16, a fused SGD gets zero momentum buffers before its first step (see
+    ``prime_momentum_buffers``; param groups added later are not primed).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -739,8 +732,7 @@ class Trainer:
                                    or self.config.clip_value is not None
                                    or self.config.track_grad_norm or self._after_unscale)
         self.scaler = self._make_scaler(self.config.scaler)
-        if _is_fused_sgd(optimizer):  # a skipped first step would leave garbage momentum
-            prime_momentum_buffers(optimizer)
+        self._prime_fused_sgd()
         self._bn_guard = _BatchNormGuard(model)
         self.history = History()
         self.step = 0
@@ -750,6 +742,20 @@ class Trainer:
             torch.manual_seed(self.config.seed)
 
     # -- pieces ---------------------------------------------------------------------------------
+
+    def _prime_fused_sgd(self) -> None:
+        """Under fp16 (GradScaler), give fused SGD zero momentum buffers (see
+        ``prime_momentum_buffers``); refuse a damped fused group, which priming cannot fix."""
+        groups = _fused_sgd_groups(self.optimizer)
+        if not groups or self.config.precision != "fp16":
+            return
+        damped = [g["dampening"] for g in groups if g.get("dampening", 0)]
+        if damped:
+            raise ValueError(f"dampening must be 0 for fused SGD under fp16 with GradScaler (its "
+                             f"momentum is corrupted by a skipped first step, and only a zero "
+                             f"buffer with dampening 0 fixes that); got {damped[0]!r}: use "
+                             f"foreach=True or dampening=0")
+        prime_momentum_buffers(self.optimizer)
 
     def _make_scaler(self, settings: ScalerSettings):
         if self.config.precision != "fp16":
@@ -812,8 +818,8 @@ class Trainer:
         Cost beyond a hand-written loop (lesson 04 measures it): two CUDA events; one detach per
         micro-batch; with ``track_grad_norm`` a foreach norm over the gradients (and an explicit
         ``unscale_``, which ``scaler.step`` would do anyway); for fp16 a copy of the 0-dim scale;
-        with skip-safe BatchNorm about ten small kernels over one flat copy of the BN buffers,
-        queued before ``scaler.step`` (for non-fused optimizers through an explicit ``unscale_``,
+        with skip-safe BatchNorm about ten small kernels over one flat copy of the BN buffers, the
+        restore queued before ``scaler.step`` (for non-fused optimizers through an explicit ``unscale_``,
         which ``scaler.step`` would do anyway), so GradScaler's host sync does not leave the GPU
         idle while they are launched; with ``track_memory`` two allocator queries. No
         ``.item()``, no host sync of its own.
@@ -870,6 +876,10 @@ class Trainer:
                     grads = [p.grad for p in self._params if p.grad is not None]
                     grad_norm = _total_norm(grads) if grads else None
                 if cfg.clip_value is not None:
+                    if scaling and grad_norm is None and self._found_inf() is None:
+                        # private API gone: the fallback flag must see the gradients unclipped
+                        grad_norm = _total_norm([p.grad for p in self._params
+                                                 if p.grad is not None])
                     torch.nn.utils.clip_grad_value_(self._params, cfg.clip_value)
             lr = opt.param_groups[0]["lr"]
             found_inf, scale = None, 1.0
@@ -1071,6 +1081,7 @@ class Trainer:
                              "has no scheduler; pass the same kind of scheduler")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._prime_fused_sgd()  # a checkpoint saved before the first step holds no buffers
         if load_scaler and state["scaler"] and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None and state["scheduler"] is not None:

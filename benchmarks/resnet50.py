@@ -247,6 +247,8 @@ def _kernel_group(name: str) -> str:
 
 def explore_suite(rec: Recorder, device, sizes: dict, budget: float, only=(),
                   profile: bool = True) -> None:
+    """Profile the compiled step (``profile``), then measure ``explore_entries`` in order, skipping
+    any that would overrun ``budget`` seconds; ``only``: label substrings to keep (empty: all)."""
     compiled = BenchConfig(precision="fp16", model=sizes["model"], batch_size=sizes["batch"],
                            image_size=sizes["image"], channels_last=True, impl="fused",
                            compile="default")

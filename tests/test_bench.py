@@ -467,8 +467,11 @@ def test_fused_sgd_skipped_first_step_bug_and_priming_fix():
     raw = bench.skipped_step_check("sgd", "fused", "cpu", size=256)
     assert raw["primed"] is False
     assert not (raw["finite"] and raw["max_abs_diff"] < 1e-6), raw
+    assert raw["state_after_skip"] is True  # the skipped step created the (unwritten) buffer
     fixed = bench.skipped_step_check("sgd", "fused", "cpu", size=256, prime_momentum=True)
     assert fixed["primed"] is True and fixed["finite"] and fixed["max_abs_diff"] < 1e-6
+    assert fixed["state_after_skip"] is False  # the primed buffer was there before the step
+    assert bench.skipped_step_check("sgd", "foreach", "cpu", prime_momentum=True)["primed"] is False
     with pytest.raises(ValueError, match="prime_momentum"):
         bench.skipped_step_check("sgd", "fused", "cpu", prime_momentum="yes")
 
@@ -497,6 +500,8 @@ def test_fastest_row_ignores_rows_that_did_not_train():
     assert "not comparable" in bench.verdict_fastest(dict(rows[2], timer="perf_counter"), rows[0])["text"]
     with pytest.raises(ValueError, match="fp32 must be a measured row"):
         bench.verdict_fastest(rows[2], rows[3])
+    with pytest.raises(ValueError, match="row must be a measured row"):
+        bench.verdict_fastest(dict(rows[1], status="error"), rows[0])  # NaN loss, timing kept
 
 
 def test_format_table_writes_blown_up_numbers_briefly():

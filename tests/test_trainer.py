@@ -826,3 +826,35 @@ def test_skip_safe_batchnorm_sees_changes_made_between_steps(fused):
     model.load_state_dict(state)
     assert trainer.train_step([data[2]]).skipped
     assert torch.equal(model.bn.running_mean, torch.full_like(model.bn.running_mean, 0.25))
+    # writes that no version counter sees: through .data, and BatchNorm's functional form
+    model.bn.running_var.data.fill_(2.0)
+    F.batch_norm(torch.randn(4, 4, 3, 3), model.bn.running_mean, model.bn.running_var,
+                 training=True, momentum=0.5)
+    expected = model.bn.running_mean.clone(), model.bn.running_var.clone()
+    trainer.hooks[0].steps.add(trainer.step)
+    assert trainer.train_step([data[0]]).skipped
+    assert torch.equal(model.bn.running_mean, expected[0])
+    assert torch.equal(model.bn.running_var, expected[1])
+
+
+def test_fused_sgd_with_dampening_is_refused_under_fp16_only():
+    model, _ = fresh()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1, fused=True)
+    with pytest.raises(ValueError, match="dampening must be 0 for fused SGD"):
+        T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False))
+    T.Trainer(model, opt, T.TrainConfig(precision="bf16", progress=False))  # no scaler: no bug
+    assert not opt.state
+
+
+def test_load_checkpoint_primes_fused_sgd_again(tmp_path):
+    model, _ = fresh()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False))
+    other_model, _ = fresh()
+    unprimed = torch.optim.SGD(other_model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    other = T.Trainer(other_model, unprimed, T.TrainConfig(precision="bf16", progress=False))
+    unprimed.state.clear()  # as saved by code that never primed: no buffers at all
+    other.save_checkpoint(tmp_path / "before_any_step.pt")
+    trainer.load_checkpoint(tmp_path / "before_any_step.pt")
+    assert all(torch.count_nonzero(opt.state[p]["momentum_buffer"]) == 0
+               for p in model.parameters())

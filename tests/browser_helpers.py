@@ -4,6 +4,7 @@ that the test starts itself on loopback with a random port and token, in isolate
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 import secrets
 import shutil
 import socket
@@ -181,3 +182,18 @@ def open_and_run_all(page, lab: JupyterLabServer, notebook: str, kernel_timeout_
         raise AssertionError(f"not every cell of {notebook} ran; server log:\n{lab.log()}")
     return page.locator(".jp-OutputArea-output[data-mime-type="
                         "'application/vnd.jupyter.stderr']").all_inner_texts()
+
+
+@contextmanager
+def chromium_page(executable: str, width: int = 1280, height: int = 1000):
+    """A page of headless Chromium (``CHROMIUM_ARGS``) with a ``width`` x ``height`` viewport;
+    the browser is closed afterwards. Makes ``OUTPUT_DIR`` for screenshots."""
+    from playwright.sync_api import sync_playwright
+
+    OUTPUT_DIR.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser.new_page(viewport={"width": width, "height": height})
+        finally:
+            browser.close()

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from browser_helpers import CHROMIUM_ARGS, OUTPUT_DIR, REPO, lab_serving, open_and_run_all
+from browser_helpers import OUTPUT_DIR, REPO, chromium_page, lab_serving, open_and_run_all
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
@@ -36,59 +36,51 @@ def _chart(page, css):
 
 
 def test_lesson03_panel_in_jupyterlab(chromium, lab):
-    from playwright.sync_api import sync_playwright
+    with chromium_page(chromium) as page:
+        errors = open_and_run_all(page, lab, NOTEBOOK, kernel_timeout_ms=60_000,
+                                  run_timeout_ms=RUN_ALL_TIMEOUT_MS)
+        on_purpose = "unexpected keyword argument 'scale_factor'"  # the B4 cell
+        unexpected = [e for e in errors if ("Traceback" in e or "Error" in e)
+                      and on_purpose not in e]
+        assert not unexpected, unexpected[:2]
 
-    OUTPUT_DIR.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            errors = open_and_run_all(page, lab, NOTEBOOK, kernel_timeout_ms=60_000,
-                                      run_timeout_ms=RUN_ALL_TIMEOUT_MS)
-            on_purpose = "unexpected keyword argument 'scale_factor'"  # the B4 cell
-            unexpected = [e for e in errors if ("Traceback" in e or "Error" in e)
-                          and on_purpose not in e]
-            assert not unexpected, unexpected[:2]
+        panel = page.locator(".amp-scaler-panel").first
+        panel.scroll_into_view_if_needed()
+        summary = panel.locator(".amp-summary")
+        assert "Run 1:" in summary.inner_text()
+        before = _chart(page, ".amp-scaler-panel .amp-scaler-chart")
+        first_log2 = before[0]["y"][0]
 
-            panel = page.locator(".amp-scaler-panel").first
-            panel.scroll_into_view_if_needed()
-            summary = panel.locator(".amp-summary")
-            assert "Run 1:" in summary.inner_text()
-            before = _chart(page, ".amp-scaler-panel .amp-scaler-chart")
-            first_log2 = before[0]["y"][0]
+        # move init_scale 4 steps down with the keyboard on the slider's handle
+        handle = panel.locator(".amp-init-scale .noUi-handle").first
+        handle.focus()
+        for _ in range(4):
+            handle.press("ArrowLeft")
+        target = int(first_log2) - 4
+        readout = panel.locator(".amp-init-scale .widget-readout").first
+        assert readout.inner_text().strip() == str(target)
+        # the label beside it is written by the kernel's observer: the kernel has the value
+        page.wait_for_function(
+            "([el, text]) => el.textContent.trim() === text",
+            arg=[panel.locator(".amp-init-scale-value").first.element_handle(),
+                 f"= {2 ** target:,}"], timeout=20_000)
 
-            # move init_scale 4 steps down with the keyboard on the slider's handle
-            handle = panel.locator(".amp-init-scale .noUi-handle").first
-            handle.focus()
-            for _ in range(4):
-                handle.press("ArrowLeft")
-            target = int(first_log2) - 4
-            readout = panel.locator(".amp-init-scale .widget-readout").first
-            assert readout.inner_text().strip() == str(target)
-            # the label beside it is written by the kernel's observer: the kernel has the value
-            page.wait_for_function(
-                "([el, text]) => el.textContent.trim() === text",
-                arg=[panel.locator(".amp-init-scale-value").first.element_handle(),
-                     f"= {2 ** target:,}"], timeout=20_000)
+        panel.locator(".amp-run").first.click()
+        page.wait_for_function(
+            "el => /Run 2:/.test(el.textContent)", arg=summary.element_handle(),
+            timeout=60_000)
+        after = _chart(page, ".amp-scaler-panel .amp-scaler-chart")
+        assert after != before
+        assert after[0]["name"] == "loss scale" and after[0]["y"][0] == target
+        assert len(after[0]["x"]) == len(before[0]["x"])  # same number of steps
+        text = summary.inner_text()
+        assert re.search(r"Run 2: skipped \d+ of \d+ steps", text), text
 
-            panel.locator(".amp-run").first.click()
-            page.wait_for_function(
-                "el => /Run 2:/.test(el.textContent)", arg=summary.element_handle(),
-                timeout=60_000)
-            after = _chart(page, ".amp-scaler-panel .amp-scaler-chart")
-            assert after != before
-            assert after[0]["name"] == "loss scale" and after[0]["y"][0] == target
-            assert len(after[0]["x"]) == len(before[0]["x"])  # same number of steps
-            text = summary.inner_text()
-            assert re.search(r"Run 2: skipped \d+ of \d+ steps", text), text
-
-            page.wait_for_timeout(500)  # let the last redraw settle before the pictures
-            page.screenshot(path=str(OUTPUT_DIR / "lesson03_page.png"))
-            shot = OUTPUT_DIR / "lesson03_panel.png"
-            panel.screenshot(path=str(shot))
-            README_IMAGE.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(shot, README_IMAGE)
-            (OUTPUT_DIR / "lesson03_chart.json").write_text(json.dumps(
-                {"before": before, "after": after, "summary": text}, indent=1))
-        finally:
-            browser.close()
+        page.wait_for_timeout(500)  # let the last redraw settle before the pictures
+        page.screenshot(path=str(OUTPUT_DIR / "lesson03_page.png"))
+        shot = OUTPUT_DIR / "lesson03_panel.png"
+        panel.screenshot(path=str(shot))
+        README_IMAGE.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, README_IMAGE)
+        (OUTPUT_DIR / "lesson03_chart.json").write_text(json.dumps(
+            {"before": before, "after": after, "summary": text}, indent=1))

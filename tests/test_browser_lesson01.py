@@ -6,7 +6,7 @@ Screenshots go to test-output/. Skips only where no Chromium executable exists.
 """
 import pytest
 
-from browser_helpers import CHROMIUM_ARGS, OUTPUT_DIR, REPO, lab_serving, open_and_run_all
+from browser_helpers import OUTPUT_DIR, REPO, chromium_page, lab_serving, open_and_run_all
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -20,45 +20,37 @@ def lab(tmp_path_factory):
 
 
 def test_lesson01_widgets_in_jupyterlab(chromium, lab):
-    from playwright.sync_api import sync_playwright
+    with chromium_page(chromium) as page:
+        errors = open_and_run_all(page, lab, NOTEBOOK)
+        assert not [e for e in errors if "Traceback" in e or "Error" in e], errors[:2]
 
-    OUTPUT_DIR.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            errors = open_and_run_all(page, lab, NOTEBOOK)
-            assert not [e for e in errors if "Traceback" in e or "Error" in e], errors[:2]
+        # the bit explorer: type 65520, fp16 shows infinity (0x7C00)
+        explorer = page.locator(".amp-bit-explorer").first
+        explorer.scroll_into_view_if_needed()
+        table = explorer.locator(".amp-bit-table")
+        assert "0x2E66" in table.inner_text()                        # 0.1 in fp16
+        box = explorer.locator(".amp-bit-text input").first
+        box.fill("65520")
+        box.press("Enter")
+        page.wait_for_function("el => /0x7C00/.test(el.textContent)",
+                               arg=table.element_handle(), timeout=20_000)
+        assert "x = 65520.0" in table.inner_text()
+        explorer.screenshot(path=str(OUTPUT_DIR / "lesson01_bit_explorer.png"))
 
-            # the bit explorer: type 65520, fp16 shows infinity (0x7C00)
-            explorer = page.locator(".amp-bit-explorer").first
-            explorer.scroll_into_view_if_needed()
-            table = explorer.locator(".amp-bit-table")
-            assert "0x2E66" in table.inner_text()                        # 0.1 in fp16
-            box = explorer.locator(".amp-bit-text input").first
-            box.fill("65520")
-            box.press("Enter")
-            page.wait_for_function("el => /0x7C00/.test(el.textContent)",
-                                   arg=table.element_handle(), timeout=20_000)
-            assert "x = 65520.0" in table.inner_text()
-            explorer.screenshot(path=str(OUTPUT_DIR / "lesson01_bit_explorer.png"))
-
-            # the loss-scale slider: 12 steps right, the chart's title and the summary follow
-            panel = page.locator(".amp-l01-scale").first
-            panel.scroll_into_view_if_needed()
-            summary = panel.locator(".amp-l01-summary")
-            before = summary.inner_text()
-            chart = panel.locator(".js-plotly-plot").first
-            assert "× 2^0 " in chart.evaluate("el => el.layout.title.text")
-            handle = panel.locator(".amp-l01-k .noUi-handle").first
-            handle.focus()
-            for _ in range(12):
-                handle.press("ArrowRight")
-            page.wait_for_function("([el, s]) => el.textContent !== s",
-                                   arg=[summary.element_handle(), before], timeout=30_000)
-            page.wait_for_function("el => /× 2\\^12 /.test(el.layout.title.text)",
-                                   arg=chart.element_handle(), timeout=30_000)
-            assert "4096" in summary.inner_text()
-            panel.screenshot(path=str(OUTPUT_DIR / "lesson01_loss_scale.png"))
-        finally:
-            browser.close()
+        # the loss-scale slider: 12 steps right, the chart's title and the summary follow
+        panel = page.locator(".amp-l01-scale").first
+        panel.scroll_into_view_if_needed()
+        summary = panel.locator(".amp-l01-summary")
+        before = summary.inner_text()
+        chart = panel.locator(".js-plotly-plot").first
+        assert "× 2^0 " in chart.evaluate("el => el.layout.title.text")
+        handle = panel.locator(".amp-l01-k .noUi-handle").first
+        handle.focus()
+        for _ in range(12):
+            handle.press("ArrowRight")
+        page.wait_for_function("([el, s]) => el.textContent !== s",
+                               arg=[summary.element_handle(), before], timeout=30_000)
+        page.wait_for_function("el => /× 2\\^12 /.test(el.layout.title.text)",
+                               arg=chart.element_handle(), timeout=30_000)
+        assert "4096" in summary.inner_text()
+        panel.screenshot(path=str(OUTPUT_DIR / "lesson01_loss_scale.png"))

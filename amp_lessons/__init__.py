@@ -1,7 +1,7 @@
 """amp-lessons: the companion package of an interactive course on mixed-precision training.
 
 Each notebook starts with ``import amp_lessons as al; env = al.setup()``; the modules below hold the
-loops, measurements, plots and widgets the lessons call (``al.formats``, ``al.trainer``, ...). They
+loops, measurements, plots and widgets the lessons call (``al.formats``, ``al.trainer``, ...; each lesson's own experiments in ``al.lessons``). They
 are imported on first use, so ``import amp_lessons`` stays fast.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ from .env import Env, get_profile, probe, seed_everything, setup
 __version__ = "0.1.0"
 __all__ = ["Env", "get_profile", "probe", "seed_everything", "setup", "__version__"]
 
-_SUBMODULES = {"bench", "cli", "data", "distributed", "env", "formats", "models", "plots", "report",
-               "runner", "trainer", "widgets"}
+_SUBMODULES = {"checkpoint", "claims", "cli", "data", "distributed", "env", "formats", "lessons",
+               "measure", "models", "precision", "recipes", "records", "report", "runner", "tables",
+               "trainer", "ui"}
 
 
 def __getattr__(name: str):

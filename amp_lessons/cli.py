@@ -98,7 +98,7 @@ def _cmd_readme(args) -> int:
 # --- bench ---------------------------------------------------------------------------------------
 
 def _add_bench(sub) -> None:
-    from .bench import COMPILE_MODES, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+    from .measure import COMPILE_MODES, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
     p = sub.add_parser("bench", help="time a training step and measure its memory (lesson 04)",
                        description="Measure img/s (median over steps, CUDA events on a GPU) and "
@@ -136,7 +136,8 @@ def _add_bench(sub) -> None:
 def _cmd_bench(args) -> int:
     import json
 
-    from .bench import BenchConfig, batch_size_for, format_table, results_document, run_configs
+    from .measure import DEFAULT_COLUMNS, BenchConfig, batch_size_for, results_document, run_configs
+    from .tables import text_table
     from .env import probe
 
     env = probe(args.profile)
@@ -157,7 +158,7 @@ def _cmd_bench(args) -> int:
         return 2
     rows = run_configs(configs, env.device, warmup=args.warmup or (1 if quick else 5),
                        steps=args.steps or (3 if quick else 15), progress=False)
-    print(format_table(rows))
+    print(text_table(rows, DEFAULT_COLUMNS))
     if args.json is not None:
         doc = results_document(rows, env.device, profile=env.profile)
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +184,8 @@ def _whole(text: str) -> int:
 
 
 def _add_train(sub) -> None:
-    from .trainer import DIGITS_MODELS, EVAL_PRECISIONS, PRECISIONS
+    from .models import DIGITS_MODELS
+    from .trainer import EVAL_PRECISIONS, PRECISIONS
 
     p = sub.add_parser("train", help="train a digits model at one precision (lesson 02)",
                        description="Train on scikit-learn's digits with the course's trainer and "
@@ -229,7 +231,9 @@ def _mib(value) -> str:
 def _cmd_train(args) -> int:
     import json
 
-    from .trainer import ARTICLE_B2, ScalerSettings, _json_safe, train_digits
+    from .recipes import train_digits
+    from .tables import json_safe
+    from .trainer import ScalerSettings
 
     def on_epoch(e: dict) -> None:
         print(f"epoch {e['epoch'] + 1}/{args.epochs}: {e['time_s']:.2f} s, "
@@ -264,12 +268,6 @@ def _cmd_train(args) -> int:
     print(f"  peak memory    : {'n/a on a CPU' if peak is None else f'{peak:.1f} MiB'}")
     print(f"  test accuracy  : {100 * s['accuracy']:.1f}%")
     print(f"  skipped steps  : {s['skipped_steps']}")
-    claim = ARTICLE_B2.get(s["precision"])
-    if claim:
-        flag = "fp32" if s["precision"] == "fp32" else "amp"
-        print(f"  article B (claim B2; RTX 3090, its own model and data): --precision {flag} "
-              f"took about {claim['memory_gb']} GB and {claim['epoch_s']} s per epoch; run this "
-              f"command with --precision fp32 and with --precision amp to compare")
     if args.json is not None:
         from .env import probe
 
@@ -279,7 +277,7 @@ def _cmd_train(args) -> int:
                "env": probe().as_dict(), "summary": s, "epochs": run.epochs,
                "history": run.history.columns()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_json_safe(doc), indent=1))
+        args.json.write_text(json.dumps(json_safe(doc), indent=1))
         print(f"wrote {args.json}")
     return 0
 

@@ -35,7 +35,6 @@ import datetime as _dt
 import gc
 import importlib
 import json
-import math
 import os
 import socket
 import statistics
@@ -54,14 +53,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ._validate import check_choice, check_int
+from .precision import HALF_DTYPES, PRECISIONS
+from .tables import text_table
+
 BACKENDS = ("nccl", "gloo")
 STRATEGIES = ("ddp", "ddp_zero", "fsdp2")
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 OPTIMIZERS = ("sgd", "adamw")
 MODELS = ("mlp", "small_cnn", "resnet18", "resnet50", "tiny_transformer")
 WORLD_SIZES = (1, 2, 4, 8)
 MIB, GIB = 2**20, 2**30
-_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 CLAIM_R10 = ("article R, claim R10: on several 8 GB cards, AMP + ZeRO stage 1 saves 60-70% of "
              "GPU memory")
@@ -69,9 +70,6 @@ CLAIM_R10_RANGE = (0.60, 0.70)
 
 
 # --- checks -------------------------------------------------------------------------------------
-
-from ._validate import _check_choice, _check_int  # noqa: E402 - shared checks
-
 
 def _cpu_count() -> int:
     try:
@@ -89,7 +87,7 @@ def default_backend() -> str:
 
 def device_slots(backend: str) -> int:
     """How many processes ``backend`` can run here: one per GPU (nccl), one per CPU core (gloo)."""
-    _check_choice("backend", backend, BACKENDS)
+    check_choice("backend", backend, BACKENDS)
     if backend == "nccl":
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     return _cpu_count()
@@ -101,7 +99,7 @@ def check_backend(backend: Optional[str] = None) -> str:
         raise ValueError("torch.distributed is not available in this PyTorch build")
     if backend is None:
         return default_backend()
-    _check_choice("backend", backend, BACKENDS)
+    check_choice("backend", backend, BACKENDS)
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA GPUs and this machine has none; "
@@ -115,7 +113,7 @@ def check_backend(backend: Optional[str] = None) -> str:
 
 def check_world_size(world_size: int, backend: str) -> None:
     """``ValueError`` when ``world_size`` asks for more processes than ``backend`` has devices."""
-    _check_int("world_size", world_size, 1)
+    check_int("world_size", world_size, 1)
     slots = device_slots(backend)
     if world_size > slots:
         what = "CUDA devices" if backend == "nccl" else "CPU cores"
@@ -376,15 +374,15 @@ class RunConfig:
     def __post_init__(self):
         if self.precision == "amp":
             object.__setattr__(self, "precision", "fp16")
-        _check_choice("model", self.model, MODELS)
-        _check_choice("strategy", self.strategy, STRATEGIES)
-        _check_choice("precision", self.precision, PRECISIONS + ("amp",))
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_int("batch_size", self.batch_size, 1)
-        _check_int("image_size", self.image_size, 8)
-        _check_int("steps", self.steps, 1)
-        _check_int("warmup", self.warmup, 0)
-        _check_int("seed", self.seed, 0)
+        check_choice("model", self.model, MODELS)
+        check_choice("strategy", self.strategy, STRATEGIES)
+        check_choice("precision", self.precision, PRECISIONS + ("amp",))
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("image_size", self.image_size, 8)
+        check_int("steps", self.steps, 1)
+        check_int("warmup", self.warmup, 0)
+        check_int("seed", self.seed, 0)
         if not isinstance(self.model_kwargs, dict):
             raise ValueError(f"model_kwargs must be a dict; got {self.model_kwargs!r}")
         if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 10):
@@ -408,7 +406,7 @@ def grid(configs: Sequence[RunConfig], world_sizes: Sequence[int]) -> List[Tuple
     if not configs or not world_sizes:
         raise ValueError("grid needs at least one config and one world size")
     for n in world_sizes:
-        _check_int("world size", n, 1)
+        check_int("world size", n, 1)
     return [(c, n) for n in world_sizes for c in configs]
 
 
@@ -491,7 +489,7 @@ def fsdp2_shard(model: nn.Module, precision: str, mesh) -> nn.Module:
     own unit with fp32 parameters (as FSDP1 did by default): their running statistics are fp32.
     """
     fully_shard, MixedPrecisionPolicy = _fsdp_api()
-    half = _HALF.get(precision)
+    half = HALF_DTYPES.get(precision)
     policy = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half
               else MixedPrecisionPolicy())
     if half:
@@ -825,11 +823,11 @@ class SweepResult:
 
     def per_rank_table(self) -> str:
         """Every rank's step time, examples/s, peak memory and state it holds, as text."""
-        return format_table(self.rows, PER_RANK_COLUMNS)
+        return text_table(self.rows, PER_RANK_COLUMNS)
 
     def scaling_table(self) -> str:
         """The summary as text: throughput, efficiency and per-rank memory per world size."""
-        return format_table(self.summary(), SUMMARY_COLUMNS)
+        return text_table(self.summary(), SUMMARY_COLUMNS)
 
 
 def run_experiments(plan: Sequence[Tuple[RunConfig, int]], backend: Optional[str] = None,
@@ -845,7 +843,7 @@ def run_experiments(plan: Sequence[Tuple[RunConfig, int]], backend: Optional[str
     for item in plan:
         if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], RunConfig)):
             raise ValueError(f"plan items must be (RunConfig, world_size) pairs; got {item!r}")
-        _check_int("world size", item[1], 1)
+        check_int("world size", item[1], 1)
     backend = check_backend(backend)
     launched = max(n for _, n in plan)
     check_world_size(launched, backend)
@@ -866,35 +864,8 @@ SUMMARY_COLUMNS = (("label", "run"), ("world_size", "ranks"), ("per_s", "example
                    ("optimizer_state_mib", "opt. state MiB/rank"), ("final_loss", "last loss"))
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}" if abs(value) < 1 \
-            else f"{value:.1f}"
-    return str(value)
 
 
-def format_table(rows: Sequence[Dict[str, Any]], columns: Sequence[Tuple[str, ...]]) -> str:
-    """``rows`` as an aligned text table of ``columns``: ``(key, heading)`` or ``(key, heading,
-    format)`` tuples (a ``str.format`` pattern such as ``"{:.0%}"``); ``None`` reads "n/a"."""
-    if not columns:
-        raise ValueError("columns must name at least one (key, heading) pair")
-
-    def cell(row, col):
-        value = row.get(col[0])
-        return col[2].format(value) if len(col) > 2 and value is not None else _fmt(value)
-    cells = [[cell(r, c) for c in columns] for r in rows]
-    widths = [max([len(c[1])] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
-    text = [isinstance(rows[0].get(c[0]), str) if rows else True for c in columns]
-
-    def line(values):
-        return "  ".join(v.ljust(w) if t else v.rjust(w)
-                         for v, w, t in zip(values, widths, text)).rstrip()
-    return "\n".join([line([c[1] for c in columns]), line(["-" * w for w in widths])]
-                      + [line(c) for c in cells])
 
 
 def zero_savings(result: SweepResult, baseline: str, zero: str, world_size: int) -> Dict[str, Any]:

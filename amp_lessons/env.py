@@ -45,6 +45,25 @@ def get_profile(value: Optional[str] = None) -> str:
     return value
 
 
+SIMULATE_VARIABLE = "AMP_LESSONS_SIMULATE"
+SIMULATED_CARDS = ("t4",)
+
+
+def simulated_card() -> Optional[str]:
+    """The card ``AMP_LESSONS_SIMULATE`` asks the lessons to behave as (``"t4"``), or None.
+
+    Under ``t4`` a bigger GPU takes Colab's and Kaggle's path: bf16 and TF32 count as unsupported
+    and ``probe`` reports a 15 GiB card, so every lesson's skips and batch sizes are the T4's.
+    """
+    value = os.environ.get(SIMULATE_VARIABLE, "").strip().lower()
+    if not value:
+        return None
+    if value not in SIMULATED_CARDS:
+        raise ValueError(f"{SIMULATE_VARIABLE} must be one of {', '.join(SIMULATED_CARDS)} "
+                         f"(or unset); got {value!r}")
+    return value
+
+
 def default_device() -> torch.device:
     """The device lessons train on: the current CUDA device if there is one, else the CPU."""
     if torch.cuda.is_available():

@@ -2,7 +2,7 @@
 
 Introduced in lesson 01 (``notebooks/01_fp16_ranges_and_underflow.ipynb``), reused by lesson 03.
 
-- ``FORMATS`` / ``format_table()``: fp32, tf32, fp16, bf16, fp8 e4m3fn and e5m2 as IEEE 754 and
+- ``FORMATS`` / ``format_facts()``: fp32, tf32, fp16, bf16, fp8 e4m3fn and e5m2 as IEEE 754 and
   the OCP 8-bit floating point specification define them: exponent and mantissa bits, largest
   finite value, smallest normal and subnormal, machine epsilon, decimal digits.
 - ``round_to`` / ``round_trip`` / ``decode``: a value rounded to a format (round to nearest, ties
@@ -29,14 +29,16 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+
+
 __all__ = [
-    "FormatInfo", "FORMATS", "FORMAT_NAMES", "get_format", "format_table", "format_table_text",
+    "FormatInfo", "FORMATS", "FORMAT_NAMES", "get_format", "format_facts", "format_facts_text",
     "round_to", "RoundTrip", "round_trip", "Decoded", "decode", "bits_table_text",
     "Classification", "classify", "scaled_fractions", "underflow_fraction", "scale_sweep",
     "gradient_summary", "gradient_summary_text", "collect_gradients",
     "measure_limits", "RangeClaim", "check_range_claim", "range_claims_text",
     "accumulate", "KINDS", "band_limits", "SWAMPING_RUNS", "swamping_runs", "swamping_rows",
-    "text_table", "best_scale_exponent", "scale_report", "autocast_dtypes",
+    "best_scale_exponent", "scale_report", "autocast_dtypes",
 ]
 
 # --- the formats ---------------------------------------------------------------------------------
@@ -181,7 +183,7 @@ def _pow2(value: float) -> str:
     return f"2^{exponent - 1}" if mantissa == 0.5 else ""
 
 
-def format_table(names: Optional[Sequence[str]] = None) -> List[dict]:
+def format_facts(names: Optional[Sequence[str]] = None) -> List[dict]:
     """One row (a dict) per format: layout, limits, epsilon, decimal digits, infinity."""
     infos = [get_format(n) for n in (names or FORMAT_NAMES)]
     return [dict(format=f.name, bits=f.bits, layout=f.layout, exponent_bits=f.exponent_bits,
@@ -191,12 +193,12 @@ def format_table(names: Optional[Sequence[str]] = None) -> List[dict]:
             for f in infos]
 
 
-def format_table_text(names: Optional[Sequence[str]] = None) -> str:
-    """``format_table`` as fixed-width text: the same on every machine (a checked notebook cell)."""
+def format_facts_text(names: Optional[Sequence[str]] = None) -> str:
+    """``format_facts`` as fixed-width text: the same on every machine (a checked notebook cell)."""
     head = ("format", "s/e/m", "max", "smallest normal", "smallest subnormal", "eps",
             "digits", "inf")
     rows = []
-    for r in format_table(names):
+    for r in format_facts(names):
         rows.append((r["format"], r["layout"], f"{r['max']:.5g}",
                      f"{r['smallest_normal']:.3e} = {_pow2(r['smallest_normal'])}",
                      f"{r['smallest_subnormal']:.3e} = {_pow2(r['smallest_subnormal'])}",
@@ -843,23 +845,6 @@ def swamping_rows(runs: Mapping[str, np.ndarray], update: float, start: float = 
     return rows
 
 
-def text_table(rows: Sequence[Mapping], formats: Optional[Mapping[str, str]] = None) -> str:
-    """Rows of dicts as fixed-width text; ``formats`` maps a column to a format spec (``".4g"``)."""
-    if not rows:
-        raise ValueError("rows must hold at least one row")
-    formats = formats or {}
-    head = list(rows[0].keys())
-
-    def cell(col, v):
-        if col in formats and isinstance(v, (int, float)) and not isinstance(v, bool):
-            return format(v, formats[col])
-        return repr(v) if isinstance(v, float) else str(v)
-
-    body = [[cell(c, r.get(c)) for c in head] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head] + body]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def best_scale_exponent(sweep_rows: Sequence[Mapping]) -> int:

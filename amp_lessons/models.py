@@ -295,3 +295,20 @@ class TinyTransformer(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of ``B x T x V`` logits against ``B x T`` target ids (in fp32)."""
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# --- the digits models of lessons 02 and 03 -----------------------------------------------------
+
+def build_digits_model(name: str = "cnn", width: int = 32) -> "tuple[nn.Module, int | None]":
+    """A fresh digits model and the input it wants: ``("simplenet" | "mlp" | "cnn")`` ->
+    ``(model, image_size)`` where image_size None means flat 64-vectors."""
+    if name == "simplenet":
+        return SimpleNet(), None
+    if name == "mlp":
+        return MLP(hidden=(4 * width, 2 * width)), None
+    if name == "cnn":
+        return SmallCNN(width=width), 32
+    raise ValueError(f"model must be one of {', '.join(DIGITS_MODELS)}; got {name!r}")
+
+
+DIGITS_MODELS = ("simplenet", "mlp", "cnn")

@@ -24,183 +24,27 @@ copy), so a skipped step leaves the whole model exactly as it was.
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import math
-import os
-import random
-import statistics
-import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
-PRECISION_ALIASES = {"amp": "fp16"}
+from ._validate import check_bool, check_positive, is_real
+from .checkpoint import atomic_save, rng_state, set_rng_state
+from .precision import (PRECISION_ALIASES, PRECISIONS, Device, as_device, autocast_for,
+                        check_precision, normalize_precision, precision_settings)
+from .records import History, StepRecord
+
 EVAL_PRECISIONS = ("same",) + PRECISIONS
 CHECKPOINT_FORMAT = "amp-lessons-trainer/1"
 
-_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-Device = Union[str, int, torch.device, None]
-
-
-# --- precision -----------------------------------------------------------------------------------
-
-def _as_device(device: Device) -> torch.device:
-    if device is None:
-        return torch.device("cpu")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    return torch.device(device)
-
-
-def normalize_precision(precision: str) -> str:
-    """``"AMP"`` -> ``"fp16"``, ``" bf16 "`` -> ``"bf16"``; ValueError for anything not in PRECISIONS."""
-    if not isinstance(precision, str):
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (or 'amp' for fp16); "
-                         f"got {precision!r}")
-    name = precision.strip().lower()
-    name = PRECISION_ALIASES.get(name, name)
-    if name not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (or 'amp' for fp16); "
-                         f"got {precision!r}")
-    return name
-
-
-@lru_cache(maxsize=None)
-def _fp16_problem(device_type: str) -> Optional[str]:
-    """Why fp16 autocast + GradScaler cannot run on this device type, or None when it can."""
-    if not hasattr(torch.amp, "GradScaler"):
-        return "this torch has no torch.amp.GradScaler (needs torch >= 2.3)"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # an unsupported dtype only warns and disables autocast
-            a = torch.ones(2, 2, device=device_type)
-            with torch.autocast(device_type=device_type, dtype=torch.float16):
-                out = a @ a
-            if out.dtype != torch.float16:
-                return f"torch {torch.__version__} has no float16 autocast on {device_type}"
-            grads = [torch.ones(2, device=device_type)]
-            found = torch.zeros((), device=device_type)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, torch.ones((), device=device_type))
-            torch.amp.GradScaler(device_type)
-    except Exception as exc:  # noqa: BLE001 - any failure means "cannot run here"
-        return f"torch {torch.__version__} cannot run fp16 AMP on {device_type}: {exc}"
-    return None
-
-
-def _cuda_bf16_native() -> bool:
-    try:
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:  # torch < 2.3 has no including_emulation
-        return torch.cuda.get_device_capability() >= (8, 0)
-
-
-def check_precision(precision: str, device: Device = None) -> str:
-    """Normalise ``precision`` (``"amp"`` -> ``"fp16"``) and make sure it can run on ``device``.
-
-    Raises ValueError naming the setting and why: an unknown name, a CUDA device without CUDA,
-    fp16 where this torch cannot autocast/scale fp16, bf16 on a GPU without native bf16 (a T4:
-    torch would emulate it, slowly). ``tf32`` runs everywhere; off CUDA it is plain fp32.
-    """
-    name = normalize_precision(precision)
-    dev = _as_device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device must be an available device; got {dev} but CUDA is not available")
-    if name == "fp16":
-        problem = _fp16_problem(dev.type)
-        if problem:
-            raise ValueError(f"precision 'fp16' cannot run on {dev.type}: {problem}; "
-                             f"use fp32 or bf16")
-    if name == "bf16" and dev.type == "cuda" and not _cuda_bf16_native():
-        gpu = torch.cuda.get_device_name(dev)
-        major, minor = torch.cuda.get_device_capability(dev)
-        raise ValueError(f"precision 'bf16' needs a GPU with native bfloat16 (compute capability "
-                         f">= 8.0); {gpu} has {major}.{minor}, where torch would only emulate it. "
-                         f"Use fp16 (autocast + GradScaler) instead")
-    return name
-
-
-def autocast_for(precision: str, device_type: str):
-    """The autocast context of a precision: ``torch.autocast`` for fp16/bf16, a no-op otherwise."""
-    name = normalize_precision(precision)
-    if name in _HALF:
-        return torch.autocast(device_type=device_type, dtype=_HALF[name])
-    return contextlib.nullcontext()
-
-
-def _tf32_api() -> str:
-    """``"new"`` where torch has the fp32_precision switches (torch >= 2.9), else ``"legacy"``."""
-    try:
-        torch.backends.cuda.matmul.fp32_precision  # noqa: B018 - probing
-        torch.backends.cudnn.conv.fp32_precision  # noqa: B018
-        return "new"
-    except (AttributeError, RuntimeError):
-        return "legacy"
-
-
-def _get_tf32() -> Tuple[str, Any, Any]:
-    if _tf32_api() == "new":
-        return ("new", torch.backends.cuda.matmul.fp32_precision,
-                torch.backends.cudnn.conv.fp32_precision)
-    return ("legacy", torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-
-
-def _set_tf32(state: Tuple[str, Any, Any]) -> None:
-    api, matmul, conv = state
-    if api == "new":
-        torch.backends.cuda.matmul.fp32_precision = matmul
-        torch.backends.cudnn.conv.fp32_precision = conv
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = matmul
-        torch.backends.cudnn.allow_tf32 = conv
-
-
-def _tf32_target(on: bool) -> Tuple[str, Any, Any]:
-    if _tf32_api() == "new":
-        value = "tf32" if on else "ieee"
-        return ("new", value, value)
-    return ("legacy", on, on)
-
-
-@contextlib.contextmanager
-def precision_settings(precision: str, device: Device = None):
-    """Within the block, TF32 is off for ``fp32`` and on for ``tf32`` (matmuls and cuDNN
-    convolutions); fp16/bf16 leave the switches as they are. The previous settings come back on
-    exit. Uses ``fp32_precision`` where torch has it (>= 2.9), else the ``allow_tf32`` flags, so no
-    deprecation warning is triggered.
-    """
-    name = normalize_precision(precision)
-    if name not in ("fp32", "tf32"):
-        yield
-        return
-    before = _get_tf32()
-    target = _tf32_target(name == "tf32")
-    if before == target:
-        yield
-        return
-    _set_tf32(target)
-    try:
-        yield
-    finally:
-        _set_tf32(before)
-
 
 # --- scaler settings -----------------------------------------------------------------------------
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
 
 @dataclass(frozen=True)
 class ScalerSettings:
@@ -217,11 +61,11 @@ class ScalerSettings:
     enabled: bool = True
 
     def __post_init__(self):
-        if not _is_real(self.init_scale) or self.init_scale <= 0:
+        if not is_real(self.init_scale) or self.init_scale <= 0:
             raise ValueError(f"init_scale must be a finite number > 0; got {self.init_scale!r}")
-        if not _is_real(self.growth_factor) or self.growth_factor <= 1:
+        if not is_real(self.growth_factor) or self.growth_factor <= 1:
             raise ValueError(f"growth_factor must be a finite number > 1; got {self.growth_factor!r}")
-        if not _is_real(self.backoff_factor) or not 0 < self.backoff_factor < 1:
+        if not is_real(self.backoff_factor) or not 0 < self.backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in the open interval (0, 1); "
                              f"got {self.backoff_factor!r}")
         if (not isinstance(self.growth_interval, int) or isinstance(self.growth_interval, bool)
@@ -269,16 +113,6 @@ class ScalerSettings:
 
 # --- configuration -------------------------------------------------------------------------------
 
-def _optional_positive(name: str, value) -> None:
-    if value is not None and (not _is_real(value) or value <= 0):
-        raise ValueError(f"{name} must be None or a finite number > 0; got {value!r}")
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False; got {value!r}")
-
-
 @dataclass
 class TrainConfig:
     """Everything the loop does besides model, optimizer and data. Validated when built.
@@ -309,8 +143,8 @@ class TrainConfig:
         self.precision = normalize_precision(self.precision)
         if not isinstance(self.scaler, ScalerSettings):
             raise ValueError(f"scaler must be a ScalerSettings; got {type(self.scaler).__name__}")
-        _optional_positive("clip_norm", self.clip_norm)
-        _optional_positive("clip_value", self.clip_value)
+        check_positive("clip_norm", self.clip_norm, optional=True)
+        check_positive("clip_value", self.clip_value, optional=True)
         if self.clip_norm is not None and self.clip_value is not None:
             raise ValueError("clip_norm and clip_value: set at most one of them; got both")
         if (not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool)
@@ -324,7 +158,7 @@ class TrainConfig:
         self.eval_precision = name
         for flag in ("skip_safe_batchnorm", "channels_last", "progress", "track_grad_norm",
                      "track_memory"):
-            _check_bool(flag, getattr(self, flag))
+            check_bool(flag, getattr(self, flag))
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or self.seed < 0):
             raise ValueError(f"seed must be None or a whole number >= 0; got {self.seed!r}")
@@ -334,150 +168,6 @@ class TrainConfig:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "scaler"}
         out["scaler"] = self.scaler.as_dict()
         return out
-
-
-# --- history -------------------------------------------------------------------------------------
-
-class _Lazy:
-    """A StepRecord field that may hold a device tensor (or a pair of CUDA events) until first read.
-
-    Reading it converts to a Python number once and caches it; the trainer never waits for the GPU.
-    """
-
-    def __init__(self, kind: str):
-        self.kind = kind  # "float" | "bool" | "events"
-
-    def __set_name__(self, owner, name):
-        self.slot = "_" + name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return None  # the dataclass default
-        value = obj.__dict__.get(self.slot)
-        if isinstance(value, torch.Tensor):
-            value = _to_python(value.item(), self.kind)
-            obj.__dict__[self.slot] = value
-        elif isinstance(value, tuple):  # (start, end) CUDA events
-            value[1].synchronize()
-            value = value[0].elapsed_time(value[1]) / 1e3
-            obj.__dict__[self.slot] = value
-        return value
-
-    def __set__(self, obj, value):
-        obj.__dict__[self.slot] = value
-
-    def pending(self, obj):
-        """The raw tensor if not yet materialised, else None."""
-        value = obj.__dict__.get(self.slot)
-        return value if isinstance(value, torch.Tensor) else None
-
-
-def _to_python(value, kind: str):
-    return bool(value) if kind == "bool" else float(value)
-
-
-@dataclass
-class StepRecord:
-    """One optimizer step. Numbers read as Python values (materialised lazily from the device).
-
-    ``loss``: mean training loss over the step's micro-batches; ``scale``: the loss scale used for
-    this step's backward (1.0 without a scaler); ``skipped``: the scaler skipped the optimizer step
-    (inf/NaN gradients); ``grad_norm``: total 2-norm of the unscaled gradients before clipping
-    (None when not tracked); ``lr``: learning rate of the first parameter group during the step;
-    ``time_s``: the step's duration (CUDA events on a GPU, wall clock on a CPU);
-    ``peak_memory_bytes``: the step's peak allocated CUDA memory (None on a CPU).
-    """
-
-    step: int
-    epoch: int
-    loss: float = _Lazy("float")
-    scale: float = _Lazy("float")
-    skipped: bool = _Lazy("bool")
-    grad_norm: Optional[float] = _Lazy("float")
-    lr: Optional[float] = _Lazy("float")
-    time_s: Optional[float] = _Lazy("events")
-    peak_memory_bytes: Optional[int] = None
-
-
-STEP_FIELDS = ("step", "epoch", "loss", "scale", "skipped", "grad_norm", "lr", "time_s",
-               "peak_memory_bytes")
-_LAZY_FIELDS = ("loss", "scale", "skipped", "grad_norm", "lr")
-
-
-class History(list):
-    """The StepRecords of a run, in order, plus ``epochs``: one summary dict per finished epoch
-    (epoch, steps, time_s, peak_memory_bytes, train_loss, skipped, and test_loss/test_accuracy
-    when an evaluation loader was given)."""
-
-    def __init__(self, records: Iterable[StepRecord] = (), epochs: Iterable[dict] = ()):
-        super().__init__(records)
-        self.epochs: List[dict] = list(epochs)
-
-    def materialize(self) -> "History":
-        """Read every pending device value with one device-to-host copy per field (and the step
-        times of CUDA events, releasing the events)."""
-        timed = [r for r in self if isinstance(r.__dict__.get("_time_s"), tuple)]
-        if timed:
-            timed[-1].__dict__["_time_s"][1].synchronize()
-            for r in timed:
-                start, end = r.__dict__["_time_s"]
-                r.time_s = start.elapsed_time(end) / 1e3
-        for name in _LAZY_FIELDS:
-            descriptor = StepRecord.__dict__[name]
-            pending = [(r, descriptor.pending(r)) for r in self]
-            pending = [(r, t) for r, t in pending if t is not None]
-            by_device: Dict[torch.device, list] = {}
-            for r, t in pending:
-                by_device.setdefault(t.device, []).append((r, t))
-            for items in by_device.values():
-                values = torch.stack([t.reshape(()).float() for _, t in items]).tolist()
-                for (r, _), v in zip(items, values):
-                    setattr(r, name, _to_python(v, descriptor.kind))
-        return self
-
-    def columns(self) -> Dict[str, list]:
-        """Plain data for plots: ``{field: [value per step]}`` for every StepRecord field."""
-        self.materialize()
-        return {name: [getattr(r, name) for r in self] for name in STEP_FIELDS}
-
-    @property
-    def skipped_steps(self) -> int:
-        """How many optimizer steps the scaler skipped."""
-        self.materialize()
-        return sum(1 for r in self if r.skipped)
-
-    @property
-    def skipped_step_numbers(self) -> List[int]:
-        """The ``step`` numbers of the skipped steps."""
-        self.materialize()
-        return [r.step for r in self if r.skipped]
-
-    def to_json(self, path: Union[str, Path, None] = None, indent: Optional[int] = None) -> str:
-        """Steps and epochs as strict JSON (non-finite numbers become null); written to ``path``
-        when given."""
-        text = json.dumps(_json_safe({"steps": self.columns(), "epochs": self.epochs}),
-                          indent=indent)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    @classmethod
-    def from_columns(cls, columns: Dict[str, list], epochs: Iterable[dict] = ()) -> "History":
-        """Rebuild a History from ``columns()`` output (used when loading a checkpoint)."""
-        n = len(columns.get("step", []))
-        records = [StepRecord(**{name: columns[name][i] for name in STEP_FIELDS})
-                   for i in range(n)]
-        return cls(records, [dict(e) for e in epochs])
-
-
-def _json_safe(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 # --- hooks ---------------------------------------------------------------------------------------
@@ -562,60 +252,6 @@ class _BatchNormGuard:
             torch._foreach_copy_(views, splits)
 
 
-# --- checkpoint files ----------------------------------------------------------------------------
-
-def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
-    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``.
-
-    A failure at any point leaves the previous file at ``path`` untouched and no temporary file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def rng_state() -> dict:
-    """Python's, NumPy's and torch's (CPU and initialised CUDA) generator states, as tensors and
-    plain numbers only, so ``torch.load(weights_only=True)`` reads them."""
-    version, internal, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                   "gauss": gauss},
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what ``rng_state()`` returned."""
-    torch.set_rng_state(state["torch"].cpu())
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    npy = state["numpy"]
-    np.random.set_state(("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda_states = [s.cpu() for s in state["cuda"]]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
-
-
 # --- the trainer ---------------------------------------------------------------------------------
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -631,7 +267,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _set_loader_epoch(loader, epoch: int) -> None:
+def set_loader_epoch(loader, epoch: int) -> None:
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
     elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
@@ -702,7 +338,7 @@ class Trainer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer; "
                              f"got {type(optimizer).__name__}")
-        self.device = _as_device(device) if device is not None else _model_device(model)
+        self.device = as_device(device) if device is not None else _model_device(model)
         self.config.precision = check_precision(self.config.precision, self.device)
         if self.config.eval_precision != "same":
             check_precision(self.config.eval_precision, self.device)
@@ -945,7 +581,7 @@ class Trainer:
 
         acc, taken = self.config.accumulate, 0
         for _ in range(epochs):
-            _set_loader_epoch(loader, self.epoch)
+            set_loader_epoch(loader, self.epoch)
             skip = self._batches_done
             try:
                 remaining = max(0, len(loader) - skip)
@@ -1091,477 +727,3 @@ class Trainer:
         self.history = History.from_columns(state["history"]["steps"], state["history"]["epochs"])
         set_rng_state(state["rng"])
         return state
-
-
-# --- lesson 02: runs on the digits set -----------------------------------------------------------
-
-def build_digits_model(name: str = "cnn", width: int = 32) -> Tuple[nn.Module, Optional[int]]:
-    """A fresh digits model and the input it wants: ``("simplenet" | "mlp" | "cnn")`` ->
-    ``(model, image_size)`` where image_size None means flat 64-vectors."""
-    from .models import MLP, SimpleNet, SmallCNN
-
-    if name == "simplenet":
-        return SimpleNet(), None
-    if name == "mlp":
-        return MLP(hidden=(4 * width, 2 * width)), None
-    if name == "cnn":
-        return SmallCNN(width=width), 32
-    raise ValueError(f"model must be one of {', '.join(DIGITS_MODELS)}; got {name!r}")
-
-
-DIGITS_MODELS = ("simplenet", "mlp", "cnn")
-
-
-@dataclass
-class DigitsRun:
-    """What ``train_digits`` measured. ``epochs`` are History.epochs (per-epoch summaries)."""
-
-    precision: str
-    model: str
-    device: str
-    epochs: List[dict]
-    history: History
-    trainer: Optional[Trainer]
-    baseline_bytes: Optional[int] = None  # CUDA memory already allocated when the run began
-
-    @property
-    def epoch_time_s(self) -> Optional[float]:
-        """Median seconds per epoch, the first (warm-up) epoch left out when there are more."""
-        times = [e["time_s"] for e in self.epochs]
-        return statistics.median(times[1:] if len(times) > 1 else times) if times else None
-
-    @property
-    def peak_memory_mib(self) -> Optional[float]:
-        """Highest per-step peak of allocated CUDA memory, MiB, minus what was already allocated
-        when the run began (so runs made one after another compare fairly); None on a CPU."""
-        peaks = [e["peak_memory_bytes"] for e in self.epochs if e["peak_memory_bytes"] is not None]
-        if not peaks:
-            return None
-        return (max(peaks) - (self.baseline_bytes or 0)) / 2 ** 20
-
-    @property
-    def accuracy(self) -> Optional[float]:
-        """Test accuracy after the last epoch, as a fraction."""
-        return self.epochs[-1].get("test_accuracy") if self.epochs else None
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps the scaler skipped."""
-        return self.history.skipped_steps
-
-    def summary(self) -> dict:
-        """Plain data for tables and JSON."""
-        return {"precision": self.precision, "model": self.model, "device": self.device,
-                "epochs": len(self.epochs), "epoch_time_s": self.epoch_time_s,
-                "peak_memory_mib": self.peak_memory_mib, "accuracy": self.accuracy,
-                "skipped_steps": self.skipped_steps}
-
-
-def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
-                 batch_size: int = 64, lr: float = 0.05, width: int = 32,
-                 image_size: Optional[int] = None, scaler: Optional[ScalerSettings] = None,
-                 clip_norm: Optional[float] = None, accumulate: int = 1,
-                 eval_precision: str = "same", device: Device = None, seed: int = 0,
-                 progress: bool = True, checkpoint: Union[str, Path, None] = None,
-                 resume: Union[str, Path, None] = None, hooks: Sequence[Hooks] = (),
-                 on_epoch: Optional[Callable[[dict], None]] = None,
-                 lr_schedule: str = "constant") -> DigitsRun:
-    """Train a digits model (SGD, momentum 0.9) and evaluate it on the test split every epoch.
-
-    ``lr_schedule``: ``"constant"`` (``lr`` throughout) or ``"cosine"`` (``lr`` decayed to 0 over
-    ``epochs``; the schedule then depends on the total, so resume with the same ``epochs``).
-
-    ``epochs`` is the total: a run resumed from ``resume`` trains only the epochs still missing.
-    ``checkpoint``: saved (atomically) after every epoch. ``image_size`` overrides the CNN's 32.
-    ``on_epoch`` gets each epoch's summary as it finishes (the CLI prints it).
-    """
-    from .data import digits_loaders
-
-    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("width", width)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
-    if not _is_real(lr) or lr <= 0:
-        raise ValueError(f"lr must be a finite number > 0; got {lr!r}")
-    if lr_schedule not in ("constant", "cosine"):
-        raise ValueError(f"lr_schedule must be 'constant' or 'cosine'; got {lr_schedule!r}")
-    dev = _as_device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
-    precision = check_precision(precision, dev)
-    baseline = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
-    torch.manual_seed(seed)
-    net, size = build_digits_model(model, width)
-    if image_size is not None and size is not None:
-        size = image_size
-    train, test = digits_loaders(batch_size, size, dev, seed)
-    config = TrainConfig(precision=precision, scaler=scaler or ScalerSettings(),
-                         clip_norm=clip_norm, accumulate=accumulate,
-                         eval_precision=eval_precision, progress=progress, seed=seed)
-    net.to(dev)
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    schedule = None
-    if lr_schedule == "cosine":
-        # Decay to zero over the run: the final weights settle, so precisions are compared on
-        # converged runs, not on where a constant learning rate happened to leave them.
-        steps = epochs * -(-len(train) // accumulate)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    trainer = Trainer(net, opt, config, device=dev, scheduler=schedule, hooks=hooks)
-    if resume is not None:
-        trainer.load_checkpoint(resume)
-    while trainer.epoch < epochs:
-        trainer.fit(train, epochs=1, eval_loader=test)
-        if checkpoint is not None:
-            trainer.save_checkpoint(checkpoint)
-        if on_epoch is not None:
-            on_epoch(trainer.history.epochs[-1])
-    return DigitsRun(precision, model, str(dev), trainer.history.epochs, trainer.history, trainer,
-                     baseline)
-
-
-def compare_precisions(precisions: Sequence[str] = ("fp32", "fp16"), device: Device = None,
-                       **train_kwargs) -> List[dict]:
-    """Run ``train_digits`` once per precision from the same seed and initial weights.
-
-    Returns one row per precision: precision, ran, reason (why it could not run here, else ""),
-    epoch_time_s, peak_memory_mib, accuracy_pct, skipped_steps, and run (the DigitsRun, its
-    trainer dropped so that its model and optimizer state free their memory; None if not run).
-    """
-    dev = _as_device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
-    rows = []
-    for p in precisions:
-        row = {"precision": normalize_precision(p), "ran": False, "reason": "",
-               "epoch_time_s": None, "peak_memory_mib": None, "accuracy_pct": None,
-               "skipped_steps": None, "run": None}
-        try:
-            check_precision(p, dev)
-        except ValueError as exc:
-            row["reason"] = str(exc)
-            rows.append(row)
-            continue
-        run = train_digits(p, device=dev, **train_kwargs)
-        run.trainer = None  # free this run's device memory before the next one is measured
-        row.update(ran=True, epoch_time_s=run.epoch_time_s, peak_memory_mib=run.peak_memory_mib,
-                   accuracy_pct=100 * run.accuracy, skipped_steps=run.skipped_steps, run=run)
-        rows.append(row)
-    return rows
-
-
-# --- lesson 02: what autocast does, and the usual mistakes run on purpose -----------------------
-
-def dtype_label(dtype: torch.dtype, low: torch.dtype) -> str:
-    """``"16-bit"`` for the autocast dtype ``low`` (fp16 or bf16), else the dtype's short name, so
-    a table reads the same whichever half type a device uses."""
-    return "16-bit" if dtype == low else str(dtype).replace("torch.", "")
-
-
-@dataclass
-class AutocastReport:
-    """What one forward + backward under autocast produced (``autocast_dtypes``).
-
-    ``layers``: ``(name, kind, output dtype, dtype of the gradient flowing back into that
-    output)`` per leaf module, in call order; ``loss``: the loss's dtype; ``parameters`` and
-    ``gradients``: the set of dtypes of the parameters and of their ``.grad``; ``low``: the
-    autocast dtype; ``input``: the input batch's dtype.
-    """
-
-    layers: List[Tuple[str, str, torch.dtype, Optional[torch.dtype]]]
-    loss: torch.dtype
-    parameters: set
-    gradients: set
-    low: torch.dtype
-    input: torch.dtype
-
-    def rows(self) -> List[dict]:
-        """Plain rows with dtype labels ("16-bit" = the autocast dtype)."""
-        lab = lambda d: "-" if d is None else dtype_label(d, self.low)  # noqa: E731
-        out = [{"what": "input batch", "kind": "data", "dtype": lab(self.input), "grad": "-"}]
-        out += [{"what": name, "kind": kind, "dtype": lab(dt), "grad": lab(gd)}
-                for name, kind, dt, gd in self.layers]
-        out.append({"what": "loss", "kind": "cross_entropy", "dtype": lab(self.loss), "grad": "-"})
-        out.append({"what": "every parameter", "kind": "weights",
-                    "dtype": ", ".join(sorted(lab(d) for d in self.parameters)),
-                    "grad": ", ".join(sorted(lab(d) for d in self.gradients))})
-        return out
-
-    def format(self) -> str:
-        """A fixed-width table: output dtype and the dtype of the gradient that flows back."""
-        rows = self.rows()
-        widths = [max(len(r[k]) for r in rows + [dict(what="tensor", kind="layer", dtype="dtype",
-                                                           grad="gradient dtype")])
-                  for k in ("what", "kind", "dtype", "grad")]
-        head = ("tensor", "layer", "dtype", "gradient dtype")
-        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip(),
-                 "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(r[k].ljust(w) for k, w in zip(("what", "kind", "dtype", "grad"),
-                                                          widths)).rstrip() for r in rows]
-        return "\n".join(lines)
-
-
-def autocast_dtypes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_type: str,
-                    dtype: torch.dtype, loss_fn: Callable = F.cross_entropy) -> AutocastReport:
-    """Run one forward + backward of ``model`` under ``torch.autocast(device_type, dtype)`` and
-    record the dtype of every leaf layer's output, of the gradient flowing back into it, of the
-    loss, of the parameters and of their gradients (lesson 02, claim B5). Gradients are cleared
-    afterwards; BatchNorm statistics move as in any training forward."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16; got {dtype!r}")
-    layers: list = []
-    grads: Dict[int, torch.dtype] = {}
-    handles = []
-
-    def hook(module, inputs, output, name=None):
-        index = len(layers)
-        layers.append([name, type(module).__name__, output.dtype, None])
-        if output.requires_grad:
-            output.register_hook(lambda g, i=index: grads.__setitem__(i, g.dtype))
-
-    for name, module in model.named_modules():
-        if name and not list(module.children()):
-            handles.append(module.register_forward_hook(
-                lambda m, i, o, name=name: hook(m, i, o, name)))
-    was_training = model.training
-    model.train()
-    try:
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    report = AutocastReport(
-        layers=[(n, k, d, grads.get(i)) for i, (n, k, d, _) in enumerate(layers)],
-        loss=loss.dtype, parameters={p.dtype for p in model.parameters()},
-        gradients={p.grad.dtype for p in model.parameters() if p.grad is not None},
-        low=dtype, input=x.dtype)
-    model.zero_grad(set_to_none=True)
-    return report
-
-
-def claim_b5_verdicts(report: AutocastReport) -> List[dict]:
-    """Article B's claim B5 ("loss computed in FP16", "backward in FP16", gradients "restored to
-    FP32") against an ``autocast_dtypes`` report: one row per part, verdict computed."""
-    low = report.low
-    layer_grads = {g for _, _, _, g in report.layers if g is not None}
-    matmul_grads = {g for _, k, _, g in report.layers if k in ("Linear", "Conv2d") and g}
-    rows = [
-        {"claim": "B5: the loss is computed in FP16",
-         "measured": f"loss dtype {dtype_label(report.loss, low)}",
-         "verdict": "held" if report.loss == low else "did not hold: the loss is float32 "
-                    "(cross_entropy is on autocast's float32 list)"},
-        {"claim": "B5: backward runs in FP16",
-         "measured": "gradients into layer outputs: " + ", ".join(
-             sorted(dtype_label(d, low) for d in layer_grads)),
-         "verdict": ("partly: backward of 16-bit layers runs in 16-bit" if low in matmul_grads
-                     else "did not hold") + (", but the loss's backward is float32"
-                                              if report.loss != low else "")},
-        {"claim": "B5: gradients are restored to FP32",
-         "measured": "parameter gradients: " + ", ".join(
-             sorted(dtype_label(d, low) for d in report.gradients)),
-         "verdict": ("held in effect, but nothing is restored: the parameters never left float32;"
-                     " autocast's casts are recorded by autograd, whose backward returns float32"
-                     if report.gradients == {torch.float32} else "did not hold")},
-    ]
-    return rows
-
-
-class ClipBeforeUnscale(Hooks):
-    """Claim B3's order, on purpose: ``clip_grad_norm_`` while the gradients are still SCALED.
-
-    Records ``scaled_norms`` (the norm clip saw) and ``scales`` per step. The true gradient is then
-    clipped to ``max_norm / scale`` instead of ``max_norm``. Use with ``accumulate=1``.
-    """
-
-    def __init__(self, max_norm: float = 1.0):
-        _optional_positive("max_norm", max_norm)
-        self.max_norm = float(max_norm)
-        self.scaled_norms: List[float] = []
-        self.scales: List[float] = []
-
-    def after_backward(self, trainer: "Trainer", micro_step: int) -> None:
-        norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), self.max_norm)
-        self.scaled_norms.append(float(norm))
-        self.scales.append(float(trainer.scaler.get_scale()))
-
-
-def clip_order_experiment(max_norm: float = 1.0, device: Device = None, **train_kwargs) -> List[dict]:
-    """Train twice in fp16 from the same start: clipping before ``unscale_`` (claim B3 as shown)
-    and after it (PyTorch's order). One row each: the scale, the true gradient norm, the
-    threshold really applied to the true gradient, the norm of the gradient the optimizer used,
-    and the final test accuracy (medians over steps)."""
-    _optional_positive("max_norm", max_norm)
-    rows = []
-    for wrong in (True, False):
-        hook = ClipBeforeUnscale(max_norm) if wrong else None
-        run = train_digits("fp16", device=device, hooks=[hook] if hook else (),
-                           clip_norm=None if wrong else max_norm, **train_kwargs)
-        cols = run.history.columns()
-        ok = [i for i, s in enumerate(cols["skipped"]) if not s]
-        scales = [cols["scale"][i] for i in ok]
-        if wrong:
-            true = [hook.scaled_norms[i] / hook.scales[i] for i in ok]
-            used = [cols["grad_norm"][i] for i in ok]
-            thresholds = [max_norm / s for s in scales]
-        else:
-            true = [cols["grad_norm"][i] for i in ok]
-            used = [min(t, max_norm) for t in true]
-            thresholds = [max_norm for _ in ok]
-        rows.append({
-            "order": "clip, then unscale_ (claim B3 as shown)" if wrong
-            else "unscale_, then clip (PyTorch's order)",
-            "scale": statistics.median(scales), "true_grad_norm": statistics.median(true),
-            "threshold_applied": statistics.median(thresholds),
-            "grad_norm_used": statistics.median(used), "accuracy_pct": 100 * run.accuracy,
-            "skipped_steps": run.skipped_steps})
-    return rows
-
-
-def scheduler_on_skipped_steps(steps: int = 20, warmup: int = 40, init_scale: float = 2.0 ** 24,
-                               model: str = "mlp", batch_size: int = 64, lr: float = 0.05,
-                               device: Device = None, seed: int = 0) -> List[dict]:
-    """A linear warm-up schedule under fp16 with a scale high enough to overflow at first.
-
-    Runs the naive loop (``scheduler.step()`` every iteration) and the trainer (only after real
-    optimizer steps) from the same start. One row each: optimizer steps taken, steps skipped,
-    scheduler steps, the learning rate reached and what it should be after that many real steps,
-    and the warning torch gave (empty if none)."""
-    from .data import digits_loaders
-
-    for name, value in (("steps", steps), ("warmup", warmup)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
-    dev = _as_device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
-    check_precision("fp16", dev)
-    schedule = lambda s: min(1.0, (s + 1) / warmup)  # noqa: E731
-    rows = []
-    for naive in (True, False):
-        torch.manual_seed(seed)
-        net, size = build_digits_model(model)
-        net.to(dev)
-        train, _ = digits_loaders(batch_size, size, dev, seed)
-        data = [b for _, b in zip(range(steps), _cycle(train))]
-        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        settings = ScalerSettings(init_scale=init_scale)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if naive:
-                scaler, skipped = settings.make(dev.type), 0
-                for x, y in data:
-                    with torch.autocast(device_type=dev.type, dtype=torch.float16):
-                        loss = F.cross_entropy(net(x), y)
-                    scaler.scale(loss).backward()
-                    before = scaler.get_scale()
-                    scaler.step(opt)
-                    scaler.update()
-                    skipped += scaler.get_scale() < before
-                    sched.step()  # the mistake: also after a skipped step
-                    opt.zero_grad(set_to_none=True)
-            else:
-                trainer = Trainer(net, opt, TrainConfig(precision="fp16", scaler=settings,
-                                                        progress=False, seed=None),
-                                  scheduler=sched)
-                for batch in data:
-                    trainer.train_step([batch])
-                skipped = trainer.history.skipped_steps
-        messages = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
-        real = steps - int(skipped)
-        rows.append({"loop": "naive: scheduler.step() every iteration" if naive
-                     else "trainer: scheduler.step() only after a real step",
-                     "optimizer_steps": real, "skipped_steps": int(skipped),
-                     "scheduler_steps": sched.last_epoch,
-                     "lr": opt.param_groups[0]["lr"], "lr_expected": lr * schedule(real),
-                     "warning": messages[0] if messages else ""})
-    return rows
-
-
-def _cycle(loader):
-    epoch = 0
-    while True:
-        _set_loader_epoch(loader, epoch)
-        yield from loader
-        epoch += 1
-
-
-def half_model_errors(device: Device = None, model: str = "mlp") -> Dict[str, str]:
-    """What ``.half()`` on the model leads to under fp16 AMP: ``"torch"``: the error GradScaler
-    raises in ``step`` ("Attempting to unscale FP16 gradients."); ``"trainer"``: the trainer's
-    earlier, explained refusal. Messages as ``"ValueError: ..."``."""
-    from .data import digits_loaders
-
-    dev = _as_device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
-    check_precision("fp16", dev)
-    net, size = build_digits_model(model)
-    net = net.to(dev).half()  # the mistake
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler(dev.type)
-    x, y = next(iter(digits_loaders(32, size, dev)[0]))
-    with torch.autocast(device_type=dev.type, dtype=torch.float16):
-        loss = F.cross_entropy(net(x), y)
-    scaler.scale(loss).backward()
-    out = {}
-    try:
-        scaler.step(opt)
-        out["torch"] = ""
-    except ValueError as exc:
-        out["torch"] = f"ValueError: {exc}"
-    try:
-        Trainer(net, opt, TrainConfig(precision="fp16", progress=False, seed=None), device=dev)
-        out["trainer"] = ""
-    except ValueError as exc:
-        out["trainer"] = f"ValueError: {exc}"
-    return out
-
-
-# Article B's claims B1 and B2 (CLAIMS.md): the figures, and when a measurement counts as holding.
-ARTICLE_B2 = {"fp32": {"memory_gb": 10.2, "epoch_s": 18.7}, "fp16": {"memory_gb": 5.8, "epoch_s": 11.2}}
-B1_MEMORY_SAVED, B1_SPEEDUP, B2_MEMORY_SAVED, B2_TIME_SAVED = 0.40, 1.5, 0.40, 0.30
-
-
-def speed_memory_claims(rows: Sequence[dict], tensor_cores: bool) -> List[dict]:
-    """Claims B1 and B2 beside ``compare_precisions`` rows (needs an fp32 and an fp16 row that
-    ran): one row per claim part with the claim, when it counts as holding, the measurement and a
-    computed verdict. ``tensor_cores``: whether this device has fp16 Tensor Cores (B1's premise)."""
-    by = {r["precision"]: r for r in rows if r.get("ran")}
-    if "fp32" not in by or "fp16" not in by:
-        raise ValueError("rows must hold an fp32 and an fp16 row that ran")
-    fp32, amp = by["fp32"], by["fp16"]
-    speedup = fp32["epoch_time_s"] / amp["epoch_time_s"]
-    time_saved = 1 - amp["epoch_time_s"] / fp32["epoch_time_s"]
-    mem = (None if fp32["peak_memory_mib"] is None or amp["peak_memory_mib"] is None
-           else 1 - amp["peak_memory_mib"] / fp32["peak_memory_mib"])
-    premise = "" if tensor_cores else " (B1 is about Tensor Core GPUs; this device has none)"
-
-    def change(fraction: float, less: str) -> str:
-        return f"{fraction:.0%} {less}" if fraction >= 0 else f"{-fraction:.0%} more"
-
-    def verdict(ok: Optional[bool]) -> str:
-        return "not measured: no CUDA memory counter on a CPU" if ok is None else (
-            "held" if ok else "did not hold")
-
-    return [
-        {"claim": "B1: about 50% less memory", "holds if": f">= {B1_MEMORY_SAVED:.0%} saved",
-         "measured": "-" if mem is None else change(mem, "saved"),
-         "verdict": verdict(None if mem is None else mem >= B1_MEMORY_SAVED)},
-        {"claim": "B1: 1.5-2x faster", "holds if": f">= {B1_SPEEDUP}x",
-         "measured": f"{speedup:.2f}x",
-         "verdict": verdict(speedup >= B1_SPEEDUP) + premise},
-        {"claim": "B2: 10.2 -> 5.8 GB (over 40% less)",
-         "holds if": f">= {B2_MEMORY_SAVED:.0%} saved",
-         "measured": "-" if mem is None else
-         f"{fp32['peak_memory_mib']:.0f} -> {amp['peak_memory_mib']:.0f} MiB "
-         f"({change(mem, 'saved')})",
-         "verdict": verdict(None if mem is None else mem >= B2_MEMORY_SAVED)},
-        {"claim": "B2: 18.7 -> 11.2 s per epoch (about 39% less)",
-         "holds if": f">= {B2_TIME_SAVED:.0%} less time",
-         "measured": f"{fp32['epoch_time_s']:.3g} -> {amp['epoch_time_s']:.3g} s "
-                     f"({change(time_saved, 'less')})",
-         "verdict": verdict(time_saved >= B2_TIME_SAVED)},
-    ]

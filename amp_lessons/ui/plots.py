@@ -183,7 +183,7 @@ def format_ranges(names: _L01Optional[_L01Sequence[str]] = None,
     range (smallest normal to max). Traces: ``subnormal range``, ``normal range``, ``limits``
     (markers with the exact values on hover). Unknown names raise ``ValueError``.
     """
-    from . import formats as _formats
+    from .. import formats as _formats
 
     infos = [_formats.get_format(n) for n in (names or _formats.FORMAT_NAMES)]
     sub_x, sub_y, norm_x, norm_y = [], [], [], []
@@ -238,7 +238,7 @@ def gradient_histogram_range(magnitudes_by_layer, scales: _L01Sequence[float] = 
                              fmt: str = "fp16") -> tuple:
     """Lesson 01/03: an x range (log2 units) that shows the data at every scale in ``scales`` and
     the format's bands; widgets fix it so the bars move, not the axis."""
-    from . import formats as _formats
+    from .. import formats as _formats
 
     limits = _formats.band_limits(fmt)
     lo = _l01_math.log2(limits["flushed_max"]) - 3
@@ -264,7 +264,7 @@ def _l01_histogram_data(magnitudes_by_layer, scale, x_range):
 
 
 def _l01_histogram_title(magnitudes_by_layer, scale, fmt) -> str:
-    from . import formats as _formats
+    from .. import formats as _formats
 
     f = _formats.scaled_fractions(list(magnitudes_by_layer.values()), scale, fmt)
     pct = {k: f"{100 * v:.3g}%" for k, v in f.items()}
@@ -288,7 +288,7 @@ def gradient_histogram(magnitudes_by_layer: _L01Mapping[str, object], scale: flo
     stay the totals). The title gives the exact fractions (``formats.scaled_fractions``).
     Raises ``ValueError`` for an empty mapping, a bad scale or an unknown format.
     """
-    from . import formats as _formats
+    from .. import formats as _formats
 
     if not magnitudes_by_layer:
         raise ValueError("magnitudes_by_layer must name at least one layer")
@@ -336,7 +336,7 @@ def update_gradient_histogram(fig, magnitudes_by_layer: _L01Mapping[str, object]
     """Lesson 01/03: move a ``gradient_histogram`` figure (FigureWidget or not) to a new scale in
     place: new bar heights and title, the same axis range and bands. Call it inside
     ``FigureWidget.batch_update()`` so the browser redraws once."""
-    from . import formats as _formats
+    from .. import formats as _formats
 
     scale = _formats._check_scale(scale)
     x_range = tuple(fig.layout.xaxis.range)

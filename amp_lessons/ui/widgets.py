@@ -60,7 +60,7 @@ def parse_number(text: str) -> float:
 
 def bit_explorer_html(value: float, formats: _L01Sequence[str] = EXPLORER_FORMATS) -> str:
     """The bit explorer's table for one value: ``plots.bit_layout_html`` of its decodings."""
-    from . import formats as _formats
+    from .. import formats as _formats
     from . import plots as _plots
 
     return _plots.bit_layout_html([_formats.decode(value, f) for f in formats],
@@ -78,7 +78,7 @@ class BitExplorer(_l01_widgets.VBox):
 
     def __init__(self, value: float = 0.1, formats: _L01Sequence[str] = EXPLORER_FORMATS,
                  log2_range: tuple = (-30, 20)):
-        from . import formats as _formats
+        from .. import formats as _formats
 
         self.formats = tuple(_formats.get_format(f).name for f in formats)
         if not self.formats:
@@ -195,7 +195,7 @@ class LossScaleExplorer(_l01_widgets.VBox):
     def __init__(self, magnitudes_by_layer: _L01Mapping[str, object], k: int = 0,
                  fmt: str = "fp16", k_range: tuple = (0, 32), log_y: bool = True,
                  figure_mode: str = "auto"):
-        from . import formats as _formats
+        from .. import formats as _formats
         from . import plots as _plots
 
         if figure_mode not in ("auto", "widget", "output"):
@@ -239,7 +239,7 @@ class LossScaleExplorer(_l01_widgets.VBox):
             self._redraw()
 
     def _summary(self, k: int) -> str:
-        from . import formats as _formats
+        from .. import formats as _formats
 
         f = _formats.scaled_fractions(list(self.magnitudes.values()), 2.0 ** k, self.fmt)
         return (f"scale 2<sup>{k}</sup> = {2.0 ** k:.6g}: of the nonzero gradient values, "
@@ -297,10 +297,10 @@ import plotly.graph_objects as _go
 import torch as _torch
 
 from . import plots as _plots
-from .data import digits_loaders as _digits_loaders
-from .trainer import DIGITS_MODELS as _DIGITS_MODELS, Hooks as _Hooks, ScalerSettings
-from .trainer import TrainConfig as _TrainConfig, Trainer as _Trainer
-from .trainer import build_digits_model as _build_digits_model
+from ..data import digits_loaders as _digits_loaders
+from ..models import DIGITS_MODELS as _DIGITS_MODELS, build_digits_model as _build_digits_model
+from ..trainer import Hooks as _Hooks, ScalerSettings
+from ..trainer import TrainConfig as _TrainConfig, Trainer as _Trainer
 
 FIGURE_MODES = ("auto", "widget", "output")
 
@@ -567,7 +567,7 @@ class RunSetup:
     @property
     def torch_device(self) -> _torch.device:
         """The device runs train on: ``device`` if given, else the course's default device."""
-        from .env import default_device
+        from ..env import default_device
 
         return _torch.device(self.device) if self.device is not None else default_device()
 
@@ -964,7 +964,7 @@ def fraction_rows(magnitudes_by_layer: _Mapping[str, _np.ndarray], scale: float,
                   fmt: str = "fp16") -> _List[dict]:
     """Per layer: the fractions of its nonzero gradients that ``fmt`` flushes to zero, makes
     subnormal, or overflows once multiplied by ``scale`` (``formats.scaled_fractions``)."""
-    from .formats import scaled_fractions
+    from ..formats import scaled_fractions
 
     if not magnitudes_by_layer:
         raise ValueError("magnitudes_by_layer must name at least one layer")
@@ -1018,7 +1018,7 @@ class HistogramPanel:
         self.fmt = fmt
         # one x range for every slider position, so the bars move and the bands stay put
         x_lo, x_hi = _plots.gradient_histogram_range(self.magnitudes, (2.0 ** lo, 2.0 ** hi), fmt)
-        from .formats import band_limits
+        from ..formats import band_limits
 
         flush_edge = _math.floor(_math.log2(band_limits(fmt)["flushed_max"]))
         self.x_range = (float(min(x_lo, flush_edge - 12)), x_hi)  # room for the band's label
@@ -1387,7 +1387,7 @@ def scale_window(magnitudes_by_layer: _Mapping[str, _np.ndarray], fmt: str = "fp
     """Where a loss scale 2^k keeps these gradients in ``fmt``: ``no_flush_from`` (the smallest k
     at which no nonzero value is flushed to zero), ``no_overflow_up_to`` (the largest k with no
     overflow), and the fractions at k = 0 (no scaling). None where no k in ``exponents`` does."""
-    from .formats import scale_sweep
+    from ..formats import scale_sweep
 
     rows = scale_sweep(list(magnitudes_by_layer.values()), exponents, fmt)
     no_flush = [r["k"] for r in rows if r["flushed"] == 0]

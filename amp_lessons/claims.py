@@ -1,0 +1,259 @@
+"""Every article claim the course tests, as data, and the one ``Verdict`` type every lesson returns.
+
+A claim has an id, the article that makes it, what it says, the lesson whose measurement decides it
+and the rule that decides it. **One claim, one deciding measurement**: ``decide`` refuses a ruling
+from any lesson but the claim's own (other lessons may show related numbers, never a verdict), and
+a measurement that cannot decide (a CPU timing, too few steps, an idle GPU, accuracy at chance)
+comes back as "not decided here" with the reason, never as held or not held.
+
+The claims' text is published in ``docs/claims.md`` (``python -m amp_lessons claims``), so a clone
+of the repository is whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+ARTICLES = {
+    "R": ("PyTorch 2.0 混合精度训练实战：ResNet-50 显存节省 40% 的 3 个关键配置 (\"Mixed precision "
+          "training with PyTorch 2.0: 3 key settings that save 40% of ResNet-50's GPU memory\")"),
+    "B": ("混合精度训练实战：PyTorch中从零实现高效GPU计算优化 (\"Mixed precision in practice: "
+          "efficient GPU training in PyTorch from scratch\")"),
+}
+LESSONS = ("01", "02", "03", "04", "05", "06", "07")
+
+HELD, NOT_HELD, UNDECIDED = "held", "did not hold", "not decided here"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim: ``id``, ``article`` (a key of ``ARTICLES``), what it ``says``, the ``lesson``
+    whose measurement decides it (None: the course does not measure it) and the ``rule``."""
+
+    id: str
+    article: str
+    says: str
+    lesson: Optional[str]
+    rule: str
+
+
+_CLAIMS = (
+    Claim("R1", "R", "FP16 spans 5.96e-8 to 65504; FP32 spans 1.4e-45 to 3.4e38", "01",
+          "each end matches the format's limit measured by arithmetic on this device, at the "
+          "claim's written precision"),
+    Claim("B5", "B", "in AMP \"the loss is computed in FP16\" and \"backward runs in FP16\", then "
+          "gradients are \"restored to FP32\"", "02",
+          "the dtypes autocast actually gives the loss, the activations and the gradients of a "
+          "real model"),
+    Claim("B6", "B", "the AMP API is `from torch.cuda.amp import autocast, GradScaler`", "02",
+          "whether that import still works on this torch without a deprecation warning"),
+    Claim("B7", "B", "AMP needs no change to any layer's code", "02",
+          "a model with a custom autograd function runs under autocast unchanged, or needs "
+          "`torch.amp.custom_fwd`"),
+    Claim("B1", "B", "FP16 saves about 50% of memory and trains 1.5 to 2x faster on Tensor Core "
+          "GPUs", "04",
+          "ResNet-50 on a Tensor Core GPU, fp16 against fp32 in the same run: speed-up >= 1.5x and "
+          "memory saved >= 40%; decided only when the GPU was busy (idle share of the step small)"),
+    Claim("B2", "B", "RTX 3090, `train.py --precision fp32` vs `--precision amp`: about 10.2 GB and "
+          "18.7 s per epoch vs about 5.8 GB and 11.2 s (over 40% less memory, about 39% less time)",
+          "04",
+          "ResNet-50 fp32 against fp16 in the same run: memory saved >= 40% and step time at least "
+          "30% shorter; decided only on a busy GPU"),
+    Claim("B3", "B", "against exploding gradients or NaN, call `clip_grad_norm_(params, "
+          "max_norm=1.0)` (shown without `unscale_`)", "02",
+          "clipping scaled gradients against clipping after `unscale_` on the same run: does the "
+          "article's order clip at the stated norm?"),
+    Claim("B4", "B", "if convergence wobbles, \"increase scale_factor=2.0\" or change the initial "
+          "scale", "03",
+          "whether `scale_factor` exists on GradScaler, and whether a larger growth factor "
+          "steadies a wobbling run (same seed and data)"),
+    Claim("R2", "R", "GradScaler defaults: init_scale 65536, growth_factor 2.0, backoff_factor 0.5, "
+          "growth_interval 2000", "03", "a fresh GradScaler's getters on this torch"),
+    Claim("R3", "R", "for ResNet-50, init_scale 32768, growth_factor 1.5, backoff_factor 0.4, "
+          "growth_interval 1000 work best: the scale settles faster with less early wobble", "03",
+          "the tuned settings settle strictly sooner with no more early skipped steps than the "
+          "defaults, same seed and data"),
+    Claim("R4", "R", "keep layer1-2 in autocast but force layer3, layer4 and fc to FP32 \"to avoid "
+          "vanishing gradients\" and \"guarantee classification accuracy\"", "04",
+          "accuracy of the selective-autocast ResNet against plain AMP on real data (above "
+          "chance), and what it costs in speed and memory"),
+    Claim("R5", "R", "with Adam, raise eps from 1e-8 to 1e-7 \"to prevent FP16 division by zero\", "
+          "enable amsgrad \"for stability\", and use `torch.optim._multi_tensor.Adam` as the "
+          "\"mixed-precision wrapper\"", "04",
+          "where Adam's state lives under AMP (fp32 or fp16), and what `_multi_tensor` is on this "
+          "torch"),
+    Claim("R6", "R", "ResNet-50 on ImageNet: FP32 15.2 GB, 320 img/s, 76.3% top-1; native AMP "
+          "10.1 GB (-33%), 580 img/s (+81%), 76.1%; \"optimized\" (R3+R4+R5) 9.1 GB (-40%), "
+          "620 img/s (+94%), 76.2%", "04",
+          "the same three configurations in one run: memory saved and speed-up against fp32, and "
+          "whether \"optimized\" beats plain AMP; decided only on a busy GPU"),
+    Claim("R7", "R", "if validation accuracy drops, validate with autocast disabled", "04",
+          "accuracy with autocast on and off at evaluation, trained above chance"),
+    Claim("R8", "R", "gradient checkpointing saves another 20-30% of memory for about 30% more "
+          "compute time", "05",
+          "per-block checkpointing against AMP on ResNet-50, same settings: memory saved in "
+          "20-30% and step time +20-40%; decided only on a GPU"),
+    Claim("R9", "R", "gradient accumulation gives a larger virtual batch at the same memory", "05",
+          "peak memory at 1, 2, 4, 8 micro-batches stays within 15%, and the accumulated step "
+          "equals the large-batch step"),
+    Claim("R10a", "R", "one card under 12 GB: AMP + checkpointing saves 50-60% of memory", "05",
+          "the largest batch per simulated card size with each technique, on a GPU"),
+    Claim("R10b", "R", "one card of 12 GB or more: AMP + gradient accumulation saves 40-50% of "
+          "memory", "05", "the largest batch per simulated card size with each technique, on a GPU"),
+    Claim("R10c", "R", "several 8 GB cards: AMP + ZeRO stage 1 saves 60-70% of memory", "06",
+          "optimizer-state and total memory per rank with and without ZeRO-1 at 2 or more ranks"),
+    Claim("R10d", "R", "AMP + model parallelism saves 40-50% of memory", None,
+          "not measured by the course: it trains no model-parallel setup"),
+    Claim("R11", "R", "a DeepSpeed config enables mixed precision with `\"amp\": {\"enabled\": "
+          "true, \"opt_level\": \"O2\"}`", "06",
+          "what that key means to DeepSpeed (apex O2, not native AMP), beside PyTorch's native "
+          "equivalents"),
+    Claim("R12", "R", "attention is more precision-sensitive than convolutions and may need a "
+          "changed autocast op list", "04",
+          "the relative error of each op under fp16 and bf16 autocast against fp32, measured"),
+)
+CLAIMS: Dict[str, Claim] = {c.id: c for c in _CLAIMS}
+
+
+def get_claim(claim_id: str) -> Claim:
+    """The registered claim ``claim_id``; ValueError naming the known ids otherwise."""
+    try:
+        return CLAIMS[claim_id]
+    except (KeyError, TypeError):
+        raise ValueError(f"claim must be one of {', '.join(CLAIMS)}; got {claim_id!r}") from None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A claim beside its measurement, as every lesson returns it.
+
+    ``held`` is True, False, or None (this measurement could not decide the claim: ``why`` says
+    why). ``measured`` states what ran, with numbers; ``numbers`` keeps them as data. Computed
+    from the measurement, never typed in.
+    """
+
+    claim: str
+    lesson: str
+    measured: str
+    held: Optional[bool]
+    why: str
+    numbers: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def outcome(self) -> str:
+        """``"held"``, ``"did not hold"`` or ``"not decided here"``."""
+        return {True: HELD, False: NOT_HELD, None: UNDECIDED}[self.held]
+
+    @property
+    def decided(self) -> bool:
+        """True when the measurement ruled (held or not)."""
+        return self.held is not None
+
+    def row(self) -> Dict[str, Any]:
+        """One table row: claim, what it says, the rule, the measurement, the outcome and why."""
+        c = CLAIMS[self.claim]
+        return {"claim": self.claim, "says": c.says, "holds if": c.rule,
+                "measured": self.measured, "verdict": self.outcome, "why": self.why}
+
+    def __str__(self) -> str:
+        return (f"claim {self.claim} ({CLAIMS[self.claim].says})\n"
+                f"  measured: {self.measured}\n"
+                f"  verdict : {self.outcome.upper()}: {self.why}")
+
+
+def decide(claim_id: str, lesson: str, measured: str, held: Optional[bool], why: str,
+           numbers: Optional[Mapping[str, Any]] = None,
+           cannot_decide: Optional[str] = None) -> Verdict:
+    """A ``Verdict`` for ``claim_id`` from ``lesson``'s measurement.
+
+    ``cannot_decide``: the reason this run cannot rule (see ``timing_gate``/``accuracy_gate``);
+    when given, the verdict is "not decided here" whatever ``held`` was. A ruling (``held`` True
+    or False) from a lesson other than the claim's own deciding lesson raises ValueError: one
+    claim, one deciding measurement.
+    """
+    claim = get_claim(claim_id)
+    if lesson not in LESSONS:
+        raise ValueError(f"lesson must be one of {', '.join(LESSONS)}; got {lesson!r}")
+    if held not in (True, False, None):
+        raise ValueError(f"held must be True, False or None; got {held!r}")
+    if not isinstance(measured, str) or not measured.strip():
+        raise ValueError("measured must say what ran, with numbers; got an empty value")
+    if cannot_decide:
+        held, why = None, cannot_decide
+    if held is not None and claim.lesson != lesson:
+        raise ValueError(f"claim {claim_id} is decided by lesson {claim.lesson}'s measurement; "
+                         f"lesson {lesson} may show related numbers but not rule on it")
+    if not isinstance(why, str) or not why.strip():
+        raise ValueError("why must say how the rule decided, or why it could not")
+    return Verdict(claim_id, lesson, measured, held, why, dict(numbers or {}))
+
+
+def not_decided(claim_id: str, lesson: str, measured: str, because: str,
+                numbers: Optional[Mapping[str, Any]] = None) -> Verdict:
+    """A "not decided here" verdict: what ran, and why it cannot rule on the claim."""
+    return decide(claim_id, lesson, measured, None, because, numbers)
+
+
+# --- when can a measurement decide? -------------------------------------------------------------
+
+MIN_TIMED_STEPS = 10
+MAX_IDLE_FRACTION = 0.25
+
+
+def timing_gate(device_type: str, steps: int, warmup: int = 1,
+                gpu_idle_fraction: Optional[float] = None, min_steps: int = MIN_TIMED_STEPS,
+                max_idle: float = MAX_IDLE_FRACTION) -> Optional[str]:
+    """Why a speed comparison between precisions cannot decide a claim, or None when it can.
+
+    It can only on a GPU, after a warm-up, over at least ``min_steps`` timed steps, and with the
+    GPU busy: the share of step time the GPU sat idle (host and launch overhead) at most
+    ``max_idle`` when it was measured.
+    """
+    if device_type != "cuda":
+        return (f"timed on {device_type}, not on the GPU the claim is about: CPU speed says "
+                f"nothing about tensor cores")
+    if warmup < 1:
+        return "timed without a warm-up step: the first steps include one-time setup"
+    if steps < min_steps:
+        return f"only {steps} timed steps (at least {min_steps} needed for a stable median)"
+    if gpu_idle_fraction is not None and gpu_idle_fraction > max_idle:
+        return (f"the GPU was idle {gpu_idle_fraction:.0%} of each step (host and launch "
+                f"overhead), so the step time does not measure the arithmetic the claim is about")
+    return None
+
+
+def accuracy_gate(accuracy: Optional[float], classes: int, margin: float = 0.2) -> Optional[str]:
+    """Why an accuracy comparison cannot decide a claim, or None: the runs must train well above
+    chance (accuracy at least chance + ``margin``, as fractions)."""
+    if accuracy is None:
+        return "no accuracy was measured"
+    chance = 1.0 / classes
+    if accuracy < chance + margin:
+        return (f"trained to {accuracy:.1%} accuracy, near chance ({chance:.0%}) for {classes} "
+                f"classes: too short a run to compare precisions on accuracy")
+    return None
+
+
+# --- the published list ----------------------------------------------------------------------------
+
+def claims_markdown() -> str:
+    """``docs/claims.md``: the articles and every claim with its deciding lesson and rule."""
+    lines = ["# The claims the course tests", "",
+             "Generated from `amp_lessons/claims.py` by `python -m amp_lessons claims`; do not edit.",
+             "Each claim is decided by exactly one measurement, in the lesson named here; other",
+             "lessons may show related numbers but never rule on it. A run that cannot decide (a",
+             "CPU timing, too few steps, an idle GPU, accuracy near chance) says \"not decided",
+             "here\" and why.", ""]
+    for key, title in ARTICLES.items():
+        lines.append(f"- **Article {key}**: {title}")
+    lines += ["", "| id | article | claim | decided in | rule |", "|---|---|---|---|---|"]
+    for c in _CLAIMS:
+        where = f"lesson {c.lesson}" if c.lesson else "not measured"
+        cells = [c.id, c.article, c.says, where, c.rule]
+        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def verdict_rows(verdicts: Sequence[Verdict]) -> list:
+    """``Verdict.row()`` of each verdict, for a table or ``report.publish``."""
+    return [v.row() for v in verdicts]

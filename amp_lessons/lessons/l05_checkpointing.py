@@ -1,0 +1,1017 @@
+"""Lesson 05, checkpointing and accumulation: the checkpoint_sequential pitfall, per-block
+checkpointing, memory against time per technique, the largest batch per card, accumulation and exact
+resume (claims R8-R10)."""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import models as _models
+from .. import trainer as _trainer
+from ..data import synthetic_images
+from .._validate import check_choice, check_int
+from ..measure import (BenchConfig, GIB, LargestBatch, MODELS, SavedActivations, build_model, build_optimizer, format_value, free_memory, hand_step, is_out_of_memory, largest_batch, optimizer_state_tensors, ratio, run_configs, skip_reason, storage_key, tensor_bytes)
+from ..precision import precision_settings
+
+
+
+# --- Lesson 05: techniques, card sizes, accumulation ---------------------------------------------
+# What lesson 05 measures: the checkpoint_sequential pitfall on torchvision's ResNet-50, that
+# per-block checkpointing computes the same step (BatchNorm statistics included), memory against
+# time per technique (claim R8), the largest batch per simulated card (claim R10), memory per
+# micro-batch count (claim R9) and exact resume with and without the scaler's state.
+
+TECHNIQUES: Dict[str, Dict[str, object]] = {
+    # fp32 runs with TF32 tensor-core math where the GPU has it (cuDNN's default for
+    # convolutions); its memory is the same as with TF32 off, and the searches run twice as fast.
+    "fp32": {"precision": "tf32", "checkpoint": False},
+    "fp32 + checkpointing": {"precision": "tf32", "checkpoint": True},
+    "AMP": {"precision": "fp16", "checkpoint": False},
+    "AMP + checkpointing": {"precision": "fp16", "checkpoint": True},
+    "bf16": {"precision": "bf16", "checkpoint": False},
+    "bf16 + checkpointing": {"precision": "bf16", "checkpoint": True},
+}
+CARD_TECHNIQUES = ("fp32", "AMP", "AMP + checkpointing", "bf16 + checkpointing")
+CARD_SIZES_GB = (8, 12, 16, 24, 40, 80)
+
+R8_CLAIM = ("R8: gradient checkpointing saves another 20-30% of memory for about 30% more "
+            "compute time")
+R8_MEMORY_PCT, R8_TIME_PCT = (20.0, 30.0), (20.0, 40.0)  # "about 30%": 20-40% counts as held
+R9_CLAIM = "R9: gradient accumulation gives a larger virtual batch at the same memory"
+R10_CLAIMS = (
+    "R10: one card under 12 GB: AMP + checkpointing, 50-60% memory saved",
+    "R10: one card of 12 GB or more: AMP + gradient accumulation, 40-50% memory saved",
+    "R10: several 8 GB cards: AMP + ZeRO stage 1, 60-70% saved",
+    "R10: AMP + model parallelism, 40-50% saved",
+)
+
+
+def _check_techniques(techniques: Sequence[str]) -> List[str]:
+    techniques = list(techniques)
+    if not techniques:
+        raise ValueError(f"techniques must name at least one of {', '.join(TECHNIQUES)}")
+    for t in techniques:
+        check_choice("technique", t, tuple(TECHNIQUES))
+    if len(set(techniques)) != len(techniques):
+        raise ValueError(f"techniques must not repeat; got {techniques!r}")
+    return techniques
+
+
+def technique_configs(techniques: Sequence[str] = tuple(TECHNIQUES), model: str = "resnet50",
+                      batch_size: int = 64, image_size: int = 224, num_classes: int = 1000,
+                      channels_last: bool = False, checkpoint: str = "block") -> List[BenchConfig]:
+    """One ``BenchConfig`` per technique of ``TECHNIQUES``, labelled with the technique's name.
+
+    ``checkpoint`` is the unit a checkpointing technique recomputes: ``"block"`` (each residual
+    block) or ``"stage"`` (each of layer1..layer4). cuDNN's benchmark mode is left off, so a
+    new batch size costs no autotuning (the largest-batch search tries many).
+    """
+    check_choice("checkpoint", checkpoint, ("block", "stage"))
+    return [BenchConfig(label=t, model=model, precision=TECHNIQUES[t]["precision"],
+                        checkpoint=checkpoint if TECHNIQUES[t]["checkpoint"] else None,
+                        channels_last=channels_last, batch_size=batch_size,
+                        image_size=image_size, num_classes=num_classes, cudnn_benchmark=False)
+            for t in _check_techniques(techniques)]
+
+
+# --- the checkpoint_sequential pitfall, and checkpointing done per block -------------------------
+
+def checkpoint_sequential_pitfall(segments: int = 4, image_size: int = 32, batch_size: int = 2,
+                                  device=None, seed: int = 0,
+                                  model: str = "resnet50") -> Dict[str, object]:
+    """``checkpoint_sequential`` over torchvision's ResNet-50 children: the error, and why.
+
+    The children (conv1, bn1, relu, maxpool, layer1..4, avgpool, then flatten and fc) are cut
+    into ``segments`` equal segments, as ``torch.utils.checkpoint.checkpoint_sequential(...,
+    use_reentrant=False)`` does; with 4 or more, one segment starts with the stem's
+    ``ReLU(inplace=True)``, which overwrites that segment's input: the tensor the checkpoint keeps
+    to replay the segment in backward. Returns ``error`` (the message, "" if backward ran),
+    ``segments`` (module names per segment; the last runs without checkpointing),
+    ``inplace_first`` (checkpointed segments that start with an in-place module) and
+    ``batchnorm_updates_per_step``: how often bn1's statistics moved in one step once the ReLU
+    is made out-of-place (2: recomputation runs BatchNorm again). ``model="resnet18"`` uses
+    torchvision's ResNet-18, whose stem is the same (a quicker run on a CPU).
+    """
+    from collections import OrderedDict
+
+    import torchvision.models
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    check_choice("model", model, ("resnet18", "resnet50"))
+
+    check_int("segments", segments, 2)
+    check_int("image_size", image_size, 32)
+    check_int("batch_size", batch_size, 2)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    torch.manual_seed(seed)
+    net = getattr(torchvision.models, model)(weights=None, num_classes=10).to(device).train()
+    children = list(net.named_children())
+    seq = nn.Sequential(OrderedDict(children[:-1] + [("flatten", nn.Flatten())] + children[-1:]))
+    names = list(seq._modules)
+    if segments > len(names):
+        raise ValueError(f"segments must be in [2, {len(names)}]; got {segments}")
+    size = len(names) // segments  # the split checkpoint_sequential makes
+    cut = size * (segments - 1)
+    parts = [names[i:i + size] for i in range(0, cut, size)] + [names[cut:]]
+    inplace_first = [p for p in parts[1:-1] if getattr(seq._modules[p[0]], "inplace", False)]
+    x, y = synthetic_images(batch_size, image_size, 10, device, seed=seed)
+
+    def step() -> None:
+        out = checkpoint_sequential(seq, segments, x, use_reentrant=False)
+        F.cross_entropy(out, y).backward()
+        net.zero_grad(set_to_none=True)
+
+    error = ""
+    try:
+        step()
+    except RuntimeError as exc:
+        text = str(exc).strip()
+        error = f"{type(exc).__name__}: {text.split(' Hint:')[0]}"
+    net.relu.inplace = False  # the stem's ReLU out of place: the segments no longer clash
+    before = int(net.bn1.num_batches_tracked)
+    step()
+    updates = int(net.bn1.num_batches_tracked) - before
+    del net, seq, x, y
+    free_memory(device)
+    return {"error": error, "segments": parts, "inplace_first": inplace_first,
+            "batchnorm_updates_per_step": updates}
+
+
+class CheckpointedWithoutBatchNormFix(_models.Checkpointed):
+    """``models.Checkpointed`` without its BatchNorm fix, for comparison only: recomputing the
+    block in backward runs its BatchNorm layers in training mode again, so their running
+    statistics move twice per step."""
+
+    def _contexts(self):
+        return nullcontext(), nullcontext()
+
+
+def without_batchnorm_fix(model: nn.Module) -> nn.Module:
+    """Turn every ``Checkpointed`` unit of ``model`` into ``CheckpointedWithoutBatchNormFix``
+    (in place; returns ``model``)."""
+    for m in model.modules():
+        if type(m) is _models.Checkpointed:
+            m.__class__ = CheckpointedWithoutBatchNormFix
+    return model
+
+
+def _batchnorm_buffers(model: nn.Module) -> List[torch.Tensor]:
+    return [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for name, b in m.named_buffers() if name != "num_batches_tracked"]
+
+
+def _relative_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    worst = 0.0
+    for s, t in zip(a, b):
+        s, t = s.detach().double(), t.detach().double()
+        worst = max(worst, float((s - t).abs().max() / t.abs().max().clamp_min(1e-12)))
+    return worst
+
+
+@contextmanager
+def deterministic_kernels() -> Iterator[None]:
+    """cuDNN in deterministic mode, benchmark off (restored on exit), so two runs of the same
+    step on a GPU give the same bits, as they do on a CPU."""
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+
+
+def checkpoint_equivalence(model: str = "resnet18", checkpoint: str = "block",
+                           image_size: int = 32, batch_size: int = 4, num_classes: int = 10,
+                           device=None, seed: int = 0) -> Dict[str, object]:
+    """One SGD step of a plain ResNet and of the same weights checkpointed, compared.
+
+    Three models start from the same weights: plain, checkpointed (``models.Checkpointed``,
+    which restores BatchNorm buffers after recomputation) and checkpointed without that fix.
+    Returns ``loss_diff`` (absolute), ``grad_rel_diff`` and ``weight_rel_diff`` (largest
+    relative difference over parameters after the step), ``bn_rel_diff`` and
+    ``bn_rel_diff_without_fix`` (running mean and variance against the plain model), and the
+    ``num_batches_tracked`` of bn1 in the first residual block for each: 1, 1 and 2.
+    """
+    check_choice("model", model, ("resnet18", "resnet50"))
+    check_choice("checkpoint", checkpoint, ("block", "stage"))
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    x, y = synthetic_images(batch_size, image_size, num_classes, device, seed=seed)
+    out: Dict[str, object] = {"model": model, "checkpoint": checkpoint}
+    nets = {}
+    with deterministic_kernels():
+        for name, mode in (("plain", None), ("checkpointed", checkpoint),
+                           ("without_fix", checkpoint)):
+            torch.manual_seed(seed)  # same construction order, so the same initial weights
+            net = MODELS[model](num_classes=num_classes, checkpoint=mode).to(device).train()
+            if name == "without_fix":
+                without_batchnorm_fix(net)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            grads = [p.grad.detach().clone() for p in net.parameters()]
+            opt.step()
+            nets[name] = (net, float(loss.detach()), grads)
+    plain, ckpt, unfixed = nets["plain"], nets["checkpointed"], nets["without_fix"]
+
+    def first_block_bn1(net: nn.Module) -> int:
+        bn = [m for n, m in net.named_modules() if n.startswith("layer1")
+              and isinstance(m, nn.BatchNorm2d)][0]
+        return int(bn.num_batches_tracked)
+
+    out.update(
+        loss_diff=abs(ckpt[1] - plain[1]),
+        grad_rel_diff=_relative_diff(ckpt[2], plain[2]),
+        weight_rel_diff=_relative_diff(list(ckpt[0].parameters()), list(plain[0].parameters())),
+        bn_rel_diff=_relative_diff(_batchnorm_buffers(ckpt[0]), _batchnorm_buffers(plain[0])),
+        bn_rel_diff_without_fix=_relative_diff(_batchnorm_buffers(unfixed[0]),
+                                               _batchnorm_buffers(plain[0])),
+        batches_tracked={"plain": first_block_bn1(plain[0]),
+                         "checkpointed": first_block_bn1(ckpt[0]),
+                         "checkpointed without the fix": first_block_bn1(unfixed[0])})
+    del nets, plain, ckpt, unfixed
+    free_memory(device)
+    return out
+
+
+# --- memory counted tensor by tensor (CPUs have no peak-memory counter) -------------------------
+
+def counted_step_memory(config: BenchConfig, device=None,
+                        batch_size: Optional[int] = None) -> Dict[str, int]:
+    """What a training step of ``config`` holds at its peak, counted tensor by tensor, in bytes.
+
+    For devices without an allocator to read (a CPU): ``state_bytes`` (parameters, gradients,
+    optimizer state), ``kept_bytes`` (tensors saved for backward, and the inputs that
+    checkpointed units keep), ``recompute_bytes`` (what the largest checkpointed unit saves while
+    it is recomputed in backward, 0 without checkpointing) and ``peak_bytes``, their sum. A
+    model of the peak, not a measurement of it: temporaries and allocator overhead are left out.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    batch = config.batch_size if batch_size is None else batch_size
+    check_int("batch_size", batch, 1)
+    with precision_settings(config.precision, device):
+        torch.manual_seed(0)
+        model = build_model(config, device)
+        optimizer = build_optimizer(config, model.parameters())
+        x, y = synthetic_images(batch, config.image_size, config.num_classes, device,
+                                channels_last=config.channels_last)
+        params = list(model.parameters())
+        step = hand_step(model, optimizer, config.precision, device)
+        inputs: Dict[object, int] = {}
+        recompute = [0]
+
+        def measure_unit(unit, args, output):
+            t = args[0]
+            key = storage_key(t)
+            if key is not None:
+                inputs[key] = t.untyped_storage().nbytes()
+            with torch.enable_grad(), SavedActivations(exclude=params) as inner, \
+                    _models._KeepBatchNormStats(unit.module):
+                unit.module(t.detach().requires_grad_())
+            recompute[0] = max(recompute[0], inner.bytes)
+
+        handles = [m.register_forward_hook(measure_unit) for m in model.modules()
+                   if isinstance(m, _models.Checkpointed)]
+        try:
+            with SavedActivations(exclude=params) as kept:
+                loss = step.forward(x, y)
+        finally:
+            for h in handles:
+                h.remove()
+        step.backward(loss)
+        grads = tensor_bytes(p.grad for p in params if p.grad is not None)
+        step.update()  # creates the optimizer state that every later step holds
+        if not optimizer_state_tensors(optimizer):  # fp16: GradScaler skipped that first step
+            step(x, y)
+        state = (tensor_bytes(params) + grads
+                 + tensor_bytes(optimizer_state_tensors(optimizer)))
+        kept_bytes = kept.bytes + sum(v for k, v in inputs.items() if k not in kept._sizes)
+    del model, optimizer, step, x, y, loss
+    free_memory(device)
+    return {"state_bytes": state, "kept_bytes": kept_bytes, "recompute_bytes": recompute[0],
+            "peak_bytes": state + kept_bytes + recompute[0]}
+
+
+def counted_memory_model(config: BenchConfig, device=None,
+                         batch_sizes: Sequence[int] = (2, 4)) -> Dict[str, float]:
+    """A straight line through ``counted_step_memory`` at two batch sizes:
+    ``peak_bytes(b) = fixed_bytes + bytes_per_image * b`` (what the CPU's simulated cards use)."""
+    if len(batch_sizes) != 2 or batch_sizes[0] >= batch_sizes[1]:
+        raise ValueError(f"batch_sizes must be two increasing batch sizes; got {batch_sizes!r}")
+    lo, hi = (counted_step_memory(config, device, b)["peak_bytes"] for b in batch_sizes)
+    per_image = max(0.0, (hi - lo) / (batch_sizes[1] - batch_sizes[0]))
+    return {"fixed_bytes": lo - per_image * batch_sizes[0], "bytes_per_image": per_image}
+
+
+# --- memory against time per technique (claim R8) ------------------------------------------------
+
+def technique_table(techniques: Sequence[str] = tuple(TECHNIQUES), device=None,
+                    model: str = "resnet50", batch_size: int = 64, image_size: int = 224,
+                    num_classes: int = 1000, channels_last: bool = False,
+                    checkpoint: str = "block", warmup: int = 3,
+                    steps: int = 10) -> List[Dict[str, object]]:
+    """Step time and memory of each technique at one batch size (``run_configs`` rows).
+
+    Adds ``technique``, ``memory_gib`` and ``memory_source``: the peak allocated memory on a
+    GPU; on a CPU, ``counted_step_memory``'s model of the peak (``activations_gib`` there holds
+    what is kept for backward). Rows that cannot run here say why (``status``, ``reason``).
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    configs = technique_configs(techniques, model=model, batch_size=batch_size,
+                                image_size=image_size, num_classes=num_classes,
+                                channels_last=channels_last, checkpoint=checkpoint)
+    cuda = device.type == "cuda"
+    rows = run_configs(configs, device, warmup=warmup, steps=steps, breakdown=cuda,
+                       progress=False)
+    for config, row in zip(configs, rows):
+        row["technique"] = config.label
+        row["memory_gib"], row["memory_source"] = None, ""
+        if row["status"] != "ok":
+            continue
+        if cuda:
+            row["memory_gib"] = row["peak_allocated_gib"]
+            row["memory_source"] = "peak allocated (CUDA)"
+        else:
+            counted = counted_step_memory(config, device)
+            row["memory_gib"] = counted["peak_bytes"] / GIB
+            row["activations_gib"] = (counted["kept_bytes"] + counted["recompute_bytes"]) / GIB
+            row["memory_source"] = "counted (no peak counter on a CPU)"
+    return rows
+
+
+def _range_verdict(measured: float, low: float, high: float, what: str) -> str:
+    if measured < low:
+        return f"{what} {measured:.0f}%: less than the claimed {low:.0f}-{high:.0f}%"
+    if measured > high:
+        return f"{what} {measured:.0f}%: more than the claimed {low:.0f}-{high:.0f}%"
+    return f"{what} {measured:.0f}%: within the claimed {low:.0f}-{high:.0f}%"
+
+
+def _by_technique(rows: Sequence[Dict[str, object]]) -> Dict[str, Dict[str, object]]:
+    return {r.get("technique", r.get("label")): r for r in rows if r.get("status") == "ok"}
+
+
+def checkpointing_costs(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
+    """Per technique pair (X, X + checkpointing) in ``technique_table`` rows: memory saved and
+    time added by checkpointing, in percent, with claim R8's verdict on each."""
+    ok = _by_technique(rows)
+    out = []
+    for base in ("AMP", "bf16", "fp32"):
+        plain, ckpt = ok.get(base), ok.get(f"{base} + checkpointing")
+        if plain is None or ckpt is None or not plain.get("memory_gib"):
+            continue
+        saved = 100 * (1 - ckpt["memory_gib"] / plain["memory_gib"])
+        added = 100 * (ckpt["step_ms"] / plain["step_ms"] - 1)
+        out.append({"pair": f"{base} -> {base} + checkpointing",
+                    "memory_gib": plain["memory_gib"],
+                    "memory_gib_checkpointed": ckpt["memory_gib"],
+                    "memory_saved_pct": saved, "time_added_pct": added,
+                    "memory_verdict": _range_verdict(saved, *R8_MEMORY_PCT, "memory saved"),
+                    "time_verdict": _range_verdict(added, *R8_TIME_PCT, "time added")})
+    return out
+
+
+def claim_r8(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
+    """Claim R8 ("another 20-30% of memory for about 30% more time") against the AMP pair of
+    ``technique_table`` rows (the bf16 or fp32 pair when AMP could not run): claim, measured,
+    verdict, and ``held`` (both halves within the claim's ranges)."""
+    costs = checkpointing_costs(rows)
+    if not costs:
+        return {"claim": R8_CLAIM, "measured": "-", "held": None,
+                "verdict": "not measured: no technique ran both with and without checkpointing"}
+    c = costs[0]
+    mem_ok = R8_MEMORY_PCT[0] <= c["memory_saved_pct"] <= R8_MEMORY_PCT[1]
+    time_ok = R8_TIME_PCT[0] <= c["time_added_pct"] <= R8_TIME_PCT[1]
+    return {"claim": R8_CLAIM, "pair": c["pair"],
+            "measured": f"{c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
+                        f"({c['memory_saved_pct']:.0f}% saved), step time "
+                        f"{c['time_added_pct']:+.0f}%",
+            "held": mem_ok and time_ok,
+            "verdict": f"{c['memory_verdict']}; {c['time_verdict']}"}
+
+
+# --- the largest batch per simulated card (claim R10) -------------------------------------------
+
+def _allocation_failure(exc: BaseException) -> bool:
+    text = str(exc).upper()
+    return is_out_of_memory(exc) or "ALLOC_FAILED" in text
+
+
+def _gpu_trials(config: BenchConfig, device: torch.device):
+    """A model and optimizer that live through every trial (they would be on the card anyway);
+    ``make(batch)`` returns a callable that runs one training step on a fresh batch."""
+    torch.manual_seed(0)
+    model = build_model(config, device)
+    optimizer = build_optimizer(config, model.parameters())
+
+    def make(batch: int) -> Callable[[], object]:
+        model.zero_grad(set_to_none=True)  # a failed trial may have left gradients behind
+        step = hand_step(model, optimizer, config.precision, device)
+        x, y = synthetic_images(batch, config.image_size, config.num_classes, device,
+                                channels_last=config.channels_last)
+
+        def run():
+            try:
+                return step(x, y)
+            except RuntimeError as exc:
+                if _allocation_failure(exc):  # cuDNN/cuBLAS say so in their own words
+                    raise MemoryError(str(exc)) from None
+                raise
+
+        return run
+
+    return model, optimizer, make
+
+
+def _reserved_peak(make: Callable[[int], Callable[[], object]], batch: int,
+                   device: torch.device) -> int:
+    free_memory(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run = make(batch)
+    run()
+    run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device)
+    del run
+    free_memory(device)
+    return peak
+
+
+def _card_row(card: float, technique: str, **values) -> Dict[str, object]:
+    row = {"card_gb": card, "technique": technique, "largest_batch": None, "resolution": None,
+           "peak_gib": None, "trials": 0, "seconds": 0.0, "status": "ok", "reason": "",
+           "how": ""}
+    row.update(values)
+    return row
+
+
+def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
+                        techniques: Sequence[str] = CARD_TECHNIQUES, device=None,
+                        model: str = "resnet50", image_size: int = 224, num_classes: int = 1000,
+                        channels_last: bool = False, checkpoint: str = "block",
+                        time_budget_s: Optional[float] = None, resolution_parts: int = 16,
+                        max_batch: int = 8192) -> List[Dict[str, object]]:
+    """The largest batch that trains per simulated card size and technique, with ``largest_batch``.
+
+    On a GPU each card is simulated by capping this process's allocator at ``card`` GiB
+    (``memory_cap``); a card larger than the device is skipped with the reason. The model and
+    optimizer are built once per technique and stay through the search (they would be on the
+    card anyway). Two uncapped steps at small batches predict the answer; the search then runs
+    in units of ``resolution`` images (the largest power of two at most the prediction divided
+    by ``resolution_parts``) from just below the prediction, so each card takes a handful of
+    trials of two steps each.
+    ``time_budget_s`` is shared equally among the techniques; cards left when a technique's share
+    is spent are skipped with the reason (largest cards first, since cards run smallest first).
+
+    On a CPU there is no allocator to cap: the same search runs on ``counted_memory_model``
+    (memory counted tensor by tensor at two batch sizes) instead, without running steps.
+    One row per card and technique: ``largest_batch`` (images; None if skipped),
+    ``resolution``, ``peak_gib`` (of the largest trial that fit), ``trials``, ``seconds``,
+    ``status`` ("ok" | "skipped"), ``reason`` and ``how`` (what enforced the cap).
+    """
+    techniques = _check_techniques(techniques)
+    cards = list(card_sizes_gb)
+    if not cards or any(not isinstance(c, (int, float)) or isinstance(c, bool) or c <= 0
+                        for c in cards):
+        raise ValueError(f"card_sizes_gb must hold numbers > 0 (GB); got {card_sizes_gb!r}")
+    check_int("resolution_parts", resolution_parts, 1)
+    check_int("max_batch", max_batch, 1)
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise ValueError(f"time_budget_s must be None or > 0 seconds; got {time_budget_s!r}")
+    cards = sorted(cards)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = device.type == "cuda"
+    total_gib = torch.cuda.get_device_properties(device).total_memory / GIB if cuda else None
+    configs = technique_configs(techniques, model=model, batch_size=8, image_size=image_size,
+                                num_classes=num_classes, channels_last=channels_last,
+                                checkpoint=checkpoint)
+    share = time_budget_s / len(configs) if time_budget_s else None
+    rows: List[Dict[str, object]] = []
+    old_benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False  # no autotuning per new batch size
+    try:
+        for config in configs:
+            rows += _largest_for_technique(config, cards, device, total_gib, share,
+                                           resolution_parts, max_batch)
+    finally:
+        torch.backends.cudnn.benchmark = old_benchmark
+    return rows
+
+
+def _largest_for_technique(config: BenchConfig, cards: Sequence[float], device: torch.device,
+                           total_gib: Optional[float], share: Optional[float],
+                           resolution_parts: int, max_batch: int) -> List[Dict[str, object]]:
+    reason = skip_reason(config, device)
+    if reason is None:
+        try:
+            _trainer.check_precision(config.precision, device)
+        except ValueError as exc:
+            reason = str(exc)
+    if reason:
+        return [_card_row(c, config.label, status="skipped", reason=reason) for c in cards]
+    start = time.perf_counter()
+    cuda = device.type == "cuda"
+    rows: List[Dict[str, object]] = []
+    model = optimizer = make = None
+    with precision_settings(config.precision, device):
+        try:
+            if cuda:
+                lo, hi = 8, 32
+                try:
+                    model, optimizer, make = _gpu_trials(config, device)
+                    free_memory(device)
+                    make(2)()  # optimizer state exists from here on
+                    p_lo, p_hi = (_reserved_peak(make, b, device) for b in (lo, hi))
+                except Exception as exc:  # noqa: BLE001 - a device too small for the prediction
+                    if not is_out_of_memory(exc):
+                        raise
+                    return [_card_row(c, config.label, status="skipped",
+                                      reason=f"out of memory at batch {hi} without any cap")
+                            for c in cards]
+                per_image = (p_hi - p_lo) / (hi - lo)
+                fixed = p_lo - per_image * lo
+                peak_bytes, how = None, "CUDA allocator capped at {card:g} GiB"
+            else:
+                line = counted_memory_model(config, device)
+                fixed, per_image = line["fixed_bytes"], line["bytes_per_image"]
+                make = lambda b: (lambda: None)  # noqa: E731 - the model decides, no step runs
+                peak_bytes = lambda b: int(fixed + per_image * b)  # noqa: E731
+                how = "counted memory model (a CPU has no allocator cap)"
+            for card in cards:
+                if cuda and card > total_gib:
+                    rows.append(_card_row(card, config.label, status="skipped",
+                                          reason=f"this device has {total_gib:.1f} GiB: a "
+                                                 f"{card:g} GB card cannot be simulated"))
+                    continue
+                if share is not None and time.perf_counter() - start > share:
+                    rows.append(_card_row(card, config.label, status="skipped",
+                                          reason=f"left out: this technique's share of the "
+                                                 f"time budget ({share:.0f} s) was spent"))
+                    continue
+                t0 = time.perf_counter()
+                predicted = max(1.0, (card * GIB - fixed) / max(per_image, 1.0))
+                resolution = 1
+                while resolution * 2 <= predicted / resolution_parts:
+                    resolution *= 2
+                first = max(1, int(0.85 * predicted / resolution))
+                limit = max(first, min(max_batch // resolution,
+                                       math.ceil(1.5 * predicted / resolution)))
+                found = largest_batch(
+                    lambda k, r=resolution: make(k * r), int(card * GIB),
+                    device=device if cuda else None, start=first, limit=limit,
+                    peak_bytes=None if cuda else (lambda k, r=resolution: peak_bytes(k * r)))
+                rows.append(_finish_row(card, config.label, found, resolution,
+                                        limit * resolution, time.perf_counter() - t0,
+                                        how.format(card=card)))
+        finally:
+            del model, optimizer, make
+            free_memory(device)
+    return rows
+
+
+def _finish_row(card: float, technique: str, found: LargestBatch, resolution: int, limit: int,
+                seconds: float, how: str) -> Dict[str, object]:
+    batch = found.batch_size * resolution
+    fit = [t for t in found.trials if t["fits"] and t["batch_size"] == found.batch_size]
+    row = _card_row(card, technique, largest_batch=batch, resolution=resolution,
+                    peak_gib=fit[-1]["peak_gib"] if fit else None, trials=len(found.trials),
+                    seconds=seconds, how=how)
+    if batch == 0:
+        row["reason"] = "not even the smallest batch fits"
+    elif batch >= limit:
+        row["reason"] = f"fits at the search limit ({limit}): the largest batch is at least this"
+    return row
+
+
+def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
+    """``technique_table`` rows as a table to show and publish: step time, throughput, memory,
+    and memory and time against the fp32 row (None where a number is missing)."""
+    ok = _by_technique(rows)
+    base = ok.get("fp32")
+    out = []
+    for r in rows:
+        good = r.get("status") == "ok"
+        out.append({
+            "technique": r.get("technique", r.get("label")),
+            "batch": r.get("config", {}).get("batch_size"),
+            "step ms": r.get("step_ms") if good else None,
+            "img/s": r.get("img_per_s") if good else None,
+            "memory GiB": r.get("memory_gib") if good else None,
+            "memory x fp32": ratio(r.get("memory_gib"), base.get("memory_gib"))
+            if good and base else None,
+            "time x fp32": ratio(r.get("step_ms"), base.get("step_ms")) if good and base else None,
+            "status": "ok" if good else f"{r.get('status')}: {r.get('reason')}"})
+    return out
+
+
+def largest_batch_report_rows(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
+    """``largest_batch_table`` rows pivoted to one row per card, one column per technique (the
+    largest batch in images; None where skipped). Returns ``rows``, ``columns`` and ``note``
+    (the search's resolution and every reason a cell was skipped or capped, once each)."""
+    if not rows:
+        raise ValueError("rows must hold at least one largest_batch_table row")
+    techniques = list(dict.fromkeys(r["technique"] for r in rows))
+    cards = sorted({r["card_gb"] for r in rows})
+    table = []
+    for card in cards:
+        line: Dict[str, object] = {"card (GB)": f"{card:g}"}
+        for t in techniques:
+            cell = next((r for r in rows if r["card_gb"] == card and r["technique"] == t), None)
+            line[t] = cell["largest_batch"] if cell and cell["status"] == "ok" else None
+        table.append(line)
+    reasons = list(dict.fromkeys(f"{r['technique']}: {r['reason']}" for r in rows if r["reason"]))
+    how = sorted({r["how"].split(" at ")[0] for r in rows if r["how"]})
+    steps = sorted({r["resolution"] for r in rows if r["resolution"]})
+    note = (f"Images per training step; searched in steps of {', '.join(map(str, steps))} "
+            f"images ({'; '.join(how)}). " if steps else "") + \
+        (f"Not measured or capped: {'; '.join(reasons)}." if reasons else "")
+    return {"rows": table, "columns": ["card (GB)"] + techniques, "note": note.strip()}
+
+
+def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> Dict[str, object]:
+    """How to reach an effective batch of ``target_batch`` on each card with each technique:
+    the fewest micro-batches whose size fits (``largest_batch_table`` rows), as ``"n x m"``
+    (n micro-batches of m images, n * m >= target_batch), or None where nothing was measured.
+    Returns ``rows`` (one per card), ``columns`` and ``note``, like ``largest_batch_report_rows``."""
+    check_int("target_batch", target_batch, 1)
+    if not rows:
+        raise ValueError("rows must hold at least one largest_batch_table row")
+    techniques = list(dict.fromkeys(r["technique"] for r in rows))
+    table = []
+    for card in sorted({r["card_gb"] for r in rows}):
+        line: Dict[str, object] = {"card (GB)": f"{card:g}"}
+        for t in techniques:
+            cell = next((r for r in rows if r["card_gb"] == card and r["technique"] == t), None)
+            largest = cell["largest_batch"] if cell and cell["status"] == "ok" else None
+            if not largest:
+                line[t] = None
+                continue
+            n = math.ceil(target_batch / largest)
+            line[t] = f"{n} x {math.ceil(target_batch / n)}"
+        table.append(line)
+    return {"rows": table, "columns": ["card (GB)"] + techniques,
+            "note": f"n x m: n micro-batches of m images per optimizer step (accumulate=n), the "
+                    f"fewest that reach {target_batch} images with micro-batches that fit."}
+
+
+def claim_r10(card_rows: Sequence[Dict[str, object]],
+              technique_rows: Sequence[Dict[str, object]],
+              small_card_gb: float = 12.0) -> List[Dict[str, object]]:
+    """Claim R10's recommendations beside what was measured: one row per recommendation with
+    ``claim``, ``measured`` and ``verdict`` (computed from ``largest_batch_table`` rows and
+    ``technique_table`` rows; the several-card setups say where they are measured instead).
+    Where AMP (fp16) did not run but bf16 did, bf16 stands in for it and the row says so.
+    ``small_card_gb`` is the claim's line between small and large cards (12 GB)."""
+    ok = _by_technique(technique_rows)
+    fp32 = ok.get("fp32")
+    amp = "AMP" if "AMP" in ok or "bf16" not in ok else "bf16"
+    amp_ckpt = f"{amp} + checkpointing"
+    note = "" if amp == "AMP" else " (bf16 autocast standing in for AMP)"
+
+    def saved(name: str) -> Optional[float]:
+        row = ok.get(name)
+        if fp32 is None or row is None or not fp32.get("memory_gib"):
+            return None
+        return 100 * (1 - row["memory_gib"] / fp32["memory_gib"])
+
+    measured_cards = sorted({r["card_gb"] for r in card_rows if r["status"] == "ok"})
+
+    def batches(card: float) -> Dict[str, int]:
+        return {r["technique"]: r["largest_batch"] for r in card_rows
+                if r["card_gb"] == card and r["status"] == "ok"}
+
+    def describe(card: float) -> str:
+        return f"{card:g} GB: " + ", ".join(f"{t} {b}" for t, b in batches(card).items())
+
+    out = []
+    small = [c for c in measured_cards if c < small_card_gb]
+    ckpt_saved = saved(amp_ckpt)
+    if not small or ckpt_saved is None:
+        out.append({"claim": R10_CLAIMS[0], "measured": "-",
+                    "verdict": f"not measured here: no simulated card under {small_card_gb:g} "
+                               f"GB, or no fp32 and {amp_ckpt} rows"})
+    else:
+        best = [max(b, key=b.get) for b in (batches(c) for c in small) if b]
+        wins = sum(1 for t in best if t == amp_ckpt)
+        others = sorted({t for t in best if t != amp_ckpt})
+        pick = (f"{amp_ckpt} fit the largest batch on {wins} of {len(best)} such cards"
+                + (f" ({', '.join(others)} on the rest)" if others else ""))
+        out.append({"claim": R10_CLAIMS[0],
+                     "measured": "; ".join(describe(c) for c in small)
+                                 + f"; {amp_ckpt} saved {ckpt_saved:.0f}% against fp32 at the "
+                                   f"same batch{note}",
+                     "verdict": f"{pick}; " + _range_verdict(ckpt_saved, 50, 60, "memory saved")})
+    large = [c for c in measured_cards if c >= small_card_gb]
+    amp_saved = saved(amp)
+    if not large or amp_saved is None:
+        out.append({"claim": R10_CLAIMS[1], "measured": "-",
+                    "verdict": f"not measured here: no simulated card of {small_card_gb:g} GB "
+                               f"or more, or no fp32 and {amp} rows"})
+    else:
+        speed = ""
+        if amp_ckpt in ok:
+            fast, slow = ok[amp]["img_per_s"], ok[amp_ckpt]["img_per_s"]
+            speed = (f"; {amp} trains at {format_value(fast)} img/s against {format_value(slow)} with "
+                     f"checkpointing, so accumulating micro-batches is "
+                     f"{'the faster' if fast >= slow else 'NOT the faster'} way to a batch that "
+                     f"does not fit")
+        out.append({"claim": R10_CLAIMS[1],
+                    "measured": "; ".join(describe(c) for c in large)
+                                + f"; {amp} saved {amp_saved:.0f}% against fp32 at the same "
+                                  f"batch{note}",
+                    "verdict": _range_verdict(amp_saved, 40, 50, "memory saved") + speed})
+    for claim in R10_CLAIMS[2:]:
+        out.append({"claim": claim, "measured": "-",
+                    "verdict": "not measured here: several GPUs (lesson 06 measures sharded "
+                               "optimizer state)"})
+    return out
+
+
+# --- gradient accumulation: memory per micro-batch count (claim R9) ------------------------------
+
+class _ForwardSaved:
+    """Bytes saved for backward by each forward of ``model`` (a fresh count per call)."""
+
+    def __init__(self, model: nn.Module):
+        self.exclude = list(model.parameters())
+        self.counts: List[int] = []
+        self._active: List[SavedActivations] = []
+        self.handles = [model.register_forward_pre_hook(self._pre),
+                        model.register_forward_hook(self._post)]
+
+    def _pre(self, module, args):
+        saved = SavedActivations(exclude=self.exclude)
+        saved.__enter__()
+        self._active.append(saved)
+
+    def _post(self, module, args, output):
+        saved = self._active.pop()
+        saved.__exit__(None, None, None)
+        self.counts.append(saved.bytes)
+
+    def abandon(self) -> None:
+        """Close the counts a failed forward left open (its hooks would stay installed)."""
+        while self._active:
+            self._active.pop().__exit__(None, None, None)
+
+    def remove(self) -> None:
+        self.abandon()
+        for h in self.handles:
+            h.remove()
+
+
+def accumulation_memory(micro_batch: int = 32, counts: Sequence[int] = (1, 2, 4, 8),
+                        precision: str = "fp16", device=None, model: str = "resnet50",
+                        image_size: int = 224, num_classes: int = 1000,
+                        channels_last: bool = False) -> List[Dict[str, object]]:
+    """Memory of one optimizer step with ``n`` micro-batches of ``micro_batch`` (the trainer's
+    ``accumulate=n``) against one batch of ``n * micro_batch``, for each ``n`` in ``counts``.
+
+    Each row: ``micro_batches``, ``effective_batch``, the step's ``accumulated_peak_gib`` (peak
+    allocated on a GPU, None on a CPU), ``accumulated_saved_gib`` (largest bytes saved for
+    backward by one forward, counted), ``accumulated_step_ms``, and the same three for the one
+    big batch (``one_batch_*``; ``one_batch_status`` says "out of memory" where it did not fit).
+    Each is the second of two steps, so optimizer state and lazy buffers exist.
+    """
+    from ..trainer import Trainer, TrainConfig
+
+    check_int("micro_batch", micro_batch, 1)
+    counts = list(counts)
+    if not counts or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts):
+        raise ValueError(f"counts must hold whole numbers >= 1; got {counts!r}")
+    check_choice("model", model, ("resnet18", "resnet50"))
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    precision = _trainer.check_precision(precision, device)
+    torch.manual_seed(0)
+    net = MODELS[model](num_classes=num_classes).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    # batches wait on the host, as a loader's would: one micro-batch is on the device at a time
+    x_all, y_all = synthetic_images(micro_batch * max(counts), image_size, num_classes, "cpu")
+    counter = _ForwardSaved(net)
+
+    def two_steps(n_micro: int, size: int) -> Dict[str, object]:
+        net.zero_grad(set_to_none=True)  # a step that ran out of memory may have left some
+        trainer = Trainer(net, opt, TrainConfig(precision=precision, accumulate=n_micro,
+                                                channels_last=channels_last, progress=False,
+                                                seed=None, track_grad_norm=False),
+                          device=device)
+        batches = [(x_all[i * size:(i + 1) * size], y_all[i * size:(i + 1) * size])
+                   for i in range(n_micro)]
+        try:
+            trainer.train_step(batches)
+            counter.counts.clear()
+            record = trainer.train_step(batches)
+            peak = record.peak_memory_bytes
+            return {"peak_gib": peak / GIB if peak is not None else None,
+                    "saved_gib": max(counter.counts) / GIB, "step_ms": 1e3 * record.time_s,
+                    "status": "ok"}
+        except Exception as exc:  # noqa: BLE001
+            if not is_out_of_memory(exc):
+                raise
+            return {"peak_gib": None, "saved_gib": None, "step_ms": None,
+                    "status": "out of memory"}
+        finally:
+            counter.abandon()
+            del trainer
+            free_memory(device)
+
+    rows = []
+    try:
+        for n in counts:
+            acc = two_steps(n, micro_batch)
+            one = two_steps(1, n * micro_batch)
+            rows.append({"micro_batches": n, "micro_batch": micro_batch,
+                         "effective_batch": n * micro_batch,
+                         "accumulated_peak_gib": acc["peak_gib"],
+                         "accumulated_saved_gib": acc["saved_gib"],
+                         "accumulated_step_ms": acc["step_ms"],
+                         "one_batch_peak_gib": one["peak_gib"],
+                         "one_batch_saved_gib": one["saved_gib"],
+                         "one_batch_step_ms": one["step_ms"],
+                         "one_batch_status": one["status"]})
+    finally:
+        counter.remove()
+        del net, opt
+        free_memory(device)
+    return rows
+
+
+def accumulation_equivalence(model: str = "mlp", precision: str = "fp32", micro_batch: int = 16,
+                             micro_batches: int = 4, device=None,
+                             seed: int = 0) -> Dict[str, object]:
+    """One optimizer step of the trainer on ``micro_batches`` micro-batches of ``micro_batch``
+    digits (``accumulate=micro_batches``) against one step on the same examples as one batch.
+
+    ``model`` is a digits model of ``trainer.build_digits_model`` ("mlp" has no BatchNorm;
+    "cnn" has, and BatchNorm normalises each micro-batch by its own statistics, so the two
+    differ by more than rounding there). Returns ``loss_diff``, ``grad_rel_diff`` (largest
+    relative difference of the gradients, unscaled), ``weight_rel_diff`` (after the step), the
+    ``scale`` each used and whether either step was ``skipped``.
+    """
+    from ..data import digits
+    from ..models import build_digits_model
+    from ..trainer import Hooks, Trainer, TrainConfig
+
+    check_int("micro_batch", micro_batch, 1)
+    check_int("micro_batches", micro_batches, 1)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    precision = _trainer.check_precision(precision, device)
+
+    class KeepGrads(Hooks):
+        grads: List[torch.Tensor] = []
+
+        def after_unscale(self, trainer_):
+            self.grads = [p.grad.detach().clone() for p in trainer_.model.parameters()]
+
+    results = []
+    for n in (micro_batches, 1):
+        torch.manual_seed(seed)
+        net, size = build_digits_model(model)
+        x, y = digits("train", size, device)
+        x, y = x[:micro_batch * micro_batches], y[:micro_batch * micro_batches]
+        hook = KeepGrads()
+        trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                          TrainConfig(precision=precision, accumulate=n, progress=False,
+                                      seed=None, track_grad_norm=False),
+                          device=device, hooks=[hook])
+        size_each = len(x) // n
+        record = trainer.train_step([(x[i * size_each:(i + 1) * size_each],
+                                      y[i * size_each:(i + 1) * size_each]) for i in range(n)])
+        results.append((float(record.loss), hook.grads, list(net.parameters()),
+                        float(record.scale), bool(record.skipped)))
+    (la, ga, pa, sa, ka), (lb, gb, pb, sb, kb) = results
+    return {"model": model, "precision": precision, "micro_batch": micro_batch,
+            "micro_batches": micro_batches, "loss_diff": abs(la - lb),
+            "grad_rel_diff": _relative_diff(ga, gb), "weight_rel_diff": _relative_diff(pa, pb),
+            "scale": (sa, sb), "skipped": (ka, kb)}
+
+
+def claim_r9(rows: Sequence[Dict[str, object]], tolerance: float = 0.15) -> Dict[str, object]:
+    """Claim R9 against ``accumulation_memory`` rows: held when the accumulated steps' memory
+    varies by at most ``tolerance`` (a fraction) across micro-batch counts. Peak allocated memory
+    where measured (a GPU), else the counted bytes saved for backward."""
+    if not rows:
+        raise ValueError("rows must hold at least one accumulation_memory row")
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance must be in [0, 1); got {tolerance!r}")
+    gpu = all(r["accumulated_peak_gib"] is not None for r in rows)
+    key = "peak_gib" if gpu else "saved_gib"
+    what = "peak allocated" if gpu else "saved for backward (counted)"
+    acc = [r[f"accumulated_{key}"] for r in rows]
+    one = [(r["effective_batch"], r[f"one_batch_{key}"]) for r in rows
+           if r[f"one_batch_{key}"] is not None]
+    spread = max(acc) / min(acc) - 1
+    held = spread <= tolerance
+    measured = (f"{what}: {min(acc):.3g}-{max(acc):.3g} GiB for effective batches "
+                f"{rows[0]['effective_batch']}-{rows[-1]['effective_batch']} by accumulation")
+    if len(one) > 1:
+        measured += (f"; one batch: {one[0][1]:.3g} GiB at {one[0][0]} -> {one[-1][1]:.3g} GiB "
+                     f"at {one[-1][0]}")
+    oom = [r["effective_batch"] for r in rows if r["one_batch_status"] != "ok"]
+    if oom:
+        measured += f"; one batch of {', '.join(map(str, oom))} did not fit"
+    verdict = (f"held: memory moved {100 * spread:.0f}% (at most {100 * tolerance:.0f}% counts "
+               f"as the same)" if held else
+               f"did not hold: memory moved {100 * spread:.0f}% across micro-batch counts")
+    return {"claim": R9_CLAIM, "measured": measured, "verdict": verdict, "held": held,
+            "spread": spread}
+
+
+# --- training checkpoints: exact resume, and resume without the scaler's state --------------------
+
+def resume_experiment(precision: str = "fp16", model: str = "mlp", total_steps: int = 40,
+                      resume_at: int = 20, batch_size: int = 64, lr: float = 0.05,
+                      init_scale: float = 2.0 ** 24, device=None, seed: int = 0,
+                      directory=None) -> Dict[str, object]:
+    """Train a digits model three ways from the same seed and compare their steps.
+
+    ``uninterrupted``: ``total_steps`` steps in one go. ``resumed with scaler state``:
+    ``resume_at`` steps, ``save_checkpoint``, a fresh Trainer (new model, optimizer, scaler)
+    ``load_checkpoint``, then the rest. ``resumed without scaler state``: the same with
+    ``load_checkpoint(load_scaler=False)``: the new GradScaler starts again at ``init_scale``
+    (set high, as a scale that has not settled yet would be), so the steps after the resume
+    overflow until it has halved back down. Returns ``runs`` (name -> ``History.columns()``),
+    ``resume_step``, ``saved_scale`` (the scale in the checkpoint), ``init_scale`` and
+    ``summary`` (one row per resumed run, compared with the uninterrupted one from the resume
+    step on). cuDNN runs deterministically, so a GPU repeats a step bit for bit, as a CPU does.
+    """
+    import tempfile as _tempfile
+    from pathlib import Path as _Path
+
+    from ..data import digits_loaders
+    from ..models import build_digits_model
+    from ..trainer import ScalerSettings, Trainer, TrainConfig
+
+    check_int("total_steps", total_steps, 2)
+    check_int("resume_at", resume_at, 1)
+    if resume_at >= total_steps:
+        raise ValueError(f"resume_at must be in [1, {total_steps - 1}] (before total_steps); "
+                         f"got {resume_at}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    precision = _trainer.check_precision(precision, device)
+    settings = ScalerSettings(init_scale=init_scale)
+
+    def new_trainer() -> "Trainer":
+        torch.manual_seed(seed)
+        net, size = build_digits_model(model)
+        trainer_ = Trainer(net, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9),
+                           TrainConfig(precision=precision, scaler=settings, progress=False,
+                                       seed=seed), device=device)
+        trainer_.image_size = size
+        return trainer_
+
+    def loader(trainer_):
+        return digits_loaders(batch_size, trainer_.image_size, device, seed)[0]
+
+    runs: Dict[str, dict] = {}
+    with deterministic_kernels(), _tempfile.TemporaryDirectory(dir=directory) as tmp:
+        path = _Path(tmp) / "checkpoint.pt"
+        whole = new_trainer()
+        whole.fit(loader(whole), epochs=total_steps, max_steps=total_steps)
+        runs["uninterrupted"] = whole.history.columns()
+        first = new_trainer()
+        first.fit(loader(first), epochs=total_steps, max_steps=resume_at)
+        first.save_checkpoint(path)
+        saved_scale = float(first.scaler.get_scale()) if first.scaler.is_enabled() else 1.0
+        del whole, first
+        for name, load_scaler in (("resumed with scaler state", True),
+                                  ("resumed without scaler state", False)):
+            again = new_trainer()
+            again.load_checkpoint(path, load_scaler=load_scaler)
+            again.fit(loader(again), epochs=total_steps, max_steps=total_steps - resume_at)
+            runs[name] = again.history.columns()
+            del again
+    free_memory(device)
+    ref = runs["uninterrupted"]
+    summary = []
+    for name in ("resumed with scaler state", "resumed without scaler state"):
+        cols = runs[name]
+        after = range(resume_at, total_steps)
+        burst = 0
+        for i in after:
+            if not cols["skipped"][i]:
+                break
+            burst += 1
+        summary.append({
+            "run": name,
+            "steps": len(cols["step"]),
+            "same_history_before_resume": all(cols[k][:resume_at] == ref[k][:resume_at]
+                                              for k in ("loss", "scale", "skipped")),
+            "first_scale_after_resume": cols["scale"][resume_at],
+            "max_loss_diff_after_resume": max(abs(cols["loss"][i] - ref["loss"][i])
+                                              for i in after),
+            "same_scales_after_resume": [cols["scale"][i] for i in after]
+                                        == [ref["scale"][i] for i in after],
+            "skipped_after_resume": sum(1 for i in after if cols["skipped"][i]),
+            "skipped_in_a_row_at_resume": burst,
+            "uninterrupted_skipped_after_resume": sum(1 for i in after if ref["skipped"][i]),
+        })
+    return {"runs": runs, "resume_step": resume_at, "saved_scale": saved_scale,
+            "init_scale": float(init_scale), "precision": precision, "summary": summary,
+            "expected_burst": max(0, round(math.log2(float(init_scale) / saved_scale)))
+            if saved_scale > 0 else None}

@@ -1,0 +1,945 @@
+"""Speed and memory of a training step, measured (the engine of lessons 04 and 05).
+
+- ``BenchConfig`` names one configuration (model, precision, memory format, optimizer, compile,
+  CUDA graph, checkpointing, batch); ``measure`` times its training step with CUDA events after a
+  warm-up (median over steps, in img/s), reads peak allocated and reserved memory after
+  ``torch.cuda.reset_peak_memory_stats()``, and breaks the memory down into parameters,
+  gradients, optimizer state and activations saved for backward (counted, not estimated).
+  On a CPU it times with ``time.perf_counter`` and reports no peak ("n/a").
+- ``run_configs`` measures many configurations in one process, one after another, freeing
+  memory between them; an out-of-memory error becomes a row that says so, never a dead kernel.
+- ``compare_loops`` times the shared trainer's ``train_step`` against a hand-written loop on the
+  same model, interleaved, so lesson 04 can show what the trainer costs.
+- ``largest_batch`` finds the largest batch that trains within a memory cap (lesson 05).
+- ``digits_accuracy``, ``autocast_error_by_op`` and the claim helpers answer article claims B1,
+  R4-R7 and R12 with measurements.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import models as _models
+from . import trainer as _trainer
+from ._validate import check_choice, check_int
+from .data import synthetic_images
+from .tables import json_safe
+from .precision import HALF_DTYPES, PRECISIONS, autocast_for, native_bf16, precision_settings
+
+GIB = 2**30
+MODELS = {
+    "resnet50": _models.resnet50,
+    "resnet18": _models.resnet18,
+    "resnet50-r4": _models.optimized_resnet50,
+    "resnet18-r4": _models.optimized_resnet18,
+}
+OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZER_IMPLS = ("default", "for-loop", "foreach", "fused")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+LOOPS = ("hand", "trainer")
+
+
+# --- configurations -----------------------------------------------------------------------------
+
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One training-step configuration to measure. ``label`` defaults to a description."""
+
+    label: str = ""
+    model: str = "resnet50"
+    precision: str = "fp32"            # fp32 (TF32 off), tf32, fp16 (+ GradScaler), bf16
+    channels_last: bool = False
+    batch_size: int = 256
+    image_size: int = 224
+    num_classes: int = 1000
+    optimizer: str = "sgd"
+    impl: str = "default"              # for-loop, foreach or fused optimizer kernels
+    lr: Optional[float] = None         # default 0.1 for SGD, 1e-3 for Adam(W)
+    eps: float = 1e-8                  # Adam(W) only
+    amsgrad: bool = False              # Adam(W) only
+    compile: Optional[str] = None      # a torch.compile mode, or None for eager
+    cuda_graph: bool = False           # capture the whole eager step in one CUDA graph
+    checkpoint: Optional[str] = None   # None, "block" or "stage" (activation checkpointing)
+    loop: str = "hand"                 # "hand": hand-written loop; "trainer": Trainer.train_step
+    cudnn_benchmark: bool = True       # let cuDNN pick the fastest convolution algorithms
+
+    def __post_init__(self):
+        check_choice("model", self.model, tuple(MODELS))
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("impl", self.impl, OPTIMIZER_IMPLS)
+        check_choice("compile", self.compile, COMPILE_MODES)
+        check_choice("checkpoint", self.checkpoint, _models.CHECKPOINT_MODES)
+        check_choice("loop", self.loop, LOOPS)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("image_size", self.image_size, 8)
+        check_int("num_classes", self.num_classes, 2)
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0; got {self.lr!r}")
+        if not (0 < self.eps < 1):
+            raise ValueError(f"eps must be in (0, 1); got {self.eps!r}")
+        if not self.label:
+            object.__setattr__(self, "label", self.describe())
+
+    def describe(self) -> str:
+        """A readable name, e.g. "fp16 + GradScaler, channels_last, compile, fused SGD"."""
+        parts = [{"fp32": "fp32, TF32 off", "tf32": "fp32, TF32 on",
+                  "fp16": "fp16 + GradScaler", "bf16": "bf16"}[self.precision]]
+        if self.model.endswith("-r4"):
+            parts.append("R4 layer3/4+fc in fp32")
+        if self.channels_last:
+            parts.append("channels_last")
+        if self.checkpoint:
+            parts.append(f"checkpoint per {self.checkpoint}")
+        if self.compile:
+            parts.append("compile" if self.compile == "default" else f"compile {self.compile}")
+        if self.cuda_graph:
+            parts.append("CUDA graph")
+        opt = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[self.optimizer]
+        if self.impl != "default":
+            opt = f"{self.impl} {opt}"
+        if self.optimizer != "sgd" and self.eps != 1e-8:
+            opt += f" eps={self.eps:g}"
+        if self.amsgrad:
+            opt += " amsgrad"
+        if self.impl != "default" or self.optimizer != "sgd":
+            parts.append(opt)
+        if self.loop == "trainer":
+            parts.append("Trainer")
+        return ", ".join(parts)
+
+
+def build_model(config: BenchConfig, device, in_channels: int = 3) -> nn.Module:
+    """The configuration's model on ``device`` (channels_last if asked), in training mode."""
+    model = MODELS[config.model](num_classes=config.num_classes, checkpoint=config.checkpoint,
+                                 in_channels=in_channels)
+    model = model.to(device)
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model.train()
+
+
+def build_optimizer(config: BenchConfig, params: Iterable[torch.Tensor],
+                    prime_momentum: bool = True) -> torch.optim.Optimizer:
+    """SGD (momentum 0.9) or Adam/AdamW with the configuration's kernels, eps and amsgrad.
+
+    ``prime_momentum``: give fused SGD zero momentum buffers up front
+    (``trainer.prime_momentum_buffers``), so a first step that GradScaler skips cannot leave
+    them uninitialised; the updates are the same as without priming.
+    """
+    if not isinstance(prime_momentum, bool):
+        raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
+    kwargs: Dict[str, object] = {}
+    if config.impl == "for-loop":
+        kwargs["foreach"] = False
+    elif config.impl == "foreach":
+        kwargs["foreach"] = True
+    elif config.impl == "fused":
+        kwargs["fused"] = True
+    if config.optimizer == "sgd":
+        sgd = torch.optim.SGD(params, lr=config.lr or 0.1, momentum=0.9, **kwargs)
+        if prime_momentum and config.impl == "fused":
+            _trainer.prime_momentum_buffers(sgd)
+        return sgd
+    if config.cuda_graph:
+        kwargs["capturable"] = True
+    cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=config.lr or 1e-3, eps=config.eps, amsgrad=config.amsgrad, **kwargs)
+
+
+def skip_reason(config: BenchConfig, device) -> Optional[str]:
+    """Why ``config`` cannot run on ``device`` (a sentence), or None when it can."""
+    device = torch.device(device)
+    if config.precision == "bf16" and not native_bf16(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"bf16 needs native support (compute capability 8.0+); this GPU is sm_{major}{minor}"
+    if config.compile and device.type != "cuda":
+        return "torch.compile is measured on a GPU only (compiling a ResNet takes minutes on a CPU)"
+    if config.cuda_graph:
+        if device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
+        if config.compile:
+            return "a manual CUDA graph wraps the eager step; use compile='reduce-overhead' instead"
+        if config.loop == "trainer":
+            return "the trainer's step is not captured in a CUDA graph"
+        if config.precision == "fp16" and config.impl != "fused":
+            return "GradScaler waits for the host in step() unless the optimizer is fused"
+    if config.impl == "fused" and device.type not in ("cuda", "cpu"):
+        return f"fused optimizers do not run on {device.type}"
+    return None
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+def storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr(), t.device
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+        return None
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held by ``tensors``, each storage counted once (views share their storage)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = storage_key(t)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """Every tensor in the optimizer's per-parameter state (momentum, exp_avg, exp_avg_sq...)."""
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+class SavedActivations:
+    """Count the bytes autograd saves for backward inside the ``with`` block.
+
+    A ``torch.autograd.graph.saved_tensors_hooks`` pair sees every tensor saved for backward;
+    each storage is counted once and parameters are left out (they are held anyway), so what
+    remains is the activations (and, under autocast, the half-precision copies of weights).
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._exclude = {storage_key(t) for t in exclude}
+        self._sizes: Dict[object, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key is not None and key not in self._exclude and key not in self._sizes:
+            self._sizes[key] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of the distinct storages saved so far."""
+        return sum(self._sizes.values())
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def memory_breakdown(step: "Step", x: torch.Tensor, y: torch.Tensor,
+                     device) -> Dict[str, Optional[float]]:
+    """Run one training step of ``step`` and measure where its memory goes, in GiB.
+
+    Parameters and gradients (read between backward and the optimizer step) are summed over
+    their tensors; activations are the storages saved for backward (``SavedActivations``). On a
+    GPU, ``activations_allocated_gib`` also gives the growth of allocated memory across the
+    forward pass, which includes what checkpointing keeps and saved-tensor hooks cannot see.
+    Optimizer state exists only after a step that was not skipped: read it with
+    ``optimizer_state_tensors`` once training ran.
+    """
+    params = list(step.model.parameters())
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+    with SavedActivations(exclude=params) as saved:
+        loss = step.forward(x, y)
+    after_forward = torch.cuda.memory_allocated(device) if cuda else None
+    step.backward(loss)
+    grads = tensor_bytes(p.grad for p in params if p.grad is not None)
+    step.update()
+    return {
+        "params_gib": tensor_bytes(params) / GIB,
+        "grads_gib": grads / GIB,
+        "activations_gib": saved.bytes / GIB,
+        "activations_allocated_gib": (after_forward - before) / GIB if cuda else None,
+    }
+
+
+def free_memory(device=None, reset_compiler: bool = False) -> None:
+    """Release what the last measurement left: garbage, cached CUDA blocks, compiled graphs."""
+    if reset_compiler:
+        try:
+            torch._dynamo.reset()
+        except Exception:  # noqa: BLE001 - torch without dynamo; nothing compiled then
+            pass
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a CUDA (or CPU allocator) out-of-memory error, whatever its class."""
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    if isinstance(exc, (oom, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text
+                                              or "cuda_error_out_of_memory" in text)
+
+
+# --- the training step --------------------------------------------------------------------------
+
+@dataclass
+class Step:
+    """A training step in three parts: ``forward(x, y) -> loss``, ``backward(loss)``,
+    ``update()`` (optimizer step, scaler update, zero_grad). ``step(x, y)`` runs all three and
+    returns the detached loss; with ``trainer`` set it calls ``trainer.train_step`` instead."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    forward: Callable
+    backward: Callable
+    update: Callable
+    trainer: object = None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor):
+        if self.trainer is not None:
+            return _RecordLoss(self.trainer.train_step([(x, y)]))
+        loss = self.forward(x, y)
+        self.backward(loss)
+        self.update()
+        return loss.detach()
+
+
+class _RecordLoss:
+    """A StepRecord's loss, read (with its host sync) only when converted with ``float()``."""
+
+    def __init__(self, record):
+        self.record = record
+
+    def __float__(self) -> float:
+        return float(self.record.loss)
+
+
+def hand_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str, device,
+              loss_fn: Callable = F.cross_entropy, cache_enabled: bool = True,
+              mark_step: bool = False) -> Step:
+    """The canonical AMP step written out: autocast forward, scaled backward, step, update.
+
+    ``scaler`` is enabled for fp16 only; for fp32/tf32/bf16 it passes everything through.
+    ``mark_step`` tells torch.compile's CUDA graphs that a new iteration begins.
+    """
+    device_type = torch.device(device).type
+    scaler = torch.amp.GradScaler(device_type, enabled=precision == "fp16")
+
+    def forward(x, y):
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast_for(precision, device_type, cache_enabled=cache_enabled):
+            return loss_fn(model(x), y)
+
+    def backward(loss):
+        scaler.scale(loss).backward()
+
+    def update():
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Step(model, optimizer, scaler, forward, backward, update)
+
+
+def trainer_step(model: nn.Module, optimizer: torch.optim.Optimizer, config: BenchConfig,
+                 device) -> Step:
+    """A ``Step`` that calls the shared ``Trainer.train_step`` (lesson 02's trainer)."""
+    tcfg = _trainer.TrainConfig(precision=config.precision, channels_last=config.channels_last,
+                                progress=False, seed=None)
+    trainer = _trainer.Trainer(model, optimizer, tcfg, device=device)
+    base = hand_step(model, optimizer, config.precision, device)
+    return Step(model, optimizer, trainer.scaler, base.forward, base.backward, base.update,
+                trainer=trainer)
+
+
+def cuda_graph_step(step: Step, x: torch.Tensor, y: torch.Tensor, warmup: int = 3) -> Callable:
+    """Capture one whole training step in a CUDA graph; returns ``replay(x, y) -> loss``.
+
+    The graph reads ``x`` and ``y`` from their addresses at capture time, so replays train on
+    those same tensors (copy new data into them to change it). Warm-up runs on a side stream,
+    as PyTorch's CUDA-graph recipe does, so lazily created state exists before capture.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step(x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    step.optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = step(x, y)
+
+    def replay(x_in: torch.Tensor, y_in: torch.Tensor) -> torch.Tensor:
+        if x_in.data_ptr() != x.data_ptr() or y_in.data_ptr() != y.data_ptr():
+            x.copy_(x_in)
+            y.copy_(y_in)
+        graph.replay()
+        return static_loss
+
+    replay.graph = graph  # keep it alive with the callable
+    return replay
+
+
+# --- timing -------------------------------------------------------------------------------------
+
+def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5,
+               steps: int = 15, device=None, reset_peak: bool = True) -> Dict[str, object]:
+    """Run ``warmup`` untimed steps, then time ``steps`` steps one by one.
+
+    On a GPU each step is bracketed by CUDA events (device time, no host sync inside the loop);
+    on a CPU by ``time.perf_counter``. Returns ``times_ms`` (per step), ``loss`` (last, float)
+    and ``timer``. With ``reset_peak`` the GPU's peak-memory counter is reset after the warm-up
+    (leave it off to count memory set aside during the warm-up, such as a CUDA graph's pool).
+    """
+    check_int("warmup", warmup, 0)
+    check_int("steps", steps, 1)
+    if not isinstance(reset_peak, bool):
+        raise ValueError(f"reset_peak must be True or False; got {reset_peak!r}")
+    device = torch.device(device) if device is not None else x.device
+    loss = None
+    for _ in range(warmup):
+        loss = step(x, y)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        for i in range(steps):
+            starts[i].record()
+            loss = step(x, y)
+            ends[i].record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        timer = "CUDA events"
+    else:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = step(x, y)
+            times.append((time.perf_counter() - t0) * 1e3)
+        timer = "perf_counter"
+    return {"times_ms": times, "loss": float(loss) if loss is not None else float("nan"),
+            "timer": timer}
+
+
+def summarize_times(times_ms: Sequence[float], batch_size: int) -> Dict[str, float]:
+    """Median step time, img/s from it, and the spread (quartiles) of the step times."""
+    if not times_ms:
+        raise ValueError("times_ms must hold at least one step time")
+    median = statistics.median(times_ms)
+    q1, q3 = (statistics.quantiles(times_ms, n=4)[i] for i in (0, 2)) if len(times_ms) > 1 \
+        else (median, median)
+    return {"step_ms": median, "step_ms_q1": q1, "step_ms_q3": q3,
+            "img_per_s": batch_size / (median / 1e3)}
+
+
+# --- one configuration, many configurations -----------------------------------------------------
+
+ROW_KEYS = ("label", "status", "reason", "img_per_s", "step_ms", "step_ms_q1", "step_ms_q3",
+            "peak_allocated_gib", "peak_reserved_gib", "params_gib", "grads_gib",
+            "optimizer_state_gib", "activations_gib", "activations_allocated_gib", "loss",
+            "timer", "steps", "warmup", "seconds")
+
+
+def _empty_row(config: BenchConfig, status: str, reason: str = "") -> Dict[str, object]:
+    row = {k: None for k in ROW_KEYS}
+    row.update(label=config.label, status=status, reason=reason, config=asdict(config))
+    return row
+
+
+def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
+             breakdown: bool) -> Dict[str, object]:
+    torch.manual_seed(0)
+    model = build_model(config, device)
+    optimizer = build_optimizer(config, model.parameters())
+    x, y = synthetic_images(config.batch_size, config.image_size, config.num_classes, device,
+                            channels_last=config.channels_last)
+    compiled = model if not config.compile else torch.compile(model, mode=config.compile)
+    cudagraph_mode = bool(config.compile) and config.compile in ("reduce-overhead", "max-autotune")
+    if config.loop == "trainer":
+        step = trainer_step(compiled, optimizer, config, device)
+    else:
+        step = hand_step(compiled, optimizer, config.precision, device,
+                         cache_enabled=not config.cuda_graph, mark_step=cudagraph_mode)
+    row = _empty_row(config, "ok")
+    if breakdown:  # on the eager model: saved-tensor hooks do not see inside compiled graphs
+        row.update(memory_breakdown(hand_step(model, optimizer, config.precision, device),
+                                    x, y, device))
+    graphed = config.cuda_graph or cudagraph_mode
+    if graphed and device.type == "cuda":
+        # a CUDA graph's memory pool is set aside during warm-up and capture and held for the
+        # whole run: count it, so the row's peak is what the configuration really needs
+        free_memory(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    run = step
+    if config.cuda_graph:
+        run = cuda_graph_step(step, x, y, warmup=max(warmup, 2))
+    timing = time_steps(run, x, y, warmup=warmup, steps=steps, device=device,
+                        reset_peak=not graphed)
+    row.update(summarize_times(timing["times_ms"], config.batch_size))
+    row.update(loss=timing["loss"], timer=timing["timer"], steps=steps, warmup=warmup)
+    row["optimizer_state_gib"] = tensor_bytes(optimizer_state_tensors(optimizer)) / GIB
+    if device.type == "cuda":
+        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        if graphed:
+            row["reason"] = ("peak over warm-up, capture and timed steps: a CUDA graph holds "
+                             "its memory pool for the whole run")
+    if not math.isfinite(row["loss"]):
+        row["status"] = "error"
+        row["reason"] = f"loss is {row['loss']} after {warmup + steps} steps (timing kept)"
+    return row
+
+
+def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
+            breakdown: bool = True) -> Dict[str, object]:
+    """Measure one configuration; returns a row (a dict) whatever happens.
+
+    ``status`` is ``"ok"``, ``"skipped"`` (``reason`` says why: no bf16, no GPU for compile...),
+    ``"out of memory"`` or ``"error"``. Memory is freed before returning, also after a failure.
+    """
+    device = torch.device(device)
+    reason = skip_reason(config, device)
+    if reason:
+        return _empty_row(config, "skipped", reason)
+    t0 = time.perf_counter()
+    old_benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = config.cudnn_benchmark
+    try:
+        with precision_settings(config.precision, device):
+            row = _measure(config, device, warmup, steps, breakdown)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a row, never a dead kernel
+        if is_out_of_memory(exc):
+            total = (torch.cuda.get_device_properties(device).total_memory / GIB
+                     if device.type == "cuda" else None)
+            where = f" of this device's {total:.0f} GiB" if total else ""
+            row = _empty_row(config, "out of memory",
+                             f"batch {config.batch_size} needs more than the free memory{where}")
+        else:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            row = _empty_row(config, "error", f"{type(exc).__name__}: {first}"[:300])
+    finally:
+        torch.backends.cudnn.benchmark = old_benchmark
+        free_memory(device, reset_compiler=bool(config.compile))
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def run_configs(configs: Sequence[BenchConfig], device, warmup: int = 5, steps: int = 15,
+                breakdown: bool = True, progress: bool = True,
+                on_row: Optional[Callable[[Dict[str, object]], None]] = None
+                ) -> List[Dict[str, object]]:
+    """Measure every configuration in turn, in this process, freeing memory between them."""
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels):
+        raise ValueError("configuration labels must be unique")
+    rows = []
+    iterator: Iterable = configs
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            iterator = tqdm(configs, desc="configurations", leave=False)
+        except ImportError:
+            pass
+    free_memory(device)
+    for config in iterator:
+        row = measure(config, device, warmup=warmup, steps=steps, breakdown=breakdown)
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows
+
+
+def with_ratios(rows: Sequence[Dict[str, object]], baseline: str) -> List[Dict[str, object]]:
+    """Copies of ``rows`` with ``speedup`` (img/s over the baseline's) and ``memory_ratio``.
+
+    ``baseline`` is the label of a row of the same run. A ratio is None where a number is missing.
+    """
+    base = next((r for r in rows if r["label"] == baseline), None)
+    if base is None:
+        raise ValueError(f"baseline must be the label of one of the rows; got {baseline!r}")
+    out = []
+    for row in rows:
+        new = dict(row)
+        new["speedup"] = ratio(row.get("img_per_s"), base.get("img_per_s"))
+        new["memory_ratio"] = ratio(row.get("peak_allocated_gib"), base.get("peak_allocated_gib"))
+        out.append(new)
+    return out
+
+
+def ratio(a, b) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+
+
+DEFAULT_COLUMNS = (("label", "configuration"), ("img_per_s", "img/s"),
+                   ("speedup", "x fp32"), ("peak_allocated_gib", "peak GiB"),
+                   ("memory_ratio", "mem x fp32"), ("activations_gib", "act. GiB"),
+                   ("optimizer_state_gib", "opt. GiB"), ("status", "status"))
+
+
+
+
+def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -> List[Dict[str, object]]:
+    """Rows keyed by column heading, for ``report.publish`` (the README's results section).
+
+    Same columns and status text as ``tables.text_table``; numbers stay numbers.
+    """
+    columns = [(k, h) for k, h in columns if any(k in r for r in rows)]
+    if not columns:
+        raise ValueError("columns must name at least one key present in the rows")
+    out = []
+    for r in rows:
+        row = {}
+        for k, h in columns:
+            v = r.get(k)
+            if k == "status" and v != "ok" and r.get("reason"):
+                v = f"{v}: {r['reason']}"
+            row[h] = v
+        out.append(row)
+    return out
+
+
+
+
+# --- the lesson's configurations ----------------------------------------------------------------
+
+def batch_size_for(total_memory_gib: Optional[float], image_size: int = 224,
+                   largest: int = 256, fp32_gib_per_image: float = 0.085,
+                   fraction: float = 0.6) -> int:
+    """A power-of-two batch whose fp32 ResNet-50 step fits in ``fraction`` of the device memory.
+
+    ``fp32_gib_per_image`` is the peak per 224x224 image of an fp32 step (about 21.4 GiB at batch
+    256 on an H200); it scales with the pixel count. ``None`` memory (a CPU) gives ``largest``.
+    """
+    check_int("largest", largest, 1)
+    check_int("image_size", image_size, 8)
+    if not (0 < fraction <= 1):
+        raise ValueError(f"fraction must be in (0, 1]; got {fraction!r}")
+    if total_memory_gib is None:
+        return largest
+    per_image = fp32_gib_per_image * (image_size / 224) ** 2
+    batch = 1
+    while batch * 2 <= largest and batch * 2 * per_image <= fraction * total_memory_gib:
+        batch *= 2
+    return batch
+
+
+def lesson_configs(model: str = "resnet50", batch_size: int = 256, image_size: int = 224,
+                   num_classes: int = 1000, amp: str = "fp16",
+                   compile_precision: Optional[str] = "bf16",
+                   cudnn_benchmark: bool = True,
+                   compile_modes: Sequence[str] = ("default", "reduce-overhead")
+                   ) -> List[BenchConfig]:
+    """Lesson 04's table: precisions x memory formats, optimizer kernels, R4, R5, torch.compile.
+
+    ``amp`` is the half precision of the optimizer and R4 rows (fp16 as in the articles; bf16
+    where fp16 would only be emulated); ``compile_precision`` is the precision of the compiled
+    rows, channels_last with fused SGD, one per mode in ``compile_modes`` (``None`` leaves
+    torch.compile out; ``"reduce-overhead"`` adds CUDA graphs). ``cudnn_benchmark=False`` saves
+    the minutes cuDNN's autotuning takes for every new precision and memory format.
+    """
+    check_choice("amp", amp, tuple(HALF_DTYPES))
+    if isinstance(compile_modes, str) or not compile_modes:
+        raise ValueError(f"compile_modes must be a non-empty sequence of modes from "
+                         f"{COMPILE_MODES[1:]}; got {compile_modes!r}")
+    for mode in compile_modes:
+        check_choice("compile_modes", mode, COMPILE_MODES[1:])
+    base = dict(model=model, batch_size=batch_size, image_size=image_size,
+                num_classes=num_classes, cudnn_benchmark=cudnn_benchmark)
+    r4 = f"{model}-r4"
+    cfgs = [BenchConfig(precision=p, **base) for p in PRECISIONS]
+    cfgs += [BenchConfig(precision=p, channels_last=True, **base) for p in PRECISIONS]
+    cfgs += [BenchConfig(precision=p, channels_last=True, impl=i, **base)
+             for p in dict.fromkeys((amp, "bf16")) for i in ("foreach", "fused")]
+    cfgs += [BenchConfig(precision=amp, **dict(base, model=r4))]
+    adam = dict(base, precision=amp, channels_last=True, optimizer="adam")
+    cfgs += [BenchConfig(impl="foreach", **adam), BenchConfig(impl="fused", **adam),
+             BenchConfig(impl="fused", eps=1e-7, **adam),
+             BenchConfig(impl="fused", amsgrad=True, **adam)]
+    if compile_precision:
+        cfgs += [BenchConfig(precision=compile_precision, channels_last=True, impl="fused",
+                             compile=mode, **base) for mode in compile_modes]
+    return cfgs
+
+
+def find_row(rows: Sequence[Dict[str, object]], **match) -> Optional[Dict[str, object]]:
+    """The first row whose configuration has every ``key=value`` in ``match`` (None if none)."""
+    for r in rows:
+        cfg = r.get("config", {})
+        if all(cfg.get(k) == v for k, v in match.items()):
+            return r
+    return None
+
+
+def skipped_step_check(optimizer: str = "sgd", impl: str = "fused", device=None,
+                       size: int = 1024, prime_momentum: bool = False) -> Dict[str, object]:
+    """Does a step that GradScaler skips leave the optimizer exactly as it was?
+
+    One parameter vector, two steps: the first step's gradient holds an inf (GradScaler skips
+    it, as it does early in fp16 training while the scale settles), the second is finite. The
+    parameters after step two are compared with those of the for-loop optimizer, which skips
+    cleanly. Returns ``max_abs_diff`` (0.0 when ``impl`` agrees), ``finite`` and ``state_after_skip``
+    (whether the skipped step created optimizer state). ``prime_momentum=True`` applies the
+    course's workaround (zero SGD momentum buffers before the first step) to a fused SGD being
+    checked; ``primed`` says whether it was applied.
+    """
+    if not isinstance(prime_momentum, bool):
+        raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("impl", impl, OPTIMIZER_IMPLS)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    results = {}
+    primed = prime_momentum and optimizer == "sgd" and impl == "fused"
+
+    def state_count(opt) -> int:  # state tensors of the parameter's size (not step counters)
+        return sum(1 for t in optimizer_state_tensors(opt) if t.numel() > 1)
+
+    for name in ("for-loop", impl):
+        p = nn.Parameter(torch.linspace(-1, 1, size, device=device))
+        opt = build_optimizer(BenchConfig(optimizer=optimizer, impl=name), [p],
+                              prime_momentum=prime_momentum and name == impl)
+        before = state_count(opt)  # primed buffers exist before any step
+        scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
+        bad = torch.ones(size, device=device)
+        bad[0] = float("inf")
+        state_after_skip = None
+        for c in (bad, torch.ones(size, device=device)):
+            scaler.scale((p * c).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if state_after_skip is None:
+                state_after_skip = state_count(opt) > before
+        results[name] = (p.detach().clone(), state_after_skip)
+    ref, got = results["for-loop"][0], results[impl][0]
+    diff = (got - ref).abs().max().item() if torch.isfinite(got).all() else float("inf")
+    return {"optimizer": optimizer, "impl": impl, "primed": primed,
+            "device": str(device), "max_abs_diff": diff,
+            "finite": bool(torch.isfinite(got).all()),
+            "state_after_skip": results[impl][1], "reference_state_after_skip": results["for-loop"][1]}
+
+
+def results_document(rows: Sequence[Dict[str, object]], device=None,
+                     **extra) -> Dict[str, object]:
+    """Rows plus what produced them (GPU name, torch version, date) as JSON-ready data."""
+    import datetime as _dt
+    import platform
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else platform.processor() or platform.machine() or "CPU")
+    doc = {"device": str(device), "device_name": name, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "python": platform.python_version(),
+           "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()}
+    doc.update(extra)
+    doc["rows"] = [json_safe(r) for r in rows]
+    return doc
+
+
+
+
+MEMORY_COLUMNS = (("label", "configuration"), ("params_gib", "params GiB"),
+                  ("grads_gib", "grads GiB"), ("optimizer_state_gib", "optimizer GiB"),
+                  ("activations_gib", "saved activations GiB"),
+                  ("peak_allocated_gib", "peak allocated GiB"),
+                  ("peak_reserved_gib", "peak reserved GiB"))
+
+
+def layout_effects(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
+    """Per precision: img/s with NCHW and with channels_last (plain SGD rows), and the gain."""
+    out = []
+    for precision in PRECISIONS:
+        nchw = find_row(rows, precision=precision, channels_last=False, optimizer="sgd",
+                        impl="default", compile=None, cuda_graph=False)
+        nhwc = find_row(rows, precision=precision, channels_last=True, optimizer="sgd",
+                        impl="default", compile=None, cuda_graph=False)
+        if nchw is None or nhwc is None or nchw["config"]["model"].endswith("-r4"):
+            continue
+        a, b = nchw.get("img_per_s"), nhwc.get("img_per_s")
+        out.append({"label": nchw["label"], "nchw_img_per_s": a, "channels_last_img_per_s": b,
+                    "channels_last_gain": ratio(b, a)})
+    return out
+
+
+LAYOUT_COLUMNS = (("label", "precision"), ("nchw_img_per_s", "NCHW img/s"),
+                  ("channels_last_img_per_s", "channels_last img/s"),
+                  ("channels_last_gain", "gain x"))
+
+
+# --- the trainer against a hand-written loop ----------------------------------------------------
+
+def compare_loops(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
+                  rounds: int = 3) -> Dict[str, object]:
+    """Time ``Trainer.train_step`` and the hand-written step on one model, interleaved.
+
+    Both train the same model with the same optimizer; ``rounds`` alternating blocks of
+    ``steps`` timed steps each cancel slow drifts (clocks, other processes). Returns the median
+    img/s of each and ``overhead_pct`` (how much slower the trainer is; negative: faster).
+    """
+    check_int("rounds", rounds, 1)
+    device = torch.device(device)
+    reason = skip_reason(config, device)
+    if reason:
+        return {"label": config.label, "status": "skipped", "reason": reason}
+    old_benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = config.cudnn_benchmark
+    try:
+        with precision_settings(config.precision, device):
+            torch.manual_seed(0)
+            model = build_model(config, device)
+            optimizer = build_optimizer(config, model.parameters())
+            x, y = synthetic_images(config.batch_size, config.image_size, config.num_classes,
+                                    device, channels_last=config.channels_last)
+            hand = hand_step(model, optimizer, config.precision, device)
+            trained = trainer_step(model, optimizer, config, device)
+            times: Dict[str, List[float]] = {"hand": [], "trainer": []}
+            for r in range(rounds):
+                for name, step in (("hand", hand), ("trainer", trained)) if r % 2 == 0 else \
+                        (("trainer", trained), ("hand", hand)):
+                    t = time_steps(step, x, y, warmup=warmup if r == 0 else 1, steps=steps,
+                                   device=device)
+                    times[name] += t["times_ms"]
+    except Exception as exc:  # noqa: BLE001
+        status = "out of memory" if is_out_of_memory(exc) else "error"
+        return {"label": config.label, "status": status, "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    finally:
+        torch.backends.cudnn.benchmark = old_benchmark
+        free_memory(device)
+    hand_s = summarize_times(times["hand"], config.batch_size)
+    trainer_s = summarize_times(times["trainer"], config.batch_size)
+    return {"label": config.label, "status": "ok", "reason": "",
+            "hand_img_per_s": hand_s["img_per_s"], "trainer_img_per_s": trainer_s["img_per_s"],
+            "overhead_pct": 100 * (hand_s["img_per_s"] / trainer_s["img_per_s"] - 1),
+            "steps_each": len(times["hand"]), "timer": "CUDA events" if device.type == "cuda"
+            else "perf_counter"}
+
+
+# --- the largest batch under a memory cap -------------------------------------------------------
+
+@dataclass
+class LargestBatch:
+    """What ``largest_batch`` found: the batch size (0 if none fits) and every trial made."""
+
+    batch_size: int
+    cap_bytes: int
+    trials: List[Dict[str, object]] = field(default_factory=list)
+
+
+@contextmanager
+def memory_cap(cap_bytes: int, device) -> Iterator[None]:
+    """Make this process's CUDA allocator refuse to hold more than ``cap_bytes`` on ``device``.
+
+    Simulates a smaller card with ``torch.cuda.set_per_process_memory_fraction``; the previous
+    fraction is restored afterwards. Memory already held by this process counts toward the cap.
+    """
+    device = torch.device(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not (0 < cap_bytes <= total):
+        raise ValueError(f"cap_bytes must be in (0, {total}] (this device's memory); "
+                         f"got {cap_bytes!r}")
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None) or \
+        getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    old = getter(index) if getter else 1.0
+    free_memory(device)
+    torch.cuda.set_per_process_memory_fraction(cap_bytes / total, index)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(old, index)
+        free_memory(device)
+
+
+def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: int, device=None,
+                  start: int = 1, limit: int = 4096,
+                  peak_bytes: Optional[Callable[[int], int]] = None) -> LargestBatch:
+    """The largest batch size whose training step runs within ``cap_bytes`` of memory.
+
+    ``make_step(batch_size)`` builds what one trial needs and returns a callable that runs a
+    training step (it is called twice, so optimizer state exists on the second). The search
+    doubles from ``start`` until a trial fails or ``limit`` is reached, then bisects between the
+    last batch that fit and the first that did not. On a GPU the cap is enforced with
+    ``memory_cap``; elsewhere ``peak_bytes(batch_size)`` says what a trial would need (a fake
+    memory model, for tests and CPUs) and a trial fails when it exceeds the cap. Out-of-memory
+    errors are caught and memory is released after every trial.
+    """
+    check_int("start", start, 1)
+    check_int("limit", limit, start)
+    if not isinstance(cap_bytes, int) or cap_bytes < 1:
+        raise ValueError(f"cap_bytes must be an integer >= 1; got {cap_bytes!r}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = device.type == "cuda" and peak_bytes is None
+    if not cuda and peak_bytes is None:
+        raise ValueError("peak_bytes is required when device is not a CUDA device")
+    result = LargestBatch(0, cap_bytes)
+
+    def fits(batch: int) -> bool:
+        trial = {"batch_size": batch, "fits": False, "peak_gib": None, "reason": ""}
+        step = None
+        try:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            step = make_step(batch)
+            step()
+            step()
+            if cuda:
+                torch.cuda.synchronize(device)
+                trial["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+                trial["fits"] = True
+            else:
+                need = int(peak_bytes(batch))
+                trial["peak_gib"] = need / GIB
+                trial["fits"] = need <= cap_bytes
+                if not trial["fits"]:
+                    trial["reason"] = "out of memory (simulated)"
+        except Exception as exc:  # noqa: BLE001
+            if not is_out_of_memory(exc):
+                raise
+            trial["reason"] = "out of memory"
+        finally:
+            del step
+            free_memory(device if cuda else None)
+        result.trials.append(trial)
+        return bool(trial["fits"])
+
+    with memory_cap(cap_bytes, device) if cuda else nullcontext():
+        good, bad = 0, None
+        batch = start
+        while batch <= limit:
+            if fits(batch):
+                good = batch
+                if batch == limit:
+                    break
+                batch = min(batch * 2, limit)
+            else:
+                bad = batch
+                break
+        if bad is not None:
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                if fits(mid):
+                    good = mid
+                else:
+                    bad = mid
+    result.batch_size = good
+    return result

@@ -1,0 +1,147 @@
+"""What the trainer records: one ``StepRecord`` per optimizer step, kept lazy (device tensors read on
+first use), and ``History``, the list of them plus per-epoch summaries. Results become JSON through
+``tables.json_safe``."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Union
+
+import torch
+
+from .tables import json_safe
+
+# --- history -------------------------------------------------------------------------------------
+
+class _Lazy:
+    """A StepRecord field that may hold a device tensor (or a pair of CUDA events) until first read.
+
+    Reading it converts to a Python number once and caches it; the trainer never waits for the GPU.
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind  # "float" | "bool" | "events"
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None  # the dataclass default
+        value = obj.__dict__.get(self.slot)
+        if isinstance(value, torch.Tensor):
+            value = _to_python(value.item(), self.kind)
+            obj.__dict__[self.slot] = value
+        elif isinstance(value, tuple):  # (start, end) CUDA events
+            value[1].synchronize()
+            value = value[0].elapsed_time(value[1]) / 1e3
+            obj.__dict__[self.slot] = value
+        return value
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.slot] = value
+
+    def pending(self, obj):
+        """The raw tensor if not yet materialised, else None."""
+        value = obj.__dict__.get(self.slot)
+        return value if isinstance(value, torch.Tensor) else None
+
+
+def _to_python(value, kind: str):
+    return bool(value) if kind == "bool" else float(value)
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step. Numbers read as Python values (materialised lazily from the device).
+
+    ``loss``: mean training loss over the step's micro-batches; ``scale``: the loss scale used for
+    this step's backward (1.0 without a scaler); ``skipped``: the scaler skipped the optimizer step
+    (inf/NaN gradients); ``grad_norm``: total 2-norm of the unscaled gradients before clipping
+    (None when not tracked); ``lr``: learning rate of the first parameter group during the step;
+    ``time_s``: the step's duration (CUDA events on a GPU, wall clock on a CPU);
+    ``peak_memory_bytes``: the step's peak allocated CUDA memory (None on a CPU).
+    """
+
+    step: int
+    epoch: int
+    loss: float = _Lazy("float")
+    scale: float = _Lazy("float")
+    skipped: bool = _Lazy("bool")
+    grad_norm: Optional[float] = _Lazy("float")
+    lr: Optional[float] = _Lazy("float")
+    time_s: Optional[float] = _Lazy("events")
+    peak_memory_bytes: Optional[int] = None
+
+
+STEP_FIELDS = ("step", "epoch", "loss", "scale", "skipped", "grad_norm", "lr", "time_s",
+               "peak_memory_bytes")
+_LAZY_FIELDS = ("loss", "scale", "skipped", "grad_norm", "lr")
+
+
+class History(list):
+    """The StepRecords of a run, in order, plus ``epochs``: one summary dict per finished epoch
+    (epoch, steps, time_s, peak_memory_bytes, train_loss, skipped, and test_loss/test_accuracy
+    when an evaluation loader was given)."""
+
+    def __init__(self, records: Iterable[StepRecord] = (), epochs: Iterable[dict] = ()):
+        super().__init__(records)
+        self.epochs: List[dict] = list(epochs)
+
+    def materialize(self) -> "History":
+        """Read every pending device value with one device-to-host copy per field (and the step
+        times of CUDA events, releasing the events)."""
+        timed = [r for r in self if isinstance(r.__dict__.get("_time_s"), tuple)]
+        if timed:
+            timed[-1].__dict__["_time_s"][1].synchronize()
+            for r in timed:
+                start, end = r.__dict__["_time_s"]
+                r.time_s = start.elapsed_time(end) / 1e3
+        for name in _LAZY_FIELDS:
+            descriptor = StepRecord.__dict__[name]
+            pending = [(r, descriptor.pending(r)) for r in self]
+            pending = [(r, t) for r, t in pending if t is not None]
+            by_device: Dict[torch.device, list] = {}
+            for r, t in pending:
+                by_device.setdefault(t.device, []).append((r, t))
+            for items in by_device.values():
+                values = torch.stack([t.reshape(()).float() for _, t in items]).tolist()
+                for (r, _), v in zip(items, values):
+                    setattr(r, name, _to_python(v, descriptor.kind))
+        return self
+
+    def columns(self) -> Dict[str, list]:
+        """Plain data for plots: ``{field: [value per step]}`` for every StepRecord field."""
+        self.materialize()
+        return {name: [getattr(r, name) for r in self] for name in STEP_FIELDS}
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many optimizer steps the scaler skipped."""
+        self.materialize()
+        return sum(1 for r in self if r.skipped)
+
+    @property
+    def skipped_step_numbers(self) -> List[int]:
+        """The ``step`` numbers of the skipped steps."""
+        self.materialize()
+        return [r.step for r in self if r.skipped]
+
+    def to_json(self, path: Union[str, Path, None] = None, indent: Optional[int] = None) -> str:
+        """Steps and epochs as strict JSON (non-finite numbers become null); written to ``path``
+        when given."""
+        text = json.dumps(json_safe({"steps": self.columns(), "epochs": self.epochs}),
+                          indent=indent)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_columns(cls, columns: Dict[str, list], epochs: Iterable[dict] = ()) -> "History":
+        """Rebuild a History from ``columns()`` output (used when loading a checkpoint)."""
+        n = len(columns.get("step", []))
+        records = [StepRecord(**{name: columns[name][i] for name in STEP_FIELDS})
+                   for i in range(n)]
+        return cls(records, [dict(e) for e in epochs])
+

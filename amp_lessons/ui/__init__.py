@@ -1,0 +1,1 @@
+"""Figures (``plots``: pure plotly builders) and panels (``widgets``: ipywidgets), built on the engine."""

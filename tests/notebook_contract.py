@@ -13,7 +13,12 @@ import os, subprocess, sys
 if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q",
                     "amp-lessons @ git+https://github.com/amp-lessons/amp-lessons"], check=True)
-import amp_lessons as al
+try:
+    import amp_lessons as al
+except ModuleNotFoundError:  # another Jupyter, VS Code or Binder: say how to get the package
+    raise ModuleNotFoundError("this lesson needs the course package: run  %pip install "
+                              "'amp-lessons @ git+https://github.com/amp-lessons/amp-lessons'  "
+                              "in a cell (or `make lab` in a clone), then restart the kernel") from None
 env = al.setup()'''
 
 

@@ -48,9 +48,43 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs
 LOOPS = ("hand", "trainer")
 
 
+# --- the standard measurement settings ----------------------------------------------------------
+
+STANDARD = dict(channels_last=True, cudnn_benchmark=True, optimizer="sgd", impl="foreach",
+                warmup=5, steps=15)
+"""The settings every speed and memory measurement of the course uses (lessons 04 and 05) unless
+the lesson is about the difference: NHWC memory format, cuDNN autotuning on, SGD (momentum 0.9)
+with foreach kernels (PyTorch's default on a GPU, named so a CPU runs the same code), 5 untimed
+warm-up steps, then the median of 15 steps timed with CUDA events."""
+
+
+def standard_settings(quick: bool = False) -> Dict[str, object]:
+    """``STANDARD`` as a new dict; ``quick=True`` (the CPU profile) keeps every setting but times
+    1 warm-up step and 2 steps, enough to show the method and too few to decide anything."""
+    if not isinstance(quick, bool):
+        raise ValueError(f"quick must be True or False; got {quick!r}")
+    out = dict(STANDARD)
+    if quick:
+        out.update(warmup=1, steps=2)
+    return out
+
+
+def settings_caption(settings: Optional[Dict[str, object]] = None) -> str:
+    """The settings in words, for the line above a table and a published table's title, e.g.
+    "channels_last, cuDNN autotuning on, foreach SGD, median of 15 steps after 5 warm-up"."""
+    s = dict(STANDARD if settings is None else settings)
+    missing = [k for k in STANDARD if k not in s]
+    if missing:
+        raise ValueError(f"settings must hold {', '.join(STANDARD)}; missing {', '.join(missing)}")
+    opt = {"sgd": "SGD (momentum 0.9)", "adam": "Adam", "adamw": "AdamW"}.get(s["optimizer"],
+                                                                              s["optimizer"])
+    impl = "" if s["impl"] == "default" else f"{s['impl']} "
+    return (f"{'channels_last' if s['channels_last'] else 'NCHW'}, cuDNN autotuning "
+            f"{'on' if s['cudnn_benchmark'] else 'off'}, {impl}{opt}, median of {s['steps']} "
+            f"timed steps after {s['warmup']} warm-up")
+
+
 # --- configurations -----------------------------------------------------------------------------
-
-
 
 @dataclass(frozen=True)
 class BenchConfig:

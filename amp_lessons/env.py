@@ -173,9 +173,10 @@ def _configure_notebook_frontend(platform: str) -> None:
     elif platform == "kaggle":
         pio.renderers.default = "notebook_connected"
     else:
-        # The mimetype renders in JupyterLab; notebook_connected keeps saved notebooks readable
-        # in static viewers without embedding 3 MB of plotly.js in every output.
-        pio.renderers.default = "plotly_mimetype+notebook_connected"
+        # The mimetype renders live in JupyterLab, VS Code and nteract, and stores each figure's
+        # data once. Static viewers (GitHub) show the PNG that `python -m amp_lessons
+        # figure-images` adds beside it in the committed notebooks (see snapshots.py).
+        pio.renderers.default = "plotly_mimetype"
 
 
 def setup(profile: Optional[str] = None, seed: int = 0, quiet: bool = False) -> Env:

@@ -1,0 +1,100 @@
+"""The package's layout rules (issue 11), as tests: engine and ui never mention a claim, lessons
+define no torch abstraction, one import block per module, no private names across modules, each
+notebook calls its own lesson module, and the README's module table matches the code."""
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "amp_lessons"
+ENGINE = sorted(p for p in PKG.glob("*.py")) + sorted((PKG / "ui").glob("*.py"))
+LESSONS = sorted((PKG / "lessons").glob("l[0-9][0-9]_*.py"))
+ALL = ENGINE + LESSONS + [PKG / "lessons" / "__init__.py"]
+CLAIM_ID = re.compile(r"\b(claim_[a-z0-9]+|[RB]\d{1,2}[a-d]?)\b")
+MAX_ENGINE_LINES = 900
+
+
+def rel(p: Path) -> str:
+    return str(p.relative_to(PKG))
+
+
+@pytest.mark.parametrize("path", [p for p in ENGINE if p.name != "claims.py"], ids=rel)
+def test_engine_and_ui_modules_never_mention_a_claim_id(path):
+    found = sorted({m.group(0) for m in CLAIM_ID.finditer(path.read_text())})
+    assert not found, f"{rel(path)} mentions {found}: claims live in claims.py and the lessons"
+
+
+@pytest.mark.parametrize("path", ENGINE, ids=rel)
+def test_engine_modules_stay_small(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_ENGINE_LINES, f"{rel(path)} has {n} lines (at most about {MAX_ENGINE_LINES})"
+
+
+TORCH_BASES = {"Module", "Function", "Optimizer", "_LRScheduler", "LRScheduler", "Dataset",
+               "Sampler", "DataLoader", "autograd.Function", "nn.Module"}
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=rel)
+def test_lesson_modules_define_no_torch_abstraction(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = {ast.unparse(b).split(".")[-1] for b in node.bases}
+            assert not bases & TORCH_BASES, \
+                f"{rel(path)}: class {node.name} subclasses {bases & TORCH_BASES}; put it in the engine"
+
+
+@pytest.mark.parametrize("path", ALL, ids=rel)
+def test_one_import_block_and_no_private_names_across_modules(path):
+    tree = ast.parse(path.read_text())
+    seen_code = False
+    for node in tree.body:
+        is_import = isinstance(node, (ast.Import, ast.ImportFrom))
+        if is_import and seen_code:
+            pytest.fail(f"{rel(path)}:{node.lineno}: a second import block after code")
+        if not is_import and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            seen_code = True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            assert not private, f"{rel(path)}:{node.lineno} imports private names {private}"
+
+
+def _code(nb_path: Path) -> str:
+    nb = json.loads(nb_path.read_text())
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.name)
+def test_each_notebook_calls_its_own_lesson_module_and_the_engine_only(nb_path):
+    number = nb_path.name[:2]
+    code = _code(nb_path)
+    mine = [p.stem for p in LESSONS if p.stem.startswith(f"l{number}_")]
+    assert len(mine) == 1, f"lesson {number} has no module amp_lessons/lessons/l{number}_*.py"
+    assert re.search(rf"from amp_lessons\.lessons import {mine[0]}\b", code), \
+        f"{nb_path.name} does not import its lesson module {mine[0]}"
+    others = {m for m in re.findall(r"\bl(\d\d)_[a-z0-9_]+", code) if m != number}
+    assert not others, f"{nb_path.name} uses other lessons' modules: {sorted(others)}"
+    gone = re.findall(r"\bal\.(bench|plots|widgets)\b", code)
+    assert not gone, f"{nb_path.name} calls modules that no longer exist: {sorted(set(gone))}"
+
+
+def test_readme_module_table_matches_the_code():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## The package", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            listed |= set(re.findall(r"`([a-z_0-9/]+(?:\.py)?)`", line.split("|")[1]))
+    listed = {x.removesuffix(".py") for x in listed}
+    actual = {p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_")}
+    actual |= {f"ui/{p.stem}" for p in (PKG / "ui").glob("*.py") if p.stem != "__init__"}
+    actual.add("lessons")
+    assert listed == actual, (f"README's module table lists {sorted(listed - actual)} that do not "
+                              f"exist and misses {sorted(actual - listed)}")

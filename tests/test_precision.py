@@ -1,0 +1,60 @@
+"""Precisions, defined once: names, devices, autocast contexts, TF32 switches, bf16 support."""
+import pytest
+import torch
+
+from amp_lessons import env, precision
+
+
+def test_normalize_precision():
+    assert precision.normalize_precision(" AMP ") == "fp16"
+    assert precision.normalize_precision("bf16") == "bf16"
+    for bad in ("fp8", 16, None):
+        with pytest.raises(ValueError, match="precision must be one of"):
+            precision.normalize_precision(bad)
+
+
+def test_as_device_has_one_meaning_of_none():
+    assert precision.as_device(None) == env.default_device()
+    assert precision.as_device("cpu") == torch.device("cpu")
+    assert precision.as_device(1) == torch.device("cuda", 1)
+    for bad in (True, "gpu-ish", 1.5):
+        with pytest.raises(ValueError, match="device must be"):
+            precision.as_device(bad)
+
+
+def test_check_precision_on_cpu():
+    assert precision.check_precision("amp", "cpu") == "fp16"
+    assert precision.check_precision("tf32", "cpu") == "tf32"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            precision.check_precision("fp16", "cuda")
+
+
+def test_autocast_for():
+    x = torch.ones(4, 4)
+    with precision.autocast_for("bf16", "cpu"):
+        assert (x @ x).dtype == torch.bfloat16
+    with precision.autocast_for("bf16", "cpu", cache_enabled=False):
+        assert (x @ x).dtype == torch.bfloat16
+    with precision.autocast_for("fp32", "cpu"):
+        assert (x @ x).dtype == torch.float32
+    assert set(precision.HALF_DTYPES) == {"fp16", "bf16"}
+
+
+def test_native_bf16_and_the_t4_simulation(monkeypatch):
+    assert precision.native_bf16("cpu") is True
+    monkeypatch.setenv(env.SIMULATE_VARIABLE, "t4")
+    assert env.simulated_card() == "t4"
+    assert precision.native_bf16("cpu") is True  # the CPU is not simulated
+    monkeypatch.setenv(env.SIMULATE_VARIABLE, "a100")
+    with pytest.raises(ValueError, match="AMP_LESSONS_SIMULATE must be one of t4"):
+        env.simulated_card()
+
+
+def test_precision_settings_restores_tf32_state():
+    before = precision._get_tf32()
+    with precision.precision_settings("tf32"):
+        pass
+    with precision.precision_settings("fp32"):
+        pass
+    assert precision._get_tf32() == before

@@ -1,0 +1,68 @@
+"""The one table formatter, value and percentage formatting, and the JSON helper."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from amp_lessons import tables
+
+
+@pytest.mark.parametrize("part, whole, text", [
+    (0, 10, "0%"), (5, 10, "50%"), (10, 10, "100%"), (1, 3, "33.3%"),
+    (431, 100_000_000, "< 0.001% (431 of 100,000,000)"),
+    (4, 232_000, "0.00172%"), (999_999, 1_000_000, "99.9999%"),
+])
+def test_percent_never_rounds_a_nonzero_share_to_zero(part, whole, text):
+    assert tables.percent(part, whole) == text
+
+
+@pytest.mark.parametrize("part, whole", [(-1, 10), (11, 10), (1, 0), (True, 3), (1, "3")])
+def test_percent_rejects_bad_input(part, whole):
+    with pytest.raises(ValueError, match="must be"):
+        tables.percent(part, whole)
+
+
+def test_format_value():
+    assert tables.format_value(None) == "n/a"
+    assert tables.format_value(1234.5) == "1,234"
+    assert tables.format_value(0.000123) == "0.000123"
+    assert tables.format_value(7.77e39) == "7.77e+39"
+    assert tables.format_value(True) == "yes"
+    assert tables.format_value(float("nan")) == "nan"
+
+
+def test_text_table_plain_keeps_every_digit_and_applies_formats():
+    text = tables.text_table([{"fmt": "fp16", "max": 65504.0, "eps": 0.0009765625}], formats={"max": ".0f"})
+    assert text.splitlines() == ["fmt   max    eps", "----  -----  ------------", "fp16  65504  0.0009765625"]
+
+
+def test_text_table_columns_status_reason_and_alignment():
+    rows = [{"label": "fp32", "img_per_s": 905.2, "status": "ok"},
+            {"label": "bf16", "img_per_s": None, "status": "skipped", "reason": "no native bf16"}]
+    text = tables.text_table(rows, [("label", "run"), ("img_per_s", "img/s"), ("status", "status"),
+                                    ("absent", "never")])
+    lines = text.splitlines()
+    assert lines[0].split() == ["run", "img/s", "status"]
+    assert lines[2].endswith("ok") and "  905  " in lines[2]
+    assert lines[3].endswith("skipped: no native bf16") and " n/a " in lines[3]
+    assert tables.text_table([{"x": 0.5}], [("x", "share", "{:.0%}")]).splitlines()[2] == "  50%"
+
+
+def test_text_table_rejects_bad_input():
+    with pytest.raises(ValueError, match="rows must"):
+        tables.text_table([])
+    with pytest.raises(ValueError, match="columns must name"):
+        tables.text_table([{"a": 1}], [("b", "b")])
+    with pytest.raises(ValueError, match="columns must hold"):
+        tables.text_table([{"a": 1}], [("a",)])
+
+
+def test_json_safe_gives_plain_json():
+    doc = {"a": np.float32(1.5), "b": torch.tensor(2.0), "c": (1, float("nan")), 3: np.int64(4),
+           "d": torch.float16, "e": [float("inf")]}
+    out = tables.json_safe(doc)
+    assert out == {"a": 1.5, "b": 2.0, "c": [1, None], "3": 4, "d": "torch.float16", "e": [None]}
+    json.dumps(out, allow_nan=False)
+    assert not any(isinstance(v, float) and not math.isfinite(v) for v in out["c"] if v is not None)

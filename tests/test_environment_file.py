@@ -41,3 +41,14 @@ def test_constraints_pin_the_tested_torch():
                 if "==" in line and not line.startswith("#"))
     assert pins["torch"] == "2.14.1" and pins["torchvision"] == "0.29.1"
     assert _pyproject_names() - {"amp-lessons"} <= {k.lower() for k in pins}
+
+
+def test_readme_states_the_python_that_pyproject_requires():
+    import sys
+
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    low = tuple(int(x) for x in spec.removeprefix(">=").split("."))
+    readme = (ROOT / "README.md").read_text()
+    assert f"Python {low[0]}.{low[1]} or newer" in readme
+    assert "3.9+" not in readme
+    assert sys.version_info[:2] >= low, "this interpreter is older than pyproject's requires-python"

@@ -1,35 +1,49 @@
-"""Lesson 02, the basic AMP loop: FP32 against AMP on the digits set, the dtypes autocast picks,
-clipping before and after ``unscale_``, schedulers on skipped steps, and the usual mistakes run on
-purpose. Built on the engine (``trainer``, ``recipes``, ``precision``); the notebook calls these."""
+"""Lesson 02, the basic AMP loop: FP32 against AMP on the digits set and why the small model does
+not speed up (the GPU's idle share of a step, measured), the trainer's cost against the recipe's
+hand-written loop, the dtypes autocast picks, and the usual mistakes run on purpose.
+
+Built on the engine (``recipes``, ``trainer``, ``measure``, ``precision``, ``claims``); notebook 02
+calls these. It decides article B's claims B3, B5, B6 and B7 (``DECIDES``). B1 and B2 are decided by
+lesson 04 on ResNet-50: this lesson shows the digits CNN's numbers beside them, never a ruling.
+"""
 from __future__ import annotations
 
+import math
 import statistics
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import check_positive
+from .. import claims
+from .. import measure
+from .._validate import check_int, check_positive
+from ..data import digits_loaders
 from ..models import build_digits_model
-from ..precision import Device, as_device, check_precision, normalize_precision
+from ..precision import Device, as_device, check_precision, normalize_precision, precision_settings
 from ..recipes import train_digits
+from ..tables import percent, text_table
 from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
 
+LESSON = "02"
+DECIDES = ("B3", "B5", "B6", "B7")
+OTHERS_SHOWN = ("B1", "B2")  # shown beside this lesson's numbers, decided by lesson 04
+
+
+# --- FP32 against AMP on the digits set -------------------------------------------------------
 
 def compare_precisions(precisions: Sequence[str] = ("fp32", "fp16"), device: Device = None,
                        **train_kwargs) -> List[dict]:
-    """Run ``train_digits`` once per precision from the same seed and initial weights.
+    """Run ``recipes.train_digits`` once per precision from the same seed and initial weights.
 
     Returns one row per precision: precision, ran, reason (why it could not run here, else ""),
     epoch_time_s, peak_memory_mib, accuracy_pct, skipped_steps, and run (the DigitsRun, its
     trainer dropped so that its model and optimizer state free their memory; None if not run).
     """
-    dev = as_device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
+    dev = as_device(device)
     rows = []
     for p in precisions:
         row = {"precision": normalize_precision(p), "ran": False, "reason": "",
@@ -49,7 +63,205 @@ def compare_precisions(precisions: Sequence[str] = ("fp32", "fp16"), device: Dev
     return rows
 
 
-# --- lesson 02: what autocast does, and the usual mistakes run on purpose -----------------------
+# --- why the small model does not speed up: the GPU's idle share, and the trainer's cost -------
+
+LOOPS = {"hand": "hand-written (recipe order)", "trainer": "Trainer.train_step"}
+
+
+def busy_time(intervals: Sequence[Tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (``(start, end)`` pairs), overlaps counted once:
+    the time a device was busy when its kernels are these intervals."""
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(intervals):
+        if stop < start:
+            raise ValueError(f"intervals must have end >= start; got ({start}, {stop})")
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def gpu_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device: Device = None,
+                steps: int = 20) -> Tuple[Optional[float], str]:
+    """GPU busy time per training step, in ms, and a note: the union of every kernel, copy and
+    memset that ``torch.profiler`` recorded on the device over ``steps`` steps (after one untimed
+    step), divided by ``steps``. ``(None, why)`` on a CPU or when the profiler saw no GPU work."""
+    check_int("steps", steps, 1)
+    dev = as_device(device)
+    if dev.type != "cuda":
+        return None, f"not measured on a {dev.type.upper()}: there is no GPU to sit idle"
+    from torch.profiler import ProfilerActivity, profile  # heavy, and needed on a GPU only
+
+    step(x, y)
+    torch.cuda.synchronize(dev)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step(x, y)
+            torch.cuda.synchronize(dev)
+        intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA]
+    except Exception as exc:  # noqa: BLE001 - a profiler that cannot run must not stop the lesson
+        return None, f"the profiler failed: {type(exc).__name__}: {exc}"[:200]
+    if not intervals:
+        return None, "the profiler recorded no GPU kernels (CUPTI unavailable?)"
+    return busy_time(intervals) / 1e3 / steps, "torch.profiler: union of device kernels"
+
+
+def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cnn",
+                  width: int = 32, image_size: Optional[int] = None, batch_size: int = 64,
+                  lr: float = 0.05, device: Device = None, warmup: int = 10, steps: int = 30,
+                  rounds: int = 4, profile_steps: int = 20, seed: int = 0) -> List[dict]:
+    """Time one training step of a digits model two ways per precision, and how busy the GPU was.
+
+    The loops: the recipe's hand-written step (``measure.hand_step``: autocast forward, scaled
+    backward, step, update) and ``Trainer.train_step`` with the defaults ``train_digits`` uses,
+    sharing one model, optimizer and batch. They run in ``rounds`` interleaved blocks of
+    ``steps`` timed steps (order alternating; ``warmup`` untimed steps first), timed with CUDA
+    events on a GPU, ``perf_counter`` on a CPU. Then ``gpu_busy_ms`` profiles each loop.
+
+    One row per precision and loop: precision, loop, step_ms (median) with q1/q3, gpu_busy_ms,
+    gpu_idle (fraction of the step the GPU did nothing; None on a CPU), idle_note,
+    overhead_pct (the trainer against the hand loop at that precision; None on the hand row),
+    steps (timed), warmup, timer and device_type.
+    """
+    for name, value, low in (("warmup", warmup, 1), ("steps", steps, 1), ("rounds", rounds, 1),
+                             ("profile_steps", profile_steps, 1), ("batch_size", batch_size, 1),
+                             ("width", width, 1)):
+        check_int(name, value, low)
+    check_positive("lr", lr)
+    dev = as_device(device)
+    rows: List[dict] = []
+    for p in precisions:
+        p = check_precision(p, dev)
+        torch.manual_seed(seed)
+        net, size = build_digits_model(model, width)
+        if image_size is not None and size is not None:
+            size = image_size
+        net.to(dev).train()
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+        x, y = next(iter(digits_loaders(batch_size, size, dev, seed)[0]))
+        trainer = Trainer(net, opt, TrainConfig(precision=p, progress=False, seed=None), device=dev)
+        loops = {"hand": measure.hand_step(net, opt, p, dev),
+                 "trainer": measure.Step(net, opt, trainer.scaler, None, None, None,
+                                         trainer=trainer)}
+        times: Dict[str, List[float]] = {k: [] for k in loops}
+        busy: Dict[str, Tuple[Optional[float], str]] = {}
+        timer = ""
+        with precision_settings(p, dev):
+            for r in range(rounds):
+                for name in (list(loops) if r % 2 == 0 else list(reversed(loops))):
+                    t = measure.time_steps(loops[name], x, y, warmup=warmup if r == 0 else 1,
+                                           steps=steps, device=dev)
+                    times[name] += t["times_ms"]
+                    timer = t["timer"]
+            for name, step in loops.items():
+                busy[name] = gpu_busy_ms(step, x, y, dev, profile_steps)
+        hand_ms = statistics.median(times["hand"])
+        for name in loops:
+            s = measure.summarize_times(times[name], batch_size)
+            busy_ms, note = busy[name]
+            idle = None if busy_ms is None else min(1.0, max(0.0, 1 - busy_ms / s["step_ms"]))
+            rows.append({"precision": p, "loop": LOOPS[name], "step_ms": s["step_ms"],
+                         "step_ms_q1": s["step_ms_q1"], "step_ms_q3": s["step_ms_q3"],
+                         "gpu_busy_ms": busy_ms, "gpu_idle": idle, "idle_note": note,
+                         "overhead_pct": None if name == "hand"
+                         else 100 * (s["step_ms"] / hand_ms - 1),
+                         "steps": len(times[name]), "warmup": warmup, "timer": timer,
+                         "device_type": dev.type})
+        del trainer, loops, net, opt
+        measure.free_memory(dev)
+    return rows
+
+
+def overhead_table(rows: Sequence[Mapping]) -> str:
+    """``step_overhead`` rows as a text table (idle share via ``tables.percent``, so a small
+    nonzero share never reads 0%)."""
+    if not rows:
+        raise ValueError("rows must hold at least one step_overhead row")
+    shown = [dict(r, idle=("n/a" if r["gpu_idle"] is None else percent(r["gpu_idle"], 1.0)),
+                  cost=("" if r["overhead_pct"] is None else f"{r['overhead_pct']:+.1f}%"))
+             for r in rows]
+    return text_table(shown, [("precision", "precision"), ("loop", "loop"),
+                              ("step_ms", "step (ms, median)", ".3f"),
+                              ("gpu_busy_ms", "GPU busy (ms)", ".3f"),
+                              ("idle", "GPU idle"), ("cost", "vs hand loop")])
+
+
+def _row(rows: Sequence[Mapping], precision: str, loop: str) -> Optional[Mapping]:
+    return next((r for r in rows if r["precision"] == precision and r["loop"] == LOOPS[loop]), None)
+
+
+def overhead_summary(rows: Sequence[Mapping]) -> str:
+    """What ``step_overhead`` found, in sentences, honest about what the timing can show: on a
+    CPU, or with too few steps, the numbers are printed but decide nothing
+    (``claims.timing_gate`` says why)."""
+    if not rows:
+        raise ValueError("rows must hold at least one step_overhead row")
+    first = rows[0]
+    gate = claims.timing_gate(first["device_type"], first["steps"], first["warmup"])
+    lines = []
+    for p in dict.fromkeys(r["precision"] for r in rows):
+        hand, trained = _row(rows, p, "hand"), _row(rows, p, "trainer")
+        if hand is None or trained is None:
+            continue
+        idle = ("; GPU idle " + percent(trained["gpu_idle"], 1.0) + " of each trainer step"
+                if trained["gpu_idle"] is not None else "")
+        lines.append(f"{p}: Trainer.train_step {trained['step_ms']:.3f} ms against the hand loop's "
+                     f"{hand['step_ms']:.3f} ms ({trained['overhead_pct']:+.1f}%, medians of "
+                     f"{trained['steps']} interleaved steps each){idle}.")
+    if gate:
+        lines.append(f"These timings decide nothing: {gate}.")
+    elif all(r["gpu_idle"] is not None for r in rows):
+        worst = max(r["gpu_idle"] for r in rows)
+        lines.append(f"The GPU sat idle up to {percent(worst, 1.0)} of a step: the step time is "
+                     + ("mostly host and launch overhead, not arithmetic, so 16-bit math cannot "
+                        "shorten it much." if worst > claims.MAX_IDLE_FRACTION else
+                        "mostly GPU work."))
+    return "\n".join(lines)
+
+
+def b1_b2_context(precision_rows: Sequence[Mapping], overhead_rows: Sequence[Mapping],
+                  device_type: str) -> List[claims.Verdict]:
+    """Claims B1 and B2 beside the digits CNN's numbers, as "not decided here" verdicts: lesson 04
+    decides both on ResNet-50. The reason names the GPU's idle share measured by
+    ``step_overhead`` (or why the timing cannot decide, e.g. a CPU). Needs an fp32 and an fp16
+    ``compare_precisions`` row that ran."""
+    by = {r["precision"]: r for r in precision_rows if r.get("ran")}
+    if "fp32" not in by or "fp16" not in by:
+        raise ValueError("precision_rows must hold an fp32 and an fp16 row that ran")
+    fp32, amp = by["fp32"], by["fp16"]
+    speedup = fp32["epoch_time_s"] / amp["epoch_time_s"]
+    mem = (None if fp32["peak_memory_mib"] is None or amp["peak_memory_mib"] is None
+           else 1 - amp["peak_memory_mib"] / fp32["peak_memory_mib"])
+    idle = {r["precision"]: r["gpu_idle"] for r in overhead_rows
+            if r["loop"] == LOOPS["trainer"] and r["gpu_idle"] is not None}
+    steps = min((r["steps"] for r in overhead_rows), default=0)
+    warmup = min((r["warmup"] for r in overhead_rows), default=0)
+    gate = claims.timing_gate(device_type, steps, warmup, idle.get("fp16"))
+    memory = ("no CUDA memory counter on a CPU" if mem is None else
+              f"{fp32['peak_memory_mib']:.0f} -> {amp['peak_memory_mib']:.0f} MiB peak "
+              f"({mem:.0%} {'saved' if mem >= 0 else 'more'})")
+    measured = (f"SmallCNN on digits: fp16 ran at {speedup:.2f}x fp32's speed per epoch "
+                f"({fp32['epoch_time_s']:.3g} -> {amp['epoch_time_s']:.3g} s); {memory}")
+    if idle:
+        measured += "; GPU idle " + ", ".join(f"{percent(v, 1.0)} ({p})" for p, v in idle.items())
+    if device_type == "cuda" and idle and max(idle.values()) > claims.MAX_IDLE_FRACTION:
+        because = (f"the digits CNN is launch-bound: the GPU is idle "
+                   f"{percent(max(idle.values()), 1.0)} of each step")
+    else:
+        because = gate or "the digits CNN is not the workload the claim is about"
+    numbers = {"speedup": speedup, "memory_saved": mem, "gpu_idle": idle}
+    return [claims.not_decided(cid, LESSON, measured,
+                               because=f"{because}; lesson 04 decides {cid} on ResNet-50, the "
+                                       f"workload the claim is about", numbers=numbers)
+            for cid in OTHERS_SHOWN]
+
+
+# --- what autocast does (claim B5) ---------------------------------------------------------------
 
 def dtype_label(dtype: torch.dtype, low: torch.dtype) -> str:
     """``"16-bit"`` for the autocast dtype ``low`` (fp16 or bf16), else the dtype's short name, so
@@ -59,7 +271,7 @@ def dtype_label(dtype: torch.dtype, low: torch.dtype) -> str:
 
 @dataclass
 class AutocastReport:
-    """What one forward + backward under autocast produced (``autocast_dtypes``).
+    """What one forward + backward under autocast produced (``autocast_report``).
 
     ``layers``: ``(name, kind, output dtype, dtype of the gradient flowing back into that
     output)`` per leaf module, in call order; ``loss``: the loss's dtype; ``parameters`` and
@@ -87,25 +299,17 @@ class AutocastReport:
         return out
 
     def format(self) -> str:
-        """A fixed-width table: output dtype and the dtype of the gradient that flows back."""
-        rows = self.rows()
-        widths = [max(len(r[k]) for r in rows + [dict(what="tensor", kind="layer", dtype="dtype",
-                                                           grad="gradient dtype")])
-                  for k in ("what", "kind", "dtype", "grad")]
-        head = ("tensor", "layer", "dtype", "gradient dtype")
-        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip(),
-                 "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(r[k].ljust(w) for k, w in zip(("what", "kind", "dtype", "grad"),
-                                                          widths)).rstrip() for r in rows]
-        return "\n".join(lines)
+        """A text table: each tensor's dtype and the dtype of the gradient that flows back."""
+        return text_table(self.rows(), [("what", "tensor"), ("kind", "layer"), ("dtype", "dtype"),
+                                        ("grad", "gradient dtype")])
 
 
-def autocast_dtypes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_type: str,
+def autocast_report(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_type: str,
                     dtype: torch.dtype, loss_fn: Callable = F.cross_entropy) -> AutocastReport:
     """Run one forward + backward of ``model`` under ``torch.autocast(device_type, dtype)`` and
     record the dtype of every leaf layer's output, of the gradient flowing back into it, of the
-    loss, of the parameters and of their gradients (lesson 02, claim B5). Gradients are cleared
-    afterwards; BatchNorm statistics move as in any training forward."""
+    loss, of the parameters and of their gradients (claim B5). Gradients are cleared afterwards;
+    BatchNorm statistics move as in any training forward."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16; got {dtype!r}")
     layers: list = []
@@ -142,32 +346,121 @@ def autocast_dtypes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_t
     return report
 
 
-def claim_b5_verdicts(report: AutocastReport) -> List[dict]:
-    """Article B's claim B5 ("loss computed in FP16", "backward in FP16", gradients "restored to
-    FP32") against an ``autocast_dtypes`` report: one row per part, verdict computed."""
+def b5_parts(report: AutocastReport) -> List[dict]:
+    """Claim B5's three statements beside what ``report`` recorded: one row each with the part,
+    what was measured and what it means (data for a table; the ruling is ``b5_verdict``)."""
     low = report.low
     layer_grads = {g for _, _, _, g in report.layers if g is not None}
-    matmul_grads = {g for _, k, _, g in report.layers if k in ("Linear", "Conv2d") and g}
-    rows = [
-        {"claim": "B5: the loss is computed in FP16",
-         "measured": f"loss dtype {dtype_label(report.loss, low)}",
-         "verdict": "held" if report.loss == low else "did not hold: the loss is float32 "
-                    "(cross_entropy is on autocast's float32 list)"},
-        {"claim": "B5: backward runs in FP16",
-         "measured": "gradients into layer outputs: " + ", ".join(
-             sorted(dtype_label(d, low) for d in layer_grads)),
-         "verdict": ("partly: backward of 16-bit layers runs in 16-bit" if low in matmul_grads
-                     else "did not hold") + (", but the loss's backward is float32"
-                                              if report.loss != low else "")},
-        {"claim": "B5: gradients are restored to FP32",
-         "measured": "parameter gradients: " + ", ".join(
-             sorted(dtype_label(d, low) for d in report.gradients)),
-         "verdict": ("held in effect, but nothing is restored: the parameters never left float32;"
-                     " autocast's casts are recorded by autograd, whose backward returns float32"
-                     if report.gradients == {torch.float32} else "did not hold")},
+    lab = lambda ds: ", ".join(sorted(dtype_label(d, low) for d in ds)) or "none"  # noqa: E731
+    return [
+        {"part": "the loss is computed in FP16", "measured": f"loss {dtype_label(report.loss, low)}",
+         "finding": "yes" if report.loss == low else
+         "no: cross_entropy is on autocast's float32 list"},
+        {"part": "backward runs in FP16",
+         "measured": f"gradients into layer outputs: {lab(layer_grads)}",
+         "finding": ("only through the 16-bit ops" if low in layer_grads else "no")
+         + ("; the loss's backward is float32" if report.loss != low else "")},
+        {"part": "gradients are restored to FP32",
+         "measured": f"parameters {lab(report.parameters)}, their gradients {lab(report.gradients)}",
+         "finding": "float32, but nothing is restored: the parameters never left float32 and "
+                    "autograd's backward of autocast's cast returns float32"
+         if report.gradients == {torch.float32} else "no"},
     ]
-    return rows
 
+
+def b5_verdict(report: AutocastReport) -> claims.Verdict:
+    """Claim B5 against an ``autocast_report``: it holds only if the loss is 16-bit, gradients
+    flow back through the layers in 16 bits, and the parameter gradients are float32."""
+    parts = b5_parts(report)
+    low = report.low
+    layer_grads = {g for _, _, _, g in report.layers if g is not None}
+    held = (report.loss == low and low in layer_grads and report.gradients == {torch.float32})
+    why = ("the loss and the backward ran in 16 bits and the parameter gradients are float32"
+           if held else "not as stated: " + "; ".join(f"{p['part']}: {p['finding']}"
+                                                     for p in parts))
+    measured = "; ".join(p["measured"] for p in parts)
+    return claims.decide("B5", LESSON, measured, held, why,
+                         numbers={"loss": str(report.loss), "parts": parts})
+
+
+# --- custom autograd Functions under autocast (claim B7) ---------------------------------------
+
+def custom_function_under_autocast(function: type, device: Device = None,
+                                   dtype: Optional[torch.dtype] = None, seed: int = 0) -> dict:
+    """Run ``function.apply(x, w)`` (a custom ``torch.autograd.Function`` computing ``x @ w.T``)
+    forward under autocast and backward outside it, as the AMP recipe does, and compare the
+    gradients with a float32 run of the same function.
+
+    Returns: function (its name), ran, error ("" or ``"Type: first line"``), output (dtype
+    label), grad (dtype labels of the input and weight gradients) and grad_error (largest
+    relative difference from the float32 gradients; None if it did not run).
+    """
+    dev = as_device(device)
+    low = dtype or (torch.bfloat16 if dev.type == "cpu" else torch.float16)
+    if low not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16; got {dtype!r}")
+    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+        raise ValueError(f"function must be a torch.autograd.Function subclass; got {function!r}")
+    gen = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(16, 32, generator=gen).to(dev)
+    w0 = torch.randn(8, 32, generator=gen).to(dev)
+
+    def grads(autocast: bool):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with torch.autocast(device_type=dev.type, dtype=low, enabled=autocast):
+            out = function.apply(x, w)
+            loss = out.float().square().mean()
+        loss.backward()
+        return out.dtype, x.grad, w.grad
+
+    row = {"function": function.__name__, "ran": False, "error": "", "output": "-",
+           "grad": "-", "grad_error": None}
+    _, ref_x, ref_w = grads(False)
+    try:
+        out_dtype, gx, gw = grads(True)
+    except RuntimeError as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        return row
+    err = max(float(((g.float() - r).norm() / r.norm().clamp_min(1e-30)))
+              for g, r in ((gx, ref_x), (gw, ref_w)))
+    row.update(ran=True, output=dtype_label(out_dtype, low),
+               grad=", ".join(dtype_label(g.dtype, low) for g in (gx, gw)), grad_error=err)
+    return row
+
+
+B7_GRAD_TOLERANCE = 0.05  # 16-bit rounding of a 32-wide dot product stays well below this
+
+
+def b7_verdict(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
+    """Claim B7 ("AMP needs no change to any layer's code") from two
+    ``custom_function_under_autocast`` rows: the same custom Function as written for float32,
+    and with ``torch.amp.custom_fwd``/``custom_bwd``. Holds if the unchanged one runs under
+    autocast with gradients within ``B7_GRAD_TOLERANCE`` of float32's."""
+    for name, row in (("unchanged", unchanged), ("with_custom_fwd", with_custom_fwd)):
+        if not isinstance(row, Mapping) or "ran" not in row:
+            raise ValueError(f"{name} must be a custom_function_under_autocast row; got {row!r}")
+
+    def outcome(row):
+        if not row["ran"]:
+            return f"failed in backward ({row['error']})"
+        return f"ran, gradients {row['grad']} within {row['grad_error']:.2g} of float32's"
+
+    ok = lambda r: r["ran"] and r["grad_error"] <= B7_GRAD_TOLERANCE  # noqa: E731
+    measured = (f"a custom autograd Function under autocast: unchanged {outcome(unchanged)}; "
+                f"with torch.amp.custom_fwd/custom_bwd {outcome(with_custom_fwd)}")
+    if ok(unchanged):
+        why = "the unchanged custom Function ran under autocast with correct gradients"
+    elif ok(with_custom_fwd):
+        why = ("a layer written as a custom autograd Function must change: its backward gets a "
+               "16-bit gradient but float32 saved tensors; torch.amp.custom_fwd/custom_bwd fix it")
+    else:
+        why = "the custom Function did not run correctly under autocast even with custom_fwd"
+    return claims.decide("B7", LESSON, measured, ok(unchanged), why,
+                         numbers={"unchanged": dict(unchanged),
+                                  "with_custom_fwd": dict(with_custom_fwd)})
+
+
+# --- clipping before unscale_ (claim B3) ---------------------------------------------------------
 
 class ClipBeforeUnscale(Hooks):
     """Claim B3's order, on purpose: ``clip_grad_norm_`` while the gradients are still SCALED.
@@ -220,6 +513,76 @@ def clip_order_experiment(max_norm: float = 1.0, device: Device = None, **train_
     return rows
 
 
+def b3_verdict(rows: Sequence[Mapping], max_norm: float = 1.0) -> claims.Verdict:
+    """Claim B3 from ``clip_order_experiment`` rows (the article's order first, PyTorch's
+    second): it holds if the article's order clips the true gradients at the stated
+    ``max_norm`` (within 1%). Accuracy is reported beside it, not used to rule."""
+    check_positive("max_norm", max_norm)
+    if len(rows) != 2 or not all("threshold_applied" in r for r in rows):
+        raise ValueError("rows must be the two rows of clip_order_experiment")
+    wrong, right = rows
+    held = math.isclose(wrong["threshold_applied"], max_norm, rel_tol=0.01)
+    measured = (f"clip_grad_norm_(max_norm={max_norm:g}) before unscale_ at scale "
+                f"{wrong['scale']:g}: true gradients clipped to {wrong['threshold_applied']:.3g} "
+                f"(median true norm {wrong['true_grad_norm']:.3g}, norm used "
+                f"{wrong['grad_norm_used']:.3g}); after unscale_: clipped at "
+                f"{right['threshold_applied']:.3g}; test accuracy {wrong['accuracy_pct']:.1f}% "
+                f"vs {right['accuracy_pct']:.1f}%")
+    why = ("the article's order clips at the stated norm" if held else
+           f"without unscale_ the threshold applies to the scaled gradients, so the true "
+           f"gradients are clipped to max_norm / scale = {wrong['threshold_applied']:.3g}, not "
+           f"{max_norm:g}; call scaler.unscale_(optimizer) before clipping")
+    return claims.decide("B3", LESSON, measured, held, why,
+                         numbers={"wrong": dict(wrong), "right": dict(right), "max_norm": max_norm})
+
+
+# --- the deprecated import (claim B6) ------------------------------------------------------------
+
+def b6_verdict(caught: Sequence, import_error: Optional[BaseException] = None) -> claims.Verdict:
+    """Claim B6 from what ``from torch.cuda.amp import autocast, GradScaler`` (and using them)
+    raised and warned, caught in the notebook's warning cell: ``caught`` is the list from
+    ``warnings.catch_warnings(record=True)``. Holds if the import worked with no deprecation
+    warning."""
+    if isinstance(caught, (str, bytes)) or not isinstance(caught, Sequence):
+        raise ValueError(f"caught must be the list of warnings.catch_warnings(record=True); "
+                         f"got {caught!r}")
+    deprecations = [w for w in caught
+                    if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    messages = [str(w.message) for w in deprecations]
+    if import_error is not None:
+        measured = f"the import failed on torch {torch.__version__}: {import_error}"
+        held, why = False, "this torch no longer has torch.cuda.amp's autocast/GradScaler"
+    else:
+        measured = (f"the import works on torch {torch.__version__} with "
+                    f"{len(messages)} deprecation warning(s)"
+                    + (": " + " | ".join(messages) if messages else ""))
+        held = not messages
+        why = ("it works without a deprecation warning" if held else
+               "that API is deprecated; use torch.amp.GradScaler(device_type) and "
+               "torch.autocast(device_type, dtype)")
+    return claims.decide("B6", LESSON, measured, held, why, numbers={"warnings": messages})
+
+
+# --- the published claims table ------------------------------------------------------------------
+
+def claims_table(verdicts: Sequence[claims.Verdict]) -> List[dict]:
+    """Rows for the claims table lesson 02 publishes: only claims this lesson decides
+    (``DECIDES``), each once; ValueError for anything else."""
+    seen = set()
+    for v in verdicts:
+        if not isinstance(v, claims.Verdict):
+            raise ValueError(f"verdicts must be claims.Verdict objects; got {v!r}")
+        if v.claim not in DECIDES or v.lesson != LESSON:
+            raise ValueError(f"verdicts must be lesson {LESSON}'s own, for claims "
+                             f"{', '.join(DECIDES)}; got {v.claim} from lesson {v.lesson}")
+        if v.claim in seen:
+            raise ValueError(f"verdicts must hold each claim once; {v.claim} appears twice")
+        seen.add(v.claim)
+    return claims.verdict_rows(verdicts)
+
+
+# --- the LR scheduler and .half() mistakes ---------------------------------------------------------
+
 def scheduler_on_skipped_steps(steps: int = 20, warmup: int = 40, init_scale: float = 2.0 ** 24,
                                model: str = "mlp", batch_size: int = 64, lr: float = 0.05,
                                device: Device = None, seed: int = 0) -> List[dict]:
@@ -229,14 +592,9 @@ def scheduler_on_skipped_steps(steps: int = 20, warmup: int = 40, init_scale: fl
     optimizer steps) from the same start. One row each: optimizer steps taken, steps skipped,
     scheduler steps, the learning rate reached and what it should be after that many real steps,
     and the warning torch gave (empty if none)."""
-    from ..data import digits_loaders
-
-    for name, value in (("steps", steps), ("warmup", warmup)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
-    dev = as_device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
+    check_int("steps", steps, 1)
+    check_int("warmup", warmup, 1)
+    dev = as_device(device)
     check_precision("fp16", dev)
     schedule = lambda s: min(1.0, (s + 1) / warmup)  # noqa: E731
     rows = []
@@ -293,11 +651,7 @@ def half_model_errors(device: Device = None, model: str = "mlp") -> Dict[str, st
     """What ``.half()`` on the model leads to under fp16 AMP: ``"torch"``: the error GradScaler
     raises in ``step`` ("Attempting to unscale FP16 gradients."); ``"trainer"``: the trainer's
     earlier, explained refusal. Messages as ``"ValueError: ..."``."""
-    from ..data import digits_loaders
-
-    dev = as_device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
+    dev = as_device(device)
     check_precision("fp16", dev)
     net, size = build_digits_model(model)
     net = net.to(dev).half()  # the mistake
@@ -319,50 +673,3 @@ def half_model_errors(device: Device = None, model: str = "mlp") -> Dict[str, st
     except ValueError as exc:
         out["trainer"] = f"ValueError: {exc}"
     return out
-
-
-# Article B's claims B1 and B2 (CLAIMS.md): the figures, and when a measurement counts as holding.
-ARTICLE_B2 = {"fp32": {"memory_gb": 10.2, "epoch_s": 18.7}, "fp16": {"memory_gb": 5.8, "epoch_s": 11.2}}
-B1_MEMORY_SAVED, B1_SPEEDUP, B2_MEMORY_SAVED, B2_TIME_SAVED = 0.40, 1.5, 0.40, 0.30
-
-
-def speed_memory_claims(rows: Sequence[dict], tensor_cores: bool) -> List[dict]:
-    """Claims B1 and B2 beside ``compare_precisions`` rows (needs an fp32 and an fp16 row that
-    ran): one row per claim part with the claim, when it counts as holding, the measurement and a
-    computed verdict. ``tensor_cores``: whether this device has fp16 Tensor Cores (B1's premise)."""
-    by = {r["precision"]: r for r in rows if r.get("ran")}
-    if "fp32" not in by or "fp16" not in by:
-        raise ValueError("rows must hold an fp32 and an fp16 row that ran")
-    fp32, amp = by["fp32"], by["fp16"]
-    speedup = fp32["epoch_time_s"] / amp["epoch_time_s"]
-    time_saved = 1 - amp["epoch_time_s"] / fp32["epoch_time_s"]
-    mem = (None if fp32["peak_memory_mib"] is None or amp["peak_memory_mib"] is None
-           else 1 - amp["peak_memory_mib"] / fp32["peak_memory_mib"])
-    premise = "" if tensor_cores else " (B1 is about Tensor Core GPUs; this device has none)"
-
-    def change(fraction: float, less: str) -> str:
-        return f"{fraction:.0%} {less}" if fraction >= 0 else f"{-fraction:.0%} more"
-
-    def verdict(ok: Optional[bool]) -> str:
-        return "not measured: no CUDA memory counter on a CPU" if ok is None else (
-            "held" if ok else "did not hold")
-
-    return [
-        {"claim": "B1: about 50% less memory", "holds if": f">= {B1_MEMORY_SAVED:.0%} saved",
-         "measured": "-" if mem is None else change(mem, "saved"),
-         "verdict": verdict(None if mem is None else mem >= B1_MEMORY_SAVED)},
-        {"claim": "B1: 1.5-2x faster", "holds if": f">= {B1_SPEEDUP}x",
-         "measured": f"{speedup:.2f}x",
-         "verdict": verdict(speedup >= B1_SPEEDUP) + premise},
-        {"claim": "B2: 10.2 -> 5.8 GB (over 40% less)",
-         "holds if": f">= {B2_MEMORY_SAVED:.0%} saved",
-         "measured": "-" if mem is None else
-         f"{fp32['peak_memory_mib']:.0f} -> {amp['peak_memory_mib']:.0f} MiB "
-         f"({change(mem, 'saved')})",
-         "verdict": verdict(None if mem is None else mem >= B2_MEMORY_SAVED)},
-        {"claim": "B2: 18.7 -> 11.2 s per epoch (about 39% less)",
-         "holds if": f">= {B2_TIME_SAVED:.0%} less time",
-         "measured": f"{fp32['epoch_time_s']:.3g} -> {amp['epoch_time_s']:.3g} s "
-                     f"({change(time_saved, 'less')})",
-         "verdict": verdict(time_saved >= B2_TIME_SAVED)},
-    ]

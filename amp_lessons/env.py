@@ -47,6 +47,9 @@ def get_profile(value: Optional[str] = None) -> str:
 
 SIMULATE_VARIABLE = "AMP_LESSONS_SIMULATE"
 SIMULATED_CARDS = ("t4",)
+# What a simulated card looks like to the lessons: Colab's and Kaggle's free T4 has 15 GiB usable,
+# compute capability 7.5 (fp16 tensor cores; no native bf16, no TF32, no FP8).
+CARD_FACTS = {"t4": {"name": "Tesla T4", "capability": (7, 5), "memory_gib": 15.0}}
 
 
 def simulated_card() -> Optional[str]:
@@ -62,6 +65,35 @@ def simulated_card() -> Optional[str]:
         raise ValueError(f"{SIMULATE_VARIABLE} must be one of {', '.join(SIMULATED_CARDS)} "
                          f"(or unset); got {value!r}")
     return value
+
+
+def device_capability(device=None) -> Optional[Tuple[int, int]]:
+    """``(major, minor)`` of a CUDA device as the lessons should see it (a simulated card's under
+    ``AMP_LESSONS_SIMULATE``), or None for a CPU."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type != "cuda":
+        return None
+    card = simulated_card()
+    if card:
+        return CARD_FACTS[card]["capability"]
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def apply_simulation(device=None) -> Optional[str]:
+    """Cap this process's CUDA allocator at the simulated card's memory (``set_per_process_memory_
+    fraction``), so a batch that would not fit a T4 fails here too. Returns a line saying what is
+    simulated, or None when nothing is (no simulation asked for, or no GPU)."""
+    card = simulated_card()
+    device = torch.device(device) if device is not None else default_device()
+    if card is None or device.type != "cuda":
+        return None
+    facts = CARD_FACTS[card]
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    fraction = min(1.0, facts["memory_gib"] / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return (f"simulating a {facts['name']} on this GPU: allocator capped at {facts['memory_gib']:.0f} "
+            f"GiB ({fraction:.1%} of {total:.0f} GiB), capability {facts['capability'][0]}."
+            f"{facts['capability'][1]}, no bf16, no TF32")
 
 
 def default_device() -> torch.device:
@@ -136,7 +168,13 @@ class Env:
 def probe(profile: Optional[str] = None, seed: int = 0) -> Env:
     """Inspect the hardware and profile without printing or seeding anything."""
     device = default_device()
-    if device.type == "cuda":
+    card = simulated_card()
+    if device.type == "cuda" and card:
+        facts = CARD_FACTS[card]
+        capability, total = facts["capability"], facts["memory_gib"]
+        name = f"{facts['name']} (simulated on {torch.cuda.get_device_properties(device).name})"
+        bf16, fp16_tc = False, True
+    elif device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         capability = (props.major, props.minor)
         name = props.name
@@ -187,6 +225,7 @@ def setup(profile: Optional[str] = None, seed: int = 0, quiet: bool = False) -> 
     """
     env = probe(profile, seed)
     seed_everything(seed)
+    simulated = apply_simulation(env.device)
     _configure_notebook_frontend(env.platform)
     if not quiet:
         cap = f"{env.capability[0]}.{env.capability[1]}" if env.capability else "n/a (CPU)"
@@ -197,4 +236,6 @@ def setup(profile: Optional[str] = None, seed: int = 0, quiet: bool = False) -> 
               f"fp16 tensor cores: {'yes' if env.fp16_tensor_cores else 'no'}")
         print(f"torch      : {env.torch_version} (Python {env.python_version})")
         print(f"profile    : {env.profile}")
+        if simulated:
+            print(f"simulation : {simulated}")
     return env

@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .env import default_device, simulated_card
+from .env import default_device, device_capability, simulated_card
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 PRECISION_ALIASES = {"amp": "fp16"}
@@ -76,13 +76,18 @@ def _fp16_problem(device_type: str) -> Optional[str]:
 
 def native_bf16(device: Device = None) -> bool:
     """True where bf16 runs natively: any CPU, or a GPU of compute capability 8.0 or newer
-    (a T4, 7.5, would only emulate it). ``AMP_LESSONS_SIMULATE=t4`` makes every GPU answer False."""
+    (a T4, 7.5, would only emulate it). Under ``AMP_LESSONS_SIMULATE=t4`` every GPU answers False."""
     dev = as_device(device)
     if dev.type != "cuda":
         return True
-    if simulated_card() == "t4":
-        return False
-    return torch.cuda.get_device_capability(dev) >= (8, 0)
+    return (device_capability(dev) or (0, 0)) >= (8, 0)
+
+
+def native_tf32(device: Device = None) -> bool:
+    """True where the ``tf32`` precision really uses TF32 tensor cores: a GPU of compute capability
+    8.0 or newer (not a simulated T4). Elsewhere ``tf32`` runs as plain fp32."""
+    dev = as_device(device)
+    return dev.type == "cuda" and (device_capability(dev) or (0, 0)) >= (8, 0)
 
 
 def check_precision(precision: str, device: Device = None) -> str:
@@ -102,8 +107,8 @@ def check_precision(precision: str, device: Device = None) -> str:
             raise ValueError(f"precision 'fp16' cannot run on {dev.type}: {problem}; "
                              f"use fp32 or bf16")
     if name == "bf16" and dev.type == "cuda" and not native_bf16(dev):
-        gpu = torch.cuda.get_device_name(dev)
-        major, minor = torch.cuda.get_device_capability(dev)
+        gpu = torch.cuda.get_device_name(dev) + (" (as a simulated T4)" if simulated_card() else "")
+        major, minor = device_capability(dev)
         raise ValueError(f"precision 'bf16' needs a GPU with native bfloat16 (compute capability "
                          f">= 8.0); {gpu} has {major}.{minor}, where torch would only emulate it. "
                          f"Use fp16 (autocast + GradScaler) instead")

@@ -58,3 +58,15 @@ def test_precision_settings_restores_tf32_state():
     with precision.precision_settings("fp32"):
         pass
     assert precision._get_tf32() == before
+
+
+def test_tf32_is_native_only_on_ampere_or_newer_gpus():
+    assert precision.native_tf32("cpu") is False
+
+
+def test_simulated_card_changes_what_probe_reports_without_a_gpu(monkeypatch):
+    monkeypatch.setenv(env.SIMULATE_VARIABLE, "t4")
+    assert env.device_capability("cpu") is None
+    assert env.apply_simulation("cpu") is None  # nothing to cap on a CPU
+    e = env.probe("quick")
+    assert e.device.type == "cpu" or e.capability == (7, 5)

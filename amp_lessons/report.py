@@ -67,6 +67,51 @@ def publish(key: str, rows: Sequence[Mapping], title: str,
     display(result_bundle(key, rows, title, columns, note), raw=True)
 
 
+VERDICT_PREFIX = "claims."
+VERDICT_COLUMNS = ("claim", "measured", "verdict", "why")
+
+
+def publish_verdicts(lesson: str, verdicts: Sequence, title: str) -> None:
+    """Show a lesson's ``claims.Verdict`` list as a table and tag it for the README, where every
+    claim appears once, beside the measurement of the lesson that decides it."""
+    if not verdicts:
+        raise ValueError("verdicts must hold at least one claims.Verdict")
+    rows = [dict(v.row(), lesson=v.lesson) for v in verdicts]
+    if any(r["lesson"] != lesson for r in rows):
+        raise ValueError(f"lesson must be the lesson that measured every verdict; got {lesson!r}")
+    publish(f"{VERDICT_PREFIX}l{lesson}", rows, title, columns=list(VERDICT_COLUMNS))
+
+
+def claims_table(results: Sequence[dict]) -> List[dict]:
+    """One row per registered claim: the verdict its deciding lesson published (a verdict another
+    lesson published is never shown as the claim's), or a note that no committed run has one."""
+    from .claims import CLAIMS
+
+    by_claim: Dict[str, dict] = {}
+    for result in results:
+        if not result["key"].startswith(VERDICT_PREFIX):
+            continue
+        for row in result["rows"]:
+            claim = CLAIMS.get(row.get("claim"))
+            if claim is None or row.get("lesson") != claim.lesson:
+                continue
+            if row["claim"] in by_claim:
+                raise ValueError(f"claim {row['claim']} is published twice by lesson {claim.lesson}; "
+                                 f"a claim has one deciding measurement")
+            by_claim[row["claim"]] = dict(row, notebook=result["notebook"])
+    rows = []
+    for cid, claim in CLAIMS.items():
+        got = by_claim.get(cid)
+        where = f"lesson {claim.lesson}" if claim.lesson else "not measured"
+        rows.append({"claim": cid, "says": claim.says, "decided in": where,
+                     "measured": got["measured"] if got else "-",
+                     "verdict": got["verdict"] if got else (
+                         "not measured by the course" if claim.lesson is None
+                         else "no committed run yet"),
+                     "why": got["why"] if got else claim.rule})
+    return rows
+
+
 def collect(notebooks: Iterable[Path]) -> List[dict]:
     """Every published result in the given executed notebooks, in order, with its run record."""
     import nbformat
@@ -86,7 +131,10 @@ def collect(notebooks: Iterable[Path]) -> List[dict]:
 def results_section(notebooks: Iterable[Path]) -> str:
     """The README's results section: each published table with the run that measured it."""
     parts = [START]
-    for result in collect(notebooks):
+    results = collect(notebooks)
+    for result in results:
+        if result["key"].startswith(VERDICT_PREFIX):
+            continue  # shown once per claim in the claims table below
         run = result["run"]
         where = (f"{run.get('device_name', '?')}, torch {run.get('torch', '?')}, "
                  f"profile {run.get('profile', '?')}, {str(run.get('date', '?'))[:10]}")
@@ -94,6 +142,11 @@ def results_section(notebooks: Iterable[Path]) -> str:
         parts.append(markdown_table(result["rows"], result["columns"]) if result["rows"] else "(no rows)")
         if result.get("note"):
             parts.append(f"\n{result['note']}")
+    if any(r["key"].startswith(VERDICT_PREFIX) for r in results):
+        parts.append("\n#### The articles' claims, each decided once\n\n_Each claim beside the "
+                     "measurement of the one lesson that decides it (see docs/claims.md)._\n")
+        parts.append(markdown_table(claims_table(results),
+                                    ["claim", "says", "decided in", "measured", "verdict", "why"]))
     parts.append("\n" + END)
     return "\n".join(parts)
 

@@ -62,3 +62,62 @@ def test_readme_results_match_the_committed_notebooks():
     assert report.results_section(course_notebooks()) in readme, \
         "README results are stale: run `python -m amp_lessons readme`"
     assert cli.main(["readme", "--check"]) == 0
+
+
+def _verdict_notebook(tmp_path: Path, name: str, verdicts) -> Path:
+    from amp_lessons import claims
+
+    rows = [dict(v.row(), lesson=v.lesson) for v in verdicts]
+    nb = new_notebook(cells=[new_code_cell("publish_verdicts(...)")])
+    nb.cells[0].outputs = [new_output("display_data", data=report.result_bundle(
+        f"{report.VERDICT_PREFIX}l{verdicts[0].lesson}", rows, "claims", list(report.VERDICT_COLUMNS)))]
+    nb.metadata["amp_lessons"] = {"run": {"device_name": "NVIDIA H200", "torch": "2.11.0",
+                                          "profile": "full", "date": "2026-11-29T10:00:00+00:00"}}
+    path = tmp_path / name
+    nbformat.write(nb, path)
+    assert claims.CLAIMS  # registry present
+    return path
+
+
+def test_readme_shows_each_claim_once_with_its_deciding_measurement(tmp_path):
+    from amp_lessons import claims
+
+    n02 = _verdict_notebook(tmp_path, "02_x.ipynb", [
+        claims.not_decided("B1", "02", "0.76x on the digits CNN", "launch-bound small model")])
+    n04 = _verdict_notebook(tmp_path, "04_x.ipynb", [
+        claims.decide("B1", "04", "3.3x on ResNet-50", True, "speed-up >= 1.5x")])
+    section = report.results_section([n02, n04])
+    b1 = [line for line in section.splitlines() if line.startswith("| B1 |")]
+    assert len(b1) == 1 and "3.3x on ResNet-50" in b1[0] and "| held |" in b1[0]
+    assert "0.76x" not in section  # lesson 02 only explains; it never shows as B1's verdict
+    for cid in claims.CLAIMS:
+        assert sum(line.startswith(f"| {cid} |") for line in section.splitlines()) == 1
+
+
+def test_a_claim_published_twice_by_its_lesson_is_refused(tmp_path):
+    from amp_lessons import claims
+
+    v = claims.decide("R8", "05", "+40% time", False, "more than 30%")
+    path = _verdict_notebook(tmp_path, "05_x.ipynb", [v, v])
+    with pytest.raises(ValueError, match="published twice"):
+        report.results_section([path])
+
+
+def test_publish_verdicts_checks_its_input():
+    from amp_lessons import claims
+
+    with pytest.raises(ValueError, match="verdicts must hold"):
+        report.publish_verdicts("04", [], "t")
+    v = claims.decide("R8", "05", "+40% time", False, "more than 30%")
+    with pytest.raises(ValueError, match="lesson must be"):
+        report.publish_verdicts("04", [v], "t")
+
+
+def test_committed_readme_lists_each_claim_at_most_once():
+    from amp_lessons import claims
+
+    readme = (NOTEBOOK_DIR.parent / "README.md").read_text()
+    section = readme.split(report.START, 1)[1].split(report.END, 1)[0]
+    for cid in claims.CLAIMS:
+        rows = [line for line in section.splitlines() if line.startswith(f"| {cid} |")]
+        assert len(rows) <= 1, f"claim {cid} appears {len(rows)} times in the README results"

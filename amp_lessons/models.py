@@ -78,10 +78,22 @@ class SmallCNN(nn.Module):
 # layer4 and fc forced to fp32 inside an autocast region. Lesson 04 measures their speed and memory,
 # lesson 05 their checkpointing.
 
-CHECKPOINT_MODES = (None, "block", "stage")
+CHECKPOINT_MODES = (None, "block", "stage", "stage1-2", "stem+stage1", "stem+stage1-2", "sac")
+CHECKPOINT_HELP = {
+    None: "no checkpointing: every activation is kept for backward",
+    "block": "each residual block (16 in ResNet-50) keeps only its input and recomputes its inside",
+    "stage": "each of layer1..layer4 keeps only its input (fewer, larger recomputed units)",
+    "stage1-2": "the blocks of layer1 and layer2 only (56x56 and 28x28: the largest activations "
+                "for the least arithmetic); layer3, layer4 and the stem keep everything",
+    "stem+stage1": "the stem (conv1, bn1, relu, maxpool at 112x112) and the blocks of layer1",
+    "stem+stage1-2": "the stem and the blocks of layer1 and layer2",
+    "sac": "each block under selective activation checkpointing (PyTorch's SAC policy): "
+           "convolution outputs are saved, BatchNorm and ReLU recomputed",
+}
+"""What each ``checkpoint=`` mode of ``resnet50``/``resnet18`` recomputes (lesson 05)."""
 
 
-class _KeepBatchNormStats:
+class KeepBatchNormStats:
     """Recompute context for checkpointing: BatchNorm buffers are restored after recomputation.
 
     Recomputing a checkpointed region in training mode runs its BatchNorm layers a second time,
@@ -105,11 +117,12 @@ class _KeepBatchNormStats:
         return False
 
 
+
 class Checkpointed(nn.Module):
     """Run ``module`` under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 
     Only the input is kept for backward; the activations inside are recomputed. Safe with
-    torchvision's in-place ReLUs because the wrapped unit (a residual block or a whole stage)
+    torchvision's in-place ReLUs because the wrapped unit (a residual block, a stage or the stem)
     never modifies its own input in place, and BatchNorm statistics are updated once per step.
     """
 
@@ -119,7 +132,7 @@ class Checkpointed(nn.Module):
 
     def _contexts(self):
         from contextlib import nullcontext
-        return nullcontext(), _KeepBatchNormStats(self.module)
+        return nullcontext(), KeepBatchNormStats(self.module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled()):
@@ -128,9 +141,74 @@ class Checkpointed(nn.Module):
         return checkpoint(self.module, x, use_reentrant=False, context_fn=self._contexts)
 
 
+def _conv_outputs_saved(ctx, op, *args, **kwargs):
+    """SAC policy: keep what convolutions and matrix products return, recompute everything else
+    (BatchNorm, ReLU, additions: cheap arithmetic on large tensors)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    name = str(op)
+    if "convolution" in name or "addmm" in name or name.startswith("aten.mm"):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveCheckpointed(Checkpointed):
+    """``Checkpointed`` with PyTorch's selective activation checkpointing: the ops that
+    ``_conv_outputs_saved`` names are saved in forward, the rest recomputed in backward
+    (BatchNorm statistics still updated once per step)."""
+
+    def _contexts(self):
+        from contextlib import ExitStack, contextmanager
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_conv_outputs_saved)
+        keep = KeepBatchNormStats(self.module)
+
+        @contextmanager
+        def recompute():
+            with ExitStack() as stack:
+                stack.enter_context(keep)
+                stack.enter_context(recompute_ctx)
+                yield
+
+        return forward_ctx, recompute()
+
+
+class CheckpointedWithoutBatchNormFix(Checkpointed):
+    """``Checkpointed`` without its BatchNorm fix, for lesson 05's comparison only: recomputing
+    the unit in backward runs its BatchNorm layers in training mode again, so their running
+    statistics move twice per step."""
+
+    def _contexts(self):
+        from contextlib import nullcontext
+        return nullcontext(), nullcontext()
+
+
+def without_batchnorm_fix(model: nn.Module) -> nn.Module:
+    """Turn every ``Checkpointed`` unit of ``model`` into ``CheckpointedWithoutBatchNormFix``
+    (in place; returns ``model``): the pitfall lesson 05 shows."""
+    for m in model.modules():
+        if type(m) is Checkpointed:
+            m.__class__ = CheckpointedWithoutBatchNormFix
+    return model
+
+
 def _check_checkpoint(checkpoint) -> None:
     if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of None, 'block', 'stage'; got {checkpoint!r}")
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}; "
+                         f"got {checkpoint!r}")
+
+
+def _checkpoint_plan(checkpoint) -> "tuple[bool, dict]":
+    """(checkpoint the stem?, {stage name: "block" | "stage" | "sac"}) for a mode."""
+    stages = ("layer1", "layer2", "layer3", "layer4")
+    if checkpoint in ("block", "stage", "sac"):
+        return False, {name: checkpoint for name in stages}
+    if checkpoint == "stage1-2":
+        return False, {"layer1": "block", "layer2": "block"}
+    if checkpoint == "stem+stage1":
+        return True, {"layer1": "block"}
+    if checkpoint == "stem+stage1-2":
+        return True, {"layer1": "block", "layer2": "block"}
+    return False, {}
 
 
 def _resnet(builder, num_classes: int, checkpoint, in_channels: int, small_input: bool):
@@ -146,12 +224,20 @@ def _resnet(builder, num_classes: int, checkpoint, in_channels: int, small_input
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
         if small_input:
             model.maxpool = nn.Identity()
-    for name in ("layer1", "layer2", "layer3", "layer4"):
+    stem, stages = _checkpoint_plan(checkpoint)
+    for name, unit in stages.items():
         stage = getattr(model, name)
-        if checkpoint == "stage":
+        if unit == "stage":
             setattr(model, name, Checkpointed(stage))
-        elif checkpoint == "block":
-            setattr(model, name, nn.Sequential(*[Checkpointed(block) for block in stage]))
+        else:
+            wrap = SelectiveCheckpointed if unit == "sac" else Checkpointed
+            setattr(model, name, nn.Sequential(*[wrap(block) for block in stage]))
+    if stem:
+        # conv1 -> bn1 -> relu -> maxpool as one unit that keeps only the image; the names
+        # bn1, relu and maxpool stay (as identities) so torchvision's forward runs unchanged
+        model.conv1 = Checkpointed(nn.Sequential(model.conv1, model.bn1, model.relu,
+                                                 model.maxpool))
+        model.bn1, model.relu, model.maxpool = nn.Identity(), nn.Identity(), nn.Identity()
     return model
 
 
@@ -159,8 +245,10 @@ def resnet50(num_classes: int = 1000, checkpoint=None, in_channels: int = 3,
              small_input: bool = False) -> nn.Module:
     """torchvision's ResNet-50 with random weights (25.6 M parameters at 1000 classes).
 
-    ``checkpoint``: ``None``, ``"block"`` (each of the 16 bottleneck blocks recomputes its inside
-    in backward) or ``"stage"`` (each of layer1..layer4 does). ``in_channels=1`` and
+    ``checkpoint``: one of ``CHECKPOINT_MODES`` (``CHECKPOINT_HELP`` says what each recomputes):
+    ``None``, ``"block"`` (each of the 16 bottleneck blocks recomputes its inside in backward),
+    ``"stage"`` (each of layer1..layer4 does), ``"stage1-2"``, ``"stem+stage1"``,
+    ``"stem+stage1-2"`` (only the high-resolution part) or ``"sac"``. ``in_channels=1`` and
     ``small_input=True`` adapt the stem to the digits set at 32x32. Lessons 04 and 05.
     """
     from torchvision.models import resnet50 as _resnet50

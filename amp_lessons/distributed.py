@@ -1,4 +1,4 @@
-"""Mixed precision on several GPUs (lesson 06): DDP, FSDP2 and sharded optimizer state.
+"""Mixed precision on several GPUs: DDP, ZeRO and FSDP2 runs on N processes (the engine).
 
 One process per device, PyTorch's own engine:
 
@@ -14,11 +14,14 @@ One process per device, PyTorch's own engine:
 - Strategies, all trained by the shared ``Trainer`` (autocast, and a ``GradScaler`` of its own
   on every rank for fp16): ``"ddp"`` (``DistributedDataParallel``), ``"ddp_zero"`` (the same,
   with ``ZeroRedundancyOptimizer``: each rank keeps the optimizer state of its share of the
-  parameters, ZeRO stage 1) and ``"fsdp2"`` (``fully_shard`` with
-  ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)``: parameters, gradients and
-  optimizer state all sharded).
+  parameters, ZeRO stage 1) and ``"fsdp2"`` (``fully_shard``: parameters, gradients and
+  optimizer state all sharded). How FSDP2 wraps the model is ``RunConfig.fsdp_wrap`` (one unit
+  per residual or transformer block plus the root, see ``FSDP_WRAPS``) and
+  ``RunConfig.reshard_after_forward``.
 - Clear errors: more processes than devices, a backend that cannot run here, settings that
-  differ between ranks (``check_same_settings`` all-gathers them and compares).
+  differ between ranks (``check_same_settings`` all-gathers them and compares). The launcher and
+  these checks live in ``_launch.py`` and are re-exported here, so ``al.distributed`` is the one
+  name a lesson needs.
 
 Outside a notebook, the same runs start with torchrun (one process per GPU)::
 
@@ -31,21 +34,15 @@ or, without torchrun, ``python -m amp_lessons.distributed --nproc 4 ...`` (spawn
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
-import importlib
-import json
 import os
-import socket
+import platform
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import warnings
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,293 +50,44 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._validate import check_choice, check_int
-from .precision import HALF_DTYPES, PRECISIONS
+from . import models
+from ._launch import (BACKENDS, WORLD_SIZES, RankContext, available_world_sizes, barrier,
+                      check_backend, check_same_settings, check_world_size, cpu_count,
+                      default_backend, describe_world, device_slots, free_port, init_rank, launch,
+                      leave_now)
+from ._validate import check_bool, check_choice, check_int
+from .data import synthetic_images
+from .precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision
 from .tables import text_table
+from .trainer import ScalerSettings, TrainConfig, Trainer
 
-BACKENDS = ("nccl", "gloo")
+__all__ = [  # the launcher's names (from _launch) and this module's own
+    "BACKENDS", "WORLD_SIZES", "RankContext", "available_world_sizes", "barrier", "check_backend",
+    "check_same_settings", "check_world_size", "cpu_count", "default_backend", "describe_world",
+    "device_slots", "free_port", "init_rank", "launch", "leave_now",
+    "STRATEGIES", "OPTIMIZERS", "MODELS", "FSDP_WRAPS", "BN_MIXUP", "RunConfig", "grid",
+    "build_model", "parameter_count", "make_batch", "make_optimizer", "shard_units",
+    "has_batchnorm", "fsdp2_shard", "fsdp_units", "fsdp2_available", "local_state_bytes",
+    "make_trainer", "run_one", "run_plan", "SweepResult", "run_experiments", "PER_RANK_COLUMNS",
+    "SUMMARY_COLUMNS", "main"]
+
 STRATEGIES = ("ddp", "ddp_zero", "fsdp2")
 OPTIMIZERS = ("sgd", "adamw")
 MODELS = ("mlp", "small_cnn", "resnet18", "resnet50", "tiny_transformer")
-WORLD_SIZES = (1, 2, 4, 8)
 MIB, GIB = 2**20, 2**30
 
-CLAIM_R10 = ("article R, claim R10: on several 8 GB cards, AMP + ZeRO stage 1 saves 60-70% of "
-             "GPU memory")
-CLAIM_R10_RANGE = (0.60, 0.70)
-
-
-# --- checks -------------------------------------------------------------------------------------
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def default_backend() -> str:
-    """``"nccl"`` where CUDA GPUs and NCCL are present, else ``"gloo"`` (CPU processes)."""
-    if torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available():
-        return "nccl"
-    return "gloo"
-
-
-def device_slots(backend: str) -> int:
-    """How many processes ``backend`` can run here: one per GPU (nccl), one per CPU core (gloo)."""
-    check_choice("backend", backend, BACKENDS)
-    if backend == "nccl":
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return _cpu_count()
-
-
-def check_backend(backend: Optional[str] = None) -> str:
-    """Resolve ``backend`` (``None``: the default here); ``ValueError`` where it cannot run."""
-    if not dist.is_available():
-        raise ValueError("torch.distributed is not available in this PyTorch build")
-    if backend is None:
-        return default_backend()
-    check_choice("backend", backend, BACKENDS)
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA GPUs and this machine has none; "
-                             "use backend='gloo' (CPU processes)")
-        if not dist.is_nccl_available():
-            raise ValueError("backend 'nccl' is not built into this PyTorch; use 'gloo'")
-    elif not dist.is_gloo_available():
-        raise ValueError("backend 'gloo' is not built into this PyTorch")
-    return backend
-
-
-def check_world_size(world_size: int, backend: str) -> None:
-    """``ValueError`` when ``world_size`` asks for more processes than ``backend`` has devices."""
-    check_int("world_size", world_size, 1)
-    slots = device_slots(backend)
-    if world_size > slots:
-        what = "CUDA devices" if backend == "nccl" else "CPU cores"
-        raise ValueError(f"world_size={world_size} is more processes than this machine has "
-                         f"{what} ({slots}); allowed: 1..{slots} with backend {backend!r}")
-
-
-def available_world_sizes(backend: Optional[str] = None,
-                          candidates: Sequence[int] = WORLD_SIZES) -> List[int]:
-    """The ``candidates`` this machine can run with ``backend`` (e.g. ``[1]`` on one GPU)."""
-    backend = check_backend(backend)
-    slots = device_slots(backend)
-    return [n for n in candidates if n <= slots]
-
-
-def describe_world(backend: Optional[str] = None,
-                   candidates: Sequence[int] = WORLD_SIZES) -> str:
-    """One paragraph: the devices ``backend`` uses here, which world sizes run, which do not."""
-    backend = check_backend(backend)
-    slots = device_slots(backend)
-    run = [n for n in candidates if n <= slots]
-    skipped = [n for n in candidates if n > slots]
-    if backend == "nccl":
-        names = sorted({torch.cuda.get_device_name(i) for i in range(slots)})
-        where = f"NCCL, one process per GPU: {slots} x {', '.join(names)}"
-        why = f"needs that many GPUs; this machine has {slots}"
-    else:
-        where = f"gloo, CPU processes: {slots} CPU cores"
-        why = f"needs that many CPU cores; this machine has {slots}"
-    text = (f"backend  : {where}\nrun here : world sizes {', '.join(map(str, run)) or 'none'}"
-            f" (of {', '.join(map(str, candidates))})")
-    if skipped:
-        text += f"\nnot run  : world sizes {', '.join(map(str, skipped))} ({why})"
-    return text
-
-
-# --- launching ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RankContext:
-    """What a process of a launch knows about itself: its rank, the world and its device."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: torch.device
-
-    @property
-    def device_type(self) -> str:
-        """``"cuda"`` (nccl) or ``"cpu"`` (gloo): the ``device_type`` of ``torch.autocast``."""
-        return self.device.type
-
-
-def free_port() -> int:
-    """A TCP port that is free on this machine now (for the rendezvous of a new launch)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_rank(rank: int, world_size: int, local_rank: int, backend: str, init_method: str,
-               timeout_s: float) -> RankContext:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        # Processes share the cores: without this each would start one thread per core.
-        torch.set_num_threads(max(1, _cpu_count() // world_size))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=_dt.timedelta(seconds=timeout_s))
-    return RankContext(rank, world_size, local_rank, backend, device)
-
-
-def barrier(ctx: RankContext, group=None) -> None:
-    """``dist.barrier`` over ``group``, naming this rank's GPU under NCCL (no device guessing)."""
-    if ctx.backend == "nccl":
-        dist.barrier(group, device_ids=[ctx.device.index])
-    else:
-        dist.barrier(group)
-
-
-# Set for the spawned processes only: torch's C++ warnings (c10 logging) would otherwise go
-# straight to stderr from every rank; Python warnings are collected and returned (run_plan).
-_CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR", "NCCL_NVLS_ENABLE": "0"}
-
-
-@contextmanager
-def _child_environment():
-    """Variables the spawned processes inherit (those the user set already are kept)."""
-    added = {k: v for k, v in _CHILD_ENV.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-
-
-def _spawn_entry(index: int, fn: Callable, world_size: int, backend: str, port: int,
-                 args: tuple, outdir: str, timeout_s: float) -> None:
-    """What each spawned process runs: join the group, call ``fn``, hand rank 0's result back."""
-    try:
-        ctx = _init_rank(index, world_size, index, backend, f"tcp://127.0.0.1:{port}", timeout_s)
-        result = fn(ctx, *args)
-        if index == 0:
-            torch.save(result, Path(outdir) / "result.pt")
-        barrier(ctx)  # no rank leaves (closing its connections) before every rank is done
-    except Exception as exc:
-        (Path(outdir) / f"error-{index}.json").write_text(json.dumps(
-            {"rank": index, "type": type(exc).__name__, "message": str(exc),
-             "traceback": traceback.format_exc(), "time": time.time()}))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise
-    _leave_now()  # every rank is past the barrier and rank 0's result is on disk
-
-
-def _check_importable(fn: Callable) -> None:
-    target = getattr(fn, "func", fn)  # functools.partial
-    module = getattr(target, "__module__", None)
-    qualname = getattr(target, "__qualname__", "")
-    if not callable(fn) or module in (None, "__main__") or "<" in qualname:
-        raise ValueError("fn must be a function defined at the top level of an importable module "
-                         "(a spawned process imports it by name; a function typed into a notebook "
-                         f"or a lambda cannot be); got {fn!r}")
-
-
-def _worker_error(outdir: Path, exc: BaseException) -> Exception:
-    # The first error is the cause; the others are usually peers losing their connection to it.
-    errors = sorted((json.loads(p.read_text()) for p in outdir.glob("error-*.json")),
-                    key=lambda e: e["time"])
-    if not errors:
-        return RuntimeError(f"a process of the launch died without a Python error: {exc} (run "
-                            "from a script, the launch must sit under `if __name__ == "
-                            "'__main__':`; the process's own output says more)")
-    for e in errors:  # a ValueError is a bad setting: raise it as one, without the traceback
-        if e["type"] == "ValueError":
-            return ValueError(e["message"])
-    first = errors[0]
-    return RuntimeError(f"rank {first['rank']} failed with {first['type']}: {first['message']}\n"
-                        f"{first['traceback']}")
-
-
-def _stop(processes) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    for p in processes:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def launch(fn: Callable, world_size: int, args: tuple = (), backend: Optional[str] = None,
-           timeout_s: float = 600.0) -> Any:
-    """Run ``fn(ctx, *args)`` in ``world_size`` new processes and return rank 0's return value.
-
-    Each process gets a ``RankContext`` and is already in the default process group (NCCL with
-    one GPU per process, ``torch.cuda.set_device(rank)`` done; or gloo on the CPU). Rank 0's
-    return value comes back through ``torch.save``/``torch.load(weights_only=True)``: plain data
-    and tensors. A ``ValueError`` in any rank is raised here as a ``ValueError`` (bad settings);
-    any other failure as a ``RuntimeError`` with the rank's traceback; a launch that runs past
-    ``timeout_s`` seconds is stopped. The torchrun equivalent is ``main()`` (see the module doc).
-    """
-    import torch.multiprocessing as mp
-
-    _check_importable(fn)
-    backend = check_backend(backend)
-    check_world_size(world_size, backend)
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds; got {timeout_s!r}")
-    with tempfile.TemporaryDirectory(prefix="amp-lessons-launch-") as tmp:
-        outdir = Path(tmp)
-        with _child_environment():
-            context = mp.start_processes(
-                _spawn_entry,
-                args=(fn, world_size, backend, free_port(), tuple(args), tmp, timeout_s),
-                nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=1.0, grace_period=10.0):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the launch ran past timeout_s={timeout_s} s and was "
-                                       "stopped")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            raise _worker_error(outdir, exc) from None  # torch stopped the other ranks already
-        except BaseException:  # timeout, or the notebook's kernel interrupted: stop every rank
-            _stop(context.processes)
-            raise
-        finally:
-            for path in context.error_files:  # torch's own traceback files, read above or unused
-                if path and os.path.exists(path):
-                    os.remove(path)
-        result_file = outdir / "result.pt"
-        return torch.load(result_file, weights_only=True) if result_file.exists() else None
-
-
-# --- agreement between ranks --------------------------------------------------------------------
-
-def check_same_settings(settings: Dict[str, Any], group=None) -> None:
-    """All-gather ``settings`` from every rank of ``group`` and compare them with each other.
-
-    Raises the same ``ValueError`` on every rank (so none is left waiting in a collective),
-    naming each setting that differs and its value on each rank. Under torchrun each process
-    parses its own flags and environment; a rank with other settings would train a different
-    model, or hang the others at the first collective that no longer matches.
-    """
-    if not isinstance(settings, dict):
-        raise ValueError(f"settings must be a dict; got {type(settings).__name__}")
-    gathered: List[Optional[dict]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, settings, group=group)
-    missing = object()
-    diffs = []
-    for key in sorted({k for g in gathered for k in g}, key=str):
-        values = [g.get(key, missing) for g in gathered]
-        if any(v != values[0] for v in values[1:]):
-            shown = ", ".join(f"rank {r}: {'(missing)' if v is missing else repr(v)}"
-                              for r, v in enumerate(values))
-            diffs.append(f"{key} ({shown})")
-    if diffs:
-        raise ValueError("every rank must use the same settings; these differ: "
-                         + "; ".join(diffs))
+# How fsdp2 wraps a model (``shard_units``: residual or transformer blocks), see ``fsdp2_shard``.
+FSDP_WRAPS = {
+    "blocks": "one unit per block + the root; fp32 parameters, autocast casts per op",
+    "blocks-half-params": "one unit per block + the root; parameters gathered in the half type "
+                          "(MixedPrecisionPolicy param_dtype); not with BatchNorm",
+    "bn-units": "every BatchNorm its own fp32 unit, then blocks + root with half parameters "
+                "(FSDP1's default; many small units)",
+}
+BN_MIXUP = ("with parameters gathered in the half type, BatchNorm's weights are half while its "
+            "running statistics stay fp32, and BatchNorm refuses the mix (cuDNN: \"Expected "
+            "running_mean to have type BFloat16 but got Float\"); use fsdp_wrap='blocks' (fp32 "
+            "parameters, autocast casts) instead")
 
 
 # --- one run ------------------------------------------------------------------------------------
@@ -354,6 +102,8 @@ class RunConfig:
     ones, on one fixed synthetic batch (the global batch of ``world_size * batch_size`` examples
     is made from ``seed``, and each rank takes its slice: one process with the whole batch sees
     exactly what several see together). ``keep_params`` returns the trained parameters.
+    ``fsdp_wrap`` (one of ``FSDP_WRAPS``) and ``reshard_after_forward`` say how ``fsdp2`` wraps
+    the model (``fsdp2_shard``); other strategies ignore them.
     """
 
     model: str = "small_cnn"
@@ -370,6 +120,8 @@ class RunConfig:
     seed: int = 0
     label: str = ""
     keep_params: bool = False
+    fsdp_wrap: str = "blocks"
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
         if self.precision == "amp":
@@ -383,6 +135,9 @@ class RunConfig:
         check_int("steps", self.steps, 1)
         check_int("warmup", self.warmup, 0)
         check_int("seed", self.seed, 0)
+        check_choice("fsdp_wrap", self.fsdp_wrap, tuple(FSDP_WRAPS))
+        check_bool("reshard_after_forward", self.reshard_after_forward)
+        check_bool("keep_params", self.keep_params)
         if not isinstance(self.model_kwargs, dict):
             raise ValueError(f"model_kwargs must be a dict; got {self.model_kwargs!r}")
         if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 10):
@@ -392,8 +147,17 @@ class RunConfig:
 
     @property
     def name(self) -> str:
-        """The row label: ``label`` or ``"<model> <strategy> <precision>"``."""
-        return self.label or f"{self.model} {self.strategy} {self.precision}"
+        """The row label: ``label`` or ``"<model> <strategy> <precision>"`` (+ the FSDP2 wrap)."""
+        if self.label:
+            return self.label
+        return f"{self.model} {self.strategy} {self.precision}{self.wrap_name}"
+
+    @property
+    def wrap_name(self) -> str:
+        """How fsdp2 wraps this run (``" blocks"``, ``" bn-units, no reshard"``); ``""`` else."""
+        if self.strategy != "fsdp2":
+            return ""
+        return f" {self.fsdp_wrap}" + ("" if self.reshard_after_forward else ", no reshard")
 
     @property
     def unit(self) -> str:
@@ -411,8 +175,7 @@ def grid(configs: Sequence[RunConfig], world_sizes: Sequence[int]) -> List[Tuple
 
 
 def build_model(config: RunConfig) -> nn.Module:
-    """The model ``config`` names, on the CPU, in fp32 (seeded by the caller)."""
-    from . import models
+    """The model ``config`` names, on the current device, in fp32 (seeded by the caller)."""
     kwargs = dict(config.model_kwargs)
     if config.model == "mlp":
         return models.MLP(**{"in_features": 64, "hidden": (64, 64), **kwargs})
@@ -444,7 +207,6 @@ def make_batch(config: RunConfig, model: nn.Module, rank: int, world_size: int,
         x = torch.randn(total, model.net[0].in_features, device=device, generator=g)
         y = torch.randint(0, model.net[-1].out_features, (total,), device=device, generator=g)
     else:
-        from .data import synthetic_images
         num_classes = config.model_kwargs.get("num_classes", 10)
         x, y = synthetic_images(total, config.image_size, num_classes, device=device,
                                 seed=config.seed)
@@ -465,10 +227,11 @@ def make_optimizer(config: RunConfig, params, zero: bool = False, group=None):
 
 def _fsdp_api():
     try:  # torch >= 2.6
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch 2.4 and 2.5
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-    return fully_shard, MixedPrecisionPolicy
+        from torch.distributed._composable.fsdp import (FSDPModule, MixedPrecisionPolicy,
+                                                        fully_shard)
+    return fully_shard, MixedPrecisionPolicy, FSDPModule
 
 
 def shard_units(model: nn.Module) -> List[nn.Module]:
@@ -480,27 +243,72 @@ def shard_units(model: nn.Module) -> List[nn.Module]:
     return [block for stage in stages for block in stage.children()]
 
 
-def fsdp2_shard(model: nn.Module, precision: str, mesh) -> nn.Module:
+def has_batchnorm(model: nn.Module) -> bool:
+    """True when ``model`` holds a BatchNorm layer (fp32 running statistics)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def fsdp2_shard(model: nn.Module, precision: str, mesh, wrap: str = "blocks",
+                reshard_after_forward: bool = True) -> nn.Module:
     """Apply ``fully_shard`` to each of ``shard_units(model)``, then to the whole model.
 
-    fp16/bf16: ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)``: the gathered
-    parameters (and so the all-gather traffic) are half precision, gradients are reduced in fp32
-    and the sharded master parameters and optimizer state stay fp32. BatchNorm layers get their
-    own unit with fp32 parameters (as FSDP1 did by default): their running statistics are fp32.
+    ``wrap`` (one of ``FSDP_WRAPS``):
+
+    - ``"blocks"``: ``MixedPrecisionPolicy()``: parameters stay fp32 (sharded and gathered), the
+      training step's autocast casts them per op, gradients are reduced in fp32. Works with
+      BatchNorm, whose weights and running statistics are then both fp32.
+    - ``"blocks-half-params"`` (fp16/bf16): ``MixedPrecisionPolicy(param_dtype=half,
+      reduce_dtype=float32)``: the gathered parameters, and so the all-gather traffic, are half
+      precision; the sharded master parameters and optimizer state stay fp32. Not for models with
+      BatchNorm (``BN_MIXUP``).
+    - ``"bn-units"``: every BatchNorm first becomes its own unit with fp32 parameters, then blocks
+      and root with half parameters: valid, but ResNet-50 gets 70 units, each a collective and a
+      few hooks per pass.
+
+    ``reshard_after_forward=False`` keeps each block's gathered parameters from forward to
+    backward (no second all-gather; more memory, like ZeRO stage 2).
     """
-    fully_shard, MixedPrecisionPolicy = _fsdp_api()
+    check_choice("wrap", wrap, tuple(FSDP_WRAPS))
+    check_bool("reshard_after_forward", reshard_after_forward)
+    fully_shard, MixedPrecisionPolicy, _ = _fsdp_api()
     half = HALF_DTYPES.get(precision)
-    policy = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half
-              else MixedPrecisionPolicy())
-    if half:
+    if half is None or wrap == "blocks":
+        policy = MixedPrecisionPolicy()
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+    if half is not None and wrap == "bn-units":
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                fully_shard(m, mesh=mesh, mp_policy=fp32)
+                fully_shard(m, mesh=mesh, mp_policy=fp32,
+                            reshard_after_forward=reshard_after_forward)
     for unit in shard_units(model):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def fsdp_units(model: nn.Module) -> List[Dict[str, Any]]:
+    """Every FSDP2 unit of ``model`` (after ``fsdp2_shard``): its name (``"(root)"`` for the
+    model), its class, how many parameter tensors it gathers (those not in a nested unit) and
+    the dtype it gathers them in (``None`` where this torch does not say)."""
+    _, _, FSDPModule = _fsdp_api()
+    names = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    units = []
+    for name in names:
+        m = model.get_submodule(name)
+        nested = [n for n in names if n != name and (not name or n.startswith(name + "."))]
+        owned = [p for p, _ in m.named_parameters()
+                 if not any(f"{name}.{p}".lstrip(".").startswith(n + ".") for n in nested)]
+        kind = next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule)).__name__
+        try:  # torch's own accessor for a unit's settings (not public API)
+            policy = m._get_fsdp_state()._fsdp_param_group.mp_policy  # noqa: SLF001
+            dtype = str(policy.param_dtype or torch.float32).replace("torch.", "")
+        except AttributeError:
+            dtype = None
+        units.append({"unit": name or "(root)", "kind": kind, "parameters": len(owned),
+                      "param_dtype": dtype})
+    return units
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -533,19 +341,17 @@ def local_state_bytes(model: nn.Module, optimizer) -> Dict[str, int]:
             "optimizer_state": _bytes(state)}
 
 
-def _trainer():
-    return importlib.import_module(".trainer", __package__)
-
-
-def _autocast(precision: str, device_type: str):
-    return _trainer().autocast_for(precision, device_type)
+def fsdp2_available() -> bool:
+    """True when this torch has FSDP2 (``fully_shard`` and ``MixedPrecisionPolicy``)."""
+    try:
+        _fsdp_api()
+    except ImportError:
+        return False
+    return True
 
 
 def _loss_fn(config: RunConfig):
-    if config.model == "tiny_transformer":
-        from .models import lm_loss
-        return lm_loss
-    return F.cross_entropy
+    return models.lm_loss if config.model == "tiny_transformer" else F.cross_entropy
 
 
 def make_trainer(config: RunConfig, model: nn.Module, optimizer, device):
@@ -558,12 +364,14 @@ def make_trainer(config: RunConfig, model: nn.Module, optimizer, device):
     ordinary ``torch.amp.GradScaler`` does what FSDP1 needed ``ShardedGradScaler`` for.
     Gradient norm and per-step memory tracking are off: ``run_one`` measures around the steps.
     """
-    trainer = _trainer()
-    tc = trainer.TrainConfig(precision=config.precision,
-                             scaler=trainer.ScalerSettings(init_scale=float(config.init_scale)),
-                             progress=False, seed=None, track_grad_norm=False,
-                             track_memory=False)
-    return trainer.Trainer(model, optimizer, tc, device=device, loss_fn=_loss_fn(config))
+    tc = TrainConfig(precision=config.precision,
+                     scaler=ScalerSettings(init_scale=float(config.init_scale)),
+                     progress=False, seed=None, track_grad_norm=False, track_memory=False)
+    return Trainer(model, optimizer, tc, device=device, loss_fn=_loss_fn(config))
+
+
+def _step_loss(trainer: Trainer, batches) -> torch.Tensor:
+    return trainer.train_step(batches).loss
 
 
 def _time_steps(step: Callable, n: int, device) -> Tuple[List[float], List[torch.Tensor]]:
@@ -608,7 +416,7 @@ def _gradient_bytes(config: RunConfig, model: nn.Module, x, y, device) -> int:
     forward and backward shows what they take at their largest: the full set under DDP, this
     rank's shard under FSDP2.
     """
-    with _autocast(config.precision, device.type):
+    with autocast_for(config.precision, device.type):
         loss = _loss_fn(config)(model(x), y)
     loss.backward()
     params = list(model.parameters())
@@ -632,9 +440,12 @@ def run_one(ctx: RankContext, config: RunConfig, world_size: int, group=None) ->
     with device:  # built where it trains: no slow CPU initialisation of large models
         model = build_model(config)
     x, y = make_batch(config, model, rank, world_size, device)
+    units = None
     if config.strategy == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
-        fsdp2_shard(model, config.precision, DeviceMesh.from_group(group, device.type))
+        fsdp2_shard(model, config.precision, DeviceMesh.from_group(group, device.type),
+                    config.fsdp_wrap, config.reshard_after_forward)
+        units = len(fsdp_units(model))
         optimizer = make_optimizer(config, model.parameters())
     else:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -642,10 +453,7 @@ def run_one(ctx: RankContext, config: RunConfig, world_size: int, group=None) ->
         optimizer = make_optimizer(config, model.parameters(),
                                    zero=config.strategy == "ddp_zero", group=group)
     trainer = make_trainer(config, model, optimizer, device)
-
-    def step():
-        return trainer.train_step([(x, y)]).loss
-
+    step = partial(_step_loss, trainer, [(x, y)])
     _, warm_losses = _time_steps(step, config.warmup, device)
     barrier(ctx, group)
     if device.type == "cuda":
@@ -658,6 +466,7 @@ def run_one(ctx: RankContext, config: RunConfig, world_size: int, group=None) ->
     row = {
         "label": config.name, "model": config.model, "strategy": config.strategy,
         "precision": config.precision, "world_size": world_size, "rank": rank,
+        "fsdp_wrap": config.wrap_name.strip() or None, "fsdp_units": units,
         "device": _device_name(device), "batch_size": config.batch_size, "unit": config.unit,
         "step_ms": median * 1000, "per_rank_per_s": config.batch_size / median,
         "peak_gib": peak / GIB if peak is not None else None,
@@ -677,7 +486,6 @@ def run_one(ctx: RankContext, config: RunConfig, world_size: int, group=None) ->
 def _device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
     return platform.processor() or platform.machine() or "CPU"
 
 
@@ -692,9 +500,14 @@ def _precision_problem(config: RunConfig, device) -> Optional[str]:
         return ("precision 'fp16' with strategy 'fsdp2' needs torch >= 2.5 (its GradScaler "
                 "handles sharded DTensor gradients from then on); use 'bf16'")
     try:
-        _trainer().check_precision(config.precision, device)
+        check_precision(config.precision, device)
     except ValueError as exc:
         return str(exc)
+    if (config.strategy == "fsdp2" and config.fsdp_wrap == "blocks-half-params"
+            and config.precision in HALF_DTYPES):
+        with torch.device("meta"):
+            if has_batchnorm(build_model(config)):
+                return f"{config.model} has BatchNorm: {BN_MIXUP}"
     return None
 
 
@@ -772,6 +585,7 @@ class SweepResult:
             out.append({
                 "label": label, "model": first["model"], "strategy": first["strategy"],
                 "precision": first["precision"], "world_size": n, "unit": first["unit"],
+                "fsdp_wrap": first.get("fsdp_wrap"), "fsdp_units": first.get("fsdp_units"),
                 "batch_size": first["batch_size"], "step_ms": slowest,
                 "per_s": n * first["batch_size"] / (slowest / 1000),
                 "peak_gib": max(peaks) if peaks else None,
@@ -852,7 +666,7 @@ def run_experiments(plan: Sequence[Tuple[RunConfig, int]], backend: Optional[str
                        skipped=out["skipped"], warnings=out["warnings"])
 
 
-# --- tables and claims --------------------------------------------------------------------------
+# --- tables --------------------------------------------------------------------------------------
 
 PER_RANK_COLUMNS = (("label", "run"), ("world_size", "ranks"), ("rank", "rank"),
                     ("step_ms", "step ms"), ("per_rank_per_s", "examples/s"),
@@ -862,133 +676,6 @@ SUMMARY_COLUMNS = (("label", "run"), ("world_size", "ranks"), ("per_s", "example
                    ("efficiency", "scaling eff.", "{:.0%}"), ("peak_gib", "peak GiB/rank"),
                    ("model_state_mib", "state MiB/rank"),
                    ("optimizer_state_mib", "opt. state MiB/rank"), ("final_loss", "last loss"))
-
-
-
-
-
-
-def zero_savings(result: SweepResult, baseline: str, zero: str, world_size: int) -> Dict[str, Any]:
-    """What ZeRO (or any run ``zero``) saves per rank against ``baseline`` at ``world_size``.
-
-    Fractions saved of the optimizer state, of all model state (parameters + gradients +
-    optimizer state) and, on GPUs, of peak memory. Claim R10 is judged on peak memory where it
-    was measured (GPUs), else on model state (the CPU has no peak counter).
-    """
-    base, z = result.find(baseline, world_size), result.find(zero, world_size)
-
-    def saved(key):
-        a, b = base.get(key), z.get(key)
-        return 1 - b / a if a and b is not None else None
-    out = {"world_size": world_size, "baseline": baseline, "zero": zero,
-           "optimizer_state_mib": (base["optimizer_state_mib"], z["optimizer_state_mib"]),
-           "model_state_mib": (base["model_state_mib"], z["model_state_mib"]),
-           "peak_gib": (base["peak_gib"], z["peak_gib"]),
-           "optimizer_state_saved": saved("optimizer_state_mib"),
-           "model_state_saved": saved("model_state_mib"), "peak_saved": saved("peak_gib")}
-    out["judged_on"] = "peak memory" if out["peak_saved"] is not None else "model state"
-    out["saved"] = out["peak_saved"] if out["peak_saved"] is not None else out["model_state_saved"]
-    return out
-
-
-def r10_rows(claim: Dict[str, Any], comparisons: Sequence[Dict[str, Any]] = ()) -> List[dict]:
-    """Claim R10 beside ``zero_savings`` measurements, for publishing: ``claim`` is judged (AMP +
-    ZeRO stage 1), ``comparisons`` (e.g. FSDP2) are shown beside it without a verdict."""
-    low, high = CLAIM_R10_RANGE
-
-    def pct(v):
-        return 100 * v if v is not None else None
-    rows = []
-    for s, judged in [(claim, True)] + [(c, False) for c in comparisons]:
-        saved = s["saved"]
-        rows.append({
-            "run": s["zero"], "against": s["baseline"], "processes": s["world_size"],
-            "judged on": s["judged_on"], "saved per rank (%)": pct(saved),
-            "optimizer state saved per rank (%)": pct(s["optimizer_state_saved"]),
-            "claim R10 (%)": f"{100 * low:.0f}-{100 * high:.0f}" if judged else None,
-            "claim held": (("not decided (1 process)" if s["world_size"] < 2 else
-                            saved is not None and low <= saved <= high) if judged else None),
-        })
-    return rows
-
-
-def verdict_r10(savings: Dict[str, Any]) -> str:
-    """Claim R10 beside the measurement, and which way it went (computed, not typed in)."""
-    low, high = CLAIM_R10_RANGE
-    s = savings["saved"]
-    if s is None:
-        return f"{CLAIM_R10}. Not measured here."
-    if savings["world_size"] < 2:
-        return (f"{CLAIM_R10}.\nNot decided here: with 1 process ZeRO has nothing to shard "
-                f"across, so '{savings['zero']}' saving {s:.0%} of {savings['judged_on']} "
-                f"against '{savings['baseline']}' is mixed precision's saving alone. "
-                f"The claim needs 2 or more GPUs.")
-    where = ("within" if low <= s <= high else "below" if s < low else "above")
-    held = "held" if where == "within" else "did not hold"
-    return (f"{CLAIM_R10}.\nMeasured on {savings['world_size']} ranks: "
-            f"'{savings['zero']}' uses {s:.0%} less {savings['judged_on']} per rank than "
-            f"'{savings['baseline']}' ({where} the claimed {low:.0%}-{high:.0%}: the claim {held} "
-            f"here). Optimizer state per rank: {savings['optimizer_state_saved']:.0%} less.")
-
-
-CLAIM_R11 = ('article R, claim R11: a DeepSpeed config enables mixed precision with '
-             '"amp": {"enabled": true, "opt_level": "O2"}')
-
-# Claim R11's key, DeepSpeed's own mixed-precision and ZeRO keys (from its config documentation,
-# deepspeed.ai/docs/config-json), and what PyTorch itself offers for each.
-DEEPSPEED_EQUIVALENTS = (
-    ('"amp": {"enabled": true, "opt_level": "O2"}',
-     "passes everything but 'enabled' to NVIDIA Apex's amp.initialize (Apex AMP, deprecated by "
-     "Apex in favour of PyTorch AMP); needs Apex installed; cannot be combined with \"fp16\" or "
-     "with ZeRO",
-     "torch.autocast + torch.amp.GradScaler (what Apex O1 became). O2 (fp16 weights, fp32 master "
-     "copy) is closest to FSDP2's MixedPrecisionPolicy(param_dtype=torch.float16)"),
-    ('"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16}',
-     "DeepSpeed's own fp16 training; loss_scale 0 = dynamic loss scaling from 2**16",
-     "torch.autocast(device_type, dtype=torch.float16) + torch.amp.GradScaler(init_scale=2**16)"),
-    ('"bf16": {"enabled": true}',
-     "DeepSpeed's own bf16 training, no loss scaling",
-     "torch.autocast(device_type, dtype=torch.bfloat16); under FSDP2 "
-     "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"),
-    ('"zero_optimization": {"stage": 1}',
-     "ZeRO stage 1: optimizer state sharded across ranks",
-     "torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=...)"),
-    ('"zero_optimization": {"stage": 2}',
-     "stage 2: optimizer state and gradients sharded",
-     "torch.distributed.fsdp.fully_shard(module, reshard_after_forward=False)"),
-    ('"zero_optimization": {"stage": 3}',
-     "stage 3: optimizer state, gradients and parameters sharded",
-     "torch.distributed.fsdp.fully_shard(module) (reshard_after_forward=True)"),
-)
-
-
-def deepspeed_equivalents() -> str:
-    """Claim R11's DeepSpeed keys beside what each does and PyTorch's own way to do it (text)."""
-    blocks = []
-    for key, does, native in DEEPSPEED_EQUIVALENTS:
-        blocks.append(f"DeepSpeed {key}\n  does   : {does}\n  PyTorch: {native}")
-    return "\n\n".join(blocks)
-
-
-def native_support() -> Dict[str, Any]:
-    """What this installation has: PyTorch's native pieces (used above) and, looked up without
-    importing them, DeepSpeed and NVIDIA Apex (which claim R11's ``"amp"`` key needs)."""
-    import importlib.util
-
-    def importable(name: str) -> bool:
-        try:
-            return importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            return False
-    try:
-        _fsdp_api()
-        fsdp2 = True
-    except ImportError:
-        fsdp2 = False
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401 - present since 1.8
-    return {"torch": torch.__version__, "torch.amp.GradScaler": hasattr(torch.amp, "GradScaler"),
-            "fully_shard + MixedPrecisionPolicy": fsdp2, "ZeroRedundancyOptimizer": True,
-            "deepspeed installed": importable("deepspeed"), "apex installed": importable("apex")}
 
 
 # --- torchrun / command line --------------------------------------------------------------------
@@ -1032,14 +719,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             if backend == "nccl" and local >= device_slots("nccl"):
                 raise ValueError(f"local rank {local} has no GPU of its own "
                                  f"({device_slots('nccl')} here); lower --nproc_per_node")
-            ctx = _init_rank(int(os.environ["RANK"]), world, local, backend, "env://", 600.0)
+            ctx = init_rank(int(os.environ["RANK"]), world, local, backend, "env://", 600.0)
             try:
                 out = run_plan(ctx, [(config, world)])
             except BaseException:
                 dist.destroy_process_group()
                 raise
             if ctx.rank != 0:
-                _leave_now()  # see _leave_now: gloo's teardown at exit can abort a finished rank
+                leave_now()  # see leave_now: gloo's teardown at exit can abort a finished rank
             result = SweepResult(rows=out["rows"], backend=backend, launched=world,
                                  skipped=out["skipped"], warnings=out["warnings"])
         else:
@@ -1054,17 +741,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for line in result.notes():
         print(line)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _leave_now()
+        leave_now()
     return 0
-
-
-def _leave_now() -> None:
-    """Exit this rank at once, output flushed: every collective is done, and tearing the gloo
-    groups down at interpreter exit sometimes aborts a process (SIGABRT, "terminate called
-    without an active exception"), which would turn a finished run into a failed one."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

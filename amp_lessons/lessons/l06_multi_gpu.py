@@ -1,0 +1,306 @@
+"""Lesson 06, mixed precision on several GPUs (notebooks/06_multi_gpu.ipynb).
+
+Built on ``amp_lessons.distributed`` (the engine: launching, DDP / ZeRO / FSDP2 runs, sweeps):
+
+1. **wrapping FSDP2 on a CNN**: ResNet-50 under DDP and under three FSDP2 wrappings (every
+   BatchNorm its own unit, one unit per residual block, the same without resharding after
+   forward) at two per-rank batches, on every world size the machine has (``wrap_configs``,
+   ``wrap_rows``, ``fsdp_against_ddp``), and the BatchNorm dtype mix-up that made the course wrap
+   BatchNorm separately (``batchnorm_mixup``);
+2. **a transformer, where sharding matters**: DDP, ZeRO stage 1 and FSDP2 on a GPT-style model
+   (``transformer_configs``);
+3. **claim R10c** (AMP + ZeRO stage 1 saves 60-70% per card): ``zero_savings``, ``verdict_r10c``;
+4. **claim R11** (a DeepSpeed ``"amp"`` config): ``deepspeed_equivalents``, ``native_support``,
+   ``verdict_r11``.
+
+Every verdict is a ``claims.Verdict`` for a claim this lesson decides (``DECIDES``).
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .. import claims
+from .. import distributed as multi
+from ..precision import HALF_DTYPES, as_device, autocast_for
+
+LESSON = "06"
+DECIDES = ("R10c", "R11")
+
+# --- 1. how FSDP2 wraps a CNN ------------------------------------------------------------------
+
+# (row name, strategy, fsdp_wrap, reshard_after_forward), in the order the table shows them.
+WRAPPINGS = (
+    ("DDP", "ddp", "blocks", True),
+    ("FSDP2, every BatchNorm its own unit (old)", "fsdp2", "bn-units", True),
+    ("FSDP2, blocks + root, fp32 params", "fsdp2", "blocks", True),
+    ("FSDP2, blocks + root, fp32 params, no reshard", "fsdp2", "blocks", False),
+)
+
+
+def wrap_label(name: str, batch_size: int) -> str:
+    """The run label of one wrapping at one per-rank batch (labels key the sweep's rows)."""
+    return f"{name} | {batch_size}/rank"
+
+
+def wrap_configs(model: str, precision: str, batch_sizes: Sequence[int], image_size: int,
+                 steps: int, warmup: int) -> List[multi.RunConfig]:
+    """DDP and the FSDP2 wrappings of ``WRAPPINGS`` at each per-rank batch: SGD, lr 0.01."""
+    if not batch_sizes:
+        raise ValueError("batch_sizes must hold at least one per-rank batch size")
+    return [multi.RunConfig(model=model, strategy=strategy, precision=precision, batch_size=b,
+                            image_size=image_size, optimizer="sgd", lr=0.01, steps=steps,
+                            warmup=warmup, fsdp_wrap=wrap, reshard_after_forward=reshard,
+                            label=wrap_label(name, b))
+            for b in batch_sizes for name, strategy, wrap, reshard in WRAPPINGS]
+
+
+def _split(label: str) -> Tuple[str, int]:
+    name, batch = label.rsplit(" | ", 1)
+    return name, int(batch.split("/")[0])
+
+
+def wrap_rows(result: multi.SweepResult) -> List[Dict[str, Any]]:
+    """The wrapping table: per (processes, batch, wrapping), throughput, its ratio to DDP at the
+    same batch and processes, FSDP units and peak memory per rank; sorted for reading."""
+    summary = result.summary()
+    ddp = {(s["world_size"], s["batch_size"]): s["per_s"] for s in summary
+           if _split(s["label"])[0] == WRAPPINGS[0][0]}
+    order = {w[0]: i for i, w in enumerate(WRAPPINGS)}
+    rows = []
+    for s in sorted(summary, key=lambda s: (s["world_size"], s["batch_size"],
+                                            order.get(_split(s["label"])[0], 99))):
+        name, batch = _split(s["label"])
+        base = ddp.get((s["world_size"], batch))
+        eff = s["efficiency"]
+        rows.append({
+            "processes": s["world_size"], "batch per rank": batch, "wrapping": name,
+            "FSDP units": s["fsdp_units"], f"throughput ({s['unit']}/s)": s["per_s"],
+            "vs DDP": s["per_s"] / base if base else None,
+            "scaling efficiency (%)": 100 * eff if eff is not None else None,
+            "peak memory per rank (GiB)": s["peak_gib"],
+        })
+    return rows
+
+
+def fsdp_against_ddp(result: multi.SweepResult, world_size: int = 1) -> List[Dict[str, Any]]:
+    """Per batch: the fastest FSDP2 wrapping's throughput over DDP's, at ``world_size``."""
+    out = []
+    for row in wrap_rows(result):
+        if row["processes"] != world_size or row["wrapping"] == WRAPPINGS[0][0]:
+            continue
+        best = next((o for o in out if o["batch per rank"] == row["batch per rank"]), None)
+        if best is None:
+            out.append({"batch per rank": row["batch per rank"], "best FSDP2": row["wrapping"],
+                        "vs DDP": row["vs DDP"]})
+        elif (row["vs DDP"] or 0) > (best["vs DDP"] or 0):
+            best.update({"best FSDP2": row["wrapping"], "vs DDP": row["vs DDP"]})
+    return out
+
+
+def batchnorm_mixup(precision: str = "bf16", device=None) -> List[Dict[str, str]]:
+    """What one BatchNorm layer does with a half-precision input in the three ways FSDP2 can hand
+    it its parameters: half weights with fp32 running statistics (``param_dtype=half`` on a
+    block: refused), fp32 weights under autocast (``fsdp_wrap="blocks"``), and all of BatchNorm in
+    fp32 (its own unit). Each row: the setup, and the output dtype or the error."""
+    if precision not in HALF_DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(HALF_DTYPES)}; got {precision!r}")
+    dev = as_device(device)
+    half = HALF_DTYPES[precision]
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 6, 6, device=dev).to(half)  # a convolution's output under autocast
+    cases = []
+    mixed = nn.BatchNorm2d(8).to(dev)
+    mixed.weight.data, mixed.bias.data = mixed.weight.data.to(half), mixed.bias.data.to(half)
+    cases.append((f"{precision} weights, fp32 running stats (param_dtype={precision} on a block)",
+                  lambda: mixed(x)))
+    plain = nn.BatchNorm2d(8).to(dev)
+
+    def under_autocast():
+        with autocast_for(precision, dev.type):
+            return plain(x)
+    cases.append(("fp32 weights and stats, autocast on (fsdp_wrap='blocks')", under_autocast))
+    cases.append(("fp32 weights and stats, input cast to fp32 (BatchNorm its own fp32 unit)",
+                  lambda: plain(x.float())))
+    rows = []
+    for setup, run in cases:
+        try:
+            outcome = f"runs, output {str(run().dtype).replace('torch.', '')}"
+        except RuntimeError as exc:
+            outcome = f"refused: {str(exc).splitlines()[0]}"
+        rows.append({"BatchNorm gets": setup, "outcome": outcome})
+    return rows
+
+
+# --- 2. a transformer ----------------------------------------------------------------------------
+
+def transformer_configs(model_kwargs: Mapping[str, Any], precision: str, batch_size: int,
+                        lr: float, steps: int,
+                        warmup: int) -> Tuple[List[multi.RunConfig], multi.RunConfig]:
+    """DDP, ZeRO stage 1 and FSDP2 (half-precision gathered parameters: no BatchNorm here) on the
+    transformer in ``precision``, and the fp32 DDP baseline of claim R10c. AdamW."""
+    def run(strategy, prec, label):
+        return multi.RunConfig(model="tiny_transformer", model_kwargs=dict(model_kwargs),
+                               strategy=strategy, precision=prec, batch_size=batch_size,
+                               optimizer="adamw", lr=lr, steps=steps, warmup=warmup,
+                               fsdp_wrap="blocks-half-params", label=label)
+    runs = [run(s, precision, f"{s} {precision}") for s in ("ddp", "ddp_zero", "fsdp2")]
+    return runs, run("ddp", "fp32", "ddp fp32")
+
+
+# --- 3. claim R10c: AMP + ZeRO stage 1 saves 60-70% per card -------------------------------------
+
+R10C_RANGE = (0.60, 0.70)
+
+
+def zero_savings(result: multi.SweepResult, baseline: str, zero: str,
+                 world_size: int) -> Dict[str, Any]:
+    """What run ``zero`` saves per rank against ``baseline`` at ``world_size``: fractions of the
+    optimizer state, of all model state (parameters + gradients + optimizer state) and, on GPUs,
+    of peak memory. ``saved`` is peak memory where it was measured, else model state."""
+    base, z = result.find(baseline, world_size), result.find(zero, world_size)
+
+    def saved(key):
+        a, b = base.get(key), z.get(key)
+        return 1 - b / a if a and b is not None else None
+    out = {"world_size": world_size, "baseline": baseline, "zero": zero,
+           "optimizer_state_mib": (base["optimizer_state_mib"], z["optimizer_state_mib"]),
+           "model_state_mib": (base["model_state_mib"], z["model_state_mib"]),
+           "peak_gib": (base["peak_gib"], z["peak_gib"]),
+           "optimizer_state_saved": saved("optimizer_state_mib"),
+           "model_state_saved": saved("model_state_mib"), "peak_saved": saved("peak_gib")}
+    out["judged_on"] = "peak memory" if out["peak_saved"] is not None else "model state"
+    out["saved"] = out["peak_saved"] if out["peak_saved"] is not None else out["model_state_saved"]
+    return out
+
+
+def verdict_r10c(savings: Mapping[str, Any]) -> claims.Verdict:
+    """Claim R10c beside ``zero_savings``: held when the saving per rank is within 60-70%.
+
+    Not decided on one process (ZeRO has nothing to shard across) or without GPU peak memory
+    (CPU processes: no GPU memory, and AMP's part of the saving, activations, is not counted).
+    """
+    low, high = R10C_RANGE
+    s = savings["saved"]
+    n = savings["world_size"]
+    numbers = {k: savings[k] for k in ("world_size", "saved", "judged_on",
+                                       "optimizer_state_saved", "model_state_saved")}
+    if s is None:
+        return claims.not_decided("R10c", LESSON, "no memory of either run was measured",
+                                  "nothing to compare", numbers)
+    measured = (f"on {n} rank{'s' if n > 1 else ''}, '{savings['zero']}' holds {s:.0%} less "
+                f"{savings['judged_on']} per rank than '{savings['baseline']}'; optimizer state "
+                f"per rank {savings['optimizer_state_saved']:.0%} less")
+    cannot = None
+    if n < 2:
+        cannot = (f"with 1 process ZeRO has nothing to shard across, so the {s:.0%} is mixed "
+                  f"precision's saving alone; the claim needs 2 or more GPUs")
+    elif savings["judged_on"] != "peak memory":
+        cannot = ("measured on CPU processes: no GPU memory was measured, and AMP's part of the "
+                  "saving (activations) is not counted; the claim is about GPU memory")
+    where = "within" if low <= s <= high else "below" if s < low else "above"
+    return claims.decide("R10c", LESSON, measured, low <= s <= high,
+                         f"{s:.0%} is {where} the claimed {low:.0%}-{high:.0%}", numbers,
+                         cannot_decide=cannot)
+
+
+def r10c_rows(verdict: claims.Verdict, savings: Mapping[str, Any],
+              comparisons: Sequence[Mapping[str, Any]] = ()) -> List[Dict[str, Any]]:
+    """Claim R10c's row (with the verdict) and, without a verdict, ``comparisons`` beside it."""
+    low, high = R10C_RANGE
+
+    def pct(v):
+        return 100 * v if v is not None else None
+    rows = []
+    for s, judged in [(savings, True)] + [(c, False) for c in comparisons]:
+        rows.append({
+            "run": s["zero"], "against": s["baseline"], "processes": s["world_size"],
+            "judged on": s["judged_on"], "saved per rank (%)": pct(s["saved"]),
+            "optimizer state saved per rank (%)": pct(s["optimizer_state_saved"]),
+            "claim R10c (%)": f"{100 * low:.0f}-{100 * high:.0f}" if judged else None,
+            "verdict": verdict.outcome if judged else None,
+        })
+    return rows
+
+
+# --- 4. claim R11: the DeepSpeed "amp" config ----------------------------------------------------
+
+# Claim R11's key, DeepSpeed's own mixed-precision and ZeRO keys (from its config documentation,
+# deepspeed.ai/docs/config-json), and what PyTorch itself offers for each.
+DEEPSPEED_EQUIVALENTS = (
+    ('"amp": {"enabled": true, "opt_level": "O2"}',
+     "passes everything but 'enabled' to NVIDIA Apex's amp.initialize (Apex AMP, deprecated by "
+     "Apex in favour of PyTorch AMP); needs Apex installed; cannot be combined with \"fp16\" or "
+     "with ZeRO",
+     "torch.autocast + torch.amp.GradScaler (what Apex O1 became). O2 (fp16 weights, fp32 master "
+     "copy) is closest to FSDP2's MixedPrecisionPolicy(param_dtype=torch.float16)"),
+    ('"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16}',
+     "DeepSpeed's own fp16 training; loss_scale 0 = dynamic loss scaling from 2**16",
+     "torch.autocast(device_type, dtype=torch.float16) + torch.amp.GradScaler(init_scale=2**16)"),
+    ('"bf16": {"enabled": true}',
+     "DeepSpeed's own bf16 training, no loss scaling",
+     "torch.autocast(device_type, dtype=torch.bfloat16); under FSDP2 "
+     "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"),
+    ('"zero_optimization": {"stage": 1}',
+     "ZeRO stage 1: optimizer state sharded across ranks",
+     "torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=...)"),
+    ('"zero_optimization": {"stage": 2}',
+     "stage 2: optimizer state and gradients sharded",
+     "torch.distributed.fsdp.fully_shard(module, reshard_after_forward=False)"),
+    ('"zero_optimization": {"stage": 3}',
+     "stage 3: optimizer state, gradients and parameters sharded",
+     "torch.distributed.fsdp.fully_shard(module) (reshard_after_forward=True)"),
+)
+
+
+def deepspeed_equivalents() -> str:
+    """Claim R11's DeepSpeed keys beside what each does and PyTorch's own way to do it (text)."""
+    return "\n\n".join(f"DeepSpeed {key}\n  does   : {does}\n  PyTorch: {native}"
+                       for key, does, native in DEEPSPEED_EQUIVALENTS)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def native_support() -> Dict[str, Any]:
+    """What this installation has: PyTorch's native pieces this lesson ran and, looked up without
+    importing them, DeepSpeed and NVIDIA Apex (which claim R11's ``"amp"`` key needs)."""
+    return {"torch": torch.__version__, "torch.amp.GradScaler": hasattr(torch.amp, "GradScaler"),
+            "fully_shard + MixedPrecisionPolicy": multi.fsdp2_available(),
+            "ZeroRedundancyOptimizer": _importable("torch.distributed.optim"),
+            "deepspeed installed": _importable("deepspeed"), "apex installed": _importable("apex")}
+
+
+def verdict_r11(support: Mapping[str, Any]) -> claims.Verdict:
+    """Claim R11: the ``"amp"`` key is NVIDIA Apex's AMP handed through DeepSpeed, not DeepSpeed's
+    or PyTorch's mixed precision, and DeepSpeed refuses it with ZeRO: as the way to enable mixed
+    precision in DeepSpeed it does not hold. ``support`` is ``native_support()``: what ran here."""
+    native = all(support.get(k) for k in ("torch.amp.GradScaler",
+                                          "fully_shard + MixedPrecisionPolicy",
+                                          "ZeroRedundancyOptimizer"))
+    measured = ("DeepSpeed's config handling (its documentation and code): the \"amp\" dict goes "
+                "to apex.amp.initialize; installed here: deepspeed "
+                f"{'yes' if support.get('deepspeed installed') else 'no'}, apex "
+                f"{'yes' if support.get('apex installed') else 'no'}; PyTorch's native "
+                f"equivalents (autocast, GradScaler, FSDP2, ZeroRedundancyOptimizer) "
+                f"{'all present and run in this lesson' if native else 'not all present'}")
+    return claims.decide(
+        "R11", LESSON, measured, False,
+        "the key turns on NVIDIA Apex's deprecated AMP (it needs Apex, and DeepSpeed refuses it "
+        "together with \"fp16\" or ZeRO); DeepSpeed's own mixed precision is \"fp16\"/\"bf16\", "
+        "and PyTorch's is torch.autocast + GradScaler",
+        {"native_equivalents_present": native, **{k: support.get(k) for k in
+                                                  ("deepspeed installed", "apex installed")}})
+
+
+def verdicts(savings: Mapping[str, Any],
+             support: Optional[Mapping[str, Any]] = None) -> List[claims.Verdict]:
+    """This lesson's verdicts, one per claim of ``DECIDES``."""
+    return [verdict_r10c(savings), verdict_r11(support or native_support())]

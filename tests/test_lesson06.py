@@ -1,0 +1,132 @@
+"""Lesson 06 (amp_lessons.lessons.l06_multi_gpu): the FSDP2 wrapping table, the BatchNorm dtype
+mix-up, and claims R10c and R11 as claims.Verdicts (never decided on one process or a CPU)."""
+import pytest
+
+from amp_lessons import claims
+from amp_lessons.distributed import RunConfig, SweepResult
+from amp_lessons.lessons import l06_multi_gpu as lesson
+
+
+def _rows(label, n, step_ms, opt_mib, peak=None, batch=4, units=None):
+    return [{"label": label, "model": "m", "strategy": "s", "precision": "bf16", "world_size": n,
+             "rank": r, "unit": "img", "batch_size": batch, "step_ms": step_ms + r,
+             "per_rank_per_s": 1.0, "peak_gib": peak, "param_mib": 1.0, "grad_mib": 1.0,
+             "optimizer_state_mib": opt_mib, "losses": [2.0, 1.0], "fsdp_units": units}
+            for r in range(n)]
+
+
+def test_lesson_declares_the_claims_it_decides():
+    assert lesson.LESSON == "06"
+    assert lesson.DECIDES == ("R10c", "R11")
+    assert all(claims.CLAIMS[c].lesson == "06" for c in lesson.DECIDES)
+
+
+def test_wrap_configs_cover_every_wrapping_at_every_batch():
+    configs = lesson.wrap_configs("resnet50", "bf16", (64, 256), 224, 15, 3)
+    assert len(configs) == 2 * len(lesson.WRAPPINGS)
+    assert len({c.name for c in configs}) == len(configs)  # labels key the rows: all different
+    assert {(c.strategy, c.fsdp_wrap, c.reshard_after_forward) for c in configs} == {
+        ("ddp", "blocks", True), ("fsdp2", "bn-units", True), ("fsdp2", "blocks", True),
+        ("fsdp2", "blocks", False)}
+    assert {c.batch_size for c in configs} == {64, 256}
+    with pytest.raises(ValueError, match="batch_sizes"):
+        lesson.wrap_configs("resnet50", "bf16", (), 224, 15, 3)
+    with pytest.raises(ValueError, match="batch_size"):
+        lesson.wrap_configs("resnet50", "bf16", (0,), 224, 15, 3)
+
+
+def test_wrap_rows_compare_each_wrapping_with_ddp_at_the_same_batch():
+    ddp, old, blocks, lazy = (w[0] for w in lesson.WRAPPINGS)
+    rows = []
+    for n in (1, 2):
+        rows += _rows(lesson.wrap_label(ddp, 4), n, 10.0, 2.0)
+        rows += _rows(lesson.wrap_label(old, 4), n, 40.0, 2.0, units=70)
+        rows += _rows(lesson.wrap_label(blocks, 4), n, 18.0, 2.0, units=17)
+        rows += _rows(lesson.wrap_label(lazy, 4), n, 16.0, 2.0, units=17)
+    rows += _rows(lesson.wrap_label(ddp, 8), 1, 20.0, 2.0, batch=8)
+    rows += _rows(lesson.wrap_label(blocks, 8), 1, 30.0, 2.0, batch=8, units=17)
+    table = lesson.wrap_rows(SweepResult(rows=rows, backend="nccl", launched=2))
+    assert [(r["processes"], r["batch per rank"]) for r in table][:6] == \
+        [(1, 4)] * 4 + [(1, 8)] * 2  # by processes, then batch, then the order of WRAPPINGS
+    first = table[:4]
+    assert [r["wrapping"] for r in first] == [ddp, old, blocks, lazy]
+    assert first[0]["vs DDP"] == pytest.approx(1.0) and first[0]["FSDP units"] is None
+    assert first[1]["vs DDP"] == pytest.approx(10 / 40) and first[1]["FSDP units"] == 70
+    assert first[3]["vs DDP"] == pytest.approx(10 / 16)
+    best = lesson.fsdp_against_ddp(SweepResult(rows=rows, backend="nccl", launched=2), 1)
+    assert best == [{"batch per rank": 4, "best FSDP2": lazy, "vs DDP": pytest.approx(10 / 16)},
+                    {"batch per rank": 8, "best FSDP2": blocks, "vs DDP": pytest.approx(20 / 30)}]
+    two = [r for r in table if r["processes"] == 2 and r["wrapping"] == ddp][0]
+    assert two["scaling efficiency (%)"] == pytest.approx(100 * (8 / 0.011) / (2 * 400))
+
+
+def test_batchnorm_mixup_shows_the_refusal_and_both_fixes():
+    rows = lesson.batchnorm_mixup("bf16", "cpu")
+    assert len(rows) == 3
+    assert rows[0]["outcome"].startswith("refused:")
+    assert "BFloat16" in rows[0]["outcome"] and "Float" in rows[0]["outcome"]
+    assert rows[1]["outcome"] == "runs, output bfloat16"  # fp32 weights under autocast
+    assert rows[2]["outcome"] == "runs, output float32"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        lesson.batchnorm_mixup("fp32", "cpu")
+
+
+def test_transformer_configs():
+    runs, base = lesson.transformer_configs({"d_model": 32}, "bf16", 4, 1e-3, 3, 1)
+    assert [r.name for r in runs] == ["ddp bf16", "ddp_zero bf16", "fsdp2 bf16"]
+    assert runs[2].fsdp_wrap == "blocks-half-params"  # no BatchNorm: half parameters are fine
+    assert base.precision == "fp32" and base.strategy == "ddp" and base.name == "ddp fp32"
+
+
+def _savings(peak_base, peak_zero, n=2):
+    result = SweepResult(rows=_rows("base", n, 10.0, 8.0, peak_base)
+                         + _rows("zero", n, 10.0, 4.0, peak_zero), backend="nccl", launched=n)
+    return lesson.zero_savings(result, "base", "zero", n)
+
+
+def test_r10c_verdict_follows_the_measurement():
+    held = _savings(10.0, 3.5)
+    assert held["judged_on"] == "peak memory" and held["saved"] == pytest.approx(0.65)
+    assert held["optimizer_state_saved"] == pytest.approx(0.5)
+    v = lesson.verdict_r10c(held)
+    assert isinstance(v, claims.Verdict) and v.claim == "R10c" and v.outcome == "held"
+    less = lesson.verdict_r10c(_savings(10.0, 8.0))
+    assert less.outcome == "did not hold" and "below" in less.why
+    rows = lesson.r10c_rows(v, held, [_savings(10.0, 8.0)])
+    assert [r["verdict"] for r in rows] == ["held", None]  # comparisons get no verdict
+    assert rows[0]["saved per rank (%)"] == pytest.approx(65.0)
+    assert rows[1]["optimizer state saved per rank (%)"] == pytest.approx(50.0)
+
+
+def test_r10c_is_not_decided_on_one_process_or_a_cpu():
+    one = lesson.verdict_r10c(_savings(10.0, 3.5, n=1))
+    assert one.outcome == "not decided here" and "1 process" in one.why
+    cpu = SweepResult(rows=_rows("base", 2, 1.0, 8.0) + _rows("zero", 2, 1.0, 4.0),
+                      backend="gloo", launched=2)
+    savings = lesson.zero_savings(cpu, "base", "zero", 2)
+    assert savings["judged_on"] == "model state"
+    assert savings["saved"] == pytest.approx(1 - 6 / 10)
+    v = lesson.verdict_r10c(savings)
+    assert v.outcome == "not decided here" and "CPU" in v.why
+    assert lesson.r10c_rows(v, savings)[0]["verdict"] == "not decided here"
+
+
+def test_r11_answer_and_verdict():
+    answer = lesson.deepspeed_equivalents()
+    assert '"amp": {"enabled": true, "opt_level": "O2"}' in answer and "Apex" in answer
+    assert '"bf16": {"enabled": true}' in answer and "ZeroRedundancyOptimizer" in answer
+    support = lesson.native_support()
+    assert support["torch.amp.GradScaler"] and support["ZeroRedundancyOptimizer"]
+    assert support["fully_shard + MixedPrecisionPolicy"]
+    assert isinstance(support["deepspeed installed"], bool)
+    v = lesson.verdict_r11(support)
+    assert v.claim == "R11" and v.lesson == "06" and v.outcome == "did not hold"
+    assert "Apex" in v.why and v.numbers["native_equivalents_present"] is True
+    both = lesson.verdicts(_savings(10.0, 3.5), support)
+    assert [x.claim for x in both] == list(lesson.DECIDES)
+
+
+def test_verdicts_are_only_for_this_lessons_claims():
+    with pytest.raises(ValueError, match="lesson 04"):
+        claims.decide("B1", lesson.LESSON, "x", True, "y")
+

@@ -1,23 +1,381 @@
-"""Lesson 02's helpers in amp_lessons.trainer: digits runs, autocast dtypes, the mistakes, claims."""
+"""Lesson 02 (amp_lessons.lessons.l02_amp_loop): FP32 vs AMP, the trainer's cost and the GPU's
+idle share, autocast dtypes, the mistakes, and the claims it decides (B3, B5, B6, B7) - never B1/B2."""
 import json
+import warnings
 
 import pytest
 import torch
 
-from amp_lessons import trainer as T
+from amp_lessons import claims, recipes
 from amp_lessons.data import digits_loaders
+from amp_lessons.lessons import l02_amp_loop as L
+from amp_lessons.models import build_digits_model
+from amp_lessons.records import History
 
 QUICK = dict(model="cnn", width=4, image_size=16, batch_size=128, progress=False)
 
 
+def test_lesson_decides_exactly_its_registered_claims():
+    assert L.LESSON == "02"
+    assert sorted(L.DECIDES) == sorted(c.id for c in claims.CLAIMS.values() if c.lesson == "02")
+    assert all(claims.CLAIMS[c].lesson == "04" for c in L.OTHERS_SHOWN)
+
+
+# --- FP32 vs AMP ---------------------------------------------------------------------------------
+
+def test_compare_precisions_rows_and_reasons(monkeypatch):
+    real = L.check_precision
+
+    def no_bf16(precision, device=None):
+        if L.normalize_precision(precision) == "bf16":
+            raise ValueError("precision 'bf16' needs a GPU with native bfloat16")
+        return real(precision, device)
+
+    monkeypatch.setattr(L, "check_precision", no_bf16)
+    rows = L.compare_precisions(["fp32", "amp", "bf16"], epochs=1, **QUICK)
+    assert [r["precision"] for r in rows] == ["fp32", "fp16", "bf16"]
+    assert [r["ran"] for r in rows] == [True, True, False]
+    assert "native bfloat16" in rows[2]["reason"] and rows[2]["run"] is None
+    assert all(0 <= r["accuracy_pct"] <= 100 and r["epoch_time_s"] > 0 for r in rows[:2])
+    assert all(r["run"].trainer is None for r in rows[:2])  # memory freed between runs
+    # the same start: identical first losses up to fp16 rounding
+    first = [r["run"].history[0].loss for r in rows[:2]]
+    assert first[0] == pytest.approx(first[1], rel=1e-2)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        L.compare_precisions(["fp8"], epochs=1, **QUICK)
+
+
+# --- the trainer's cost and the GPU's idle share -------------------------------------------------
+
+TINY = dict(model="mlp", batch_size=32, warmup=1, steps=2, rounds=2, profile_steps=1)
+
+
+def test_step_overhead_on_a_cpu_times_both_loops_and_says_idle_is_not_measured():
+    rows = L.step_overhead(["fp32", "fp16"], device="cpu", **TINY)
+    assert [(r["precision"], r["loop"]) for r in rows] == [
+        (p, L.LOOPS[k]) for p in ("fp32", "fp16") for k in ("hand", "trainer")]
+    assert all(r["step_ms"] > 0 and r["step_ms_q1"] <= r["step_ms"] <= r["step_ms_q3"]
+               for r in rows)
+    assert all(r["steps"] == 4 and r["timer"] == "perf_counter" for r in rows)  # 2 rounds x 2
+    assert all(r["gpu_busy_ms"] is None and r["gpu_idle"] is None for r in rows)
+    assert all(r["idle_note"].startswith("not measured on a CPU") for r in rows)
+    hand, trained = rows[0], rows[1]
+    assert hand["overhead_pct"] is None
+    assert trained["overhead_pct"] == pytest.approx(
+        100 * (trained["step_ms"] / hand["step_ms"] - 1))
+    table = L.overhead_table(rows)
+    assert "GPU idle" in table and "n/a" in table and "Trainer.train_step" in table
+    summary = L.overhead_summary(rows)
+    assert "These timings decide nothing: timed on cpu" in summary
+    assert "idle up to" not in summary
+
+
+def test_step_overhead_idle_share_from_the_busy_time(monkeypatch):
+    calls = []
+
+    def fake_busy(step, x, y, device, steps):
+        calls.append(steps)
+        return 1e-6, "fake profiler"
+
+    monkeypatch.setattr(L, "gpu_busy", fake_busy)
+    rows = L.step_overhead(["fp32"], device="cpu", **TINY)
+    assert calls == [1, 1]  # each loop profiled once, with profile_steps steps
+    for r in rows:
+        assert r["gpu_idle"] == pytest.approx(1 - 1e-6 / r["step_ms"])
+        assert r["idle_note"] == "fake profiler"
+    assert "%" in L.overhead_table(rows).splitlines()[2]
+
+
+def _overhead_rows(device_type="cuda", idle=(0.6, 0.7), steps=60, warmup=10):
+    rows = []
+    for p, share in zip(("fp32", "fp16"), idle):
+        for loop, ms, cost in (("hand", 2.0, None), ("trainer", 2.2, 10.0)):
+            rows.append({"precision": p, "loop": L.LOOPS[loop], "step_ms": ms,
+                         "gpu_busy_ms": ms * (1 - share), "gpu_idle": share,
+                         "idle_note": "", "overhead_pct": cost, "steps": steps,
+                         "warmup": warmup, "timer": "CUDA events", "device_type": device_type})
+    return rows
+
+
+def test_overhead_summary_on_a_gpu_names_the_idle_share():
+    launch_bound = L.overhead_summary(_overhead_rows(idle=(0.6, 0.0004)))
+    assert "fp32: Trainer.train_step 2.200 ms against the hand loop's 2.000 ms (+10.0%" in launch_bound
+    assert "GPU idle 0.04% of each trainer step" in launch_bound  # never rounded to 0%
+    assert "idle up to 60% of a step" in launch_bound and "host and launch overhead" in launch_bound
+    busy = L.overhead_summary(_overhead_rows(idle=(0.05, 0.1)))
+    assert "mostly GPU work" in busy
+    few = L.overhead_summary(_overhead_rows(steps=3))
+    assert "decide nothing: only 3 timed steps" in few
+    with pytest.raises(ValueError, match="at least one step_overhead row"):
+        L.overhead_summary([])
+    with pytest.raises(ValueError, match="at least one step_overhead row"):
+        L.overhead_table([])
+
+
+def test_gpu_busy_is_not_measured_on_a_cpu():
+    busy, note = L.gpu_busy(lambda x, y: None, torch.zeros(1), torch.zeros(1), "cpu")
+    assert busy is None and note.startswith("not measured on a CPU")
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1"):
+        L.gpu_busy(lambda x, y: None, torch.zeros(1), torch.zeros(1), "cpu", steps=0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(steps=0), "steps must be a whole number >= 1"),
+    (dict(rounds=0), "rounds must be a whole number >= 1"),
+    (dict(warmup=0), "warmup must be a whole number >= 1"),
+    (dict(lr=0.0), "lr must be a finite number > 0"),
+    (dict(precisions=["fp9"]), "precision must be one of"),
+])
+def test_step_overhead_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        L.step_overhead(**{**dict(TINY, device="cpu"), **kwargs})
+
+
+# --- B1 and B2: shown beside the digits numbers, never ruled on here -----------------------------
+
+def _row(p, t, m):
+    return {"precision": p, "ran": True, "epoch_time_s": t, "peak_memory_mib": m}
+
+
+@pytest.mark.parametrize("device_type,idle,speed,why", [
+    ("cuda", (0.6, 0.7), 0.8, "the digits CNN is launch-bound: the GPU is idle 70% of each step"),
+    ("cuda", (0.02, 0.05), 3.0, "not the workload the claim is about"),  # even a busy 3x run
+    ("cpu", None, 2.0, "timed on cpu"),
+])
+def test_lesson02_never_rules_on_b1_or_b2(device_type, idle, speed, why):
+    rows = [_row("fp32", speed, 100.0), _row("fp16", 1.0, 40.0)]
+    overhead = _overhead_rows(device_type, idle or (0.5, 0.5))
+    if idle is None:
+        for r in overhead:
+            r["gpu_idle"] = r["gpu_busy_ms"] = None
+    verdicts = L.b1_b2_context(rows, overhead, device_type)
+    assert [v.claim for v in verdicts] == ["B1", "B2"]
+    assert all(v.held is None and v.outcome == "not decided here" for v in verdicts)
+    assert all(why in v.why and "lesson 04 decides" in v.why for v in verdicts)
+    assert f"{speed:.2f}x" in verdicts[0].measured and "60% saved" in verdicts[0].measured
+    # and the registry refuses a ruling from this lesson outright
+    with pytest.raises(ValueError, match="decided by lesson 04"):
+        claims.decide("B1", L.LESSON, "x", True, "y")
+
+
+def test_b1_b2_context_needs_fp32_and_fp16():
+    with pytest.raises(ValueError, match="an fp32 and an fp16 row that ran"):
+        L.b1_b2_context([_row("fp32", 1.0, None)], [], "cpu")
+    cpu = L.b1_b2_context([_row("fp32", 1.0, None), _row("fp16", 2.0, None)], [], "cpu")
+    assert "no CUDA memory counter on a CPU" in cpu[0].measured
+
+
+# --- B5: what autocast runs in 16 bits -----------------------------------------------------------
+
+def test_autocast_report_table_is_device_agnostic_and_b5_did_not_hold():
+    torch.manual_seed(0)
+    net, _ = build_digits_model("cnn", 4)
+    x, y = next(iter(digits_loaders(8, 16)[0]))
+    before = net.features[0][1].running_mean.clone()
+    texts = []
+    for dtype in (torch.bfloat16, torch.float16):
+        report = L.autocast_report(net, x, y, "cpu", dtype)
+        kinds = {k: d for _, k, d, _ in report.layers}
+        assert kinds["Conv2d"] == kinds["Linear"] == kinds["BatchNorm2d"] == dtype
+        assert report.loss == torch.float32
+        assert report.parameters == report.gradients == {torch.float32}
+        assert all(g == dtype for _, _, _, g in report.layers)
+        texts.append(report.format())
+        parts = L.b5_parts(report)
+        assert [p["measured"] for p in parts] == [
+            "loss float32", "gradients into layer outputs: 16-bit",
+            "parameters float32, their gradients float32"]
+        verdict = L.b5_verdict(report)
+        assert verdict.claim == "B5" and verdict.lesson == "02" and verdict.held is False
+        assert "cross_entropy is on autocast's float32 list" in verdict.why
+        assert verdict.numbers["parts"] == parts
+    assert texts[0] == texts[1]  # fp16 and bf16 print the same table
+    lines = texts[0].splitlines()
+    assert lines[0].split() == ["tensor", "layer", "dtype", "gradient", "dtype"]
+    assert lines[-1].split() == ["every", "parameter", "weights", "float32", "float32"]
+    assert all(p.grad is None for p in net.parameters())
+    assert not torch.equal(before, net.features[0][1].running_mean)  # a real training forward
+    with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
+        L.autocast_report(net, x, y, "cpu", torch.float32)
+
+
+def test_b5_verdict_holds_when_the_loss_and_backward_are_16_bit():
+    low = torch.float16
+    report = L.AutocastReport(layers=[("fc", "Linear", low, low)], loss=low,
+                              parameters={torch.float32}, gradients={torch.float32}, low=low,
+                              input=torch.float32)
+    verdict = L.b5_verdict(report)
+    assert verdict.held is True and verdict.measured.startswith("loss 16-bit")
+    assert [r["what"] for r in report.rows()] == ["input batch", "fc", "loss", "every parameter"]
+
+
+def test_dtype_label():
+    assert L.dtype_label(torch.bfloat16, torch.bfloat16) == "16-bit"
+    assert L.dtype_label(torch.float32, torch.float16) == "float32"
+
+
+# --- B7: a custom autograd Function under autocast -----------------------------------------------
+
+class Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ x
+
+
+class MatmulAMP(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ x
+
+
+class MatmulCasting(Matmul):  # a backward that casts its gradient itself also works unchanged
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        return grad @ w, grad.t() @ x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_custom_function_needs_custom_fwd_and_b7_did_not_hold(dtype):
+    plain = L.custom_function_under_autocast(Matmul, "cpu", dtype)
+    fixed = L.custom_function_under_autocast(MatmulAMP, "cpu", dtype)
+    assert plain["ran"] is False and plain["error"].startswith("RuntimeError: ")
+    assert "dtype" in plain["error"] and plain["grad_error"] is None
+    assert fixed["ran"] is True and fixed["output"] == "16-bit"
+    assert fixed["grad"] == "float32, float32" and fixed["grad_error"] < L.B7_GRAD_TOLERANCE
+    verdict = L.b7_verdict(plain, fixed)
+    assert verdict.claim == "B7" and verdict.held is False and "custom_fwd" in verdict.why
+    assert "failed in backward" in verdict.measured
+
+
+def test_b7_holds_when_the_unchanged_function_runs_correctly():
+    unchanged = L.custom_function_under_autocast(MatmulCasting, "cpu", torch.bfloat16)
+    assert unchanged["ran"] and unchanged["grad_error"] < L.B7_GRAD_TOLERANCE
+    verdict = L.b7_verdict(unchanged, unchanged)
+    assert verdict.held is True
+    wrong = dict(unchanged, grad_error=0.5)  # ran, but with wrong gradients
+    assert L.b7_verdict(wrong, wrong).held is False
+
+
+def test_custom_function_bad_arguments():
+    with pytest.raises(ValueError, match="function must be a torch.autograd.Function subclass"):
+        L.custom_function_under_autocast(torch.nn.Linear, "cpu")
+    with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
+        L.custom_function_under_autocast(Matmul, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="unchanged must be a custom_function_under_autocast row"):
+        L.b7_verdict({}, {"ran": True})
+
+
+# --- B3: clipping before unscale_ ----------------------------------------------------------------
+
+def test_clip_before_unscale_applies_max_norm_over_scale_and_b3_did_not_hold():
+    rows = L.clip_order_experiment(max_norm=1.0, epochs=1, model="mlp", progress=False)
+    wrong, right = rows
+    assert wrong["threshold_applied"] == pytest.approx(1.0 / wrong["scale"])
+    assert wrong["grad_norm_used"] == pytest.approx(wrong["threshold_applied"], rel=1e-3)
+    assert wrong["true_grad_norm"] > 100 * wrong["grad_norm_used"]
+    assert right["threshold_applied"] == 1.0
+    assert right["grad_norm_used"] <= 1.0 + 1e-6
+    assert right["accuracy_pct"] > wrong["accuracy_pct"]
+    verdict = L.b3_verdict(rows, 1.0)
+    assert verdict.claim == "B3" and verdict.held is False
+    assert "max_norm / scale = 1.53e-05" in verdict.why
+    with pytest.raises(ValueError, match="max_norm must be None or a finite number > 0"):
+        L.ClipBeforeUnscale(-1.0)
+
+
+def test_b3_verdict_follows_the_threshold():
+    row = {"scale": 1.0, "true_grad_norm": 3.0, "threshold_applied": 1.0, "grad_norm_used": 1.0,
+           "accuracy_pct": 90.0}
+    assert L.b3_verdict([row, row], 1.0).held is True  # a scale of 1 clips at the stated norm
+    with pytest.raises(ValueError, match="two rows of clip_order_experiment"):
+        L.b3_verdict([row], 1.0)
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+        L.b3_verdict([row, row], 0)
+
+
+# --- B6: the deprecated import -------------------------------------------------------------------
+
+def _caught(*categories):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for c in categories:
+            warnings.warn(f"`torch.cuda.amp.X` is deprecated ({c.__name__})", c)
+    return caught
+
+
+def test_b6_verdict_from_the_caught_warnings():
+    deprecated = L.b6_verdict(_caught(FutureWarning, UserWarning))
+    assert deprecated.claim == "B6" and deprecated.held is False
+    assert deprecated.numbers["warnings"] == ["`torch.cuda.amp.X` is deprecated (FutureWarning)"]
+    assert "1 deprecation warning(s)" in deprecated.measured
+    assert L.b6_verdict(_caught(UserWarning)).held is True  # "CUDA not available" is no deprecation
+    gone = L.b6_verdict([], ImportError("cannot import name 'GradScaler'"))
+    assert gone.held is False and "import failed" in gone.measured
+    with pytest.raises(ValueError, match="caught must be the list"):
+        L.b6_verdict("FutureWarning")
+
+
+# --- the published claims --------------------------------------------------------------------------
+
+def test_own_verdicts_refuses_other_claims_and_repeats():
+    mine = [claims.decide(c, "02", "m", False, "w") for c in L.DECIDES]
+    assert L.own_verdicts(mine) == mine
+    b1 = L.b1_b2_context([_row("fp32", 1.0, None), _row("fp16", 2.0, None)], [], "cpu")[0]
+    with pytest.raises(ValueError, match="lesson 02's own, for claims B3, B5, B6, B7; got B1"):
+        L.own_verdicts(mine + [b1])
+    with pytest.raises(ValueError, match="each claim once; B3 appears twice"):
+        L.own_verdicts(mine + mine[:1])
+    with pytest.raises(ValueError, match="claims.Verdict objects"):
+        L.own_verdicts([{"claim": "B3", "held": True}])
+
+
+# --- the scheduler and .half() mistakes ----------------------------------------------------------
+
+def test_scheduler_on_skipped_steps():
+    naive, fixed = L.scheduler_on_skipped_steps(steps=12, warmup=40)
+    assert naive["skipped_steps"] == fixed["skipped_steps"] >= 1
+    assert naive["scheduler_steps"] == 12 and fixed["scheduler_steps"] == fixed["optimizer_steps"]
+    assert "before `optimizer.step()`" in naive["warning"] and fixed["warning"] == ""
+    assert naive["lr"] > naive["lr_expected"]  # the warm-up ran ahead
+    assert fixed["lr"] == pytest.approx(fixed["lr_expected"])
+    with pytest.raises(ValueError, match="warmup must be a whole number >= 1"):
+        L.scheduler_on_skipped_steps(warmup=0)
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1"):
+        L.scheduler_on_skipped_steps(steps=0)
+
+
+def test_half_model_errors():
+    out = L.half_model_errors()
+    assert out["torch"] == "ValueError: Attempting to unscale FP16 gradients."
+    assert out["trainer"].startswith("ValueError: model parameters must stay float32")
+
+
+# --- recipes.train_digits, as lesson 02 uses it (engine tests: belong in tests/test_recipes.py) ----
+
 def test_train_digits_checkpoint_and_resume_to_a_total(tmp_path):
     seen = []
-    run = T.train_digits("bf16", epochs=1, checkpoint=tmp_path / "c.pt", on_epoch=seen.append,
-                         **QUICK)
+    run = recipes.train_digits("bf16", epochs=1, checkpoint=tmp_path / "c.pt",
+                               on_epoch=seen.append, **QUICK)
     assert len(seen) == 1 and run.epochs == seen and 0 <= run.accuracy <= 1
-    more = T.train_digits("bf16", epochs=2, resume=tmp_path / "c.pt", **QUICK)
+    more = recipes.train_digits("bf16", epochs=2, resume=tmp_path / "c.pt", **QUICK)
     assert len(more.epochs) == 2 and more.trainer.epoch == 2
-    whole = T.train_digits("bf16", epochs=2, **QUICK)
+    whole = recipes.train_digits("bf16", epochs=2, **QUICK)
     assert more.history.columns()["loss"] == whole.history.columns()["loss"]
     assert more.accuracy == whole.accuracy
     summary = more.summary()
@@ -35,123 +393,24 @@ def test_train_digits_checkpoint_and_resume_to_a_total(tmp_path):
 ])
 def test_train_digits_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        T.train_digits(**{**dict(epochs=1, progress=False), **kwargs})
-
-
-def test_compare_precisions_rows_and_reasons(monkeypatch):
-    real = T.check_precision
-
-    def no_bf16(precision, device=None):
-        if T.normalize_precision(precision) == "bf16":
-            raise ValueError("precision 'bf16' needs a GPU with native bfloat16")
-        return real(precision, device)
-
-    monkeypatch.setattr(T, "check_precision", no_bf16)
-    rows = T.compare_precisions(["fp32", "amp", "bf16"], epochs=1, **QUICK)
-    assert [r["precision"] for r in rows] == ["fp32", "fp16", "bf16"]
-    assert [r["ran"] for r in rows] == [True, True, False]
-    assert "native bfloat16" in rows[2]["reason"] and rows[2]["run"] is None
-    assert all(0 <= r["accuracy_pct"] <= 100 and r["epoch_time_s"] > 0 for r in rows[:2])
-    # the same start: identical first losses up to fp16 rounding
-    first = [r["run"].history[0].loss for r in rows[:2]]
-    assert first[0] == pytest.approx(first[1], rel=1e-2)
-
-
-def test_autocast_dtypes_table_is_device_agnostic_and_settles_b5():
-    torch.manual_seed(0)
-    net, _ = T.build_digits_model("cnn", 4)
-    x, y = next(iter(digits_loaders(8, 16)[0]))
-    before = net.features[0][1].running_mean.clone()
-    texts = []
-    for dtype in (torch.bfloat16, torch.float16):
-        report = T.autocast_dtypes(net, x, y, "cpu", dtype)
-        kinds = {k: d for _, k, d, _ in report.layers}
-        assert kinds["Conv2d"] == kinds["Linear"] == kinds["BatchNorm2d"] == dtype
-        assert report.loss == torch.float32
-        assert report.parameters == report.gradients == {torch.float32}
-        assert all(g == dtype for _, _, _, g in report.layers)
-        texts.append(report.format())
-        verdicts = T.claim_b5_verdicts(report)
-        assert verdicts[0]["verdict"].startswith("did not hold")
-        assert verdicts[1]["verdict"].startswith("partly")
-        assert verdicts[2]["verdict"].startswith("held in effect")
-    assert texts[0] == texts[1]  # fp16 and bf16 print the same table
-    assert "16-bit" in texts[0] and "float32" in texts[0]
-    assert all(p.grad is None for p in net.parameters())
-    assert not torch.equal(before, net.features[0][1].running_mean)  # a real training forward
-    with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
-        T.autocast_dtypes(net, x, y, "cpu", torch.float32)
-
-
-def test_dtype_label():
-    assert T.dtype_label(torch.bfloat16, torch.bfloat16) == "16-bit"
-    assert T.dtype_label(torch.float32, torch.float16) == "float32"
-
-
-def test_clip_before_unscale_applies_max_norm_over_scale():
-    rows = T.clip_order_experiment(max_norm=1.0, epochs=1, model="mlp", progress=False)
-    wrong, right = rows
-    assert wrong["threshold_applied"] == pytest.approx(1.0 / wrong["scale"])
-    assert wrong["grad_norm_used"] == pytest.approx(wrong["threshold_applied"], rel=1e-3)
-    assert wrong["true_grad_norm"] > 100 * wrong["grad_norm_used"]
-    assert right["threshold_applied"] == 1.0
-    assert right["grad_norm_used"] <= 1.0 + 1e-6
-    assert right["accuracy_pct"] > wrong["accuracy_pct"]
-    with pytest.raises(ValueError, match="max_norm must be None or a finite number > 0"):
-        T.ClipBeforeUnscale(-1.0)
-
-
-def test_scheduler_on_skipped_steps():
-    naive, fixed = T.scheduler_on_skipped_steps(steps=12, warmup=40)
-    assert naive["skipped_steps"] == fixed["skipped_steps"] >= 1
-    assert naive["scheduler_steps"] == 12 and fixed["scheduler_steps"] == fixed["optimizer_steps"]
-    assert "before `optimizer.step()`" in naive["warning"] and fixed["warning"] == ""
-    assert naive["lr"] > naive["lr_expected"]  # the warm-up ran ahead
-    assert fixed["lr"] == pytest.approx(fixed["lr_expected"])
-    with pytest.raises(ValueError, match="warmup must be a whole number >= 1"):
-        T.scheduler_on_skipped_steps(warmup=0)
-
-
-def test_half_model_errors():
-    out = T.half_model_errors()
-    assert out["torch"] == "ValueError: Attempting to unscale FP16 gradients."
-    assert out["trainer"].startswith("ValueError: model parameters must stay float32")
-
-
-def _row(p, t, m):
-    return {"precision": p, "ran": True, "epoch_time_s": t, "peak_memory_mib": m}
-
-
-def test_speed_memory_claims_verdicts_follow_the_numbers():
-    held = T.speed_memory_claims([_row("fp32", 2.0, 100.0), _row("fp16", 1.0, 50.0)], True)
-    assert [r["verdict"] for r in held] == ["held"] * 4
-    assert held[2]["measured"] == "100 -> 50 MiB (50% saved)"
-    failed = T.speed_memory_claims([_row("fp32", 1.0, 100.0), _row("fp16", 0.95, 98.0)], False)
-    assert [r["verdict"].split(" (")[0] for r in failed] == ["did not hold"] * 4
-    assert "this device has none" in failed[1]["verdict"]
-    slower = T.speed_memory_claims([_row("fp32", 1.0, 100.0), _row("fp16", 2.0, 150.0)], True)
-    assert slower[0]["measured"] == "50% more" and slower[3]["measured"].endswith("(100% more)")
-    cpu = T.speed_memory_claims([_row("fp32", 1.0, None), _row("fp16", 2.0, None)], False)
-    assert cpu[0]["verdict"].startswith("not measured") and cpu[0]["measured"] == "-"
-    with pytest.raises(ValueError, match="an fp32 and an fp16 row that ran"):
-        T.speed_memory_claims([_row("fp32", 1.0, None)], True)
+        recipes.train_digits(**{**dict(epochs=1, progress=False), **kwargs})
 
 
 def test_digits_run_peak_memory_leaves_out_what_was_allocated_before():
     epochs = [{"time_s": 3.0, "peak_memory_bytes": 5 * 2 ** 20, "test_accuracy": 0.5},
               {"time_s": 1.0, "peak_memory_bytes": 6 * 2 ** 20, "test_accuracy": 0.9},
               {"time_s": 2.0, "peak_memory_bytes": 4 * 2 ** 20, "test_accuracy": 0.95}]
-    run = T.DigitsRun("fp16", "cnn", "cuda:0", epochs, T.History(), None,
-                      baseline_bytes=2 * 2 ** 20)
+    run = recipes.DigitsRun("fp16", "cnn", "cuda:0", epochs, History(), None,
+                            baseline_bytes=2 * 2 ** 20)
     assert run.peak_memory_mib == 4.0
     assert run.epoch_time_s == 1.5  # median without the warm-up epoch
     assert run.accuracy == 0.95
-    empty = T.DigitsRun("fp32", "cnn", "cpu", [], T.History(), None)
+    empty = recipes.DigitsRun("fp32", "cnn", "cpu", [], History(), None)
     assert empty.epoch_time_s is None and empty.accuracy is None and empty.peak_memory_mib is None
 
 
 def test_cosine_schedule_decays_to_zero():
-    run = T.train_digits("fp32", epochs=2, lr_schedule="cosine", **QUICK)
+    run = recipes.train_digits("fp32", epochs=2, lr_schedule="cosine", **QUICK)
     lrs = run.history.columns()["lr"]
     assert lrs[0] == pytest.approx(0.05) and lrs[-1] < 0.01 * lrs[0]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))

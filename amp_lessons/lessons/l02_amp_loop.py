@@ -68,47 +68,22 @@ def compare_precisions(precisions: Sequence[str] = ("fp32", "fp16"), device: Dev
 LOOPS = {"hand": "hand-written (recipe order)", "trainer": "Trainer.train_step"}
 
 
-def busy_time(intervals: Sequence[Tuple[float, float]]) -> float:
-    """Total length covered by ``intervals`` (``(start, end)`` pairs), overlaps counted once:
-    the time a device was busy when its kernels are these intervals."""
-    total, end = 0.0, -math.inf
-    for start, stop in sorted(intervals):
-        if stop < start:
-            raise ValueError(f"intervals must have end >= start; got ({start}, {stop})")
-        if start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total
-
-
-def gpu_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device: Device = None,
-                steps: int = 20) -> Tuple[Optional[float], str]:
-    """GPU busy time per training step, in ms, and a note: the union of every kernel, copy and
-    memset that ``torch.profiler`` recorded on the device over ``steps`` steps (after one untimed
-    step), divided by ``steps``. ``(None, why)`` on a CPU or when the profiler saw no GPU work."""
+def gpu_busy(step: Callable, x: torch.Tensor, y: torch.Tensor, device: Device = None,
+             steps: int = 20) -> Tuple[Optional[float], str]:
+    """GPU busy time per training step in ms (``measure.device_busy_ms``: the union of the
+    kernels, copies and memsets ``torch.profiler`` recorded), and a note on how it was measured
+    or why it was not: ``(None, why)`` on a CPU, or when the profiler failed or saw no GPU work."""
     check_int("steps", steps, 1)
     dev = as_device(device)
     if dev.type != "cuda":
         return None, f"not measured on a {dev.type.upper()}: there is no GPU to sit idle"
-    from torch.profiler import ProfilerActivity, profile  # heavy, and needed on a GPU only
-
-    step(x, y)
-    torch.cuda.synchronize(dev)
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step(x, y)
-            torch.cuda.synchronize(dev)
-        intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = measure.device_busy_ms(step, x, y, dev, steps=steps)
     except Exception as exc:  # noqa: BLE001 - a profiler that cannot run must not stop the lesson
         return None, f"the profiler failed: {type(exc).__name__}: {exc}"[:200]
-    if not intervals:
-        return None, "the profiler recorded no GPU kernels (CUPTI unavailable?)"
-    return busy_time(intervals) / 1e3 / steps, "torch.profiler: union of device kernels"
+    if not busy:
+        return None, "the profiler recorded no GPU work (CUPTI unavailable?)"
+    return busy, f"torch.profiler, union of device kernels over {steps} steps"
 
 
 def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cnn",
@@ -121,7 +96,7 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
     backward, step, update) and ``Trainer.train_step`` with the defaults ``train_digits`` uses,
     sharing one model, optimizer and batch. They run in ``rounds`` interleaved blocks of
     ``steps`` timed steps (order alternating; ``warmup`` untimed steps first), timed with CUDA
-    events on a GPU, ``perf_counter`` on a CPU. Then ``gpu_busy_ms`` profiles each loop.
+    events on a GPU, ``perf_counter`` on a CPU. Then ``gpu_busy`` profiles each loop.
 
     One row per precision and loop: precision, loop, step_ms (median) with q1/q3, gpu_busy_ms,
     gpu_idle (fraction of the step the GPU did nothing; None on a CPU), idle_note,
@@ -159,12 +134,12 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
                     times[name] += t["times_ms"]
                     timer = t["timer"]
             for name, step in loops.items():
-                busy[name] = gpu_busy_ms(step, x, y, dev, profile_steps)
+                busy[name] = gpu_busy(step, x, y, dev, profile_steps)
         hand_ms = statistics.median(times["hand"])
         for name in loops:
             s = measure.summarize_times(times[name], batch_size)
             busy_ms, note = busy[name]
-            idle = None if busy_ms is None else min(1.0, max(0.0, 1 - busy_ms / s["step_ms"]))
+            idle = measure.idle_fraction(busy_ms, s["step_ms"])
             rows.append({"precision": p, "loop": LOOPS[name], "step_ms": s["step_ms"],
                          "step_ms_q1": s["step_ms_q1"], "step_ms_q3": s["step_ms_q3"],
                          "gpu_busy_ms": busy_ms, "gpu_idle": idle, "idle_note": note,
@@ -565,9 +540,9 @@ def b6_verdict(caught: Sequence, import_error: Optional[BaseException] = None) -
 
 # --- the published claims table ------------------------------------------------------------------
 
-def claims_table(verdicts: Sequence[claims.Verdict]) -> List[dict]:
-    """Rows for the claims table lesson 02 publishes: only claims this lesson decides
-    (``DECIDES``), each once; ValueError for anything else."""
+def own_verdicts(verdicts: Sequence[claims.Verdict]) -> List[claims.Verdict]:
+    """The verdicts lesson 02 publishes (``report.publish_verdicts``), checked: only claims this
+    lesson decides (``DECIDES``), each once, from this lesson; ValueError for anything else."""
     seen = set()
     for v in verdicts:
         if not isinstance(v, claims.Verdict):
@@ -578,7 +553,7 @@ def claims_table(verdicts: Sequence[claims.Verdict]) -> List[dict]:
         if v.claim in seen:
             raise ValueError(f"verdicts must hold each claim once; {v.claim} appears twice")
         seen.add(v.claim)
-    return claims.verdict_rows(verdicts)
+    return list(verdicts)
 
 
 # --- the LR scheduler and .half() mistakes ---------------------------------------------------------

@@ -1,17 +1,18 @@
 """Facts about the number formats of mixed precision, and what they do to real values.
 
 Introduced in lesson 01 (``notebooks/01_fp16_ranges_and_underflow.ipynb``), reused by lesson 03.
+Facts only: the lessons set these beside what articles say (``lessons/l01_ranges.py``).
 
 - ``FORMATS`` / ``format_facts()``: fp32, tf32, fp16, bf16, fp8 e4m3fn and e5m2 as IEEE 754 and
   the OCP 8-bit floating point specification define them: exponent and mantissa bits, largest
   finite value, smallest normal and subnormal, machine epsilon, decimal digits.
 - ``round_to`` / ``round_trip`` / ``decode``: a value rounded to a format (round to nearest, ties
   to even), its error, and its bits (sign, exponent, mantissa).
-- ``classify`` / ``scaled_fractions`` / ``underflow_fraction`` / ``scale_sweep``: how many values of
-  a tensor overflow, stay normal, become subnormal or are flushed to zero, at a given loss scale.
+- ``classify`` / ``scaled_counts`` / ``scaled_fractions`` / ``underflow_fraction`` / ``scale_sweep``:
+  how many values of a tensor overflow, stay normal, become subnormal or are flushed to zero, at a
+  given loss scale.
 - ``collect_gradients``: per-layer gradient magnitudes of a short plain fp32 training run.
-- ``measure_limits`` / ``check_range_claim``: the range of a format measured by arithmetic on a
-  device, set beside a claimed range.
+- ``measure_limits``: the range of a format measured by arithmetic on a device.
 
 Rounding here follows the specifications by formula (exact in float64), so it is the same on every
 machine and torch version. Where torch has the dtype, the tests check that torch's own cast agrees
@@ -22,23 +23,21 @@ TF32 has no torch dtype: it is fp32 with the mantissa rounded to 10 bits, which 
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-
+from .tables import percent
 
 __all__ = [
     "FormatInfo", "FORMATS", "FORMAT_NAMES", "get_format", "format_facts", "format_facts_text",
     "round_to", "RoundTrip", "round_trip", "Decoded", "decode", "bits_table_text",
-    "Classification", "classify", "scaled_fractions", "underflow_fraction", "scale_sweep",
-    "gradient_summary", "gradient_summary_text", "collect_gradients",
-    "measure_limits", "RangeClaim", "check_range_claim", "range_claims_text",
-    "accumulate", "KINDS", "band_limits", "SWAMPING_RUNS", "swamping_runs", "swamping_rows",
-    "best_scale_exponent", "scale_report", "autocast_dtypes",
+    "Classification", "classify", "check_scale", "scaled_counts", "scaled_fractions",
+    "underflow_fraction", "scale_sweep", "gradient_summary", "gradient_summary_text",
+    "collect_gradients", "measure_limits", "accumulate", "KINDS", "band_limits", "SWAMPING_RUNS",
+    "swamping_runs", "swamping_rows", "best_scale_exponent", "scale_report",
 ]
 
 # --- the formats ---------------------------------------------------------------------------------
@@ -513,7 +512,8 @@ def classify(values, fmt: Union[str, FormatInfo, torch.dtype] = "fp16") -> Class
                           not_finite)
 
 
-def _check_scale(scale) -> float:
+def check_scale(scale) -> float:
+    """``scale`` as a float; ValueError unless it is a positive finite number."""
     try:
         s = float(scale)
     except (TypeError, ValueError):
@@ -521,6 +521,18 @@ def _check_scale(scale) -> float:
     if not (math.isfinite(s) and s > 0):
         raise ValueError(f"scale must be a positive finite number; got {scale!r}")
     return s
+
+
+def scaled_counts(grads, scale: float = 1.0,
+                  fmt: Union[str, FormatInfo, torch.dtype] = "fp16") -> Dict[str, int]:
+    """What happens to ``grads * scale`` in ``fmt``, as counts: ``nonzero`` (the finite nonzero
+    values), and of them ``underflow`` (= ``flushed`` + ``subnormal``), ``flushed``,
+    ``subnormal``, ``normal`` and ``overflow``. Shown with ``tables.percent(count, nonzero)``, a
+    share never reads as zero while a value is lost."""
+    s = check_scale(scale)
+    c = classify(_flatten(grads) * s, fmt)
+    return {"nonzero": c.nonzero, "underflow": c.flushed + c.subnormal, "flushed": c.flushed,
+            "subnormal": c.subnormal, "normal": c.normal, "overflow": c.overflow}
 
 
 def scaled_fractions(grads, scale: float = 1.0,
@@ -531,7 +543,7 @@ def scaled_fractions(grads, scale: float = 1.0,
     and ``overflow``. A loss scale multiplies every gradient (backward is linear in the loss), so
     this is what a scaled fp16 backward would store.
     """
-    s = _check_scale(scale)
+    s = check_scale(scale)
     c = classify(_flatten(grads) * s, fmt)
     f = c.fractions(of="nonzero")
     return {"underflow": f["flushed"] + f["subnormal"], **f}
@@ -581,7 +593,7 @@ def gradient_summary(grads_by_layer: Mapping[str, TensorLike], scale: float = 1.
     """Per layer (and ``all``): how many values, exact zeros, magnitudes, and the fractions of
     the nonzero ones that ``fmt`` flushes, makes subnormal, keeps normal or overflows."""
     info = get_format(fmt)
-    s = _check_scale(scale)
+    s = check_scale(scale)
     if not grads_by_layer:
         raise ValueError("grads_by_layer must name at least one layer")
     items = list(grads_by_layer.items()) + [("all", list(grads_by_layer.values()))]
@@ -595,19 +607,24 @@ def gradient_summary(grads_by_layer: Mapping[str, TensorLike], scale: float = 1.
                      "min |g|": float(nz.min()) if nz.numel() else math.nan,
                      "median |g|": float(nz.median()) if nz.numel() else math.nan,
                      "max |g|": float(nz.max()) if nz.numel() else math.nan,
-                     "flushed": f["flushed"], "subnormal": f["subnormal"],
+                     "nonzero": c.nonzero, "flushed": f["flushed"], "subnormal": f["subnormal"],
                      "normal": f["normal"], "overflow": f["overflow"]})
     return rows
 
 
 def gradient_summary_text(rows: Sequence[Mapping]) -> str:
-    """``gradient_summary`` rows as fixed-width text (fractions in percent)."""
-    head = ("layer", "values", "zeros", "min |g|", "median |g|", "max |g|", "flushed %",
-            "subnormal %", "normal %", "overflow %")
+    """``gradient_summary`` rows as fixed-width text: shares of the nonzero values in percent
+    (``tables.percent``: a nonzero share never reads as 0; below 0.001% it gives the count)."""
+    head = ("layer", "values", "zeros", "min |g|", "median |g|", "max |g|", "flushed",
+            "subnormal", "normal", "overflow")
+
+    def share(r, key):
+        n = r["nonzero"]
+        return percent(round(r[key] * n), n) if n else "n/a"
+
     body = [(str(r["layer"]), str(r["values"]), str(r["zeros"]), f"{r['min |g|']:.3g}",
-             f"{r['median |g|']:.3g}", f"{r['max |g|']:.3g}", f"{100 * r['flushed']:.3f}",
-             f"{100 * r['subnormal']:.3f}", f"{100 * r['normal']:.3f}",
-             f"{100 * r['overflow']:.3f}") for r in rows]
+             f"{r['median |g|']:.3g}", f"{r['max |g|']:.3g}", share(r, "flushed"),
+             share(r, "subnormal"), share(r, "normal"), share(r, "overflow")) for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     return "\n".join("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in
                                enumerate(zip(line, widths))) for line in (head, *body))
@@ -663,7 +680,7 @@ def collect_gradients(model: torch.nn.Module, loader, steps: int, lr: float = 0.
     return {name: torch.cat(parts).numpy() for name, parts in layers.items()}
 
 
-# --- measured limits and the range claim ---------------------------------------------------------
+# --- measured limits -----------------------------------------------------------------------------
 
 
 def measure_limits(fmt: Union[str, FormatInfo, torch.dtype],
@@ -707,85 +724,6 @@ def measure_limits(fmt: Union[str, FormatInfo, torch.dtype],
         step = step * 0.5
     return {"smallest_positive": smallest_positive, "smallest_normal": smallest_normal,
             "max": float(big)}
-
-
-def _matches(claimed: str, actual: float) -> bool:
-    """Does ``actual`` round to the number written in ``claimed`` (at its written precision)?"""
-    text = claimed.strip().lower()
-    m = re.fullmatch(r"([+-]?)(\d+)(?:\.(\d*))?(?:e([+-]?\d+))?", text)
-    if not m:
-        raise ValueError(f"claimed values must be plain decimal numbers; got {claimed!r}")
-    decimals = len(m.group(3) or "")
-    exponent = int(m.group(4) or 0)
-    unit = 10.0 ** (exponent - decimals)
-    return abs(float(text) - actual) <= unit / 2
-
-
-@dataclass(frozen=True)
-class RangeClaim:
-    """A claimed range of a format beside the range measured on a device, and the verdict."""
-
-    fmt: str
-    claimed_low: str
-    claimed_high: str
-    measured: Dict[str, float] = field(repr=False)
-    low_is: str
-    high_holds: bool
-
-    @property
-    def holds(self) -> bool:
-        """True when both ends match a real limit of the format at the claim's precision."""
-        return self.low_is != "neither" and self.high_holds
-
-    def verdict(self) -> str:
-        """One sentence, computed from the measurement."""
-        m = self.measured
-        low = {"smallest subnormal": f"{self.claimed_low} is the smallest subnormal "
-                                    f"({m['smallest_positive']:.6g}); the smallest normal is "
-                                    f"{m['smallest_normal']:.6g}, below which precision drops",
-               "smallest normal": f"{self.claimed_low} is the smallest normal "
-                                  f"({m['smallest_normal']:.6g}); subnormals reach down to "
-                                  f"{m['smallest_positive']:.6g}",
-               "neither": f"{self.claimed_low} is neither the smallest subnormal "
-                          f"({m['smallest_positive']:.6g}) nor the smallest normal "
-                          f"({m['smallest_normal']:.6g})"}[self.low_is]
-        high = (f"{self.claimed_high} is the largest finite value ({m['max']:.6g})"
-                if self.high_holds else
-                f"{self.claimed_high} is not the largest finite value ({m['max']:.6g})")
-        return f"{'holds' if self.holds else 'does not hold'}: {low}; {high}."
-
-
-def check_range_claim(fmt: Union[str, FormatInfo, torch.dtype], claimed_low: str,
-                      claimed_high: str,
-                      device: Union[str, torch.device, None] = None) -> RangeClaim:
-    """Measure ``fmt``'s limits on ``device`` and say whether "``fmt`` spans ``claimed_low`` to
-    ``claimed_high``" holds, and which lower limit (subnormal or normal) the claim names.
-
-    The claimed values are strings so their written precision counts: ``"5.96e-8"`` matches
-    2**-24 = 5.9605e-08.
-    """
-    info = get_format(fmt)
-    measured = measure_limits(info, device)
-    if _matches(claimed_low, measured["smallest_positive"]):
-        low_is = "smallest subnormal"
-    elif _matches(claimed_low, measured["smallest_normal"]):
-        low_is = "smallest normal"
-    else:
-        low_is = "neither"
-    return RangeClaim(info.name, claimed_low, claimed_high, measured, low_is,
-                      _matches(claimed_high, measured["max"]))
-
-
-def range_claims_text(claims: Sequence[RangeClaim]) -> str:
-    """Claimed versus measured range, one block per format."""
-    lines = []
-    for c in claims:
-        m = c.measured
-        lines += [f"{c.fmt}: claimed {c.claimed_low} to {c.claimed_high}",
-                  f"  measured smallest subnormal {m['smallest_positive']:.6g}, "
-                  f"smallest normal {m['smallest_normal']:.6g}, max {m['max']:.6g}",
-                  f"  {c.verdict()}"]
-    return "\n".join(lines)
 
 
 # --- swamping ------------------------------------------------------------------------------------
@@ -872,24 +810,3 @@ def scale_report(grads_by_layer: Mapping[str, TensorLike], exponents: Sequence[i
             row[f"overflow % at 2^{int(k)}"] = 100 * f["overflow"]
         rows.append(row)
     return rows
-
-
-def autocast_dtypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device_type: str,
-                    dtype: torch.dtype) -> Dict[str, torch.dtype]:
-    """One forward under ``torch.autocast(device_type, dtype)`` and a backward: the dtypes of the
-    logits, the loss (cross-entropy), the gradient that flows back into the logits, and a
-    parameter's ``.grad`` (claim B5 of lesson 01/02)."""
-    seen: Dict[str, torch.dtype] = {}
-
-    def hook(grad):
-        seen["grad of logits"] = grad.dtype
-
-    model.zero_grad(set_to_none=True)
-    with torch.autocast(device_type=device_type, dtype=dtype):
-        logits = model(x)
-        logits.register_hook(hook)
-        loss = torch.nn.functional.cross_entropy(logits, y)
-    loss.backward()
-    param = next(p for p in model.parameters() if p.grad is not None)
-    return {"logits": logits.dtype, "loss": loss.dtype, "grad of logits": seen["grad of logits"],
-            "parameter .grad": param.grad.dtype, "parameter": param.dtype}

@@ -2,12 +2,38 @@
 
 Every figure has a title, axis titles with units, and a legend where there is more than one
 trace; ``widgets.py`` wraps these in live panels. Each function names the lesson that uses it.
+Shares shown in titles come from ``tables.percent``: a nonzero count never reads as 0%.
 """
 from __future__ import annotations
 
+import html
+import math
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .. import formats
+from ..tables import percent
 
 TEMPLATE = "plotly_white"
+
+
+def pow2_text(value: float, html: bool = False) -> str:
+    """``65536`` as ``2^16 = 65,536`` (``2<sup>16</sup> = 65,536`` with ``html``), other positive
+    values as ``2^15.29 = 40,000``; ``0`` as ``0 (underflowed)``: a loss scale halved past the
+    smallest float is zero, and must not read as "not measured"."""
+    if value is None:
+        return "n/a"
+    if value == 0:
+        return "0 (underflowed)"
+    if not math.isfinite(value) or value < 0:
+        return str(value)
+    k = math.log2(value)
+    exp = f"{k:.0f}" if abs(k - round(k)) < 1e-9 else f"{k:.2f}"
+    shown = f"{value:,.0f}" if value >= 1 and value == int(value) else f"{value:.6g}"
+    return f"2<sup>{exp}</sup> = {shown}" if html else f"2^{exp} = {shown}"
 
 
 def styled(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 420) -> go.Figure:
@@ -25,41 +51,50 @@ def styled(fig: go.Figure, title: str, x_title: str, y_title: str, height: int =
 # ---------------------------------------------------------------------------------------------
 # Lesson 03: loss-scale dynamics (scale per step with skipped steps marked, loss, presets)
 # ---------------------------------------------------------------------------------------------
-import math as _math
-from typing import Mapping as _Mapping, Sequence as _Sequence
-
 SKIPPED_COLOR = "#d62728"
 SCALE_AXIS_TITLE = "loss scale (log2 axis: 2<sup>k</sup>)"
 STEP_AXIS_TITLE = "optimizer step (count)"
 LOSS_AXIS_TITLE = "training loss (cross-entropy, nats)"
 
 
-def _log2(values: _Sequence[float]) -> list:
-    return [_math.log2(v) if v and v > 0 and _math.isfinite(v) else None for v in values]
+def _log2(values: Sequence[float]) -> list:
+    return [math.log2(v) if v and v > 0 and math.isfinite(v) else None for v in values]
 
 
 def _skipped_points(steps, scales, skipped):
-    pts = [(s, _math.log2(v), v) for s, v, k in zip(steps, scales, skipped)
-           if k and v and v > 0 and _math.isfinite(v)]
+    pts = [(s, math.log2(v), v) for s, v, k in zip(steps, scales, skipped)
+           if k and v and v > 0 and math.isfinite(v)]
     return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
 
 
-def set_scale_ticks(fig: go.Figure, scales: _Sequence[float], row: int = 1) -> go.Figure:
+MAX_SCALE_TICKS = 8
+
+
+def set_scale_ticks(fig: go.Figure, scales: Sequence[float], row: int = 1) -> go.Figure:
     """Lesson 03: integer-power-of-two ticks (``2^k``) on a scale axis that plots log2 values.
 
-    The tick step grows with the range so the labels never crowd; widgets call this after each
-    live update because the range changes as a run goes on.
+    The tick step (a power of two) grows with the range so that at most ``MAX_SCALE_TICKS``
+    labels show, however far the scale fell (an overflow on every step takes it from 2^24 to
+    2^-149 and then to 0); widgets call this after each live update as the range changes.
     """
     logs = [v for v in _log2(scales) if v is not None]
-    span = (max(logs) - min(logs)) if logs else 0.0
-    dtick = 1 if span <= 10 else 2 if span <= 20 else 4 if span <= 40 else 8
+    set_log2_ticks(fig, (min(logs), max(logs)) if logs else (0.0, 0.0), row)
+    return fig
+
+
+def set_log2_ticks(fig: go.Figure, log2_range: tuple, row: int = 1) -> go.Figure:
+    """Ticks ``2^k`` on the scale axis of ``row`` for log2 values spanning ``log2_range``."""
+    span = max(log2_range[1] - log2_range[0], 0.0)
+    dtick = 1
+    while span / dtick > MAX_SCALE_TICKS:
+        dtick *= 2
     fig.update_yaxes(tickmode="linear", tick0=0, dtick=dtick, tickprefix="2<sup>",
                      ticksuffix="</sup>", row=row, col=1)
     return fig
 
 
-def scale_and_loss(steps: _Sequence[int], scales: _Sequence[float], skipped: _Sequence[bool],
-                   losses: _Sequence[float],
+def scale_and_loss(steps: Sequence[int], scales: Sequence[float], skipped: Sequence[bool],
+                   losses: Sequence[float],
                    title: str = "Loss scale and loss per step") -> go.Figure:
     """Lesson 03: the loss scale per step (top, log2 axis) with skipped steps marked, and the loss.
 
@@ -71,8 +106,6 @@ def scale_and_loss(steps: _Sequence[int], scales: _Sequence[float], skipped: _Se
     if not (len(scales) == len(skipped) == len(losses) == n):
         raise ValueError("steps, scales, skipped and losses must have the same length; got "
                          f"{n}, {len(scales)}, {len(skipped)}, {len(losses)}")
-    from plotly.subplots import make_subplots
-
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
                         row_heights=[0.6, 0.4])
     fig.add_trace(go.Scatter(x=list(steps), y=_log2(scales), customdata=list(scales),
@@ -95,10 +128,9 @@ def scale_and_loss(steps: _Sequence[int], scales: _Sequence[float], skipped: _Se
 
 
 def update_scale_and_loss(fig, steps, scales, skipped, losses) -> None:
-    """Lesson 03: put new data into a figure made by ``scale_and_loss`` (a FigureWidget or not).
-
-    Call it inside ``FigureWidget.batch_update()`` so the browser redraws once.
-    """
+    """Lesson 03: put new data into a figure made by ``scale_and_loss`` (a FigureWidget or not),
+    replacing what it showed. Call it inside ``FigureWidget.batch_update()`` so the browser
+    redraws once."""
     sx, sy, sv = _skipped_points(steps, scales, skipped)
     fig.data[0].update(x=list(steps), y=_log2(scales), customdata=list(scales))
     fig.data[1].update(x=sx, y=sy, customdata=sv)
@@ -106,10 +138,56 @@ def update_scale_and_loss(fig, steps, scales, skipped, losses) -> None:
     set_scale_ticks(fig, scales)
 
 
+class ScaleSeries:
+    """The points a live ``scale_and_loss`` figure shows, kept on the Python side so a panel
+    appends each new step once (linear cost) and hands the figure whole columns only when it
+    redraws, however long the run. ``extend`` adds steps; ``apply(fig)`` puts them in ``fig``."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every point."""
+        self.steps, self.log2, self.scales, self.losses = [], [], [], []
+        self.skip_x, self.skip_y, self.skip_v = [], [], []
+        self.low = self.high = None
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def extend(self, steps, scales, skipped, losses) -> None:
+        """Append steps (equal-length sequences); raises ValueError when they differ in length."""
+        if not (len(steps) == len(scales) == len(skipped) == len(losses)):
+            raise ValueError("steps, scales, skipped and losses must have the same length")
+        logs = _log2(scales)
+        self.steps += list(steps)
+        self.scales += list(scales)
+        self.log2 += logs
+        self.losses += list(losses)
+        sx, sy, sv = _skipped_points(steps, scales, skipped)
+        self.skip_x += sx
+        self.skip_y += sy
+        self.skip_v += sv
+        finite = [v for v in logs if v is not None]
+        if finite:
+            lo, hi = min(finite), max(finite)
+            self.low = lo if self.low is None else min(self.low, lo)
+            self.high = hi if self.high is None else max(self.high, hi)
+
+    def apply(self, fig) -> None:
+        """Show every point so far in ``fig`` (a ``scale_and_loss`` figure or FigureWidget);
+        call it inside ``FigureWidget.batch_update()``."""
+        fig.data[0].update(x=self.steps, y=self.log2, customdata=self.scales)
+        fig.data[1].update(x=self.skip_x, y=self.skip_y, customdata=self.skip_v)
+        fig.data[2].update(x=self.steps, y=self.losses)
+        span = (self.low, self.high) if self.low is not None else (0.0, 0.0)
+        set_log2_ticks(fig, span)
+
+
 _PRESET_COLORS = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 
 
-def preset_comparison(runs: _Mapping[str, _Mapping[str, _Sequence]],
+def preset_comparison(runs: Mapping[str, Mapping[str, Sequence]],
                       title: str = "GradScaler presets on the same run") -> go.Figure:
     """Lesson 03: several scaler settings trained on the same seed and data, plotted together.
 
@@ -120,8 +198,6 @@ def preset_comparison(runs: _Mapping[str, _Mapping[str, _Sequence]],
     """
     if not runs:
         raise ValueError("runs must name at least one preset")
-    from plotly.subplots import make_subplots
-
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
                         row_heights=[0.6, 0.4])
     all_scales = []
@@ -161,12 +237,6 @@ def preset_comparison(runs: _Mapping[str, _Mapping[str, _Sequence]],
 # Lesson 01: number formats (ranges on a number line, gradient magnitudes against fp16's bands,
 # swamping, loss-scale sweep, bit layouts)
 # ---------------------------------------------------------------------------------------------
-import html as _l01_html
-import math as _l01_math
-from typing import Mapping as _L01Mapping, Optional as _L01Optional, Sequence as _L01Sequence
-
-import numpy as _l01_np
-
 BAND_COLORS = {"flushed": "#d62728", "subnormal": "#ff7f0e", "normal": "#2ca02c",
                "overflow": "#7f0000"}
 BIT_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
@@ -175,7 +245,7 @@ GRADIENT_AXIS_TITLE = "|gradient| × loss scale (log2 axis: bin k holds 2<sup>k<
 GRADIENT_COUNT_TITLE = "gradient values per bin (count)"
 
 
-def format_ranges(names: _L01Optional[_L01Sequence[str]] = None,
+def format_ranges(names: Optional[Sequence[str]] = None,
                   title: str = "What each format can hold: subnormal and normal ranges") -> go.Figure:
     """Lesson 01: a number line of each format's bands on a log axis.
 
@@ -183,9 +253,7 @@ def format_ranges(names: _L01Optional[_L01Sequence[str]] = None,
     range (smallest normal to max). Traces: ``subnormal range``, ``normal range``, ``limits``
     (markers with the exact values on hover). Unknown names raise ``ValueError``.
     """
-    from .. import formats as _formats
-
-    infos = [_formats.get_format(n) for n in (names or _formats.FORMAT_NAMES)]
+    infos = [formats.get_format(n) for n in (names or formats.FORMAT_NAMES)]
     sub_x, sub_y, norm_x, norm_y = [], [], [], []
     lim_x, lim_y, lim_text = [], [], []
     for f in infos:
@@ -208,7 +276,7 @@ def format_ranges(names: _L01Optional[_L01Sequence[str]] = None,
                              marker=dict(symbol="line-ns-open", size=22, color="black"),
                              text=lim_text, hovertemplate="%{text}<extra></extra>"))
     for f in infos:
-        fig.add_annotation(x=_l01_math.log10(f.max), y=f.name, text=f" max {f.max:.0f}" if f.max < 1e6 else f" max {f.max:.4g}",
+        fig.add_annotation(x=math.log10(f.max), y=f.name, text=f" max {f.max:.0f}" if f.max < 1e6 else f" max {f.max:.4g}",
                            xanchor="left", showarrow=False, font=dict(size=11))
     styled(fig, title, MAGNITUDE_AXIS_TITLE, "format", height=120 + 55 * len(infos))
     fig.update_xaxes(type="log", exponentformat="power", dtick=10)
@@ -216,66 +284,73 @@ def format_ranges(names: _L01Optional[_L01Sequence[str]] = None,
     return fig
 
 
-def _l01_scale_label(scale: float) -> str:
-    m, e = _l01_math.frexp(scale)
+def _scale_label(scale: float) -> str:
+    m, e = math.frexp(scale)
     return f"2^{e - 1}" if m == 0.5 else f"{scale:g}"
 
 
-def _l01_log2_bins(values, scale: float):
+def _log2_bins(values, scale: float):
     """Nonzero finite magnitudes of ``values`` times ``scale`` as integer log2 bins, and the zeros."""
-    import torch as _torch
-
-    if isinstance(values, _torch.Tensor):
+    if hasattr(values, "detach"):  # a torch tensor
         values = values.detach().float().cpu().numpy()
-    a = _l01_np.abs(_l01_np.asarray(values, dtype=_l01_np.float64).reshape(-1)) * scale
-    finite = _l01_np.isfinite(a)
-    zeros = int(_l01_np.sum(finite & (a == 0)))
+    a = np.abs(np.asarray(values, dtype=np.float64).reshape(-1)) * scale
+    finite = np.isfinite(a)
+    zeros = int(np.sum(finite & (a == 0)))
     a = a[finite & (a > 0)]
-    return _l01_np.floor(_l01_np.log2(a)).astype(_l01_np.int64), zeros
+    return np.floor(np.log2(a)).astype(np.int64), zeros
 
 
-def gradient_histogram_range(magnitudes_by_layer, scales: _L01Sequence[float] = (1.0,),
+def gradient_histogram_range(magnitudes_by_layer, scales: Sequence[float] = (1.0,),
                              fmt: str = "fp16") -> tuple:
     """Lesson 01/03: an x range (log2 units) that shows the data at every scale in ``scales`` and
     the format's bands; widgets fix it so the bars move, not the axis."""
-    from .. import formats as _formats
-
-    limits = _formats.band_limits(fmt)
-    lo = _l01_math.log2(limits["flushed_max"]) - 3
-    hi = _l01_math.log2(limits["overflow_from"]) + 3
+    limits = formats.band_limits(fmt)
+    lo = math.log2(limits["flushed_max"]) - 3
+    hi = math.log2(limits["overflow_from"]) + 3
     for s in scales:
         for values in magnitudes_by_layer.values():
-            bins, _ = _l01_log2_bins(values, float(s))
+            bins, _ = _log2_bins(values, float(s))
             if bins.size:
                 lo, hi = min(lo, int(bins.min())), max(hi, int(bins.max()) + 1)
-    return (float(_l01_math.floor(lo)), float(_l01_math.ceil(hi)))
+    return (float(math.floor(lo)), float(math.ceil(hi)))
 
 
-def _l01_histogram_data(magnitudes_by_layer, scale, x_range):
-    lo, hi = int(_l01_math.floor(x_range[0])), int(_l01_math.ceil(x_range[1]))
-    edges = _l01_np.arange(lo, hi + 1)
+def _histogram_data(magnitudes_by_layer, scale, x_range):
+    lo, hi = int(math.floor(x_range[0])), int(math.ceil(x_range[1]))
+    edges = np.arange(lo, hi + 1)
     out = {}
     for name, values in magnitudes_by_layer.items():
-        bins, zeros = _l01_log2_bins(values, scale)
-        bins = _l01_np.clip(bins, lo, hi - 1)  # out-of-range values land in the end bins
-        counts = _l01_np.bincount(bins - lo, minlength=hi - lo)[: hi - lo]
+        bins, zeros = _log2_bins(values, scale)
+        bins = np.clip(bins, lo, hi - 1)  # out-of-range values land in the end bins
+        counts = np.bincount(bins - lo, minlength=hi - lo)[: hi - lo]
         out[name] = (edges[:-1] + 0.5, counts, zeros)
     return out
 
 
-def _l01_histogram_title(magnitudes_by_layer, scale, fmt) -> str:
-    from .. import formats as _formats
+def lost_shares(magnitudes_by_layer: Mapping[str, object], scale: float,
+                fmt: str = "fp16") -> dict:
+    """The shares of the nonzero gradient values that ``fmt`` flushes to zero, makes subnormal,
+    keeps normal and overflows at ``scale``, as text from ``tables.percent`` (a nonzero count
+    never reads as 0%; below 0.001% the count is given), plus ``nonzero``: how many there are.
+    The histogram's title and the loss-scale explorer's summary both show these."""
+    c = formats.scaled_counts(list(magnitudes_by_layer.values()), scale, fmt)
+    n = c["nonzero"]
+    out = {k: (percent(c[k], n) if n else "n/a")
+           for k in ("flushed", "subnormal", "normal", "overflow", "underflow")}
+    out["nonzero"] = n
+    return out
 
-    f = _formats.scaled_fractions(list(magnitudes_by_layer.values()), scale, fmt)
-    pct = {k: f"{100 * v:.3g}%" for k, v in f.items()}
-    return (f"|gradient| × {_l01_scale_label(scale)} in {_formats.get_format(fmt).name}: "
+
+def _histogram_title(magnitudes_by_layer, scale, fmt) -> str:
+    pct = lost_shares(magnitudes_by_layer, scale, fmt)
+    return (f"|gradient| × {_scale_label(scale)} in {formats.get_format(fmt).name}: "
             f"{pct['flushed']} flushed to zero, {pct['subnormal']} subnormal, "
             f"{pct['overflow']} overflow")
 
 
-def gradient_histogram(magnitudes_by_layer: _L01Mapping[str, object], scale: float = 1.0,
-                       fmt: str = "fp16", x_range: _L01Optional[tuple] = None,
-                       title: _L01Optional[str] = None, log_y: bool = False) -> go.Figure:
+def gradient_histogram(magnitudes_by_layer: Mapping[str, object], scale: float = 1.0,
+                       fmt: str = "fp16", x_range: Optional[tuple] = None,
+                       title: Optional[str] = None, log_y: bool = False) -> go.Figure:
     """Lesson 01 (and lesson 03's widget): gradient magnitudes in log2 bins, one stacked bar
     trace per layer, over the format's shaded bands: flushed to zero, subnormal, normal,
     overflow.
@@ -288,23 +363,21 @@ def gradient_histogram(magnitudes_by_layer: _L01Mapping[str, object], scale: flo
     stay the totals). The title gives the exact fractions (``formats.scaled_fractions``).
     Raises ``ValueError`` for an empty mapping, a bad scale or an unknown format.
     """
-    from .. import formats as _formats
-
     if not magnitudes_by_layer:
         raise ValueError("magnitudes_by_layer must name at least one layer")
-    scale = _formats._check_scale(scale)
-    info = _formats.get_format(fmt)
+    scale = formats.check_scale(scale)
+    info = formats.get_format(fmt)
     if x_range is None:
         x_range = gradient_histogram_range(magnitudes_by_layer, (scale,), info.name)
-    data = _l01_histogram_data(magnitudes_by_layer, scale, x_range)
+    data = _histogram_data(magnitudes_by_layer, scale, x_range)
     fig = go.Figure()
     for name, (centers, counts, zeros) in data.items():
         fig.add_trace(go.Bar(x=centers, y=counts, width=1.0, name=f"{name} ({zeros} exact zeros)",
                              customdata=centers - 0.5,
                              hovertemplate=f"{name}<br>2^%{{customdata}} ≤ |g|×scale < "
                                            f"2^(%{{customdata}}+1)<br>%{{y}} values<extra></extra>"))
-    limits = _formats.band_limits(info)
-    lg = _l01_math.log2
+    limits = formats.band_limits(info)
+    lg = math.log2
     bands = [("flushed", x_range[0], lg(limits["flushed_max"])),
              ("subnormal", lg(limits["flushed_max"]), lg(limits["smallest_normal"])),
              ("normal", lg(limits["smallest_normal"]), lg(limits["overflow_from"])),
@@ -319,7 +392,7 @@ def gradient_histogram(magnitudes_by_layer: _L01Mapping[str, object], scale: flo
         fig.add_annotation(x=(x0 + x1) / 2, y=1.0, xref="x", yref="paper", yanchor="bottom",
                            text=f"{info.name} {labels[band]}", showarrow=False,
                            font=dict(size=10, color=BAND_COLORS[band]))
-    styled(fig, title or _l01_histogram_title(magnitudes_by_layer, scale, info.name),
+    styled(fig, title or _histogram_title(magnitudes_by_layer, scale, info.name),
            GRADIENT_AXIS_TITLE, GRADIENT_COUNT_TITLE, height=460)
     fig.update_layout(barmode="stack", bargap=0, margin=dict(t=110),
                       legend=dict(y=-0.25, yanchor="top", x=0, xanchor="left"))
@@ -331,27 +404,25 @@ def gradient_histogram(magnitudes_by_layer: _L01Mapping[str, object], scale: flo
     return fig
 
 
-def update_gradient_histogram(fig, magnitudes_by_layer: _L01Mapping[str, object],
+def update_gradient_histogram(fig, magnitudes_by_layer: Mapping[str, object],
                               scale: float = 1.0, fmt: str = "fp16") -> None:
     """Lesson 01/03: move a ``gradient_histogram`` figure (FigureWidget or not) to a new scale in
     place: new bar heights and title, the same axis range and bands. Call it inside
     ``FigureWidget.batch_update()`` so the browser redraws once."""
-    from .. import formats as _formats
-
-    scale = _formats._check_scale(scale)
+    scale = formats.check_scale(scale)
     x_range = tuple(fig.layout.xaxis.range)
-    data = _l01_histogram_data(magnitudes_by_layer, scale, x_range)
+    data = _histogram_data(magnitudes_by_layer, scale, x_range)
     if len(data) != len(fig.data):
         raise ValueError(f"figure has {len(fig.data)} layer traces; got {len(data)} layers")
     for trace, (name, (centers, counts, zeros)) in zip(fig.data, data.items()):
         trace.update(x=centers, y=counts, customdata=centers - 0.5,
                      name=f"{name} ({zeros} exact zeros)")
-    fig.layout.title.text = _l01_histogram_title(magnitudes_by_layer, scale, fmt)
+    fig.layout.title.text = _histogram_title(magnitudes_by_layer, scale, fmt)
 
 
-def scale_sweep_figure(rows: _L01Sequence[_L01Mapping], fmt: str = "fp16",
-                       marks: _L01Optional[_L01Mapping[str, int]] = None,
-                       title: _L01Optional[str] = None) -> go.Figure:
+def scale_sweep_figure(rows: Sequence[Mapping], fmt: str = "fp16",
+                       marks: Optional[Mapping[str, int]] = None,
+                       title: Optional[str] = None) -> go.Figure:
     """Lesson 01: what a loss scale 2^k does to gradients in a format, from ``formats.scale_sweep``
     rows: the percent of nonzero values that underflow (flushed + subnormal), that are flushed,
     and that overflow, against k. ``marks`` draws labelled vertical lines at chosen k."""
@@ -364,7 +435,7 @@ def scale_sweep_figure(rows: _L01Sequence[_L01Mapping], fmt: str = "fp16",
                               ("overflow", "overflow", BAND_COLORS["overflow"])):
         fig.add_trace(go.Scatter(x=ks, y=[100 * r[key] for r in rows], mode="lines+markers",
                                  name=label, line=dict(color=color),
-                                 hovertemplate=f"scale 2^%{{x}}<br>{label}: %{{y:.4f}}%<extra></extra>"))
+                                 hovertemplate=f"scale 2^%{{x}}<br>{label}: %{{y:.3g}}%<extra></extra>"))
     for i, (label, k) in enumerate((marks or {}).items()):
         fig.add_vline(x=k, line=dict(color="gray", dash="dash"))
         # labels stacked downwards so that marks a step apart stay readable
@@ -378,17 +449,17 @@ def scale_sweep_figure(rows: _L01Sequence[_L01Mapping], fmt: str = "fp16",
     return fig
 
 
-def _l01_thin(ys, max_points: int):
+def _thin(ys, max_points: int):
     """Every n-th point (the last one kept) so a saved figure stays small."""
-    ys = _l01_np.asarray(ys, dtype=_l01_np.float64)
-    idx = _l01_np.arange(len(ys))
+    ys = np.asarray(ys, dtype=np.float64)
+    idx = np.arange(len(ys))
     if len(ys) > max_points:
-        idx = _l01_np.unique(_l01_np.append(idx[:: -(-len(ys) // max_points)], len(ys) - 1))
+        idx = np.unique(np.append(idx[:: -(-len(ys) // max_points)], len(ys) - 1))
     return idx, ys[idx]
 
 
-def accumulation_figure(trajectories: _L01Mapping[str, _L01Sequence[float]],
-                        exact: _L01Optional[_L01Sequence[float]] = None,
+def accumulation_figure(trajectories: Mapping[str, Sequence[float]],
+                        exact: Optional[Sequence[float]] = None,
                         title: str = "Adding the same small update again and again",
                         max_points: int = 1000) -> go.Figure:
     """Lesson 01: running values of repeated additions (``formats.accumulate``), one line per
@@ -400,22 +471,22 @@ def accumulation_figure(trajectories: _L01Mapping[str, _L01Sequence[float]],
         raise ValueError(f"max_points must be an integer >= 2; got {max_points!r}")
     fig = go.Figure()
     for name, ys in trajectories.items():
-        x, y = _l01_thin(ys, max_points)
+        x, y = _thin(ys, max_points)
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=name))
     if exact is not None:
-        x, y = _l01_thin(exact, max_points)
+        x, y = _thin(exact, max_points)
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name="exact",
                                  line=dict(color="black", dash="dash", width=1)))
     return styled(fig, title, "additions (count)", "running value (dimensionless)")
 
 
-def bit_layout_html(decoded: _L01Sequence[object], caption: str = "") -> str:
+def bit_layout_html(decoded: Sequence[object], caption: str = "") -> str:
     """Lesson 01: an HTML table of ``formats.decode`` results, one row per format: coloured bit
     boxes (sign, exponent, mantissa), hex, unbiased exponent, stored value, kind, relative
     error."""
     if not decoded:
         raise ValueError("decoded must hold at least one formats.Decoded")
-    esc = _l01_html.escape
+    esc = html.escape
 
     def boxes(bits: str, part: str) -> str:
         return "".join(f'<span title="{part}" style="display:inline-block;width:0.95em;'
@@ -425,7 +496,7 @@ def bit_layout_html(decoded: _L01Sequence[object], caption: str = "") -> str:
     rows = []
     for d in decoded:
         rel = d.rel_error
-        rel_text = "n/a" if _l01_math.isnan(rel) else f"{rel:.3g}"
+        rel_text = "n/a" if math.isnan(rel) else f"{rel:.3g}"
         note = " (overflow)" if d.overflow else ""
         rows.append(
             "<tr>"
@@ -446,26 +517,22 @@ def bit_layout_html(decoded: _L01Sequence[object], caption: str = "") -> str:
 # ---------------------------------------------------------------------------------------------
 # Lesson 02 (the basic AMP loop): FP32 vs AMP side by side, and training curves.
 # ---------------------------------------------------------------------------------------------
-from typing import Mapping as _L02Mapping, Sequence as _L02Sequence
-
-_L02_PANELS = (("epoch_time_s", "time per epoch (s)", "{:.3g} s"),
+_PRECISION_PANELS = (("epoch_time_s", "time per epoch (s)", "{:.3g} s"),
                ("peak_memory_mib", "peak memory (MiB)", "{:.1f} MiB"),
                ("accuracy_pct", "test accuracy (%)", "{:.1f}%"))
 
 
-def precision_comparison(rows: _L02Sequence[_L02Mapping], title: str = "FP32 vs AMP on digits"):
+def precision_comparison(rows: Sequence[Mapping], title: str = "FP32 vs AMP on digits"):
     """Lesson 02: three bar panels per precision (time per epoch in s, peak memory in MiB, test
     accuracy in %) from ``trainer.compare_precisions`` rows. Rows that did not run, and memory a
     CPU cannot count, are left out and named in the subtitle."""
-    from plotly.subplots import make_subplots
-
     ran = [r for r in rows if r.get("ran")]
     if not ran:
         raise ValueError("rows must hold at least one precision that ran")
-    fig = make_subplots(rows=1, cols=3, subplot_titles=[p[1] for p in _L02_PANELS],
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[p[1] for p in _PRECISION_PANELS],
                         horizontal_spacing=0.09)
     notes = [f"{r['precision']} not run here" for r in rows if not r.get("ran")]
-    for col, (key, label, fmt) in enumerate(_L02_PANELS, start=1):
+    for col, (key, label, fmt) in enumerate(_PRECISION_PANELS, start=1):
         shown = [r for r in ran if r.get(key) is not None]
         if not shown:
             notes.append(f"{label.split(' (')[0]} not measured on this device")
@@ -481,12 +548,12 @@ def precision_comparison(rows: _L02Sequence[_L02Mapping], title: str = "FP32 vs 
     if notes:
         title = f"{title}<br><sup>{'; '.join(notes)}</sup>"
     styled(fig, title, "precision", "time per epoch (s)")
-    for col, (_, label, _) in enumerate(_L02_PANELS, start=1):  # styled set one title on all
+    for col, (_, label, _) in enumerate(_PRECISION_PANELS, start=1):  # styled set one title on all
         fig.update_yaxes(title_text=label, rangemode="tozero", row=1, col=col)
     return fig
 
 
-def loss_curves(curves: _L02Mapping[str, _L02Mapping[str, _L02Sequence]],
+def loss_curves(curves: Mapping[str, Mapping[str, Sequence]],
                 title: str = "Training loss per optimizer step"):
     """Lesson 02: one line per run, ``{label: {"step": [...], "loss": [...]}}`` (e.g. a
     History's ``columns()``); the loss is unitless cross-entropy (nats)."""

@@ -1,0 +1,151 @@
+"""Lesson 01 (``notebooks/01_fp16_ranges_and_underflow.ipynb``): number ranges, measured.
+
+The lesson's own experiments, built on ``amp_lessons.formats``:
+
+- ``check_range`` / ``range_checks_text`` / ``decide_r1``: claim R1 (FP16 spans 5.96e-8 to
+  65504, FP32 1.4e-45 to 3.4e38) against the limits measured by arithmetic on this device
+  (``formats.measure_limits``); the verdict is a ``claims.Verdict``.
+- ``dtypes_under_autocast``: the dtypes one forward and backward under autocast gives the logits,
+  the loss and the gradients. Lesson 01 shows them; claim B5 is decided in lesson 02.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Sequence, Union
+
+import torch
+
+from .. import claims, formats
+
+LESSON = "01"
+DECIDES = ("R1",)
+
+#: Claim R1 as the article writes it: format -> (lowest, highest) magnitude, as written.
+R1_CLAIMED = {"fp16": ("5.96e-8", "65504"), "fp32": ("1.4e-45", "3.4e38")}
+
+
+def matches_written(claimed: str, actual: float) -> bool:
+    """Does ``actual`` round to the number written in ``claimed``, at its written precision?
+    (``"5.96e-8"`` matches 2**-24 = 5.9605e-08.) ValueError for anything but a plain decimal."""
+    text = str(claimed).strip().lower()
+    m = re.fullmatch(r"([+-]?)(\d+)(?:\.(\d*))?(?:e([+-]?\d+))?", text)
+    if not m:
+        raise ValueError(f"claimed values must be plain decimal numbers such as 5.96e-8; "
+                         f"got {claimed!r}")
+    decimals = len(m.group(3) or "")
+    exponent = int(m.group(4) or 0)
+    unit = 10.0 ** (exponent - decimals)
+    return abs(float(text) - actual) <= unit / 2
+
+
+@dataclass(frozen=True)
+class RangeCheck:
+    """A claimed range of a format beside the range measured on a device.
+
+    ``low_is`` says which real limit the claimed low end is: ``"smallest subnormal"``,
+    ``"smallest normal"`` or ``"neither"``; ``high_holds`` whether the high end is the largest
+    finite value.
+    """
+
+    fmt: str
+    claimed_low: str
+    claimed_high: str
+    measured: Dict[str, float] = field(repr=False)
+    low_is: str
+    high_holds: bool
+
+    @property
+    def holds(self) -> bool:
+        """True when both ends match a real limit of the format at the claim's precision."""
+        return self.low_is != "neither" and self.high_holds
+
+    def sentence(self) -> str:
+        """One sentence, computed from the measurement."""
+        m = self.measured
+        low = {"smallest subnormal": f"{self.claimed_low} is the smallest subnormal "
+                                     f"({m['smallest_positive']:.6g}); the smallest normal is "
+                                     f"{m['smallest_normal']:.6g}, below which precision drops",
+               "smallest normal": f"{self.claimed_low} is the smallest normal "
+                                  f"({m['smallest_normal']:.6g}); subnormals reach down to "
+                                  f"{m['smallest_positive']:.6g}",
+               "neither": f"{self.claimed_low} is neither the smallest subnormal "
+                          f"({m['smallest_positive']:.6g}) nor the smallest normal "
+                          f"({m['smallest_normal']:.6g})"}[self.low_is]
+        high = (f"{self.claimed_high} is the largest finite value ({m['max']:.6g})"
+                if self.high_holds else
+                f"{self.claimed_high} is not the largest finite value ({m['max']:.6g})")
+        return f"{'holds' if self.holds else 'does not hold'}: {low}; {high}."
+
+
+def check_range(fmt: str, claimed_low: str, claimed_high: str,
+                device: Union[str, torch.device, None] = None) -> RangeCheck:
+    """Measure ``fmt``'s limits on ``device`` (``formats.measure_limits``) and set "``fmt`` spans
+    ``claimed_low`` to ``claimed_high``" beside them. The claimed values are strings so their
+    written precision counts."""
+    info = formats.get_format(fmt)
+    measured = formats.measure_limits(info, device)
+    if matches_written(claimed_low, measured["smallest_positive"]):
+        low_is = "smallest subnormal"
+    elif matches_written(claimed_low, measured["smallest_normal"]):
+        low_is = "smallest normal"
+    else:
+        low_is = "neither"
+    return RangeCheck(info.name, claimed_low, claimed_high, measured, low_is,
+                      matches_written(claimed_high, measured["max"]))
+
+
+def check_r1(device: Union[str, torch.device, None] = None,
+             claimed: Mapping[str, tuple] = R1_CLAIMED) -> list:
+    """``check_range`` for every format of claim R1 (or ``claimed``: format -> (low, high))."""
+    if not claimed:
+        raise ValueError("claimed must name at least one format")
+    return [check_range(fmt, low, high, device) for fmt, (low, high) in claimed.items()]
+
+
+def range_checks_text(checks: Sequence[RangeCheck]) -> str:
+    """Claimed versus measured range, one block per format."""
+    lines = []
+    for c in checks:
+        m = c.measured
+        lines += [f"{c.fmt}: claimed {c.claimed_low} to {c.claimed_high}",
+                  f"  measured smallest subnormal {m['smallest_positive']:.6g}, "
+                  f"smallest normal {m['smallest_normal']:.6g}, max {m['max']:.6g}",
+                  f"  {c.sentence()}"]
+    return "\n".join(lines)
+
+
+def decide_r1(checks: Sequence[RangeCheck], device_type: str = "cpu") -> claims.Verdict:
+    """Claim R1's verdict: held when every claimed range names real limits of its format, as
+    measured by arithmetic on ``device_type`` (a format fact: any device decides it)."""
+    if not checks:
+        raise ValueError("checks must hold at least one RangeCheck")
+    measured = "; ".join(
+        f"{c.fmt} measured on {device_type}: smallest subnormal "
+        f"{c.measured['smallest_positive']:.6g}, smallest normal "
+        f"{c.measured['smallest_normal']:.6g}, max {c.measured['max']:.6g}" for c in checks)
+    held = all(c.holds for c in checks)
+    why = " ".join(f"{c.fmt}: {c.sentence()}" for c in checks)
+    numbers = {c.fmt: dict(c.measured) for c in checks}
+    return claims.decide("R1", LESSON, measured, held, why, numbers)
+
+
+def dtypes_under_autocast(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                          device_type: str, dtype: torch.dtype) -> Dict[str, torch.dtype]:
+    """One forward under ``torch.autocast(device_type, dtype)`` and a backward: the dtypes of the
+    logits, the loss (cross-entropy), the gradient that flows back into the logits, a
+    parameter's ``.grad`` and the parameter itself."""
+    seen: Dict[str, torch.dtype] = {}
+
+    def hook(grad):
+        seen["grad of logits"] = grad.dtype
+
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        logits = model(x)
+        logits.register_hook(hook)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+    loss.backward()
+    param = next(p for p in model.parameters() if p.grad is not None)
+    return {"logits": logits.dtype, "loss": loss.dtype, "grad of logits": seen["grad of logits"],
+            "parameter .grad": param.grad.dtype, "parameter": param.dtype}

@@ -1,0 +1,669 @@
+"""Lesson 03 (``notebooks/03_grad_scaler_tuning.ipynb``): GradScaler's loss-scale dynamics.
+
+The lesson's experiments, built on the engine (``trainer``, ``data``, ``models``, ``formats``) and
+shown with ``ui.plots``/``ui.widgets``:
+
+- ``RunSetup`` / ``train_with_scaler`` / ``ScalerRun``: one fp16 run of a digits model with given
+  ``ScalerSettings``, the same seed, weights and batches every time; ``OverflowInjector`` writes
+  an inf into a gradient at a chosen rate (overflow on demand).
+- ``scaler_presets`` / ``compare_presets`` / ``comparison_rows``: PyTorch's defaults (measured),
+  article R's tuned set and NVIDIA's ResNet-50 settings on the same run.
+- ``GradientCapture`` / ``capture_gradients`` / ``fraction_rows`` / ``scale_window``: real
+  per-layer gradients against fp16's range.
+- ``decide_r2``, ``decide_r3``, ``decide_b4``: the claims this lesson decides, as
+  ``claims.Verdict``.
+- ``scaler_panel`` / ``preset_panel`` / ``histogram_panel``: the notebook's live panels
+  (``ui.widgets``), wired to this lesson's runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .. import claims
+from ..data import digits_loaders
+from ..formats import gradient_summary, scale_sweep
+from ..models import DIGITS_MODELS, build_digits_model
+from ..precision import as_device
+from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer
+from ..ui import widgets
+from ..ui.plots import lost_shares, pow2_text
+
+LESSON = "03"
+DECIDES = ("R2", "R3", "B4")
+
+#: Claim R3 (article R): "for ResNet-50 these work best".
+ARTICLE_R_TUNED = dict(init_scale=32768.0, growth_factor=1.5, backoff_factor=0.4,
+                       growth_interval=1000)
+#: NVIDIA DeepLearningExamples, PyTorch ResNet-50: static-loss-scale 128 as the initial scale,
+#: dynamic scaling that grows every 100 steps (growth and backoff factors left at PyTorch's).
+NVIDIA_RESNET50 = dict(init_scale=128.0, growth_interval=100)
+#: Claim R2 (article R): PyTorch's GradScaler defaults, as the article states them.
+ARTICLE_R_DEFAULTS = dict(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
+                          growth_interval=2000)
+
+
+def measured_defaults(device_type: str = "cpu") -> ScalerSettings:
+    """PyTorch's GradScaler defaults, read from a fresh ``torch.amp.GradScaler(device_type)``.
+
+    Measured, not typed: ``get_scale()``, ``get_growth_factor()``, ``get_backoff_factor()`` and
+    ``get_growth_interval()`` of a scaler built with no arguments (claim R2 compares these).
+    """
+    scaler = torch.amp.GradScaler(device_type)
+    if not scaler.is_enabled():
+        raise ValueError(f"GradScaler cannot run on device_type {device_type!r} here")
+    return ScalerSettings(init_scale=float(scaler.get_scale()),
+                          growth_factor=float(scaler.get_growth_factor()),
+                          backoff_factor=float(scaler.get_backoff_factor()),
+                          growth_interval=int(scaler.get_growth_interval()))
+
+
+def scaler_presets(device_type: str = "cpu") -> Dict[str, ScalerSettings]:
+    """The presets lesson 03 compares: PyTorch's defaults (measured), article R's tuned set (R3)
+    and NVIDIA's ResNet-50 example (init_scale 128, growth_interval 100, other knobs default)."""
+    defaults = measured_defaults(device_type)
+    return {"PyTorch defaults": defaults,
+            "article R tuned (R3)": ScalerSettings(**ARTICLE_R_TUNED),
+            "NVIDIA ResNet-50": dataclasses.replace(defaults, **NVIDIA_RESNET50)}
+
+
+# ---- one run: same seed, same data, a given ScalerSettings ------------------------------------
+
+SETTLE_WINDOW = 10
+FINAL_LOSS_WINDOW = 10
+
+
+def steps_to_settle(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> Optional[int]:
+    """How many optimizer steps a run took before its loss scale settled, or ``None``.
+
+    Definition: the scale has *settled* at step ``k`` (0-based) when steps ``k .. k+window-1``
+    are all taken, i.e. ``window`` steps in a row without a skip, so the scaler has stopped
+    cutting the scale back. The result is the smallest such ``k`` (equivalently, the number of
+    steps that came before that streak); ``None`` when the run holds no such streak (it skipped
+    too often, or has fewer than ``window`` steps after its last skip).
+
+    This measures early wobble (skipping), not whether the scale is as large as it could be: a
+    scale that starts low and climbs without ever overflowing has settled at step 0.
+    Raises ``ValueError`` for ``window < 1``.
+    """
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer >= 1; got {window!r}")
+    streak = 0
+    for i, skip in enumerate(skipped):
+        streak = 0 if skip else streak + 1
+        if streak == window:
+            return i - window + 1
+    return None
+
+
+def final_loss(losses: Sequence[float], last: int = FINAL_LOSS_WINDOW) -> float:
+    """The run's final loss: the mean training loss over its last ``last`` steps (fewer if the
+    run is shorter), which is steadier than one step's loss. ``nan`` for an empty run."""
+    if not isinstance(last, int) or last < 1:
+        raise ValueError(f"last must be an integer >= 1; got {last!r}")
+    tail = [float(v) for v in list(losses)[-last:]]
+    return float(np.mean(tail)) if tail else float("nan")
+
+
+def pow2_text(value: float, html: bool = False) -> str:
+    """``65536`` as ``2^16 = 65,536`` (``2<sup>16</sup> = 65,536`` with ``html``); other values
+    as ``2^15.29 = 40,000``."""
+    if not value or not math.isfinite(value) or value <= 0:
+        return str(value)
+    k = math.log2(value)
+    exp = f"{k:.0f}" if abs(k - round(k)) < 1e-9 else f"{k:.2f}"
+    shown = f"{value:,.0f}" if value >= 1 and value == int(value) else f"{value:.6g}"
+    return f"2<sup>{exp}</sup> = {shown}" if html else f"2^{exp} = {shown}"
+
+
+@dataclasses.dataclass
+class ScalerRun:
+    """What one run recorded, step by step, and its summary.
+
+    ``scales[i]`` is the scale step ``i`` used (as the trainer's ``StepRecord.scale``),
+    ``skipped[i]`` whether the scaler skipped it, ``injected[i]`` whether the overflow injector
+    wrote an inf into its gradients, ``changes`` the settings changed mid-run as
+    ``(step, ScalerSettings)``; ``evaluation`` the test loss and accuracy after the run.
+    """
+
+    name: str
+    settings: ScalerSettings
+    steps: List[int] = dataclasses.field(default_factory=list)
+    scales: List[float] = dataclasses.field(default_factory=list)
+    skipped: List[bool] = dataclasses.field(default_factory=list)
+    losses: List[float] = dataclasses.field(default_factory=list)
+    injected: List[bool] = dataclasses.field(default_factory=list)
+    changes: List[tuple] = dataclasses.field(default_factory=list)
+    evaluation: Optional[dict] = None
+    final_scale: Optional[float] = None
+    trainer: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def _take(self, records, injector: "OverflowInjector") -> None:
+        """Append the numbers of the records not yet taken (reading them from the device)."""
+        for record in records[len(self.steps):]:
+            self.steps.append(len(self.steps))
+            self.scales.append(float(record.scale))
+            self.skipped.append(bool(record.skipped))
+            self.losses.append(float(record.loss))
+            self.injected.append(injector.injected[len(self.injected)])
+        if self.trainer is not None:
+            self.final_scale = float(self.trainer.scaler.get_scale())
+
+    def columns(self) -> Dict[str, list]:
+        """The per-step columns the plots take: steps, scales, skipped, losses."""
+        return {"steps": list(self.steps), "scales": list(self.scales),
+                "skipped": list(self.skipped), "losses": list(self.losses)}
+
+    def summary(self, window: int = SETTLE_WINDOW) -> dict:
+        """Skipped steps, steps until settled (see ``steps_to_settle``), final scale (after the
+        last update), final loss (see ``final_loss``), and test accuracy when evaluated."""
+        ev = self.evaluation or {}
+        return {"preset": self.name, "steps": len(self.steps),
+                "skipped steps": int(sum(self.skipped)),
+                "injected overflows": int(sum(self.injected)),
+                "settled after (steps)": steps_to_settle(self.skipped, window),
+                "final scale": self.final_scale,
+                "min scale": min(self.scales) if self.scales else None,
+                "final loss": final_loss(self.losses) if self.losses else None,
+                "test accuracy": ev.get("accuracy")}
+
+    def row(self) -> dict:
+        """The run's settings and ``summary`` in one row (``comparison_rows``, the preset panel's
+        table)."""
+        s = self.settings
+        return {"preset": self.name, "init_scale": s.init_scale, "growth_factor": s.growth_factor,
+                "backoff_factor": s.backoff_factor, "growth_interval": s.growth_interval,
+                **{k: v for k, v in self.summary().items() if k != "preset"}}
+
+    def summary_line(self, window: int = SETTLE_WINDOW) -> str:
+        """One line for people: the panel's summary."""
+        s = self.summary(window)
+        k = s["settled after (steps)"]
+        settled = "not within the run" if k is None else f"after {k} step{'' if k == 1 else 's'}"
+        parts = [f"skipped {s['skipped steps']} of {s['steps']} steps",
+                 f"settled {settled} (first {window} steps in a row without a skip)",
+                 (f"final scale {pow2_text(s['final scale'])}" if s["final scale"] is not None
+                  else ""),
+                 f"final loss {s['final loss']:.4f} (mean of last {FINAL_LOSS_WINDOW} steps)"
+                 if s["final loss"] is not None else "",
+                 f"test accuracy {s['test accuracy']:.1%}"
+                 if s["test accuracy"] is not None else ""]
+        return " · ".join(p for p in parts if p)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """What every run of a comparison shares: model, data, optimizer and seed.
+
+    ``model``: one of ``trainer.DIGITS_MODELS`` built by ``trainer.build_digits_model(model,
+    width)``: ``"mlp"`` (flat 8x8 digits; fast on a CPU) or ``"cnn"`` (``SmallCNN`` on digits
+    upsampled to ``image_size``), as in lesson 02. SGD with momentum at ``lr``. Validated when
+    built.
+    """
+
+    model: str = "mlp"
+    width: int = 32
+    image_size: int = 32
+    batch_size: int = 64
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    device: Optional[str] = None
+
+    def __post_init__(self):
+        if self.model not in DIGITS_MODELS:
+            raise ValueError(f"model must be one of {', '.join(DIGITS_MODELS)}; "
+                             f"got {self.model!r}")
+        for name, low in (("width", 1), ("image_size", 8), ("batch_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr <= 10):
+            raise ValueError(f"lr must be in (0, 10]; got {self.lr!r}")
+        if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
+            raise ValueError(f"momentum must be in [0, 1); got {self.momentum!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer; got {self.seed!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device runs train on: ``device`` if given, else the course's default device."""
+        return as_device(self.device)
+
+    def build(self, settings: ScalerSettings, hooks: Sequence = ()):
+        """A fresh, seeded ``Trainer`` (fp16 + GradScaler with ``settings``) and the data
+        ``(train_batches, test_batches)``: the same weights and batch order for every call."""
+        device = self.torch_device
+        torch.manual_seed(self.seed)
+        model, size = build_digits_model(self.model, self.width)
+        if size is not None:
+            size = self.image_size
+        model = model.to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum)
+        config = TrainConfig(precision="fp16", scaler=settings, progress=False, seed=self.seed)
+        trainer = Trainer(model, opt, config, device=device, hooks=tuple(hooks))
+        train, test = digits_loaders(self.batch_size, size, device, self.seed)
+        return trainer, train, test
+
+
+def _forever(batches):
+    epoch = 0
+    while True:
+        batches.set_epoch(epoch)
+        yield from batches
+        epoch += 1
+
+
+class OverflowInjector(Hooks):
+    """A trainer hook that writes ``inf`` into a gradient with probability ``rate`` per step.
+
+    Runs in ``after_backward`` (the gradients are still scaled), so ``unscale_`` finds the inf,
+    the step is skipped and the scale backs off: overflow on demand. Draws come from its own
+    generator seeded with ``seed`` (one draw per backward, whatever the rate), so a run repeats
+    exactly and changing ``rate`` mid-run does not shift later draws. ``injected`` lists, per
+    optimizer step, whether an inf was written. Raises ``ValueError`` for a rate outside [0, 1].
+    """
+
+    def __init__(self, rate: float = 0.0, seed: int = 0):
+        self.rate = rate
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.injected: List[bool] = []
+        self._this_step = False
+
+    @property
+    def rate(self) -> float:
+        """The probability of an inf per backward pass, in [0, 1]."""
+        return self._rate
+
+    @rate.setter
+    def rate(self, value: float) -> None:
+        if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"overflow injection rate must be in [0, 1]; got {value!r}")
+        self._rate = float(value)
+
+    def after_backward(self, trainer, micro_step):
+        draw = float(torch.rand((), generator=self.generator))
+        if draw < self._rate:
+            grad = next((p.grad for p in trainer.model.parameters() if p.grad is not None), None)
+            if grad is not None:
+                grad[(0,) * grad.dim()] = float("inf")
+                self._this_step = True
+
+    def after_step(self, trainer, record):
+        self.injected.append(self._this_step)
+        self._this_step = False
+
+
+def train_with_scaler(settings: ScalerSettings, steps: int, setup: RunSetup = RunSetup(),
+                      injection_rate: float = 0.0, name: str = "run",
+                      on_step: Optional[Callable] = None, evaluate: bool = True,
+                      injector: Optional["OverflowInjector"] = None) -> ScalerRun:
+    """Train ``steps`` optimizer steps in fp16 with a GradScaler set to ``settings``.
+
+    Same seed, weights and batches for every call with the same ``setup``; an
+    ``OverflowInjector(injection_rate, setup.seed)`` is installed. ``on_step(trainer, run)`` runs
+    after every step; it may call ``trainer.set_scaler`` (a mid-run change) and returns
+    ``False`` to stop early. Pass ``injector`` to keep a handle on it (its rate is then used and
+    ``injection_rate`` ignored). Returns the ``ScalerRun`` (its ``trainer`` attribute holds the
+    trainer). Raises ``ValueError`` for ``steps < 1`` and the trainer's documented errors for
+    bad settings.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
+    injector = injector or OverflowInjector(injection_rate, seed=setup.seed)
+    trainer, train, test = setup.build(settings, hooks=[injector])
+    run = ScalerRun(name=name, settings=settings, trainer=trainer)
+    batches = _forever(train)
+    records = []
+    for _ in range(steps):
+        records.append(trainer.train_step([next(batches)]))
+        if on_step is not None:  # live: read this step's numbers now (one small sync)
+            run._take(records, injector)
+            if on_step(trainer, run) is False:
+                break
+    trainer.history.materialize()  # the rest with one copy per field, no sync per step
+    run._take(records, injector)
+    if evaluate:
+        run.evaluation = dict(trainer.evaluate(test))
+    return run
+
+
+
+class GradientCapture(Hooks):
+    """A trainer hook that keeps each layer's true gradient magnitudes ``|g|``.
+
+    Runs in ``after_unscale``: the gradients are unscaled (what the model really computed) and
+    not yet clipped. Layers are the modules with a weight of two or more dimensions (convolutions
+    and linear layers), weight and bias together, named ``"<module name> (<type>)"``. From step
+    ``start_at`` (0-based) on, it keeps the latest step whose gradients are all finite (a skipped
+    step's are not); ``magnitudes`` maps layer to a float32 array, ``step`` is the step they came
+    from (``None`` before a capture).
+    """
+
+    def __init__(self, start_at: int = 0):
+        if not isinstance(start_at, int) or start_at < 0:
+            raise ValueError(f"start_at must be an integer >= 0; got {start_at!r}")
+        self.start_at = start_at
+        self.magnitudes: Dict[str, np.ndarray] = {}
+        self.step: Optional[int] = None
+        self._count = 0
+
+    def after_unscale(self, trainer):
+        if self._count < self.start_at:
+            return
+        found = {}
+        for name, module in trainer.model.named_modules():
+            weight = getattr(module, "weight", None)
+            if (not isinstance(weight, torch.nn.Parameter) or weight.dim() < 2
+                    or weight.grad is None):
+                continue
+            parts = [weight.grad.detach().reshape(-1)]
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.nn.Parameter) and bias.grad is not None:
+                parts.append(bias.grad.detach().reshape(-1))
+            found[f"{name} ({type(module).__name__})"] = torch.cat(parts).abs().float()
+        if found and all(bool(torch.isfinite(g).all()) for g in found.values()):
+            self.magnitudes = {k: v.cpu().numpy() for k, v in found.items()}
+            self.step = self._count
+
+    def after_step(self, trainer, record):
+        self._count += 1
+
+
+def capture_gradients(steps: int = 20, setup: RunSetup = RunSetup(model="cnn", image_size=32),
+                      settings: Optional[ScalerSettings] = None, last: int = 3):
+    """Train ``setup``'s model for ``steps`` fp16 steps and return ``(magnitudes, step)``: the
+    per-layer true gradient magnitudes (``GradientCapture``) of the latest finite step among the
+    last ``last`` steps. ``settings`` default to PyTorch's (measured)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
+    settings = settings or measured_defaults(setup.torch_device.type)
+    capture = GradientCapture(start_at=max(0, steps - last))
+    trainer, train, _ = setup.build(settings, hooks=[capture])
+    batches = _forever(train)
+    for _ in range(steps):
+        trainer.train_step([next(batches)])
+    if not capture.magnitudes:
+        raise RuntimeError(f"every one of the last {last} steps had non-finite gradients")
+    return capture.magnitudes, capture.step
+
+
+
+def compare_presets(presets: Mapping[str, ScalerSettings], steps: int,
+                    setup: RunSetup = RunSetup(), injection_rate: float = 0.0,
+                    on_run: Optional[Callable[[str, ScalerRun], None]] = None
+                    ) -> Dict[str, ScalerRun]:
+    """Train each preset with ``train_with_scaler`` on the same seed, weights and batches (and
+    the same injected overflows); return ``{name: ScalerRun}`` in order. ``on_run(name, run)``
+    is called after each. Raises ``ValueError`` for no presets."""
+    if not presets:
+        raise ValueError("presets must name at least one ScalerSettings")
+    runs = {}
+    for name, settings in presets.items():
+        if not isinstance(settings, ScalerSettings):
+            raise ValueError(f"preset {name!r} must be a ScalerSettings; "
+                             f"got {type(settings).__name__}")
+        runs[name] = train_with_scaler(settings, steps, setup, injection_rate, name=name)
+        if on_run is not None:
+            on_run(name, runs[name])
+    return runs
+
+
+def comparison_rows(runs: Mapping[str, ScalerRun]) -> List[dict]:
+    """One summary row per run (``ScalerRun.summary``) with the preset's settings."""
+    return [dict(run.row(), preset=name) for name, run in runs.items()]
+
+
+
+def early_skips(run: ScalerRun, window: int = SETTLE_WINDOW) -> int:
+    """Skipped steps before the scale settled (all of them if it never did): early wobble."""
+    settle = steps_to_settle(run.skipped, window)
+    return int(sum(run.skipped if settle is None else run.skipped[:settle]))
+
+
+
+def scale_factor_error(device_type: str = "cpu") -> str:
+    """What ``torch.amp.GradScaler(device_type, scale_factor=2.0)`` (claim B4's knob) raises,
+    as ``"TypeError: ..."``; ``""`` if this torch accepted it."""
+    try:
+        torch.amp.GradScaler(device_type, scale_factor=2.0)
+    except TypeError as exc:
+        return f"TypeError: {exc}"
+    return ""
+
+
+
+def step_table_text(run: ScalerRun, first: int = 20) -> str:
+    """The first ``first`` steps of a run as text: the scale each step used, whether it was
+    skipped (and whether an overflow was injected), and what ``update()`` then did to the scale
+    (backed off, grew, or kept it)."""
+    if not isinstance(first, int) or first < 1:
+        raise ValueError(f"first must be an integer >= 1; got {first!r}")
+    nxt = run.scales[1:] + [run.final_scale]
+    lines = [f"{'step':>4}  {'scale used':>16}  {'skipped':>7}  {'loss':>8}  update() then"]
+    for i in range(min(first, len(run.steps))):
+        s, after = run.scales[i], nxt[i]
+        if after is None or after == s:
+            what = "kept the scale"
+        elif after < s:
+            what = f"backed off x{after / s:g} -> {pow2_text(after)}"
+        else:
+            what = f"grew x{after / s:g} -> {pow2_text(after)}"
+        skip = ("yes*" if run.injected[i] else "yes") if run.skipped[i] else "no"
+        lines.append(f"{run.steps[i]:>4}  {pow2_text(s):>16}  {skip:>7}  {run.losses[i]:>8.4f}  {what}")
+    if any(run.injected[:first]):
+        lines.append("* an inf was injected into this step's gradients")
+    return "\n".join(lines)
+
+
+def scale_window(magnitudes_by_layer: Mapping[str, np.ndarray], fmt: str = "fp16",
+                 exponents: Sequence[int] = range(-8, 41)) -> dict:
+    """Where a loss scale 2^k keeps these gradients in ``fmt``: ``no_flush_from`` (the smallest k
+    at which no nonzero value is flushed to zero), ``no_overflow_up_to`` (the largest k with no
+    overflow), and the fractions at k = 0 (no scaling). None where no k in ``exponents`` does."""
+    rows = scale_sweep(list(magnitudes_by_layer.values()), exponents, fmt)
+    no_flush = [r["k"] for r in rows if r["flushed"] == 0]
+    no_over = [r["k"] for r in rows if r["overflow"] == 0]
+    at_one = next((r for r in rows if r["k"] == 0), None)
+    return {"no_flush_from": min(no_flush) if no_flush else None,
+            "no_overflow_up_to": max(no_over) if no_over else None,
+            "at_scale_1": at_one}
+
+
+def fraction_rows(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float,
+                  fmt: str = "fp16") -> List[dict]:
+    """Per layer: its values, nonzero values, and the fractions of the nonzero ones that ``fmt``
+    flushes to zero, makes subnormal, or overflows once multiplied by ``scale``
+    (``formats.gradient_summary`` without its ``all`` row)."""
+    return [{k: r[k] for k in ("layer", "values", "nonzero", "flushed", "subnormal", "overflow")}
+            for r in gradient_summary(magnitudes_by_layer, scale, fmt)[:-1]]
+
+
+# ---- the claims lesson 03 decides ------------------------------------------------------------------
+
+def decide_r2(device_type: str = "cpu") -> claims.Verdict:
+    """Claim R2 (PyTorch's GradScaler defaults) against a fresh scaler's getters on this torch."""
+    measured = measured_defaults(device_type)
+    got = {k: getattr(measured, k) for k in ARTICLE_R_DEFAULTS}
+    wrong = [k for k, v in ARTICLE_R_DEFAULTS.items() if got[k] != v]
+    text = ", ".join(f"{k} {v:g}" for k, v in got.items())
+    why = ("every default matches" if not wrong else
+           "differs in " + ", ".join(f"{k} (claimed {ARTICLE_R_DEFAULTS[k]:g}, "
+                                     f"measured {got[k]:g})" for k in wrong))
+    return claims.decide("R2", LESSON, f"torch {torch.__version__}: {text}", not wrong, why,
+                         numbers=got)
+
+
+def compare_settling(defaults: ScalerRun, tuned: ScalerRun,
+                     window: int = SETTLE_WINDOW) -> Tuple[Optional[bool], str, str]:
+    """R3's rule on two runs of the same seed and data: ``(held, measured, why)``. Held when the
+    tuned run settles strictly sooner (``steps_to_settle``) and skips no more steps early
+    (``early_skips``); None when neither run skipped early and both settled at the same step
+    (nothing to improve on)."""
+    inf = float("inf")
+    sd, st = steps_to_settle(defaults.skipped, window), steps_to_settle(tuned.skipped, window)
+    ed, et = early_skips(defaults, window), early_skips(tuned, window)
+
+    def settled(v):
+        return "never" if v is None else f"after {v} steps"
+
+    measured = (f"{defaults.name}: {ed} early skips, settled {settled(sd)}, final loss "
+                f"{final_loss(defaults.losses):.4f}; {tuned.name}: {et} early skips, settled "
+                f"{settled(st)}, final loss {final_loss(tuned.losses):.4f}")
+    if ed == 0 and et == 0 and sd == st:
+        return None, measured, ("neither run wobbled (no early skipped steps), so there was "
+                                "nothing for the tuned settings to improve on")
+    faster = (inf if st is None else st) < (inf if sd is None else sd)
+    held = faster and et <= ed
+    why = (f"{tuned.name} settled {sd if sd is not None else 'never'} -> "
+           f"{st if st is not None else 'never'} steps with {ed} -> {et} early skips: "
+           + ("sooner, with no more wobble" if held else "not sooner with less wobble"))
+    return held, measured, why
+
+
+def decide_r3(pairs: Sequence[Tuple[ScalerRun, ScalerRun]],
+              window: int = SETTLE_WINDOW) -> claims.Verdict:
+    """Claim R3 (the tuned settings settle faster with less early wobble) on one or more
+    ``(defaults run, tuned run)`` pairs, each of the same seed and data: held when every pair
+    that could decide held, not held when one of them did not, not decided when no pair had
+    any wobble to improve on."""
+    if not pairs:
+        raise ValueError("pairs must hold at least one (defaults, tuned) pair of runs")
+    results = [compare_settling(d, t, window) for d, t in pairs]
+    decided = [r for r in results if r[0] is not None]
+    measured = " | ".join(r[1] for r in results)
+    why = " | ".join(r[2] for r in results)
+    held = None if not decided else all(r[0] for r in decided)
+    return claims.decide("R3", LESSON, measured, held, why,
+                         numbers={"pairs": len(pairs), "decided": len(decided)})
+
+
+def scale_factor_accepted(device_type: str = "cpu") -> bool:
+    """True when this torch's GradScaler takes ``scale_factor`` (claim B4's knob)."""
+    return not scale_factor_error(device_type)
+
+
+def steadier(base: ScalerRun, larger: ScalerRun,
+             tolerance: float = 0.05) -> Tuple[Optional[bool], str, str]:
+    """B4 read generously ("raise growth_factor" steadies a wobbling run) on two runs of the same
+    seed and data whose settings differ only in growth_factor: ``(held, measured, why)``. Held
+    when the larger factor skipped fewer steps and its final loss is no more than ``tolerance``
+    (relative) above the base run's; None when the base run never skipped (no wobble)."""
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance must be in [0, 1); got {tolerance!r}")
+    gb, gl = base.settings.growth_factor, larger.settings.growth_factor
+    if not gl > gb:
+        raise ValueError(f"larger must have the larger growth_factor; got {gl:g} vs {gb:g}")
+    sb, sl = sum(base.skipped), sum(larger.skipped)
+    lb, ll = final_loss(base.losses), final_loss(larger.losses)
+    measured = (f"growth_factor {gb:g}: {sb} skipped steps, final loss {lb:.4f}; growth_factor "
+                f"{gl:g}: {sl} skipped steps, final loss {ll:.4f} ({len(base.steps)} steps, "
+                f"growth_interval {base.settings.growth_interval})")
+    if sb == 0:
+        return None, measured, "the base run never skipped a step: no wobble to steady"
+    if sl > sb:
+        return False, measured, (f"the larger growth factor skipped more steps ({sb} -> {sl}): "
+                                 f"each growth overshoots further, so more steps hit an overflow")
+    held = sl < sb and ll <= lb * (1 + tolerance)
+    return held, measured, (f"the larger growth factor skipped {'fewer' if sl < sb else 'as many'}"
+                            f" steps ({sb} -> {sl}); final loss {lb:.4f} -> {ll:.4f}")
+
+
+def decide_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger: ScalerRun,
+              device_type: str = "cpu") -> claims.Verdict:
+    """Claim B4 ("if convergence wobbles, increase scale_factor=2.0"), read as written and
+    generously. As written: GradScaler has no ``scale_factor``; read as ``growth_factor=2.0`` it
+    is PyTorch's default, so ``b4_run`` should repeat ``default_run``'s scaler behaviour step
+    for step (same scales and skips; losses may differ in the last bits where kernels are not
+    deterministic, so their largest difference is reported). Generously: a larger growth factor
+    (``larger`` against ``base``, ``steadier``) steadies a wobbling run. Held when either reading
+    changes the run for the better; not decided when neither can (no knob, no wobble)."""
+    error = scale_factor_error(device_type)
+    default_growth = measured_defaults(device_type).growth_factor
+    same = default_run.scales == b4_run.scales and default_run.skipped == b4_run.skipped
+    n = min(len(default_run.losses), len(b4_run.losses))
+    diff = max((abs(a - b) for a, b in zip(default_run.losses[:n], b4_run.losses[:n])),
+               default=0.0)
+    literal = bool(not error or not same)
+    generous, g_measured, g_why = steadier(base, larger)
+    measured = (f"{error or 'scale_factor accepted'}; the default growth_factor measures "
+                f"{default_growth:g}; over {n} steps the run with growth_factor=2.0 had "
+                f"{'the same' if same else 'different'} scales and skipped steps as the default "
+                f"run (largest loss difference {diff:.3g}); {g_measured}")
+    no_knob = ("GradScaler has no scale_factor argument" if error else
+               "this torch accepts scale_factor")
+    behaved = "did exactly what it does by default" if same else "behaved differently"
+    effect = (f"growth_factor=2.0 {'is' if default_growth == 2.0 else 'is not'} the default, and "
+              f"the scaler {behaved}{', so the advice changes nothing' if same else ''}")
+    why = f"{no_knob}; read as growth_factor, {effect}. Raising growth_factor: {g_why}"
+    held = bool(literal or generous)
+    return claims.decide("B4", LESSON, measured, held, why,
+                         numbers={"scale_factor_accepted": not error, "same_as_default": same,
+                                  "largest_loss_difference": diff})
+
+
+# ---- the notebook's panels ----------------------------------------------------------------------
+
+def panel_runner(setup: RunSetup = RunSetup()) -> Callable:
+    """What a ``widgets.ScalerPanel`` runs: ``run(settings, steps, injection_rate, on_step)``
+    trains ``setup``'s model with ``train_with_scaler`` (no evaluation), reading the injected
+    overflow rate from the callable ``injection_rate`` before every step, and returns the
+    ``ScalerRun``."""
+
+    def run(settings: ScalerSettings, steps: int, injection_rate: Callable[[], float],
+            on_step: Callable) -> ScalerRun:
+        injector = OverflowInjector(float(injection_rate()), seed=setup.seed)
+
+        def step(trainer, result):
+            injector.rate = float(injection_rate())
+            return on_step(trainer, result)
+
+        return train_with_scaler(settings, steps, setup, name="panel", on_step=step,
+                                 evaluate=False, injector=injector)
+
+    return run
+
+
+def scaler_panel(setup: RunSetup = RunSetup(), steps: int = 60,
+                 settings: Optional[ScalerSettings] = None, injection_rate: float = 0.0,
+                 figure_mode: str = "auto", background: bool = True) -> widgets.ScalerPanel:
+    """Lesson 03's scaler panel (``widgets.ScalerPanel``) over ``setup``'s runs, its knobs at
+    ``settings`` (PyTorch's defaults, measured, when None)."""
+    defaults = measured_defaults(setup.torch_device.type)
+    return widgets.ScalerPanel(panel_runner(setup), defaults, steps=steps, settings=settings,
+                               injection_rate=injection_rate, figure_mode=figure_mode,
+                               background=background)
+
+
+def preset_panel(presets: Optional[Mapping[str, ScalerSettings]] = None, steps: int = 100,
+                 setup: RunSetup = RunSetup(), injection_rate: float = 0.0,
+                 figure_mode: str = "auto", background: bool = True) -> widgets.PresetComparison:
+    """The preset comparison panel (``widgets.PresetComparison``): each ticked preset trained
+    by ``train_with_scaler`` on ``setup``'s seed and data (``scaler_presets`` when None)."""
+    presets = dict(presets or scaler_presets(setup.torch_device.type))
+
+    def run(name: str, settings: ScalerSettings, n_steps: int, rate: float) -> ScalerRun:
+        return train_with_scaler(settings, n_steps, setup, rate, name=name)
+
+    return widgets.PresetComparison(presets, run, steps=steps, injection_rate=injection_rate,
+                                    figure_mode=figure_mode, background=background)
+
+
+def histogram_panel(magnitudes_by_layer: Mapping[str, np.ndarray], scale_log2: int = 0,
+                    fmt: str = "fp16", figure_mode: str = "auto") -> widgets.HistogramPanel:
+    """The gradient histogram panel (``widgets.HistogramPanel``) over captured gradients
+    (``capture_gradients``)."""
+    return widgets.HistogramPanel(magnitudes_by_layer, scale_log2, fmt, figure_mode=figure_mode)
+
+
+def lost_line(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float, fmt: str = "fp16",
+              layer: Optional[str] = None) -> str:
+    """What ``fmt`` loses of the nonzero gradients (of one ``layer``, or all) at ``scale``, in
+    words: ``plots.lost_shares``, so a nonzero count never reads as 0%."""
+    chosen = {layer: magnitudes_by_layer[layer]} if layer is not None else magnitudes_by_layer
+    s = lost_shares(chosen, scale, fmt)
+    return f"{s['flushed']} flushed, {s['subnormal']} subnormal, {s['overflow']} overflow"

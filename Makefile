@@ -9,7 +9,15 @@ PORT   ?= 8888
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: lab test unit notebooks browser clean
+# Colab's own widget and plotly versions (no anywidget): a second, small venv that reuses .venv's
+# torch and test tools and overrides only these packages (tests/test_colab_versions.py says why).
+COLAB_VENV := .venv-colab
+COLAB_PINS := ipywidgets==7.7.1 plotly==5.24.1 widgetsnbextension==3.6.10 jupyterlab_widgets==1.1.11 \
+              ipython_genutils==0.2.0 tenacity==9.2.1
+COLAB_STAMP := $(COLAB_VENV)/.amp-lessons-colab
+COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)/site-packages
+
+.PHONY: lab test unit notebooks browser colab figure-images screenshot claims clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,10 +30,37 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_OK) --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
 		--ServerApp.root_dir=notebooks --ServerApp.open_browser=$${OPEN_BROWSER:-True}
 
-test: $(STAMP)
+test: $(STAMP) $(COLAB_STAMP)
 	$(BIN)/python -m pytest -q tests -m "not browser"
 	AMP_LESSONS_PROFILE=quick $(BIN)/python -m pytest -q $(NBVAL) notebooks
 	$(BIN)/python -m pytest -q tests -m browser -rs
+	$(MAKE) --no-print-directory colab
+
+$(COLAB_STAMP): $(STAMP) Makefile
+	@test -x $(COLAB_VENV)/bin/python || $(PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_VENV)/bin/python -m pip install -q --no-deps $(COLAB_PINS)
+	@mkdir -p $(COLAB_SITE)/anywidget
+	@echo 'raise ImportError("anywidget is not installed (as on Colab)")' > $(COLAB_SITE)/anywidget/__init__.py
+	@printf '%s\n%s\n' "$(abspath $(VENV))/lib/$(notdir $(patsubst %/site-packages,%,$(COLAB_SITE)))/site-packages" \
+		"$(CURDIR)" > $(COLAB_SITE)/zz_amp_lessons_main_venv.pth
+	@touch $(COLAB_STAMP)
+
+# The widget and figure tests and lesson 03 under Colab's ipywidgets 7 / plotly 5, without anywidget.
+colab: $(COLAB_STAMP)
+	$(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_widgets.py tests/test_plots.py -m "not browser"
+	AMP_LESSONS_PROFILE=quick $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NBVAL) notebooks/03_grad_scaler_tuning.ipynb
+
+# Static PNGs beside every figure of the committed notebooks (needs Chromium), after a GPU run.
+figure-images: $(STAMP)
+	$(BIN)/python -m amp_lessons figure-images
+
+# The README's screenshot of lesson 03's panel, taken by the browser test into test-output/.
+screenshot: $(STAMP)
+	AMP_LESSONS_SCREENSHOT=1 $(BIN)/python -m pytest -q tests/test_browser.py -m browser -k panel
+	cp test-output/lesson03_panel.png docs/images/lesson03_panel.png
+
+claims: $(STAMP)
+	$(BIN)/python -m amp_lessons claims
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not browser"
@@ -37,4 +72,4 @@ browser: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m browser -rs
 
 clean:
-	rm -rf $(VENV) .pytest_cache test-output
+	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache test-output

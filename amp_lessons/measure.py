@@ -10,14 +10,17 @@
   memory between them; an out-of-memory error becomes a row that says so, never a dead kernel.
 - ``compare_loops`` times the shared trainer's ``train_step`` against a hand-written loop on the
   same model, interleaved, so lesson 04 can show what the trainer costs.
-- ``largest_batch`` finds the largest batch that trains within a memory cap (lesson 05).
-- ``digits_accuracy``, ``autocast_error_by_op`` and the claim helpers answer article claims B1,
-  R4-R7 and R12 with measurements.
+- ``largest_batch`` finds the largest batch that trains within a memory cap (``memory_cap``).
+- ``device_busy_ms`` / ``idle_fraction`` say how much of a step the GPU sat idle waiting for the
+  host: a speed comparison between precisions means something only when the GPU was busy.
+- ``STANDARD`` holds the measurement settings every lesson uses unless it is about the difference.
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import math
+import platform
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -27,20 +30,21 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from . import models as _models
 from . import trainer as _trainer
 from ._validate import check_choice, check_int
 from .data import synthetic_images
-from .tables import json_safe
-from .precision import HALF_DTYPES, PRECISIONS, autocast_for, native_bf16, precision_settings
+from .tables import json_safe, percent
+from .precision import PRECISIONS, as_device, autocast_for, native_bf16, precision_settings
 
 GIB = 2**30
 MODELS = {
     "resnet50": _models.resnet50,
     "resnet18": _models.resnet18,
-    "resnet50-r4": _models.optimized_resnet50,
-    "resnet18-r4": _models.optimized_resnet18,
+    "resnet50-selective": _models.optimized_resnet50,
+    "resnet18-selective": _models.optimized_resnet18,
 }
 OPTIMIZERS = ("sgd", "adam", "adamw")
 OPTIMIZER_IMPLS = ("default", "for-loop", "foreach", "fused")
@@ -130,8 +134,8 @@ class BenchConfig:
         """A readable name, e.g. "fp16 + GradScaler, channels_last, compile, fused SGD"."""
         parts = [{"fp32": "fp32, TF32 off", "tf32": "fp32, TF32 on",
                   "fp16": "fp16 + GradScaler", "bf16": "bf16"}[self.precision]]
-        if self.model.endswith("-r4"):
-            parts.append("R4 layer3/4+fc in fp32")
+        if self.model.endswith("-selective"):
+            parts.append("layer3/4+fc in fp32")
         if self.channels_last:
             parts.append("channels_last")
         if self.checkpoint:
@@ -474,6 +478,61 @@ def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5
             "timer": timer}
 
 
+def interval_union(intervals: Iterable[Sequence[float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals, overlaps counted once (kernels on
+    several streams, or nested events, must not count their shared time twice)."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted((float(a), float(b)) for a, b in intervals):
+        if end < start:
+            raise ValueError(f"intervals must have end >= start; got ({start}, {end})")
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def device_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device=None,
+                   steps: int = 3, activity: str = "cuda") -> Optional[float]:
+    """Milliseconds per step during which the device ran something (kernels, copies, memsets).
+
+    ``steps`` steps run under ``torch.profiler`` (device activity only, to keep its own cost
+    small); the union of the device events' intervals, divided by ``steps``, is the busy time.
+    Against the timed median step this gives the share of the step the GPU sat idle waiting for
+    the host (``gpu_idle_fraction``). None where ``device`` is not a GPU (``activity="cpu"``
+    measures CPU operator time instead, for tests).
+    """
+    check_int("steps", steps, 1)
+    check_choice("activity", activity, ("cuda", "cpu"))
+    device = torch.device(device) if device is not None else x.device
+    if activity == "cuda" and device.type != "cuda":
+        return None
+    kind = {"cuda": ProfilerActivity.CUDA, "cpu": ProfilerActivity.CPU}[activity]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=[kind]) as prof:
+        for _ in range(steps):
+            step(x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wanted = "CUDA" if activity == "cuda" else "CPU"
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if getattr(e.device_type, "name", str(e.device_type)).upper().endswith(wanted)]
+    return interval_union(spans) / 1e3 / steps
+
+
+def idle_fraction(busy_ms: Optional[float], step_ms: Optional[float]) -> Optional[float]:
+    """The share of a step the device was idle: ``1 - busy / step``, clipped to [0, 1]; None when
+    either is unknown."""
+    if busy_ms is None or not step_ms:
+        return None
+    return min(1.0, max(0.0, 1.0 - busy_ms / step_ms))
+
+
 def summarize_times(times_ms: Sequence[float], batch_size: int) -> Dict[str, float]:
     """Median step time, img/s from it, and the spread (quartiles) of the step times."""
     if not times_ms:
@@ -490,7 +549,7 @@ def summarize_times(times_ms: Sequence[float], batch_size: int) -> Dict[str, flo
 ROW_KEYS = ("label", "status", "reason", "img_per_s", "step_ms", "step_ms_q1", "step_ms_q3",
             "peak_allocated_gib", "peak_reserved_gib", "params_gib", "grads_gib",
             "optimizer_state_gib", "activations_gib", "activations_allocated_gib", "loss",
-            "timer", "steps", "warmup", "seconds")
+            "gpu_busy_ms", "gpu_idle_fraction", "timer", "steps", "warmup", "seconds")
 
 
 def _empty_row(config: BenchConfig, status: str, reason: str = "") -> Dict[str, object]:
@@ -500,7 +559,7 @@ def _empty_row(config: BenchConfig, status: str, reason: str = "") -> Dict[str, 
 
 
 def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
-             breakdown: bool) -> Dict[str, object]:
+             breakdown: bool, idle: bool) -> Dict[str, object]:
     torch.manual_seed(0)
     model = build_model(config, device)
     optimizer = build_optimizer(config, model.parameters())
@@ -534,6 +593,14 @@ def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        if idle:  # a few more steps under the profiler, after the peak was read
+            try:
+                row["gpu_busy_ms"] = device_busy_ms(run, x, y, device)
+            except RuntimeError as exc:  # a profiler that cannot start leaves the share unknown
+                row["reason"] = f"GPU idle share not measured ({exc})"[:200]
+            if not row["gpu_busy_ms"]:  # no device events recorded (no CUPTI): unknown, not idle
+                row["gpu_busy_ms"] = None
+            row["gpu_idle_fraction"] = idle_fraction(row["gpu_busy_ms"], row["step_ms"])
         if graphed:
             row["reason"] = ("peak over warm-up, capture and timed steps: a CUDA graph holds "
                              "its memory pool for the whole run")
@@ -544,8 +611,12 @@ def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
 
 
 def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
-            breakdown: bool = True) -> Dict[str, object]:
+            breakdown: bool = True, idle: bool = True) -> Dict[str, object]:
     """Measure one configuration; returns a row (a dict) whatever happens.
+
+    On a GPU, ``idle`` adds ``gpu_busy_ms`` and ``gpu_idle_fraction`` (``device_busy_ms`` over 3
+    more steps, after the timing and the peak-memory reading): whether the step kept the GPU
+    busy, which a comparison between precisions must state.
 
     ``status`` is ``"ok"``, ``"skipped"`` (``reason`` says why: no bf16, no GPU for compile...),
     ``"out of memory"`` or ``"error"``. Memory is freed before returning, also after a failure.
@@ -559,7 +630,7 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
     torch.backends.cudnn.benchmark = config.cudnn_benchmark
     try:
         with precision_settings(config.precision, device):
-            row = _measure(config, device, warmup, steps, breakdown)
+            row = _measure(config, device, warmup, steps, breakdown, idle)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row, never a dead kernel
         if is_out_of_memory(exc):
             total = (torch.cuda.get_device_properties(device).total_memory / GIB
@@ -578,7 +649,7 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
 
 
 def run_configs(configs: Sequence[BenchConfig], device, warmup: int = 5, steps: int = 15,
-                breakdown: bool = True, progress: bool = True,
+                breakdown: bool = True, progress: bool = True, idle: bool = True,
                 on_row: Optional[Callable[[Dict[str, object]], None]] = None
                 ) -> List[Dict[str, object]]:
     """Measure every configuration in turn, in this process, freeing memory between them."""
@@ -595,7 +666,7 @@ def run_configs(configs: Sequence[BenchConfig], device, warmup: int = 5, steps: 
             pass
     free_memory(device)
     for config in iterator:
-        row = measure(config, device, warmup=warmup, steps=steps, breakdown=breakdown)
+        row = measure(config, device, warmup=warmup, steps=steps, breakdown=breakdown, idle=idle)
         rows.append(row)
         if on_row is not None:
             on_row(row)
@@ -620,25 +691,25 @@ def with_ratios(rows: Sequence[Dict[str, object]], baseline: str) -> List[Dict[s
 
 
 def ratio(a, b) -> Optional[float]:
+    """``a / b``, or None where either is missing (or ``b`` is 0): a ratio of two rows' numbers."""
     return a / b if a is not None and b else None
-
-
 
 
 DEFAULT_COLUMNS = (("label", "configuration"), ("img_per_s", "img/s"),
                    ("speedup", "x fp32"), ("peak_allocated_gib", "peak GiB"),
                    ("memory_ratio", "mem x fp32"), ("activations_gib", "act. GiB"),
-                   ("optimizer_state_gib", "opt. GiB"), ("status", "status"))
-
-
+                   ("optimizer_state_gib", "opt. GiB"),
+                   ("gpu_idle_fraction", "GPU idle", lambda v: percent(v, 1.0)),
+                   ("status", "status"))
 
 
 def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -> List[Dict[str, object]]:
     """Rows keyed by column heading, for ``report.publish`` (the README's results section).
 
-    Same columns and status text as ``tables.text_table``; numbers stay numbers.
+    Same columns (``(key, heading[, format])``) and status text as ``tables.text_table``;
+    numbers stay numbers.
     """
-    columns = [(k, h) for k, h in columns if any(k in r for r in rows)]
+    columns = [(c[0], c[1]) for c in columns if any(c[0] in r for r in rows)]
     if not columns:
         raise ValueError("columns must name at least one key present in the rows")
     out = []
@@ -653,9 +724,7 @@ def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -
     return out
 
 
-
-
-# --- the lesson's configurations ----------------------------------------------------------------
+# --- batch size, rows, results -----------------------------------------------------------------
 
 def batch_size_for(total_memory_gib: Optional[float], image_size: int = 224,
                    largest: int = 256, fp32_gib_per_image: float = 0.085,
@@ -678,44 +747,6 @@ def batch_size_for(total_memory_gib: Optional[float], image_size: int = 224,
     return batch
 
 
-def lesson_configs(model: str = "resnet50", batch_size: int = 256, image_size: int = 224,
-                   num_classes: int = 1000, amp: str = "fp16",
-                   compile_precision: Optional[str] = "bf16",
-                   cudnn_benchmark: bool = True,
-                   compile_modes: Sequence[str] = ("default", "reduce-overhead")
-                   ) -> List[BenchConfig]:
-    """Lesson 04's table: precisions x memory formats, optimizer kernels, R4, R5, torch.compile.
-
-    ``amp`` is the half precision of the optimizer and R4 rows (fp16 as in the articles; bf16
-    where fp16 would only be emulated); ``compile_precision`` is the precision of the compiled
-    rows, channels_last with fused SGD, one per mode in ``compile_modes`` (``None`` leaves
-    torch.compile out; ``"reduce-overhead"`` adds CUDA graphs). ``cudnn_benchmark=False`` saves
-    the minutes cuDNN's autotuning takes for every new precision and memory format.
-    """
-    check_choice("amp", amp, tuple(HALF_DTYPES))
-    if isinstance(compile_modes, str) or not compile_modes:
-        raise ValueError(f"compile_modes must be a non-empty sequence of modes from "
-                         f"{COMPILE_MODES[1:]}; got {compile_modes!r}")
-    for mode in compile_modes:
-        check_choice("compile_modes", mode, COMPILE_MODES[1:])
-    base = dict(model=model, batch_size=batch_size, image_size=image_size,
-                num_classes=num_classes, cudnn_benchmark=cudnn_benchmark)
-    r4 = f"{model}-r4"
-    cfgs = [BenchConfig(precision=p, **base) for p in PRECISIONS]
-    cfgs += [BenchConfig(precision=p, channels_last=True, **base) for p in PRECISIONS]
-    cfgs += [BenchConfig(precision=p, channels_last=True, impl=i, **base)
-             for p in dict.fromkeys((amp, "bf16")) for i in ("foreach", "fused")]
-    cfgs += [BenchConfig(precision=amp, **dict(base, model=r4))]
-    adam = dict(base, precision=amp, channels_last=True, optimizer="adam")
-    cfgs += [BenchConfig(impl="foreach", **adam), BenchConfig(impl="fused", **adam),
-             BenchConfig(impl="fused", eps=1e-7, **adam),
-             BenchConfig(impl="fused", amsgrad=True, **adam)]
-    if compile_precision:
-        cfgs += [BenchConfig(precision=compile_precision, channels_last=True, impl="fused",
-                             compile=mode, **base) for mode in compile_modes]
-    return cfgs
-
-
 def find_row(rows: Sequence[Dict[str, object]], **match) -> Optional[Dict[str, object]]:
     """The first row whose configuration has every ``key=value`` in ``match`` (None if none)."""
     for r in rows:
@@ -725,71 +756,18 @@ def find_row(rows: Sequence[Dict[str, object]], **match) -> Optional[Dict[str, o
     return None
 
 
-def skipped_step_check(optimizer: str = "sgd", impl: str = "fused", device=None,
-                       size: int = 1024, prime_momentum: bool = False) -> Dict[str, object]:
-    """Does a step that GradScaler skips leave the optimizer exactly as it was?
-
-    One parameter vector, two steps: the first step's gradient holds an inf (GradScaler skips
-    it, as it does early in fp16 training while the scale settles), the second is finite. The
-    parameters after step two are compared with those of the for-loop optimizer, which skips
-    cleanly. Returns ``max_abs_diff`` (0.0 when ``impl`` agrees), ``finite`` and ``state_after_skip``
-    (whether the skipped step created optimizer state). ``prime_momentum=True`` applies the
-    course's workaround (zero SGD momentum buffers before the first step) to a fused SGD being
-    checked; ``primed`` says whether it was applied.
-    """
-    if not isinstance(prime_momentum, bool):
-        raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
-    check_choice("optimizer", optimizer, OPTIMIZERS)
-    check_choice("impl", impl, OPTIMIZER_IMPLS)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    results = {}
-    primed = prime_momentum and optimizer == "sgd" and impl == "fused"
-
-    def state_count(opt) -> int:  # state tensors of the parameter's size (not step counters)
-        return sum(1 for t in optimizer_state_tensors(opt) if t.numel() > 1)
-
-    for name in ("for-loop", impl):
-        p = nn.Parameter(torch.linspace(-1, 1, size, device=device))
-        opt = build_optimizer(BenchConfig(optimizer=optimizer, impl=name), [p],
-                              prime_momentum=prime_momentum and name == impl)
-        before = state_count(opt)  # primed buffers exist before any step
-        scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
-        bad = torch.ones(size, device=device)
-        bad[0] = float("inf")
-        state_after_skip = None
-        for c in (bad, torch.ones(size, device=device)):
-            scaler.scale((p * c).sum()).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            if state_after_skip is None:
-                state_after_skip = state_count(opt) > before
-        results[name] = (p.detach().clone(), state_after_skip)
-    ref, got = results["for-loop"][0], results[impl][0]
-    diff = (got - ref).abs().max().item() if torch.isfinite(got).all() else float("inf")
-    return {"optimizer": optimizer, "impl": impl, "primed": primed,
-            "device": str(device), "max_abs_diff": diff,
-            "finite": bool(torch.isfinite(got).all()),
-            "state_after_skip": results[impl][1], "reference_state_after_skip": results["for-loop"][1]}
-
-
 def results_document(rows: Sequence[Dict[str, object]], device=None,
                      **extra) -> Dict[str, object]:
     """Rows plus what produced them (GPU name, torch version, date) as JSON-ready data."""
-    import datetime as _dt
-    import platform
-
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else platform.processor() or platform.machine() or "CPU")
     doc = {"device": str(device), "device_name": name, "torch": torch.__version__,
            "cuda": torch.version.cuda, "python": platform.python_version(),
-           "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()}
+           "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()}
     doc.update(extra)
     doc["rows"] = [json_safe(r) for r in rows]
     return doc
-
-
 
 
 MEMORY_COLUMNS = (("label", "configuration"), ("params_gib", "params GiB"),
@@ -797,27 +775,6 @@ MEMORY_COLUMNS = (("label", "configuration"), ("params_gib", "params GiB"),
                   ("activations_gib", "saved activations GiB"),
                   ("peak_allocated_gib", "peak allocated GiB"),
                   ("peak_reserved_gib", "peak reserved GiB"))
-
-
-def layout_effects(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
-    """Per precision: img/s with NCHW and with channels_last (plain SGD rows), and the gain."""
-    out = []
-    for precision in PRECISIONS:
-        nchw = find_row(rows, precision=precision, channels_last=False, optimizer="sgd",
-                        impl="default", compile=None, cuda_graph=False)
-        nhwc = find_row(rows, precision=precision, channels_last=True, optimizer="sgd",
-                        impl="default", compile=None, cuda_graph=False)
-        if nchw is None or nhwc is None or nchw["config"]["model"].endswith("-r4"):
-            continue
-        a, b = nchw.get("img_per_s"), nhwc.get("img_per_s")
-        out.append({"label": nchw["label"], "nchw_img_per_s": a, "channels_last_img_per_s": b,
-                    "channels_last_gain": ratio(b, a)})
-    return out
-
-
-LAYOUT_COLUMNS = (("label", "precision"), ("nchw_img_per_s", "NCHW img/s"),
-                  ("channels_last_img_per_s", "channels_last img/s"),
-                  ("channels_last_gain", "gain x"))
 
 
 # --- the trainer against a hand-written loop ----------------------------------------------------
@@ -921,7 +878,7 @@ def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: i
     check_int("limit", limit, start)
     if not isinstance(cap_bytes, int) or cap_bytes < 1:
         raise ValueError(f"cap_bytes must be an integer >= 1; got {cap_bytes!r}")
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
     cuda = device.type == "cuda" and peak_bytes is None
     if not cuda and peak_bytes is None:
         raise ValueError("peak_bytes is required when device is not a CUDA device")

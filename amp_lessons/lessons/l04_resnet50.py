@@ -1,5 +1,11 @@
-"""Lesson 04, ResNet-50 memory and speed: accuracy on real data with each precision, the ops most
-sensitive to half precision, and the article claims (B1, R4-R7, R12) decided on ResNet-50."""
+"""Lesson 04, ResNet-50 memory and speed: the lesson's table of configurations, accuracy on real
+data with each precision, the ops most sensitive to half precision, and the article claims it
+decides (B1, B2, R4, R5, R6, R7, R12), each a ``claims.Verdict``.
+
+Every timing verdict passes ``claims.timing_gate`` (a GPU, a warm-up, enough steps, a busy GPU)
+and every accuracy verdict ``claims.accuracy_gate`` (trained well above chance): on the quick CPU
+profile they all read "not decided here" with the reason.
+"""
 from __future__ import annotations
 
 import importlib
@@ -11,19 +17,147 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import models as _models
-from .. import trainer as _trainer
+from .. import claims
+from .. import models
+from .. import trainer as training
 from .._validate import check_choice, check_int
-from ..measure import (BenchConfig, OPTIMIZERS, build_optimizer, free_memory, ratio)
-from ..precision import HALF_DTYPES, PRECISIONS, native_bf16
+from ..data import TensorBatches, digits
+from ..measure import (COMPILE_MODES, OPTIMIZER_IMPLS, OPTIMIZERS, STANDARD, BenchConfig,
+                       build_optimizer, find_row, free_memory, optimizer_state_tensors, ratio)
+from ..precision import HALF_DTYPES, PRECISIONS, as_device, native_bf16
+from ..tables import percent
+
+LESSON = "04"
+DECIDES = ("B1", "B2", "R4", "R5", "R6", "R7", "R12")
 
 
+# --- the lesson's table of configurations -------------------------------------------------------
 
-# --- accuracy on real data (claims R4, R5, R6, R7 and the parity table) -------------------------
+def lesson_configs(model: str = "resnet50", batch_size: int = 256, image_size: int = 224,
+                   num_classes: int = 1000, amp: str = "fp16",
+                   compile_precision: Optional[str] = "bf16",
+                   cudnn_benchmark: bool = STANDARD["cudnn_benchmark"],
+                   compile_modes: Sequence[str] = ("default", "reduce-overhead")
+                   ) -> List[BenchConfig]:
+    """Lesson 04's table: precisions x memory formats, fused optimizers, the selective-autocast
+    model, Adam's variants and torch.compile.
 
-DIGITS_MODELS = {"resnet50": _models.resnet50, "resnet18": _models.resnet18,
-                 "resnet50-r4": _models.optimized_resnet50,
-                 "resnet18-r4": _models.optimized_resnet18}
+    Every row uses ``measure.STANDARD``'s optimizer (foreach SGD, momentum 0.9) and cuDNN
+    autotuning unless the row is about the difference (its memory format, its optimizer, its
+    kernels: the label says). ``amp`` is the half precision of the optimizer and selective rows
+    (fp16 as in the articles; bf16 where fp16 would only be emulated); ``compile_precision`` is
+    that of the compiled rows (channels_last, fused SGD), one per mode in ``compile_modes``
+    (``None`` leaves torch.compile out).
+    """
+    check_choice("amp", amp, tuple(HALF_DTYPES))
+    check_choice("compile_precision", compile_precision, (None,) + tuple(PRECISIONS))
+    if not isinstance(cudnn_benchmark, bool):
+        raise ValueError(f"cudnn_benchmark must be True or False; got {cudnn_benchmark!r}")
+    if isinstance(compile_modes, str) or not compile_modes:
+        raise ValueError(f"compile_modes must be a non-empty sequence of modes from "
+                         f"{COMPILE_MODES[1:]}; got {compile_modes!r}")
+    for mode in compile_modes:
+        check_choice("compile_modes", mode, COMPILE_MODES[1:])
+    base = dict(model=model, batch_size=batch_size, image_size=image_size,
+                num_classes=num_classes, cudnn_benchmark=cudnn_benchmark,
+                optimizer=STANDARD["optimizer"], impl=STANDARD["impl"])
+    cfgs = [BenchConfig(precision=p, **base) for p in PRECISIONS]
+    cfgs += [BenchConfig(precision=p, channels_last=True, **base) for p in PRECISIONS]
+    cfgs += [BenchConfig(precision=p, channels_last=True, **dict(base, impl="fused"))
+             for p in dict.fromkeys((amp, "bf16"))]
+    cfgs += [BenchConfig(precision=amp, **dict(base, model=f"{model}-selective"))]
+    adam = dict(base, precision=amp, channels_last=True, optimizer="adam")
+    cfgs += [BenchConfig(**dict(adam, impl="foreach")), BenchConfig(**dict(adam, impl="fused")),
+             BenchConfig(eps=1e-7, **dict(adam, impl="fused")),
+             BenchConfig(amsgrad=True, **dict(adam, impl="fused"))]
+    if compile_precision:
+        cfgs += [BenchConfig(precision=compile_precision, channels_last=True, compile=mode,
+                             **dict(base, impl="fused")) for mode in compile_modes]
+    return cfgs
+
+
+def plain_row(rows: Sequence[Dict[str, object]], precision: str, model: str,
+              channels_last: bool = False) -> Optional[Dict[str, object]]:
+    """The table's row for ``precision`` with the standard optimizer, eager, of ``model``."""
+    return find_row(rows, precision=precision, channels_last=channels_last, model=model,
+                    optimizer=STANDARD["optimizer"], impl=STANDARD["impl"], compile=None,
+                    cuda_graph=False)
+
+
+def layout_effects(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
+    """Per precision: img/s with NCHW and with channels_last (standard optimizer), and the gain."""
+    out = []
+    for precision in PRECISIONS:
+        pair = [r for r in (find_row(rows, precision=precision, channels_last=cl,
+                                     optimizer=STANDARD["optimizer"], impl=STANDARD["impl"],
+                                     compile=None, cuda_graph=False) for cl in (False, True))]
+        if None in pair or pair[0]["config"]["model"].endswith("-selective"):
+            continue
+        a, b = pair[0].get("img_per_s"), pair[1].get("img_per_s")
+        out.append({"label": pair[0]["label"], "nchw_img_per_s": a, "channels_last_img_per_s": b,
+                    "channels_last_gain": ratio(b, a)})
+    return out
+
+
+LAYOUT_COLUMNS = (("label", "precision"), ("nchw_img_per_s", "NCHW img/s"),
+                  ("channels_last_img_per_s", "channels_last img/s"),
+                  ("channels_last_gain", "gain x"))
+
+
+def skipped_step_check(optimizer: str = "sgd", impl: str = "fused", device=None,
+                       size: int = 1024, prime_momentum: bool = False) -> Dict[str, object]:
+    """Does a step that GradScaler skips leave the optimizer exactly as it was?
+
+    One parameter vector, two steps: the first step's gradient holds an inf (GradScaler skips
+    it, as it does early in fp16 training while the scale settles), the second is finite. The
+    parameters after step two are compared with those of the for-loop optimizer, which skips
+    cleanly. Returns ``max_abs_diff`` (0.0 when ``impl`` agrees), ``finite`` and
+    ``state_after_skip`` (whether the skipped step created optimizer state).
+    ``prime_momentum=True`` applies the course's workaround (zero SGD momentum buffers before the
+    first step) to a fused SGD being checked; ``primed`` says whether it was applied.
+    """
+    if not isinstance(prime_momentum, bool):
+        raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("impl", impl, OPTIMIZER_IMPLS)
+    check_int("size", size, 2)
+    device = as_device(device)
+    results = {}
+    primed = prime_momentum and optimizer == "sgd" and impl == "fused"
+
+    def state_count(opt) -> int:  # state tensors of the parameter's size (not step counters)
+        return sum(1 for t in optimizer_state_tensors(opt) if t.numel() > 1)
+
+    for name in ("for-loop", impl):
+        p = nn.Parameter(torch.linspace(-1, 1, size, device=device))
+        opt = build_optimizer(BenchConfig(optimizer=optimizer, impl=name), [p],
+                              prime_momentum=prime_momentum and name == impl)
+        before = state_count(opt)  # primed buffers exist before any step
+        scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
+        bad = torch.ones(size, device=device)
+        bad[0] = float("inf")
+        state_after_skip = None
+        for c in (bad, torch.ones(size, device=device)):
+            scaler.scale((p * c).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if state_after_skip is None:
+                state_after_skip = state_count(opt) > before
+        results[name] = (p.detach().clone(), state_after_skip)
+    ref, got = results["for-loop"][0], results[impl][0]
+    diff = (got - ref).abs().max().item() if torch.isfinite(got).all() else float("inf")
+    return {"optimizer": optimizer, "impl": impl, "primed": primed, "device": str(device),
+            "max_abs_diff": diff, "finite": bool(torch.isfinite(got).all()),
+            "state_after_skip": results[impl][1],
+            "reference_state_after_skip": results["for-loop"][1]}
+
+
+# --- accuracy on real data (claims R4, R5, R7 and the parity table) -----------------------------
+
+RESNET_DIGITS_MODELS = {"resnet50": models.resnet50, "resnet18": models.resnet18,
+                        "resnet50-selective": models.optimized_resnet50,
+                        "resnet18-selective": models.optimized_resnet18}
 
 
 def digits_accuracy(model: str = "resnet18", precision: str = "fp32", device=None,
@@ -39,13 +173,11 @@ def digits_accuracy(model: str = "resnet18", precision: str = "fp32", device=Non
     training precision's autocast and with autocast off (claim R7). ``max_train`` /
     ``max_test`` keep only the first examples (the quick profile). Returns a row with
     ``accuracy``, ``accuracy_fp32_eval`` (fractions), ``final_loss`` (mean training loss of the
-    last epoch), ``skipped_steps``,
-    ``steps``, ``test_examples`` and ``seconds``; ``status`` is ``"skipped"`` where the device
-    cannot run the precision. The same ``seed`` gives the same initial weights and batches.
+    last epoch), ``skipped_steps``, ``steps``, ``classes``, ``test_examples`` and ``seconds``;
+    ``status`` is ``"skipped"`` where the device cannot run the precision. The same ``seed``
+    gives the same initial weights and batches.
     """
-    from ..data import TensorBatches, digits
-
-    check_choice("model", model, tuple(DIGITS_MODELS))
+    check_choice("model", model, tuple(RESNET_DIGITS_MODELS))
     check_choice("precision", precision, PRECISIONS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
     check_int("epochs", epochs, 1)
@@ -53,21 +185,22 @@ def digits_accuracy(model: str = "resnet18", precision: str = "fp32", device=Non
     for name, value in (("max_train", max_train), ("max_test", max_test)):
         if value is not None:
             check_int(name, value, 1)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
     label = f"{model}, {precision}, {optimizer}"
     if optimizer != "sgd":
         label += f" eps={eps:g}" + (" amsgrad" if amsgrad else "")
     row: Dict[str, object] = {"label": label, "model": model, "precision": precision,
                               "optimizer": optimizer, "eps": eps, "amsgrad": amsgrad,
-                              "status": "ok", "reason": ""}
+                              "classes": 10, "status": "ok", "reason": ""}
     if precision == "bf16" and not native_bf16(device):
         row.update(status="skipped", reason="bf16 needs compute capability 8.0+ "
                                             "(torch would only emulate it)")
         return row
     torch.manual_seed(seed)
-    net = DIGITS_MODELS[model](num_classes=10, in_channels=1, small_input=small_input).to(device)
-    cfg = BenchConfig(optimizer=optimizer, impl=impl, lr=lr, eps=eps, amsgrad=amsgrad)
-    opt = build_optimizer(cfg, net.parameters())
+    net = RESNET_DIGITS_MODELS[model](num_classes=10, in_channels=1,
+                                      small_input=small_input).to(device)
+    opt = build_optimizer(BenchConfig(optimizer=optimizer, impl=impl, lr=lr, eps=eps,
+                                      amsgrad=amsgrad), net.parameters())
     x_train, y_train = digits("train", image_size, device)
     x_test, y_test = digits("test", image_size, device)
     x_train, y_train = x_train[:max_train], y_train[:max_train]
@@ -81,27 +214,30 @@ def digits_accuracy(model: str = "resnet18", precision: str = "fp32", device=Non
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             opt, max_lr=opt.param_groups[0]["lr"], total_steps=epochs * len(train),
             pct_start=0.25)
-    trainer = _trainer.Trainer(net, opt, _trainer.TrainConfig(precision=precision,
-                                                              progress=False, seed=None),
-                               device=device, scheduler=scheduler)
+    run = training.Trainer(net, opt, training.TrainConfig(precision=precision, progress=False,
+                                                          seed=None),
+                           device=device, scheduler=scheduler)
     t0 = time.perf_counter()
-    history = trainer.fit(train, epochs=epochs)
-    same = trainer.evaluate(test)
-    fp32 = trainer.evaluate(test, precision="fp32")
+    history = run.fit(train, epochs=epochs)
+    same = run.evaluate(test)
+    fp32 = run.evaluate(test, precision="fp32")
     losses = [r.loss for r in history]
     last = history.epochs[-1]["train_loss"] if getattr(history, "epochs", None) else None
+    skipped = getattr(history, "skipped_steps", 0)
     row.update(accuracy=float(same["accuracy"]), accuracy_fp32_eval=float(fp32["accuracy"]),
                final_loss=float(last if last is not None else losses[-1]),
-               skipped_steps=_count(getattr(history, "skipped_steps", 0)),
+               skipped_steps=skipped if isinstance(skipped, int) else len(skipped or []),
                steps=len(losses), test_examples=int(same["examples"]),
                seconds=time.perf_counter() - t0)
-    del trainer, net, opt, scheduler
+    del run, net, opt, scheduler
     free_memory(device)
     return row
 
 
-def _count(value) -> int:
-    return value if isinstance(value, int) else len(value or [])
+ACCURACY_COLUMNS = (("label", "run"), ("accuracy", "test acc (autocast)"),
+                    ("accuracy_fp32_eval", "test acc (fp32 eval)"),
+                    ("final_loss", "last epoch loss"), ("skipped_steps", "skipped"),
+                    ("steps", "steps"), ("status", "status"))
 
 
 # --- claim R12: how sensitive is each op to half precision? -------------------------------------
@@ -114,17 +250,17 @@ def autocast_error_by_op(device=None, dtype="fp16",
     A 3x3 convolution and a linear layer (the bulk of a ResNet) against scaled dot-product
     attention whose logits are made larger by ``logit_scale`` (sharper softmax, as trained
     attention gets): the error is ``||out - ref|| / ||ref||``, inf where the output overflows.
-    ``dtype``: "fp16", "bf16" or the torch dtype.
+    ``dtype``: "fp16", "bf16" or the torch dtype. Each row names the ``device`` it ran on.
     """
     dtype = HALF_DTYPES.get(dtype, dtype)
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be 'fp16', 'bf16', torch.float16 or torch.bfloat16; "
                          f"got {dtype!r}")
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale)
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
     def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
         out = out.double().cpu()
@@ -132,32 +268,140 @@ def autocast_error_by_op(device=None, dtype="fp16",
             return float("inf")
         return float((out - ref).norm() / ref.norm())
 
+    def row(op, scale, out, ref):
+        return {"op": op, "logit_scale": scale, "out_dtype": str(out.dtype),
+                "rel_error": rel(out, ref), "device": device.type}
+
     rows = []
     x, w = rand(8, 64, 32, 32), rand(64, 64, 3, 3, scale=(1 / 576) ** 0.5)
-    ref = F.conv2d(x, w, padding=1)
     with torch.autocast(device_type=device.type, dtype=dtype):
         out = F.conv2d(x.float().to(device), w.float().to(device), padding=1)
-    rows.append({"op": "conv2d 3x3, 64 channels", "logit_scale": None, "out_dtype": str(out.dtype),
-                 "rel_error": rel(out, ref)})
+    rows.append(row("conv2d 3x3, 64 channels", None, out, F.conv2d(x, w, padding=1)))
     a, b = rand(1024, 1024), rand(1024, 1024, scale=1 / 32)
-    ref = a @ b
     with torch.autocast(device_type=device.type, dtype=dtype):
         out = F.linear(a.float().to(device), b.t().contiguous().float().to(device))
-    rows.append({"op": "linear 1024x1024", "logit_scale": None, "out_dtype": str(out.dtype),
-                 "rel_error": rel(out, ref)})
+    rows.append(row("linear 1024x1024", None, out, a @ b))
     for scale in logit_scales:
-        q, k, v = rand(4, 8, 256, 64), rand(4, 8, 256, 64), rand(4, 8, 256, 64)
-        q = q * scale
+        q, k, v = rand(4, 8, 256, 64) * scale, rand(4, 8, 256, 64), rand(4, 8, 256, 64)
         ref = torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1) @ v
         with torch.autocast(device_type=device.type, dtype=dtype):
             out = F.scaled_dot_product_attention(q.float().to(device), k.float().to(device),
                                                  v.float().to(device))
-        rows.append({"op": "attention (SDPA), 256 tokens", "logit_scale": scale,
-                     "out_dtype": str(out.dtype), "rel_error": rel(out, ref)})
+        rows.append(row("attention (SDPA), 256 tokens", scale, out, ref))
     return rows
 
 
-# --- claims -------------------------------------------------------------------------------------
+# --- when can this run decide? ------------------------------------------------------------------
+
+def _device_type(row: Dict[str, object]) -> str:
+    return "cuda" if row.get("timer") == "CUDA events" else "cpu"
+
+
+def timing_reason(*rows: Dict[str, object]) -> Optional[str]:
+    """Why a speed comparison of these table rows cannot decide a claim (``claims.timing_gate``
+    over the fewest steps, the least warm-up and the idlest GPU among them), or None when it can.
+    A GPU row whose idle share was not measured cannot show the GPU was busy, so it cannot decide.
+    """
+    if not rows:
+        raise ValueError("rows must hold at least one measured row")
+    for r in rows:
+        if r.get("status") != "ok" or r.get("img_per_s") is None:
+            return f"{r.get('label', '?')} did not run ({r.get('status')}: {r.get('reason')})"
+    device = "cuda" if all(_device_type(r) == "cuda" for r in rows) else "cpu"
+    idle = [r.get("gpu_idle_fraction") for r in rows]
+    if device == "cuda" and any(v is None for v in idle):
+        return "the GPU's idle share was not measured, so a busy GPU cannot be shown"
+    return claims.timing_gate(device, min(int(r.get("steps") or 0) for r in rows),
+                              min(int(r.get("warmup") or 0) for r in rows),
+                              max(idle) if device == "cuda" else None)
+
+
+def accuracy_reason(*runs: Dict[str, object]) -> Optional[str]:
+    """Why an accuracy comparison of these digits runs cannot decide a claim
+    (``claims.accuracy_gate`` on the least accurate of them), or None when it can."""
+    if not runs:
+        raise ValueError("runs must hold at least one digits run")
+    if any(r.get("accuracy") is None for r in runs):
+        return "a run did not train (" + ", ".join(f"{r.get('label')}: {r.get('status')}"
+                                                    for r in runs if r.get("accuracy") is None) + ")"
+    worst = min(runs, key=lambda r: r["accuracy"])
+    return claims.accuracy_gate(worst["accuracy"], int(worst.get("classes", 10)))
+
+
+def _idle_text(*rows) -> str:
+    idle = [r.get("gpu_idle_fraction") for r in rows]
+    if any(v is None for v in idle):
+        return "GPU idle share not measured"
+    return "GPU idle " + ", ".join(percent(v, 1.0) for v in idle) + " of the step"
+
+
+def _saving(row, base) -> Optional[float]:
+    """Percent of ``base``'s peak memory that ``row`` saves (None without peaks: a CPU)."""
+    peak, ref = row.get("peak_allocated_gib"), base.get("peak_allocated_gib")
+    return 100 * (1 - peak / ref) if peak is not None and ref else None
+
+
+def _ms(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v:,.1f} ms"
+
+
+def _pct(v: Optional[float]) -> str:
+    return "n/a (no peak counter here)" if v is None else f"{v:.0f}%"
+
+
+# --- claims B1 and B2: fp16 against fp32 on ResNet-50 -------------------------------------------
+
+def verdict_b1(fp32: Dict[str, object], fp16: Dict[str, object]) -> claims.Verdict:
+    """Claim B1 (fp16 saves about 50% of memory and trains 1.5-2x faster on tensor cores) from
+    two rows of the same run. Holds when the speed-up is at least 1.5x and the memory saved at
+    least 40%; decided only on a busy GPU (``timing_reason``)."""
+    for name, r in (("fp32", fp32), ("fp16", fp16)):
+        if not isinstance(r, dict):
+            raise ValueError(f"{name} must be a measured row (a dict); got {r!r}")
+    reason = timing_reason(fp32, fp16)
+    speedup = ratio(fp16.get("img_per_s"), fp32.get("img_per_s"))
+    saving = _saving(fp16, fp32)
+    speed_text = "n/a" if speedup is None else f"{speedup:.2f}x"
+    measured = (f"{fp16.get('label')} vs {fp32.get('label')}: {speed_text} the speed, memory "
+                f"saved {_pct(saving)} ({_idle_text(fp32, fp16)})")
+    if reason is None and saving is None:
+        reason = "peak memory was not measured on this device"
+    held = None if reason else (speedup >= 1.5 and saving >= 40)
+    why = "" if reason else (
+        f"speed-up {speedup:.2f}x {'>=' if speedup >= 1.5 else '<'} 1.5x and memory saved "
+        f"{saving:.0f}% {'>=' if saving >= 40 else '<'} 40%"
+        + ("; faster than the claimed 2x" if speedup > 2 else ""))
+    return claims.decide("B1", LESSON, measured, held, why or "-",
+                         {"speedup": speedup, "memory_saving_pct": saving}, cannot_decide=reason)
+
+
+def verdict_b2(fp32: Dict[str, object], fp16: Dict[str, object]) -> claims.Verdict:
+    """Claim B2 (article B's RTX 3090 run: AMP over 40% less memory and about 39% less time than
+    fp32) from two rows of the same run: holds when memory saved >= 40% and the step time is at
+    least 30% shorter; decided only on a busy GPU."""
+    for name, r in (("fp32", fp32), ("fp16", fp16)):
+        if not isinstance(r, dict):
+            raise ValueError(f"{name} must be a measured row (a dict); got {r!r}")
+    reason = timing_reason(fp32, fp16)
+    saving = _saving(fp16, fp32)
+    a, b = fp32.get("step_ms"), fp16.get("step_ms")
+    shorter = 100 * (1 - b / a) if a and b is not None else None
+    change = ("n/a" if shorter is None else f"{shorter:.0f}% shorter" if shorter >= 0 else
+              f"{-shorter:.0f}% longer")
+    measured = (f"{fp16.get('label')} step {_ms(b)} vs {_ms(a)} with {fp32.get('label')} "
+                f"({change}), memory saved {_pct(saving)} ({_idle_text(fp32, fp16)})")
+    if reason is None and saving is None:
+        reason = "peak memory was not measured on this device"
+    held = None if reason else (saving >= 40 and shorter >= 30)
+    why = "" if reason else (
+        f"memory saved {saving:.0f}% {'>=' if saving >= 40 else '<'} 40% and step time "
+        f"{shorter:.0f}% shorter {'>=' if shorter >= 30 else '<'} 30% (article: 43% and 40%)")
+    return claims.decide("B2", LESSON, measured, held, why or "-",
+                         {"memory_saving_pct": saving, "step_time_shorter_pct": shorter},
+                         cannot_decide=reason)
+
+
+# --- claim R6: article R's table -----------------------------------------------------------------
 
 R6_SOURCE = ("article R, \"PyTorch 2.0 混合精度训练实战：ResNet-50 显存节省 40% 的 3 个关键配置\": "
              "ResNet-50 on ImageNet")
@@ -166,204 +410,145 @@ R6_CLAIM = (
     {"configuration": "native AMP", "gib": 10.1, "img_per_s": 580, "top1": 76.1},
     {"configuration": "optimized (R3+R4+R5)", "gib": 9.1, "img_per_s": 620, "top1": 76.2},
 )
-B1_CLAIM = {"memory_saving_pct": 50.0, "speedup_low": 1.5, "speedup_high": 2.0}
 
 
 def compare_r6(fp32: Dict[str, object], amp: Dict[str, object],
                optimized: Dict[str, object]) -> List[Dict[str, object]]:
     """Claim R6's table beside three measured rows (fp32, plain AMP, the "optimized" model).
 
-    Absolute numbers depend on the card and the data, so the verdicts compare changes against
-    the fp32 row of the same run: memory saved, speedup, and the ordering the claim implies
-    (the optimized model at least as fast and as small as plain AMP).
+    Absolute numbers depend on the card and the data, so each row compares changes against the
+    fp32 row of the same run: memory saved and speed-up, claimed and measured, and the GPU's
+    idle share. ``verdict_r6`` rules on these rows.
     """
     measured = (fp32, amp, optimized)
-    if any(r.get("img_per_s") is None for r in measured):
+    if any(not isinstance(r, dict) or r.get("img_per_s") is None for r in measured):
         raise ValueError("fp32, amp and optimized rows must all hold measurements (status ok)")
-    base_c, base_m = R6_CLAIM[0], fp32
+    base = R6_CLAIM[0]
     out = []
     for claim, row in zip(R6_CLAIM, measured):
-        mem_c = 100 * (1 - claim["gib"] / base_c["gib"])
-        speed_c = claim["img_per_s"] / base_c["img_per_s"]
-        peak = row.get("peak_allocated_gib")
-        mem_m = 100 * (1 - peak / base_m["peak_allocated_gib"]) if peak is not None and \
-            base_m.get("peak_allocated_gib") else None
-        speed_m = row["img_per_s"] / base_m["img_per_s"]
         out.append({"configuration": claim["configuration"], "measured_label": row["label"],
-                    "claimed_gib": claim["gib"], "measured_gib": peak,
-                    "claimed_saving_pct": mem_c, "measured_saving_pct": mem_m,
+                    "claimed_gib": claim["gib"], "measured_gib": row.get("peak_allocated_gib"),
+                    "claimed_saving_pct": 100 * (1 - claim["gib"] / base["gib"]),
+                    "measured_saving_pct": _saving(row, fp32),
                     "claimed_img_per_s": claim["img_per_s"], "measured_img_per_s": row["img_per_s"],
-                    "claimed_speedup": speed_c, "measured_speedup": speed_m})
-    for r in out[1:]:
-        parts = []
-        if r["measured_saving_pct"] is not None:
-            parts.append(_verdict_at_least("memory saving", r["measured_saving_pct"],
-                                           r["claimed_saving_pct"], "%"))
-        parts.append(_verdict_at_least("speedup", r["measured_speedup"], r["claimed_speedup"], "x"))
-        r["verdict"] = "; ".join(parts)
-    o, a = out[2], out[1]
-    faster = o["measured_img_per_s"] >= a["measured_img_per_s"]
-    smaller = (o["measured_gib"] is None or a["measured_gib"] is None
-               or o["measured_gib"] <= a["measured_gib"])
-    o["verdict"] += ("; better than plain AMP as claimed" if faster and smaller else
-                     f"; NOT better than plain AMP: {o['measured_img_per_s']:.0f} vs "
-                     f"{a['measured_img_per_s']:.0f} img/s"
-                     + ("" if o["measured_gib"] is None or a["measured_gib"] is None else
-                        f", {o['measured_gib']:.1f} vs {a['measured_gib']:.1f} GiB"))
-    out[0]["verdict"] = "baseline"
+                    "claimed_speedup": claim["img_per_s"] / base["img_per_s"],
+                    "measured_speedup": row["img_per_s"] / fp32["img_per_s"],
+                    "gpu_idle_fraction": row.get("gpu_idle_fraction"),
+                    "timer": row.get("timer"), "steps": row.get("steps"),
+                    "warmup": row.get("warmup"), "status": row.get("status")})
     return out
 
 
-def _verdict_at_least(what: str, measured: float, claimed: float, unit: str) -> str:
-    held = measured >= claimed
-    m = f"{measured:.0f}{unit}" if unit == "%" else f"{measured:.2f}{unit}"
-    c = f"{claimed:.0f}{unit}" if unit == "%" else f"{claimed:.2f}{unit}"
-    return f"{what} {m} vs claimed {c}: {'held' if held else 'did not hold'}"
-
-
-def verdict_b1(fp32: Dict[str, object], fp16: Dict[str, object]) -> Dict[str, object]:
-    """Claim B1 (fp16 saves about 50% of memory and trains 1.5-2x faster) against two rows."""
-    if fp32.get("img_per_s") is None or fp16.get("img_per_s") is None:
-        raise ValueError("fp32 and fp16 rows must both hold measurements (status ok)")
-    speedup = fp16["img_per_s"] / fp32["img_per_s"]
-    saving = None
-    if fp32.get("peak_allocated_gib") and fp16.get("peak_allocated_gib") is not None:
-        saving = 100 * (1 - fp16["peak_allocated_gib"] / fp32["peak_allocated_gib"])
-    lo, hi = B1_CLAIM["speedup_low"], B1_CLAIM["speedup_high"]
-    speed = ("within the claimed 1.5-2x" if lo <= speedup <= hi else
-             "faster than claimed" if speedup > hi else "slower than claimed")
-    if saving is None:
-        mem = "memory not measured on this device"
-    else:
-        mem = ("about the claimed 50%" if abs(saving - 50) <= 10 else
-               "more than claimed" if saving > 50 else "less than claimed")
-    mem_text = "n/a" if saving is None else f"{saving:.0f}%"
-    text = (f"claim B1: fp16 saves ~50% memory and is 1.5-2x faster; measured here: "
-            f"{speedup:.2f}x ({speed}), memory saved {mem_text} ({mem})")
-    return {"speedup": speedup, "memory_saving_pct": saving, "speed_verdict": speed,
-            "memory_verdict": mem, "text": text,
-            "held": (lo <= speedup and (saving is None or saving >= 40))}
-
-
-PUBLISHED_FASTEST = {"img_per_s": 7950.0, "batch_size": 256,
-                     "source": "MLPerf Training v4.0, ResNet-50 on H200 with fused MXNet; MLPerf "
-                               "publishes time to train, this per-GPU throughput is derived from "
-                               "it, the best such figure published"}
-
-
-def fastest_row(rows: Sequence[Dict[str, object]]) -> Optional[Dict[str, object]]:
-    """The row with the most img/s among those that ran (status ok) and kept a finite loss, or None.
-
-    A configuration whose loss went non-finite is fast at nothing useful, so it cannot win.
-    """
-    ok = [r for r in rows if _trained(r)]
-    return max(ok, key=lambda r: r["img_per_s"]) if ok else None
-
-
-def _trained(row) -> bool:
-    """A measured row (status ok, img/s > 0) whose loss stayed finite."""
-    return (isinstance(row, dict) and row.get("status") == "ok"
-            and isinstance(row.get("img_per_s"), (int, float)) and row["img_per_s"] > 0
-            and isinstance(row.get("loss"), (int, float)) and math.isfinite(row["loss"]))
-
-
-def verdict_fastest(row: Dict[str, object], fp32: Dict[str, object]) -> Dict[str, object]:
-    """The fastest measured step against fp32 (same run) and ``PUBLISHED_FASTEST``."""
-    for name, r in (("row", row), ("fp32", fp32)):
-        if not _trained(r):
-            raise ValueError(f"{name} must be a measured row (status ok, img_per_s > 0, finite "
-                             f"loss); got {r!r}"[:300])
-    ref = PUBLISHED_FASTEST["img_per_s"]
-    share = row["img_per_s"] / ref
-    text = (f"fastest here: {row['label']} at {row['img_per_s']:,.0f} img/s "
-            f"({row['img_per_s'] / fp32['img_per_s']:.2f}x fp32 with TF32 off, batch "
-            f"{(row.get('config') or {}).get('batch_size', '?')}); "
-            f"{share:.0%} of the published {ref:,.0f} img/s ({PUBLISHED_FASTEST['source']})")
-    if row.get("timer") == "perf_counter":
-        text += "; timed on a CPU at small sizes here, so not comparable with that GPU figure"
-    return {"img_per_s": row["img_per_s"], "share_of_published": share, "beats_published": share > 1,
-            "text": text}
+def verdict_r6(r6_rows: Sequence[Dict[str, object]]) -> claims.Verdict:
+    """Claim R6 from ``compare_r6``'s rows: holds when plain AMP and "optimized" each save at
+    least the claimed memory and reach the claimed speed-up against fp32, and "optimized" beats
+    plain AMP (faster, no bigger). Decided only on a busy GPU."""
+    if len(r6_rows) != 3:
+        raise ValueError(f"r6_rows must be compare_r6's 3 rows; got {len(r6_rows)}")
+    fp32, amp, opt = r6_rows
+    as_rows = [{"label": r["measured_label"], "status": r["status"], "img_per_s":
+                r["measured_img_per_s"], "timer": r["timer"], "steps": r["steps"],
+                "warmup": r["warmup"], "gpu_idle_fraction": r["gpu_idle_fraction"]}
+               for r in r6_rows]
+    reason = timing_reason(*as_rows)
+    if reason is None and any(r["measured_saving_pct"] is None for r in (amp, opt)):
+        reason = "peak memory was not measured on this device"
+    parts, fails = [], []
+    for r in (amp, opt):
+        s = r["measured_saving_pct"]
+        parts.append(f"{r['configuration']}: {r['measured_speedup']:.2f}x (claimed "
+                     f"{r['claimed_speedup']:.2f}x), memory saved "
+                     f"{'n/a' if s is None else f'{s:.0f}%'} (claimed "
+                     f"{r['claimed_saving_pct']:.0f}%)")
+        if r["measured_speedup"] < r["claimed_speedup"]:
+            fails.append(f"{r['configuration']} slower than claimed")
+        if s is not None and s < r["claimed_saving_pct"]:
+            fails.append(f"{r['configuration']} saves {s:.0f}% < claimed "
+                         f"{r['claimed_saving_pct']:.0f}%")
+    better = opt["measured_img_per_s"] >= amp["measured_img_per_s"] and (
+        opt["measured_gib"] is None or amp["measured_gib"] is None
+        or opt["measured_gib"] <= amp["measured_gib"])
+    if not better:
+        fails.append(f"optimized is not better than plain AMP ({opt['measured_img_per_s']:,.0f} "
+                     f"vs {amp['measured_img_per_s']:,.0f} img/s)")
+    measured = "; ".join(parts) + f" ({_idle_text(*as_rows)})"
+    why = "; ".join(fails) if fails else "every row reached its claim and optimized beat plain AMP"
+    return claims.decide("R6", LESSON, measured, not fails, why,
+                         {"amp_speedup": amp["measured_speedup"],
+                          "optimized_speedup": opt["measured_speedup"],
+                          "amp_saving_pct": amp["measured_saving_pct"],
+                          "optimized_saving_pct": opt["measured_saving_pct"]},
+                         cannot_decide=reason)
 
 
 R6_COLUMNS = (("configuration", "R6 row"), ("measured_label", "measured as"),
               ("claimed_gib", "claimed GB"), ("measured_gib", "measured GiB"),
               ("claimed_saving_pct", "claimed saved %"), ("measured_saving_pct", "saved %"),
               ("claimed_img_per_s", "claimed img/s"), ("measured_img_per_s", "img/s"),
-              ("claimed_speedup", "claimed x"), ("measured_speedup", "x"), ("verdict", "verdict"))
-
-ACCURACY_COLUMNS = (("label", "run"), ("accuracy", "test acc (autocast)"),
-                    ("accuracy_fp32_eval", "test acc (fp32 eval)"), ("final_loss", "last epoch loss"),
-                    ("skipped_steps", "skipped"), ("steps", "steps"), ("status", "status"))
+              ("claimed_speedup", "claimed x"), ("measured_speedup", "x"),
+              ("gpu_idle_fraction", "GPU idle", lambda v: percent(v, 1.0)))
 
 
-def verdict_r4(amp: Dict[str, object], r4: Dict[str, object], amp_run: Dict[str, object],
-               r4_run: Dict[str, object], tolerance: float = 0.01) -> Dict[str, object]:
-    """Claim R4 (layer3/4 + fc in fp32 keep accuracy) in numbers: speed, memory, accuracy.
+# --- claims R4, R5, R7 (accuracy) and R12 (op error) --------------------------------------------
 
-    ``amp``/``r4`` are benchmark rows, ``amp_run``/``r4_run`` digits runs. The claim holds
-    where the fp32 layers buy accuracy (more than ``tolerance``) that plain AMP lacks.
+def verdict_r4(amp: Dict[str, object], selective: Dict[str, object], amp_run: Dict[str, object],
+               selective_run: Dict[str, object], tolerance: float = 0.01) -> claims.Verdict:
+    """Claim R4 (layer3/4 + fc in fp32 keep accuracy): accuracy of the selective-autocast model
+    against plain AMP on the digits set, and what it costs in speed and memory (table rows).
+
+    Holds where the fp32 layers buy accuracy (more than ``tolerance``) that plain AMP lacks;
+    decided only when both runs trained well above chance (``accuracy_reason``).
     """
-    for name, row, key in (("amp", amp, "img_per_s"), ("r4", r4, "img_per_s"),
-                           ("amp_run", amp_run, "accuracy"), ("r4_run", r4_run, "accuracy")):
-        if row.get(key) is None:
+    for name, row, key in (("amp", amp, "img_per_s"), ("selective", selective, "img_per_s"),
+                           ("amp_run", amp_run, "accuracy"),
+                           ("selective_run", selective_run, "accuracy")):
+        if not isinstance(row, dict) or row.get(key) is None:
             raise ValueError(f"{name} must hold a measurement ({key}); got status "
-                             f"{row.get('status')!r}")
-    speed = r4["img_per_s"] / amp["img_per_s"]
-    mem = ratio(r4.get("peak_allocated_gib"), amp.get("peak_allocated_gib"))
-    acts = ratio(r4.get("activations_gib"), amp.get("activations_gib"))
-    gain = r4_run["accuracy"] - amp_run["accuracy"]
+                             f"{(row or {}).get('status')!r}")
+    speed = selective["img_per_s"] / amp["img_per_s"]
+    mem = ratio(selective.get("peak_allocated_gib"), amp.get("peak_allocated_gib"))
+    acts = ratio(selective.get("activations_gib"), amp.get("activations_gib"))
+    gain = selective_run["accuracy"] - amp_run["accuracy"]
+    cost_reason = timing_reason(amp, selective)
+    measured = (f"accuracy {100 * selective_run['accuracy']:.1f}% vs "
+                f"{100 * amp_run['accuracy']:.1f}% with plain AMP; cost: speed x{speed:.2f}"
+                + (f", peak memory x{mem:.2f}" if mem is not None else "")
+                + (f", saved activations x{acts:.2f}" if acts is not None else "")
+                + (f" (speed not comparable: {cost_reason})" if cost_reason else ""))
     held = gain > tolerance
-    text = (f"claim R4: forcing layer3, layer4 and fc to fp32 keeps accuracy; measured: "
-            f"speed x{speed:.2f}, "
-            + (f"peak memory x{mem:.2f}, " if mem is not None else "")
-            + f"saved activations x{acts:.2f}, accuracy {100 * r4_run['accuracy']:.1f}% vs "
-            f"{100 * amp_run['accuracy']:.1f}% with plain AMP: "
-            + ("the fp32 layers bought accuracy" if held else
-               "no accuracy to win back: plain AMP already matched it"))
-    return {"speed_ratio": speed, "memory_ratio": mem, "activations_ratio": acts,
-            "accuracy_gain": gain, "held": held, "text": text}
+    why = ("the fp32 layers bought accuracy" if held else
+           f"no accuracy to win back: plain AMP already matched it ({100 * gain:+.1f} points)")
+    return claims.decide("R4", LESSON, measured, held, why,
+                         {"speed_ratio": speed, "memory_ratio": mem, "activations_ratio": acts,
+                          "accuracy_gain": gain},
+                         cannot_decide=accuracy_reason(amp_run, selective_run))
 
 
-def verdict_r7(runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> Dict[str, object]:
+def verdict_r7(runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> claims.Verdict:
     """Claim R7 (validate with autocast off if accuracy drops): the largest accuracy difference
-    between evaluating under autocast and in fp32, over the half-precision runs."""
+    between evaluating under autocast and in fp32 over the half-precision runs. Holds where fp32
+    evaluation recovers more than ``tolerance``; decided only on runs trained above chance."""
     half = [r for r in runs if r.get("precision") in HALF_DTYPES and r.get("accuracy") is not None]
     if not half:
         raise ValueError("runs must hold at least one fp16 or bf16 run that ran")
-    diffs = [r["accuracy_fp32_eval"] - r["accuracy"] for r in half]
-    worst = max(diffs, key=abs)
+    worst = max((r["accuracy_fp32_eval"] - r["accuracy"] for r in half), key=abs)
+    measured = (f"fp32 evaluation changed accuracy by at most {100 * worst:+.2f} points over "
+                f"{len(half)} half-precision runs")
     held = worst > tolerance
-    text = (f"claim R7: validate with autocast disabled if accuracy drops; measured: fp32 "
-            f"evaluation changed accuracy by at most {100 * worst:+.2f} points over "
-            f"{len(half)} half-precision runs: "
-            + ("fp32 evaluation recovered accuracy" if held else
-               "autocast evaluation lost nothing to recover"))
-    return {"max_difference": worst, "held": held, "text": text}
-
-
-def verdict_r12(op_rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
-    """Claim R12 (attention is more precision-sensitive than convolutions) from
-    ``autocast_error_by_op`` rows: worst attention error over the convolution's error."""
-    conv = [r["rel_error"] for r in op_rows if r["op"].startswith("conv")]
-    attn = [r["rel_error"] for r in op_rows if r["op"].startswith("attention")]
-    if not conv or not attn:
-        raise ValueError("op_rows must hold convolution and attention rows")
-    ratio = max(attn) / max(conv)
-    held = ratio > 1.5
-    text = (f"claim R12: attention is more precision-sensitive than convolutions; measured: "
-            f"attention's relative error is up to {ratio:.1f}x the convolution's "
-            + ("and grows with sharper softmax logits: held" if held else ": did not hold"))
-    return {"ratio": ratio, "held": held, "text": text}
+    why = ("fp32 evaluation recovered accuracy" if held else
+           "autocast evaluation lost nothing to recover")
+    return claims.decide("R7", LESSON, measured, held, why, {"max_difference": worst},
+                         cannot_decide=accuracy_reason(*half))
 
 
 def adam_precision_facts(device=None) -> Dict[str, object]:
     """Claim R5's "fp16 division by zero": which dtype Adam computes in under AMP.
 
-    One fp16 autocast step of a small model with Adam: parameters, gradients and Adam's state
-    are float32, so eps never meets float16. For contrast, what float16 would make of 1e-8 and
-    1e-7.
+    One autocast step of a small model with Adam (fp16 on a GPU, bf16 on a CPU): parameters,
+    gradients and Adam's state are float32, so eps never meets float16. For contrast, what
+    float16 would make of 1e-8 and 1e-7.
     """
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
     opt = torch.optim.Adam(model.parameters(), eps=1e-8)
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
@@ -399,3 +584,109 @@ def multi_tensor_status() -> Dict[str, object]:
         out["subclass_of_adam"] = isinstance(adam, type) and issubclass(adam, torch.optim.Adam)
         out["foreach"] = adam([nn.Parameter(torch.zeros(1))]).defaults.get("foreach")
     return out
+
+
+def verdict_r5(facts: Dict[str, object], multi_tensor: Dict[str, object],
+               runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> claims.Verdict:
+    """Claim R5 (raise Adam's eps "against fp16 division by zero", amsgrad "for stability",
+    ``_multi_tensor.Adam`` as a mixed-precision wrapper).
+
+    ``facts`` from ``adam_precision_facts``, ``multi_tensor`` from ``multi_tensor_status``,
+    ``runs``: digits runs with Adam's default settings first, then the eps and amsgrad variants.
+    Holds where Adam's state lives in half precision (so eps could meet fp16), a variant trains
+    better than the default by more than ``tolerance``, or ``_multi_tensor.Adam`` is more than
+    foreach Adam. Decided only on runs trained above chance.
+    """
+    if len(runs) < 2 or any(not isinstance(r, dict) for r in runs):
+        raise ValueError("runs must hold the default Adam run and at least one variant")
+    state_dtype = facts["exp_avg_sq_dtype"]
+    half_state = state_dtype in ("torch.float16", "torch.bfloat16")
+    plain = bool(not multi_tensor["exists"] or (multi_tensor["subclass_of_adam"]
+                                                and multi_tensor["foreach"] is True))
+    reason = accuracy_reason(*runs)
+    gains = [r["accuracy"] - runs[0]["accuracy"] for r in runs[1:]] if reason is None else []
+    best = max(gains) if gains else None
+    mt = ("absent" if not multi_tensor["exists"] else
+          "plain Adam with foreach=True" if plain else "something other than foreach Adam")
+    measured = (f"Adam's state under autocast is {state_dtype}, params {facts['param_dtype']}; "
+                f"torch.optim._multi_tensor.Adam: {mt}"
+                + ("" if best is None else
+                   f"; best variant vs default Adam: {100 * best:+.1f} accuracy points"))
+    held = half_state or not plain or (best is not None and best > tolerance)
+    why = ("" if held else
+           f"eps is applied in fp32 ({state_dtype} state), the eps/amsgrad variants trained no "
+           f"better, and _multi_tensor.Adam is {mt}: no mixed-precision wrapper")
+    return claims.decide("R5", LESSON, measured, held, why or "the premise held on this torch",
+                         {"state_dtype": state_dtype, "multi_tensor_plain": plain,
+                          "best_variant_gain": best}, cannot_decide=reason)
+
+
+def verdict_r12(op_rows: Sequence[Dict[str, object]]) -> claims.Verdict:
+    """Claim R12 (attention is more precision-sensitive than convolutions) from
+    ``autocast_error_by_op`` rows: holds when attention's worst error is over 1.5x the
+    convolution's. Decided only on a GPU, whose kernels the claim is about (a CPU's autocast
+    runs other kernels with other accumulation)."""
+    conv = [r["rel_error"] for r in op_rows if r["op"].startswith("conv")]
+    attn = [r["rel_error"] for r in op_rows if r["op"].startswith("attention")]
+    if not conv or not attn:
+        raise ValueError("op_rows must hold convolution and attention rows")
+    worst = max(attn) / max(conv) if max(conv) > 0 else float("inf")
+    device = {r.get("device", "cpu") for r in op_rows}
+    reason = None if device == {"cuda"} else (
+        f"measured on {', '.join(sorted(device))}: the claim is about GPU kernels, whose "
+        f"accumulation differs from a CPU's")
+    grows = len(attn) > 1 and attn[-1] > attn[0]
+    measured = (f"attention's relative error is up to {worst:.1f}x the convolution's"
+                + (" and grows with sharper softmax logits" if grows else ""))
+    held = worst > 1.5
+    why = f"ratio {worst:.1f} {'>' if held else '<='} 1.5"
+    return claims.decide("R12", LESSON, measured, held, why, {"ratio": worst},
+                         cannot_decide=reason)
+
+
+# --- the fastest step: a measurement beside a published figure, not a claim ----------------------
+
+PUBLISHED_FASTEST = {"img_per_s": 7950.0, "batch_size": 256,
+                     "source": "MLPerf Training v4.0, ResNet-50 on H200 with fused MXNet; MLPerf "
+                               "publishes time to train, this per-GPU throughput is derived from "
+                               "it, the best such figure published"}
+
+
+def trained(row) -> bool:
+    """A measured row (status ok, img/s > 0) whose loss stayed finite."""
+    return (isinstance(row, dict) and row.get("status") == "ok"
+            and isinstance(row.get("img_per_s"), (int, float)) and row["img_per_s"] > 0
+            and isinstance(row.get("loss"), (int, float)) and math.isfinite(row["loss"]))
+
+
+def fastest_row(rows: Sequence[Dict[str, object]]) -> Optional[Dict[str, object]]:
+    """The row with the most img/s among those that trained (``trained``), or None.
+
+    A configuration whose loss went non-finite is fast at nothing useful, so it cannot win.
+    """
+    ok = [r for r in rows if trained(r)]
+    return max(ok, key=lambda r: r["img_per_s"]) if ok else None
+
+
+def fastest_against_published(row: Dict[str, object], fp32: Dict[str, object]) -> Dict[str, object]:
+    """The fastest measured step against fp32 (same run) and ``PUBLISHED_FASTEST``.
+
+    The share of the published figure is given only where the timing could decide anything
+    (``timing_reason``): a CPU at tiny sizes is not compared with a GPU's figure, and ``text``
+    says why.
+    """
+    for name, r in (("row", row), ("fp32", fp32)):
+        if not trained(r):
+            raise ValueError(f"{name} must be a measured row (status ok, img_per_s > 0, finite "
+                             f"loss); got {r!r}"[:300])
+    reason = timing_reason(row, fp32)
+    ref = PUBLISHED_FASTEST["img_per_s"]
+    share = None if reason else row["img_per_s"] / ref
+    text = (f"fastest here: {row['label']} at {row['img_per_s']:,.0f} img/s "
+            f"({row['img_per_s'] / fp32['img_per_s']:.2f}x fp32 with TF32 off, batch "
+            f"{(row.get('config') or {}).get('batch_size', '?')}); ")
+    text += (f"not compared with the published {ref:,.0f} img/s: {reason}" if reason else
+             f"{share:.0%} of the published {ref:,.0f} img/s ({PUBLISHED_FASTEST['source']})")
+    return {"img_per_s": row["img_per_s"], "share_of_published": share,
+            "beats_published": None if share is None else share > 1, "comparable": not reason,
+            "text": text}

@@ -25,11 +25,16 @@ def _l04_memory(row: Mapping, key: str) -> Optional[float]:
     return row.get(key)
 
 
+def _l04_hover(row: Mapping) -> str:
+    idle = row.get("gpu_idle_fraction")
+    return row["label"] + ("" if idle is None else f"<br>GPU idle {100 * idle:.2g}% of the step")
+
+
 def throughput_memory(rows: Sequence[Mapping], title: str = "ResNet training step: "
                       "speed against memory", memory_key: str = "peak_allocated_gib") -> go.Figure:
     """Lesson 04: img/s against peak memory (GiB), one point per measured configuration.
 
-    ``rows`` are ``bench.run_configs`` rows; those without both numbers (skipped, out of memory)
+    ``rows`` are ``measure.run_configs`` rows; those without both numbers (skipped, out of memory)
     are named in the subtitle. One trace per precision. Where no row has a peak (a CPU), memory
     falls back to the counted total: parameters + gradients + optimizer state + saved activations.
     """
@@ -51,7 +56,7 @@ def throughput_memory(rows: Sequence[Mapping], title: str = "ResNet training ste
             x=[_l04_memory(r, memory_key) for r in group], y=[r["img_per_s"] for r in group],
             mode="markers", name=precision, marker=dict(size=11, color=color,
                                                         line=dict(width=1, color="white")),
-            text=[r["label"] for r in group],
+            text=[_l04_hover(r) for r in group],
             hovertemplate="%{text}<br>%{y:,.0f} img/s, %{x:.2f} GiB<extra></extra>"))
     others = [r for r in shown if r.get("config", {}).get("precision") not in _L04_COLORS]
     if others:

@@ -1,19 +1,12 @@
-"""Speed and memory of a training step, measured (the engine of lessons 04 and 05).
+"""Speed and memory of a training step, measured: the engine of lessons 04 and 05.
 
-- ``BenchConfig`` names one configuration (model, precision, memory format, optimizer, compile,
-  CUDA graph, checkpointing, batch); ``measure`` times its training step with CUDA events after a
-  warm-up (median over steps, in img/s), reads peak allocated and reserved memory after
-  ``torch.cuda.reset_peak_memory_stats()``, and breaks the memory down into parameters,
-  gradients, optimizer state and activations saved for backward (counted, not estimated).
-  On a CPU it times with ``time.perf_counter`` and reports no peak ("n/a").
-- ``run_configs`` measures many configurations in one process, one after another, freeing
-  memory between them; an out-of-memory error becomes a row that says so, never a dead kernel.
-- ``compare_loops`` times the shared trainer's ``train_step`` against a hand-written loop on the
-  same model, interleaved, so lesson 04 can show what the trainer costs.
-- ``largest_batch`` finds the largest batch that trains within a memory cap (``memory_cap``).
-- ``device_busy_ms`` / ``idle_fraction`` say how much of a step the GPU sat idle waiting for the
-  host: a speed comparison between precisions means something only when the GPU was busy.
-- ``STANDARD`` holds the measurement settings every lesson uses unless it is about the difference.
+``measure`` times one ``BenchConfig``'s step (CUDA events after a warm-up, median img/s; on a CPU
+``time.perf_counter``), reads peak memory after ``torch.cuda.reset_peak_memory_stats()``, breaks
+it into parameters, gradients, optimizer state and saved activations (counted, not estimated),
+and measures the share of the step the GPU sat idle (``device_busy_ms``). ``run_configs`` measures
+many in one process (an out-of-memory error becomes a row, never a dead kernel);
+``compare_loops`` times the trainer against a hand-written loop; ``largest_batch`` searches the
+largest batch under a memory cap (``memory_cap``). ``STANDARD``: the settings every lesson uses.
 """
 from __future__ import annotations
 
@@ -53,13 +46,11 @@ LOOPS = ("hand", "trainer")
 
 
 # --- the standard measurement settings ----------------------------------------------------------
-
+# The settings every speed and memory measurement uses (lessons 04 and 05) unless the lesson is
+# about the difference: NHWC, cuDNN autotuning on, SGD (momentum 0.9) with foreach kernels
+# (PyTorch's GPU default, named so a CPU runs the same code), 5 warm-up steps, median of 15.
 STANDARD = dict(channels_last=True, cudnn_benchmark=True, optimizer="sgd", impl="foreach",
                 warmup=5, steps=15)
-"""The settings every speed and memory measurement of the course uses (lessons 04 and 05) unless
-the lesson is about the difference: NHWC memory format, cuDNN autotuning on, SGD (momentum 0.9)
-with foreach kernels (PyTorch's default on a GPU, named so a CPU runs the same code), 5 untimed
-warm-up steps, then the median of 15 steps timed with CUDA events."""
 
 
 def standard_settings(quick: bool = False) -> Dict[str, object]:
@@ -89,7 +80,6 @@ def settings_caption(settings: Optional[Dict[str, object]] = None) -> str:
 
 
 # --- configurations -----------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class BenchConfig:
     """One training-step configuration to measure. ``label`` defaults to a description."""
@@ -113,13 +103,11 @@ class BenchConfig:
     cudnn_benchmark: bool = True       # let cuDNN pick the fastest convolution algorithms
 
     def __post_init__(self):
-        check_choice("model", self.model, tuple(MODELS))
-        check_choice("precision", self.precision, PRECISIONS)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        check_choice("impl", self.impl, OPTIMIZER_IMPLS)
-        check_choice("compile", self.compile, COMPILE_MODES)
-        check_choice("checkpoint", self.checkpoint, _models.CHECKPOINT_MODES)
-        check_choice("loop", self.loop, LOOPS)
+        for name, choices in (("model", tuple(MODELS)), ("precision", PRECISIONS),
+                              ("optimizer", OPTIMIZERS), ("impl", OPTIMIZER_IMPLS),
+                              ("compile", COMPILE_MODES), ("loop", LOOPS),
+                              ("checkpoint", _models.CHECKPOINT_MODES)):
+            check_choice(name, getattr(self, name), choices)
         check_int("batch_size", self.batch_size, 1)
         check_int("image_size", self.image_size, 8)
         check_int("num_classes", self.num_classes, 2)
@@ -219,8 +207,8 @@ def skip_reason(config: BenchConfig, device) -> Optional[str]:
 
 
 # --- memory -------------------------------------------------------------------------------------
-
 def storage_key(t: torch.Tensor):
+    """What identifies ``t``'s storage (address, device); None for a tensor without one."""
     try:
         return t.untyped_storage().data_ptr(), t.device
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
@@ -311,11 +299,8 @@ def memory_breakdown(step: "Step", x: torch.Tensor, y: torch.Tensor,
 
 def free_memory(device=None, reset_compiler: bool = False) -> None:
     """Release what the last measurement left: garbage, cached CUDA blocks, compiled graphs."""
-    if reset_compiler:
-        try:
-            torch._dynamo.reset()
-        except Exception:  # noqa: BLE001 - torch without dynamo; nothing compiled then
-            pass
+    if reset_compiler and hasattr(torch, "_dynamo"):  # a torch without dynamo compiled nothing
+        torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         torch.cuda.synchronize()
@@ -333,7 +318,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 # --- the training step --------------------------------------------------------------------------
-
 @dataclass
 class Step:
     """A training step in three parts: ``forward(x, y) -> loss``, ``backward(loss)``,
@@ -436,7 +420,6 @@ def cuda_graph_step(step: Step, x: torch.Tensor, y: torch.Tensor, warmup: int = 
 
 
 # --- timing -------------------------------------------------------------------------------------
-
 def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5,
                steps: int = 15, device=None, reset_peak: bool = True) -> Dict[str, object]:
     """Run ``warmup`` untimed steps, then time ``steps`` steps one by one.
@@ -545,7 +528,6 @@ def summarize_times(times_ms: Sequence[float], batch_size: int) -> Dict[str, flo
 
 
 # --- one configuration, many configurations -----------------------------------------------------
-
 ROW_KEYS = ("label", "status", "reason", "img_per_s", "step_ms", "step_ms_q1", "step_ms_q3",
             "peak_allocated_gib", "peak_reserved_gib", "params_gib", "grads_gib",
             "optimizer_state_gib", "activations_gib", "activations_allocated_gib", "loss",
@@ -681,13 +663,9 @@ def with_ratios(rows: Sequence[Dict[str, object]], baseline: str) -> List[Dict[s
     base = next((r for r in rows if r["label"] == baseline), None)
     if base is None:
         raise ValueError(f"baseline must be the label of one of the rows; got {baseline!r}")
-    out = []
-    for row in rows:
-        new = dict(row)
-        new["speedup"] = ratio(row.get("img_per_s"), base.get("img_per_s"))
-        new["memory_ratio"] = ratio(row.get("peak_allocated_gib"), base.get("peak_allocated_gib"))
-        out.append(new)
-    return out
+    return [dict(r, speedup=ratio(r.get("img_per_s"), base.get("img_per_s")),
+                 memory_ratio=ratio(r.get("peak_allocated_gib"), base.get("peak_allocated_gib")))
+            for r in rows]
 
 
 def ratio(a, b) -> Optional[float]:
@@ -712,20 +690,13 @@ def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -
     columns = [(c[0], c[1]) for c in columns if any(c[0] in r for r in rows)]
     if not columns:
         raise ValueError("columns must name at least one key present in the rows")
-    out = []
-    for r in rows:
-        row = {}
-        for k, h in columns:
-            v = r.get(k)
-            if k == "status" and v != "ok" and r.get("reason"):
-                v = f"{v}: {r['reason']}"
-            row[h] = v
-        out.append(row)
-    return out
+    def cell(r, k):
+        v = r.get(k)
+        return f"{v}: {r['reason']}" if k == "status" and v != "ok" and r.get("reason") else v
+    return [{h: cell(r, k) for k, h in columns} for r in rows]
 
 
 # --- batch size, rows, results -----------------------------------------------------------------
-
 def batch_size_for(total_memory_gib: Optional[float], image_size: int = 224,
                    largest: int = 256, fp32_gib_per_image: float = 0.085,
                    fraction: float = 0.6) -> int:
@@ -778,7 +749,6 @@ MEMORY_COLUMNS = (("label", "configuration"), ("params_gib", "params GiB"),
 
 
 # --- the trainer against a hand-written loop ----------------------------------------------------
-
 def compare_loops(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
                   rounds: int = 3) -> Dict[str, object]:
     """Time ``Trainer.train_step`` and the hand-written step on one model, interleaved.
@@ -826,7 +796,6 @@ def compare_loops(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
 
 
 # --- the largest batch under a memory cap -------------------------------------------------------
-
 @dataclass
 class LargestBatch:
     """What ``largest_batch`` found: the batch size (0 if none fits) and every trial made."""
@@ -869,10 +838,9 @@ def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: i
     ``make_step(batch_size)`` builds what one trial needs and returns a callable that runs a
     training step (it is called twice, so optimizer state exists on the second). The search
     doubles from ``start`` until a trial fails or ``limit`` is reached, then bisects between the
-    last batch that fit and the first that did not. On a GPU the cap is enforced with
-    ``memory_cap``; elsewhere ``peak_bytes(batch_size)`` says what a trial would need (a fake
-    memory model, for tests and CPUs) and a trial fails when it exceeds the cap. Out-of-memory
-    errors are caught and memory is released after every trial.
+    last batch that fit and the first that did not. On a GPU ``memory_cap`` enforces the cap;
+    elsewhere ``peak_bytes(batch_size)`` (a fake memory model, for tests) says what a trial needs.
+    Out-of-memory errors are caught and memory is released after every trial.
     """
     check_int("start", start, 1)
     check_int("limit", limit, start)
@@ -925,12 +893,8 @@ def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: i
             else:
                 bad = batch
                 break
-        if bad is not None:
-            while bad - good > 1:
-                mid = (good + bad) // 2
-                if fits(mid):
-                    good = mid
-                else:
-                    bad = mid
+        while bad is not None and bad - good > 1:  # bisect between what fit and what did not
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if fits(mid) else (good, mid)
     result.batch_size = good
     return result

@@ -89,6 +89,96 @@ def stage_forward_ms(device, batch: int, image: int, classes: int, reps: int) ->
     return out
 
 
+class _NoRngCheckpointed(models.Checkpointed):
+    """Per-block checkpointing without saving and restoring the RNG state (ResNet draws none)."""
+
+    def forward(self, x):
+        if not (self.training and torch.is_grad_enabled()):
+            return self.module(x)
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.module, x, use_reentrant=False, context_fn=self._contexts,
+                          preserve_rng_state=False)
+
+
+class _BareCheckpointed(models.Checkpointed):
+    """Per-block checkpointing as the PyTorch docs write it: no context_fn, no BatchNorm fix."""
+
+    def forward(self, x):
+        if not (self.training and torch.is_grad_enabled()):
+            return self.module(x)
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.module, x, use_reentrant=False)
+
+
+VARIANTS = {"course's Checkpointed": models.Checkpointed,
+            "preserve_rng_state=False": _NoRngCheckpointed,
+            "bare checkpoint() (no BatchNorm fix)": _BareCheckpointed}
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpyAsync", "cudaMalloc", "cudaFree", "cudaStreamWaitEvent")
+
+
+def diagnose(device, sizes, warmup: int, steps: int) -> dict:
+    """Per-block checkpointing taken apart: step time of variants of the wrapper (same model,
+    same settings), and a torch.profiler look at one step of AMP and of AMP + per-block
+    checkpointing (host wall time, GPU busy time, synchronising CUDA calls, top host ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.backends.cudnn.benchmark = True
+    out = {"variants": {}, "profiles": {}}
+
+    def build(mode, cls=None):
+        torch.manual_seed(0)
+        net = models.resnet50(num_classes=sizes["num_classes"], checkpoint=mode)
+        if cls is not None:
+            for m in net.modules():
+                if type(m) is models.Checkpointed:
+                    m.__class__ = cls
+        net = net.to(device, memory_format=torch.channels_last).train()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        x, y = synthetic_images(sizes["batch_size"], sizes["image_size"], sizes["num_classes"],
+                                device, channels_last=True)
+        return net, opt, x, y
+
+    for name, cls in VARIANTS.items():
+        net, opt, x, y = build("block", cls)
+        step = measure.hand_step(net, opt, "fp16", device)
+        t = measure.time_steps(step, x, y, warmup=warmup, steps=steps, device=device)
+        out["variants"][name] = measure.summarize_times(t["times_ms"], sizes["batch_size"])
+        print("variant", name, round(out["variants"][name]["step_ms"], 2), "ms", flush=True)
+        del net, opt, x, y, step
+        measure.free_memory(device)
+    for mode in (None, "block"):
+        net, opt, x, y = build(mode)
+        step = measure.hand_step(net, opt, "fp16", device)
+        for _ in range(warmup):
+            step(x, y)
+        torch.cuda.synchronize()
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(3):
+                step(x, y)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / 3 * 1e3
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA) / 3
+        calls = {e.key: e.count / 3 for e in events if e.key in SYNC_CALLS}
+        host = sorted(((e.key, e.self_cpu_time_total / 3e3, e.count / 3) for e in events
+                       if e.device_type == torch.autograd.DeviceType.CPU),
+                      key=lambda r: -r[1])[:15]
+        kernels = sorted(((e.key, e.self_device_time_total / 3e3) for e in events
+                          if e.self_device_time_total > 0), key=lambda r: -r[1])[:12]
+        name = "AMP" if mode is None else "AMP + block"
+        out["profiles"][name] = {"wall_ms": wall, "gpu_busy_ms": gpu_us / 1e3,
+                                 "sync_calls_per_step": calls, "top_host_ms": host,
+                                 "top_kernels_ms": kernels}
+        print("profile", name, json.dumps(json_safe(out["profiles"][name]))[:1500], flush=True)
+        del net, opt, x, y, step, prof
+        measure.free_memory(device)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
@@ -97,6 +187,9 @@ def main() -> None:
     parser.add_argument("--memory-budgets", type=float, nargs="*", default=[0.3, 0.5],
                         help="activation_memory_budget values to try with torch.compile")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="only take per-block checkpointing apart (variants and a profile), "
+                             "then the compile rows")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -133,15 +226,24 @@ def main() -> None:
               f"{row.get('img_per_s') or 0:,.0f} img/s, {row.get('peak_allocated_gib') or 0:.2f} GiB "
               f"{row.get('reason') or ''}", flush=True)
 
-    run(replace(base, label="fp32 (TF32)", precision="tf32"), "fp32")
+    if args.diagnose:
+        path = args.out / f"checkpointing_{name}_diagnose.json"
+        try:
+            doc["diagnose"] = diagnose(device, sizes, warmup, steps)
+        except Exception:  # noqa: BLE001 - keep the compile rows
+            import traceback
+            traceback.print_exc()
+        save()
+    else:
+        run(replace(base, label="fp32 (TF32)", precision="tf32"), "fp32")
     run(replace(base, label="AMP"), "AMP")
-    for mode in MODES:
+    for mode in () if args.diagnose else MODES:
         run(replace(base, label=f"AMP + checkpoint {mode}", checkpoint=mode), f"AMP + {mode}")
     # lesson 05's settings before this change: cuDNN autotuning off, 3 warm-up and 10 timed steps
-    for mode in (None, "block"):
+    for mode in () if args.diagnose else (None, "block"):
         label = "AMP" + (f" + checkpoint {mode}" if mode else "") + ", lesson 05's old settings"
         run(replace(base, label=label, checkpoint=mode, cudnn_benchmark=False), label, w=3, s=10)
-    if time.perf_counter() - t0 < args.budget:
+    if time.perf_counter() - t0 < args.budget and not args.diagnose:
         doc["stage_forward_ms"] = stage_forward_ms(device, sizes["batch_size"],
                                                    sizes["image_size"], sizes["num_classes"],
                                                    reps=10 if cuda else 1)

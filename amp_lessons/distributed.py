@@ -363,10 +363,15 @@ def make_trainer(config: RunConfig, model: nn.Module, optimizer, device):
     their inf/NaN check in ``unscale_`` all-reduces the result over the mesh (torch >= 2.5): the
     ordinary ``torch.amp.GradScaler`` does what FSDP1 needed ``ShardedGradScaler`` for.
     Gradient norm and per-step memory tracking are off: ``run_one`` measures around the steps.
+    Without a GradScaler (fp32, bf16) non-finite steps are not checked (``nonfinite="ignore"``,
+    what plain DDP and FSDP2 loops do): the check's copy of parameters and optimizer state would
+    add to the per-rank memory and time these runs measure.
     """
+    extra = {"nonfinite": "ignore"} if "nonfinite" in TrainConfig.__dataclass_fields__ else {}
     tc = TrainConfig(precision=config.precision,
                      scaler=ScalerSettings(init_scale=float(config.init_scale)),
-                     progress=False, seed=None, track_grad_norm=False, track_memory=False)
+                     progress=False, seed=None, track_grad_norm=False, track_memory=False,
+                     **extra)
     return Trainer(model, optimizer, tc, device=device, loss_fn=_loss_fn(config))
 
 

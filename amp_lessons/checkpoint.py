@@ -1,40 +1,235 @@
-"""Training-checkpoint files: written atomically, RNG states captured and restored.
+"""Training-checkpoint files: written atomically, verified when read, RNG states captured and
+restored. ``Trainer.save_checkpoint``/``load_checkpoint`` build on these (docs/reliability.md).
 
-``Trainer.save_checkpoint``/``load_checkpoint`` build on these."""
+File layout: a normal ``torch.save`` archive followed by one trailer line,
+``\\n#amp-lessons sha256=<64 hex digits>\\n``, the SHA-256 of every byte before it. ``torch.load``
+and ``zipfile`` ignore the trailer, so a checkpoint is still a plain PyTorch file; ``read_verified``
+recomputes the digest, so any byte changed since the save (a flipped bit, a truncated copy) is
+found before anything is unpickled.
+
+Temporary files of a save are named ``.<name>.tmp-<host>-<pid>-<random>`` next to the target. A
+save killed with ``kill -9`` cannot remove its own, so every later save or load of that path
+removes the ones left by processes of this host that no longer run (never one of a live process).
+"""
 from __future__ import annotations
 
-import contextlib
+import errno
+import hashlib
 import os
 import random
-import tempfile
+import re
+import secrets
+import socket
+import zipfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, List, Union
 
 import numpy as np
 import torch
 
-# --- checkpoint files ----------------------------------------------------------------------------
+TRAILER_PREFIX = b"\n#amp-lessons sha256="
+TRAILER_SIZE = len(TRAILER_PREFIX) + 64 + 1
+CHECKSUM_KEY = "checksum_trailer"  # a saved dict with this key set must come with its trailer
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
-def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
-    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``.
 
-    A failure at any point leaves the previous file at ``path`` untouched and no temporary file.
+class CheckpointError(ValueError):
+    """A file that is not a complete, intact training checkpoint (the message names the file
+    and what is wrong with it), or a checkpoint that does not fit the live trainer."""
+
+
+class DiskFullError(OSError):
+    """A save ran out of disk space (ENOSPC/EDQUOT); the previous file at the path is intact."""
+
+
+# --- temporary files -----------------------------------------------------------------------------
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
+def temp_name(path: Union[str, Path]) -> Path:
+    """A fresh temporary name next to ``path``: ``.<name>.tmp-<host>-<pid>-<random>``."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temp_files(path: Union[str, Path]) -> List[Path]:
+    """Remove the temporary files that interrupted saves of ``path`` left behind; return them.
+
+    Only names of the form ``.<name>.tmp-<this host>-<pid>-<hex>`` whose process is gone are
+    removed: a save in progress in another live process keeps its file (a reused pid errs on the
+    side of keeping), and files of other hosts sharing the folder are left to those hosts.
     """
     path = Path(path)
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.tmp-{re.escape(_host())}-(\d+)-[0-9a-f]+$")
+    removed = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match is None or int(match.group(1)) == os.getpid() or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except FileNotFoundError:  # another process cleaned it first
+            pass
+    return removed
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through and remembers an OSError (torch
+    turns the writer's exceptions into a bare "unexpected pos" RuntimeError)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.error = f, hashlib.sha256(), None
+
+    def write(self, data) -> int:
+        try:
+            written = self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.sha.update(data)
+        return written
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _disk_full(exc: BaseException, writer: _HashingWriter) -> bool:
+    for e in (writer.error, exc, exc.__cause__, exc.__context__):
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return True
+    return False
+
+
+def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
+    """``torch.save`` + checksum trailer to a temporary file next to ``path``, fsync, then rename
+    over ``path``. A dict saved with ``obj[CHECKSUM_KEY] = True`` is refused by ``read_verified``
+    when its trailer is damaged.
+
+    A failure at any point (an exception, a full disk, ``kill -9``) leaves the previous file at
+    ``path`` untouched. An exception removes the temporary file at once; a killed process cannot,
+    so this and every later save or ``read_verified`` of ``path`` remove temporary files left by
+    dead processes (``remove_stale_temp_files``). The file gets the mode ``torch.save`` would give
+    it (0666 less the umask). A full disk raises ``DiskFullError`` saying so.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a folder; a checkpoint path must name a file")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temp_files(path)
+    tmp = temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    writer = None
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            writer = _HashingWriter(f)
+            torch.save(obj, writer)
+            digest = writer.sha.hexdigest().encode()
+            writer.write(TRAILER_PREFIX + digest + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as exc:
+        try:
             os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, Exception) and writer is not None and _disk_full(exc, writer):
+            raise DiskFullError(errno.ENOSPC, f"disk full: could not write checkpoint {path} "
+                                f"(the previous file there, if any, is intact)") from exc
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            raise DiskFullError(errno.ENOSPC, f"disk full: could not write checkpoint {path} "
+                                f"(the previous file there, if any, is intact)") from exc
         raise
     return path
 
+
+# --- reading -------------------------------------------------------------------------------------
+
+def _check_bytes(path: Path) -> bool:
+    """Raise CheckpointError unless the file is an intact archive (trailer digest, or zip CRCs
+    for files without a trailer); return whether a trailer was verified."""
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: the file is empty (an interrupted copy or save?); "
+                              f"not a training checkpoint")
+    with open(path, "rb") as f:
+        head = f.read(4)
+        if head != b"PK\x03\x04":
+            raise CheckpointError(f"{path}: not a PyTorch archive (it does not start like one: "
+                                  f"random bytes, or not a file written by torch.save)")
+        trailer = b""
+        if size > TRAILER_SIZE:
+            f.seek(size - TRAILER_SIZE)
+            trailer = f.read(TRAILER_SIZE)
+        if trailer.startswith(TRAILER_PREFIX) and trailer.endswith(b"\n"):
+            expected = trailer[len(TRAILER_PREFIX):-1].decode("ascii", "replace")
+            sha, remaining = hashlib.sha256(), size - TRAILER_SIZE
+            f.seek(0)
+            while remaining:
+                chunk = f.read(min(1 << 24, remaining))
+                if not chunk:
+                    break
+                sha.update(chunk)
+                remaining -= len(chunk)
+            if sha.hexdigest() != expected:
+                raise CheckpointError(f"{path}: corrupted: its SHA-256 checksum does not match "
+                                      f"(bytes changed since it was saved)")
+            return True
+    try:  # no trailer: a truncated checkpoint, or an archive from plain torch.save
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise CheckpointError(f"{path}: truncated or damaged archive ({exc})") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: corrupted: record {bad!r} fails its CRC check")
+    return False
+
+
+def read_verified(path: Union[str, Path], map_location="cpu") -> Any:
+    """Load what ``atomic_save`` wrote, after checking every byte; ``weights_only=True``.
+
+    Raises ``CheckpointError`` (a ValueError) naming ``path`` and what is wrong: missing, a
+    folder, empty, not an archive, truncated, corrupted (checksum or CRC mismatch), or holding
+    objects other than tensors and plain containers. Also removes stale temporary files of
+    interrupted saves of ``path``.
+    """
+    path = Path(path)
+    remove_stale_temp_files(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a folder, not a checkpoint file")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    verified = _check_bytes(path)
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad archive
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot be read as a checkpoint ({first[:200]})") from None
+    if not verified and isinstance(obj, dict) and obj.get(CHECKSUM_KEY):
+        raise CheckpointError(f"{path}: corrupted: its checksum trailer is damaged or missing")
+    return obj
+
+
+# --- random generators ---------------------------------------------------------------------------
 
 def rng_state() -> dict:
     """Python's, NumPy's and torch's (CPU and initialised CUDA) generator states, as tensors and
@@ -51,6 +246,18 @@ def rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def check_rng_state(state) -> None:
+    """Raise ValueError unless ``state`` has the shape ``rng_state()`` returns."""
+    try:
+        ok = (isinstance(state["torch"], torch.Tensor) and state["torch"].dtype == torch.uint8
+              and len(state["python"]["state"]) == 625
+              and len(state["numpy"]["keys"]) == 624)
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError("rng: not the random-generator state rng_state() writes")
 
 
 def set_rng_state(state: dict) -> None:

@@ -4,10 +4,12 @@ first use), and ``History``, the list of them plus per-epoch summaries. Results 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Union
 
+import numpy as np
 import torch
 
 from .tables import json_safe
@@ -62,6 +64,8 @@ class StepRecord:
     (None when not tracked); ``lr``: learning rate of the first parameter group during the step;
     ``time_s``: the step's duration (CUDA events on a GPU, wall clock on a CPU);
     ``peak_memory_bytes``: the step's peak allocated CUDA memory (None on a CPU).
+    ``skip_reason``: why the step was skipped (None when it was not): GradScaler's inf/NaN
+    check under fp16, or the trainer's non-finite policy (``TrainConfig.nonfinite="skip"``).
     """
 
     step: int
@@ -73,17 +77,25 @@ class StepRecord:
     lr: Optional[float] = _Lazy("float")
     time_s: Optional[float] = _Lazy("events")
     peak_memory_bytes: Optional[int] = None
+    skip_cause: Optional[str] = None  # what would have skipped this step (read skip_reason)
+
+    @property
+    def skip_reason(self) -> Optional[str]:
+        """Why the step was skipped, or None when it was not (reads ``skipped``)."""
+        return self.skip_cause if self.skipped else None
 
 
+SKIPPED_BY_SCALER = "GradScaler: inf/NaN gradients at this loss scale"
+SKIPPED_NONFINITE = "non-finite loss or gradient (nonfinite='skip')"
 STEP_FIELDS = ("step", "epoch", "loss", "scale", "skipped", "grad_norm", "lr", "time_s",
-               "peak_memory_bytes")
+               "peak_memory_bytes", "skip_reason")
 _LAZY_FIELDS = ("loss", "scale", "skipped", "grad_norm", "lr")
 
 
 class History(list):
     """The StepRecords of a run, in order, plus ``epochs``: one summary dict per finished epoch
-    (epoch, steps, time_s, peak_memory_bytes, train_loss, skipped, and test_loss/test_accuracy
-    when an evaluation loader was given)."""
+    (see ``epoch_summary``; test_loss/test_accuracy are added when an evaluation loader was
+    given)."""
 
     def __init__(self, records: Iterable[StepRecord] = (), epochs: Iterable[dict] = ()):
         super().__init__(records)
@@ -141,7 +153,32 @@ class History(list):
     def from_columns(cls, columns: Dict[str, list], epochs: Iterable[dict] = ()) -> "History":
         """Rebuild a History from ``columns()`` output (used when loading a checkpoint)."""
         n = len(columns.get("step", []))
-        records = [StepRecord(**{name: columns[name][i] for name in STEP_FIELDS})
-                   for i in range(n)]
+        fields = [name for name in STEP_FIELDS if name != "skip_reason"]
+        reasons = columns.get("skip_reason") or [None] * n  # absent in older checkpoints
+        records = [StepRecord(**{name: columns[name][i] for name in fields},
+                              skip_cause=reasons[i]) for i in range(n)]
         return cls(records, [dict(e) for e in epochs])
+
+
+def epoch_summary(epoch: int, records: List[StepRecord], time_s: float,
+                  resumed_at_batch: int = 0) -> dict:
+    """One finished epoch as plain data.
+
+    ``steps``: optimizer steps this summary covers; ``skipped``: how many of them were skipped;
+    ``train_loss``: the mean loss of the steps that were not skipped and whose loss is finite (a
+    skipped step's NaN loss does not turn the mean into NaN), None when there is none;
+    ``nonfinite_loss_steps``: steps that trained on a non-finite loss (only possible with
+    ``nonfinite="ignore"``); ``partial``: True when the epoch was resumed from a checkpoint after
+    ``resumed_at_batch`` batches, so the summary covers only the resumed part;
+    ``peak_memory_bytes``: the highest per-step peak (None on a CPU).
+    """
+    peaks = [r.peak_memory_bytes for r in records if r.peak_memory_bytes is not None]
+    trained = [r.loss for r in records if not r.skipped]
+    finite = [v for v in trained if math.isfinite(v)]
+    return {"epoch": epoch, "steps": len(records), "time_s": time_s,
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "train_loss": float(np.mean(finite)) if finite else None,
+            "skipped": sum(1 for r in records if r.skipped),
+            "nonfinite_loss_steps": len(trained) - len(finite),
+            "partial": resumed_at_batch > 0, "resumed_at_batch": resumed_at_batch}
 

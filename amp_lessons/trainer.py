@@ -21,9 +21,15 @@ Turn off what you do not need with ``TrainConfig(track_grad_norm=False, track_me
 Skip-safe BatchNorm: when GradScaler skips a step (inf/NaN gradients), BatchNorm running statistics
 are put back to their values before that step, without a host sync (``torch.where`` on a flat
 copy), so a skipped step leaves the whole model exactly as it was.
+
+Non-finite values without a GradScaler (fp32, tf32, bf16): ``TrainConfig(nonfinite=...)`` decides.
+``"skip"`` (the default) skips the step the way GradScaler does, on the device and without a host
+sync; ``"raise"`` stops with ``NonFiniteError`` naming the step (one host sync per step);
+``"ignore"`` trains on. See ``TrainConfig`` and docs/reliability.md.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,14 +40,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validate import check_bool, check_positive, is_real
-from .checkpoint import atomic_save, rng_state, set_rng_state
+from ._validate import check_bool, check_choice, check_positive, is_real
+from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_rng_state, read_verified, rng_state,
+                         set_rng_state)
 from .precision import (PRECISION_ALIASES, PRECISIONS, Device, as_device, autocast_for,
                         check_precision, normalize_precision, precision_settings)
-from .records import History, StepRecord
+from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
 
 EVAL_PRECISIONS = ("same",) + PRECISIONS
-CHECKPOINT_FORMAT = "amp-lessons-trainer/1"
+NONFINITE_POLICIES = ("skip", "raise", "ignore")
+CHECKPOINT_FORMAT = "amp-lessons-trainer/2"
+READABLE_FORMATS = ("amp-lessons-trainer/1", CHECKPOINT_FORMAT)
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or gradient under ``TrainConfig(nonfinite="raise")``; names the step."""
 
 
 # --- scaler settings -----------------------------------------------------------------------------
@@ -113,9 +126,11 @@ class ScalerSettings:
 
 # --- configuration -------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    """Everything the loop does besides model, optimizer and data. Validated when built.
+    """Everything the loop does besides model, optimizer and data. Validated when built, and
+    immutable: change a setting with ``dataclasses.replace(config, clip_norm=...)``, which
+    validates the new config (a Trainer takes a new one through ``trainer.config = ...``).
 
     ``precision``: fp32 | tf32 | fp16 (alias amp) | bf16. ``scaler`` is used for fp16 only.
     ``clip_norm`` / ``clip_value``: clip by total norm / by value, after ``unscale_`` (one of them).
@@ -124,6 +139,22 @@ class TrainConfig:
     ``track_grad_norm`` / ``track_memory``: record the unscaled gradient norm / the step's peak
     CUDA memory (``train_step`` then resets the device's peak counter at its start).
     ``seed``: torch's generators are seeded with it when the Trainer is built (None: leave them).
+
+    ``nonfinite``: what a step with a non-finite (inf/NaN) loss or gradient does when no
+    GradScaler runs (fp32, tf32, bf16; under fp16 GradScaler always skips such steps, which is
+    how its loss scale calibrates itself):
+
+    - ``"skip"`` (default): the optimizer step, and the BatchNorm statistics of the step, are
+      undone on the device without a host sync, exactly as GradScaler skips a step; the step
+      is recorded with ``skipped=True`` and a ``skip_reason``. The default, because one bad batch
+      otherwise turns every weight into NaN for good, silently. Cost: a check of the gradients
+      per step; fused optimizers skip inside their kernel, others keep a copy of parameters and
+      optimizer state to put back (one extra copy of them in memory). An optimizer that has not
+      made its state yet, or keeps it on another device (Adam's CPU step counters), needs one
+      host sync for that step.
+    - ``"raise"``: stop with ``NonFiniteError`` naming the step, before the optimizer steps (the
+      model is left as it was before the step). Needs one host sync per step to decide.
+    - ``"ignore"``: train on, as plain PyTorch does: no check, no cost.
     """
 
     precision: str = "fp32"
@@ -138,9 +169,10 @@ class TrainConfig:
     seed: Optional[int] = 0
     track_grad_norm: bool = True
     track_memory: bool = True
+    nonfinite: str = "skip"
 
     def __post_init__(self):
-        self.precision = normalize_precision(self.precision)
+        object.__setattr__(self, "precision", normalize_precision(self.precision))
         if not isinstance(self.scaler, ScalerSettings):
             raise ValueError(f"scaler must be a ScalerSettings; got {type(self.scaler).__name__}")
         check_positive("clip_norm", self.clip_norm, optional=True)
@@ -155,13 +187,14 @@ class TrainConfig:
         if name not in EVAL_PRECISIONS:
             raise ValueError(f"eval_precision must be one of {', '.join(EVAL_PRECISIONS)}; "
                              f"got {self.eval_precision!r}")
-        self.eval_precision = name
+        object.__setattr__(self, "eval_precision", name)
         for flag in ("skip_safe_batchnorm", "channels_last", "progress", "track_grad_norm",
                      "track_memory"):
             check_bool(flag, getattr(self, flag))
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or self.seed < 0):
             raise ValueError(f"seed must be None or a whole number >= 0; got {self.seed!r}")
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
 
     def as_dict(self) -> dict:
         """Plain data (for checkpoints and JSON)."""
@@ -191,65 +224,102 @@ def _overrides(hooks: Sequence[Hooks], name: str) -> list:
     return [h for h in hooks if getattr(type(h), name, base) is not base]
 
 
-# --- skip-safe BatchNorm -------------------------------------------------------------------------
+# --- skip-safe state: BatchNorm buffers, parameters and optimizer state -------------------------
 
-class _BatchNormGuard:
+class _Snapshot:
+    """Copies of a list of tensors, put back where a 0-dim flag is set, without a host sync.
+
+    The copies live in one flat tensor per (device, dtype); ``restore_if`` gathers the current
+    values into a second flat tensor, ``torch.where(flag, saved, current)`` on it and copies
+    back: a handful of kernels whatever the number of tensors. Layouts (channels_last) are kept.
+    """
+
+    def __init__(self):
+        self._tensors: list = []
+        self._groups: list = []  # (tensors, saved, current, saved_views, current_views)
+
+    def _rebuild(self, tensors: list) -> None:
+        self._tensors = tensors
+        grouped: Dict[tuple, list] = {}
+        for t in tensors:
+            grouped.setdefault((t.device, t.dtype), []).append(t)
+        self._groups = []
+        for ts in grouped.values():
+            sizes = [t.numel() for t in ts]
+            saved = torch.empty(sum(sizes), dtype=ts[0].dtype, device=ts[0].device)
+            current = torch.empty_like(saved)
+            self._groups.append((ts, saved, current,
+                                 [v.view(t.shape) for v, t in zip(saved.split(sizes), ts)],
+                                 [v.view(t.shape) for v, t in zip(current.split(sizes), ts)]))
+
+    def take(self, tensors: list) -> None:
+        """Copy ``tensors`` aside (the buffers are reused while the list stays the same)."""
+        if len(tensors) != len(self._tensors) or any(
+                a is not b for a, b in zip(tensors, self._tensors)):
+            self._rebuild(tensors)
+        for ts, _, _, saved_views, _ in self._groups:
+            torch._foreach_copy_(saved_views, ts)
+
+    def restore_if(self, skipped: torch.Tensor) -> None:
+        """Where ``skipped`` (a 0-dim tensor, nonzero = skipped) is set, put the copies back."""
+        if not self._groups:
+            return
+        flag = skipped > 0
+        for ts, saved, current, _, current_views in self._groups:
+            torch._foreach_copy_(current_views, ts)
+            torch.where(flag.to(current.device, non_blocking=True), saved, current, out=current)
+            torch._foreach_copy_(ts, current_views)
+
+
+class _BatchNormGuard(_Snapshot):
     """Snapshot BatchNorm buffers before a step; put them back if the step was skipped.
 
-    No host sync: the buffers are gathered into one flat tensor per (device, dtype) and
-    ``torch.where(skipped, saved, current)`` is copied back, a handful of kernels per step. The
-    trainer calls ``restore_if`` before ``scaler.step``, whose host sync would otherwise leave the
-    GPU idle while these kernels are launched. The snapshot is taken at every step: tensor version
-    counters cannot tell whether something changed the buffers in between (BatchNorm's own
-    kernels and ``.data`` writes leave ``running_mean``'s counter alone).
+    The trainer calls ``restore_if`` before ``scaler.step``, whose host sync would otherwise leave
+    the GPU idle while these kernels are launched. The snapshot is taken at every step: tensor
+    version counters cannot tell whether something changed the buffers in between (BatchNorm's
+    own kernels and ``.data`` writes leave ``running_mean``'s counter alone). A model without
+    BatchNorm gets no guard at all (no kernels).
     """
 
     _NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
     def __init__(self, model: nn.Module):
+        super().__init__()
         self.modules = [m for m in model.modules()
                         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-        self._buffers: list = []
-        self._groups: list = []  # (views, saved_flat, current_flat, current_splits)
-
-    def _current(self) -> list:
-        return [b for m in self.modules for b in (m._buffers.get(k) for k in self._NAMES)
-                if b is not None]
-
-    def _rebuild(self, buffers: list) -> None:
-        self._buffers = buffers
-        grouped: Dict[tuple, list] = {}
-        for b in buffers:
-            grouped.setdefault((b.device, b.dtype), []).append(b)
-        self._groups = []
-        for bufs in grouped.values():
-            views = [b.view(-1) for b in bufs]
-            total = sum(v.numel() for v in views)
-            saved = torch.empty(total, dtype=bufs[0].dtype, device=bufs[0].device)
-            current = torch.empty_like(saved)
-            splits = current.split([v.numel() for v in views])
-            self._groups.append((views, saved, current, splits))
 
     def snapshot(self) -> None:
         """Copy the buffers aside (call before the step's first forward)."""
-        if not self.modules:
-            return
-        buffers = self._current()
-        if len(buffers) != len(self._buffers) or any(
-                a is not b for a, b in zip(buffers, self._buffers)):
-            self._rebuild(buffers)
-        for views, saved, _, _ in self._groups:
-            torch.cat(views, out=saved)
+        self.take([b for m in self.modules for b in (m._buffers.get(k) for k in self._NAMES)
+                   if b is not None])
 
-    def restore_if(self, skipped: torch.Tensor) -> None:
-        """Where ``skipped`` (a 0-dim tensor, nonzero = skipped) is set, put the snapshot back."""
-        if not self.modules or not self._groups:
-            return
-        flag = skipped > 0
-        for views, saved, current, splits in self._groups:
-            torch.cat(views, out=current)
-            torch.where(flag.to(current.device, non_blocking=True), saved, current, out=current)
-            torch._foreach_copy_(views, splits)
+
+class _UpdateGuard(_Snapshot):
+    """Undo an optimizer step on the device: parameters and optimizer state are copied before
+    ``optimizer.step()`` and put back where the step's non-finite flag is set (the non-fused path
+    of ``nonfinite="skip"``)."""
+
+    def __init__(self, params: List[torch.Tensor], optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.params, self.optimizer = params, optimizer
+
+    def tensors(self) -> Optional[list]:
+        """Parameters with a gradient and their optimizer-state tensors; None when some state is
+        missing or lives on another device (then only a host-side decision is exact)."""
+        out = []
+        for p in self.params:
+            if p.grad is None:
+                continue
+            state = self.optimizer.state.get(p)
+            if not state:
+                return None
+            out.append(p)
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    if v.device != p.device:
+                        return None
+                    out.append(v)
+        return out
 
 
 # --- the trainer ---------------------------------------------------------------------------------
@@ -325,29 +395,33 @@ class Trainer:
     ``scheduler`` steps once per optimizer step that was not skipped. ``hooks``: Hooks instances.
     Attributes: model, optimizer, scheduler, scaler (a GradScaler, enabled only for fp16), config,
     history (a History), step (optimizer steps taken, skipped ones included), epoch (finished
-    epochs). Under fp16, a fused SGD gets zero momentum buffers before its first step (see
-    ``prime_momentum_buffers``; param groups added later are not primed).
+    epochs). Under fp16 (and with ``nonfinite="skip"``), a fused SGD gets zero momentum buffers
+    before its first step (see ``prime_momentum_buffers``; param groups added later are not
+    primed). The optimizer must own every trainable parameter of the model (ValueError if not).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  config: Optional[TrainConfig] = None, device: Device = None, scheduler=None,
                  loss_fn: Callable = F.cross_entropy, hooks: Sequence[Hooks] = ()):
-        self.config = config if config is not None else TrainConfig()
-        if not isinstance(self.config, TrainConfig):
-            raise ValueError(f"config must be a TrainConfig; got {type(self.config).__name__}")
+        config = config if config is not None else TrainConfig()
+        if not isinstance(config, TrainConfig):
+            raise ValueError(f"config must be a TrainConfig; got {type(config).__name__}")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer; "
                              f"got {type(optimizer).__name__}")
+        _check_owns_parameters(model, optimizer)
         self.device = as_device(device) if device is not None else _model_device(model)
-        self.config.precision = check_precision(self.config.precision, self.device)
-        if self.config.eval_precision != "same":
-            check_precision(self.config.eval_precision, self.device)
+        config = replace(config, precision=check_precision(config.precision, self.device))
+        if config.eval_precision != "same":
+            check_precision(config.eval_precision, self.device)
         if device is not None:
             model.to(self.device)
-        if self.config.channels_last:
+        if config.channels_last:
             model.to(memory_format=torch.channels_last)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self.config.precision == "fp16" and self.config.scaler.enabled:
+        if config.precision == "fp16" and config.scaler.enabled:
             half = [p for p in self._params if p.dtype == torch.float16]
             if half:
                 raise ValueError("model parameters must stay float32 under fp16 AMP (autocast "
@@ -359,42 +433,83 @@ class Trainer:
         for h in self.hooks:
             if not isinstance(h, Hooks):
                 raise ValueError(f"hooks must be Hooks instances; got {type(h).__name__}")
-        self._after_backward = _overrides(self.hooks, "after_backward")
-        self._after_unscale = _overrides(self.hooks, "after_unscale")
-        self._after_step = _overrides(self.hooks, "after_step")
-        # unscale_ explicitly only when something reads the gradients between backward and step;
-        # otherwise scaler.step unscales (fused optimizers then do it inside their kernel)
-        self._unscale_first = bool(self.config.clip_norm is not None
-                                   or self.config.clip_value is not None
-                                   or self.config.track_grad_norm or self._after_unscale)
-        self.scaler = self._make_scaler(self.config.scaler)
-        self._prime_fused_sgd()
         self._bn_guard = _BatchNormGuard(model)
+        self._update_guard = _UpdateGuard(self._params, optimizer)
+        self._config = config
+        self.scaler = self._make_scaler(config.scaler)
+        self._configure()
+        self._prime_fused_sgd()
         self.history = History()
         self.step = 0
         self.epoch = 0
         self._batches_done = 0  # micro-batches consumed in the current epoch (for exact resume)
-        if self.config.seed is not None:
-            torch.manual_seed(self.config.seed)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+
+    # -- configuration --------------------------------------------------------------------------
+
+    @property
+    def config(self) -> TrainConfig:
+        """The (immutable) TrainConfig in use. Assign a new one, e.g.
+        ``trainer.config = dataclasses.replace(trainer.config, clip_norm=1.0)``, to change
+        settings between steps; the precision cannot change on a live Trainer."""
+        return self._config
+
+    @config.setter
+    def config(self, config: TrainConfig) -> None:
+        if not isinstance(config, TrainConfig):
+            raise ValueError(f"config must be a TrainConfig; got {type(config).__name__}")
+        if normalize_precision(config.precision) != self._config.precision:
+            raise ValueError(f"precision cannot change on a live Trainer (it is "
+                             f"{self._config.precision!r}); got {config.precision!r}: build a "
+                             f"new Trainer")
+        if config.eval_precision != "same":
+            check_precision(config.eval_precision, self.device)
+        scaler_changed = config.scaler != self._config.scaler
+        self._config = replace(config, precision=self._config.precision)
+        if scaler_changed:
+            self.set_scaler(config.scaler)
+        self._configure()
+
+    def _configure(self) -> None:
+        """Derive what each step does from the config, the scaler and the hooks (once, not per
+        step)."""
+        cfg = self._config
+        self._after_backward = _overrides(self.hooks, "after_backward")
+        self._after_unscale = _overrides(self.hooks, "after_unscale")
+        self._after_step = _overrides(self.hooks, "after_step")
+        self._scaling = self.scaler.is_enabled()
+        # unscale_ explicitly only when something reads the gradients between backward and step;
+        # otherwise scaler.step unscales (fused optimizers then do it inside their kernel)
+        self._unscale_first = bool(cfg.clip_norm is not None or cfg.clip_value is not None
+                                   or cfg.track_grad_norm or self._after_unscale)
+        self._policy = None if self._scaling else cfg.nonfinite  # None: GradScaler decides
+        has_bn = bool(self._bn_guard.modules)
+        self._guard = self._bn_guard if has_bn and (
+            (self._scaling and cfg.skip_safe_batchnorm)
+            or self._policy in ("skip", "raise")) else None
+        self._fused_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        self._track_memory = self.device.type == "cuda" and cfg.track_memory
 
     # -- pieces ---------------------------------------------------------------------------------
 
     def _prime_fused_sgd(self) -> None:
-        """Under fp16 (GradScaler), give fused SGD zero momentum buffers (see
-        ``prime_momentum_buffers``); refuse a damped fused group, which priming cannot fix."""
+        """Under fp16 (GradScaler) or ``nonfinite="skip"``, give fused SGD zero momentum buffers
+        (see ``prime_momentum_buffers``); refuse a damped fused group, which priming cannot fix."""
         groups = _fused_sgd_groups(self.optimizer)
-        if not groups or self.config.precision != "fp16":
+        if not groups or not (self._scaling or self._policy == "skip"):
             return
         damped = [g["dampening"] for g in groups if g.get("dampening", 0)]
         if damped:
-            raise ValueError(f"dampening must be 0 for fused SGD under fp16 with GradScaler (its "
-                             f"momentum is corrupted by a skipped first step, and only a zero "
-                             f"buffer with dampening 0 fixes that); got {damped[0]!r}: use "
-                             f"foreach=True or dampening=0")
+            raise ValueError(f"dampening must be 0 for fused SGD when skipped steps are possible "
+                             f"(fp16 with GradScaler, or nonfinite='skip'): its momentum is "
+                             f"corrupted by a skipped first step, and only a zero buffer with "
+                             f"dampening 0 fixes that; got {damped[0]!r}: use foreach=True, "
+                             f"dampening=0 or nonfinite='ignore'")
         prime_momentum_buffers(self.optimizer)
 
     def _make_scaler(self, settings: ScalerSettings):
-        if self.config.precision != "fp16":
+        if self._config.precision != "fp16":
             settings = replace(settings, enabled=False)
         return settings.make(self.device.type)
 
@@ -403,18 +518,19 @@ class Trainer:
         new GradScaler (its scale starts again at ``init_scale``)."""
         if not isinstance(settings, ScalerSettings):
             raise ValueError(f"settings must be a ScalerSettings; got {type(settings).__name__}")
-        self.config.scaler = settings
-        if self.config.precision != "fp16":
-            return
-        if self.scaler.is_enabled() == settings.enabled:
-            settings.apply_to(self.scaler)
-        else:
-            self.scaler = settings.make(self.device.type)
+        self._config = replace(self._config, scaler=settings)
+        if self._config.precision == "fp16":
+            if self.scaler.is_enabled() == settings.enabled:
+                settings.apply_to(self.scaler)
+            else:
+                self.scaler = settings.make(self.device.type)
+        self._configure()
+        self._prime_fused_sgd()
 
     def _to_device(self, x, y):
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
-        if self.config.channels_last and x.dim() == 4:
+        if self._config.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
 
@@ -441,44 +557,84 @@ class Trainer:
             total = total + v.to(total.device)
         return total
 
+    def _nonfinite_flag(self, loss: torch.Tensor, grad_norm: Optional[torch.Tensor]):
+        """1.0 where the loss or a gradient is inf/NaN, else 0.0 (a 0-dim float tensor), no sync.
+
+        With a gradient norm at hand it decides (a non-finite gradient makes the norm
+        non-finite); otherwise GradScaler's own check kernel runs over the gradients with an
+        inverse scale of 1 (which leaves them bitwise unchanged)."""
+        bad = ~torch.isfinite(loss)
+        if grad_norm is not None:
+            return (bad | ~torch.isfinite(grad_norm)).float()
+        found = torch.zeros(1, device=loss.device)
+        grouped: Dict[tuple, list] = {}
+        for p in self._params:
+            if p.grad is not None:
+                grouped.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in grouped.items():
+            flag = found if device == found.device else torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, flag.new_ones(()))
+            if flag is not found:
+                found += flag.to(found.device)
+        return (found.reshape(()) > 0) .logical_or(bad).float()
+
+    def _step_unless(self, flag: torch.Tensor) -> None:
+        """``optimizer.step()`` that is undone where ``flag`` is set (nonfinite="skip")."""
+        opt = self.optimizer
+        if self._fused_skip:  # the kernel reads found_inf and leaves everything as it was
+            opt.grad_scale, opt.found_inf = None, flag
+            try:
+                opt.step()
+            finally:
+                del opt.grad_scale, opt.found_inf
+            return
+        tensors = self._update_guard.tensors()
+        if tensors is None:  # no state yet (first step) or state elsewhere: decide on the host
+            if not bool(flag.item()):
+                opt.step()
+            return
+        with torch.no_grad():  # parameters are written in place
+            self._update_guard.take(tensors)
+            opt.step()
+            self._update_guard.restore_if(flag)
+
     # -- one optimizer step ---------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> StepRecord:
         """One optimizer step over ``micro_batches`` (a list of ``(x, y)``; their number is
         normally ``config.accumulate``: the loss of each is divided by that number).
 
-        Never waits for the GPU itself, except to decide whether a scheduler may step after an
-        fp16 step. With ``track_memory`` on CUDA it resets the device's peak-memory counter first,
-        so ``peak_memory_bytes`` is this step's own peak.
+        Never waits for the GPU itself, except to decide whether a scheduler may step after a
+        step that could be skipped, and where ``config.nonfinite`` says so (see TrainConfig).
+        With ``track_memory`` on CUDA it resets the device's peak-memory counter first, so
+        ``peak_memory_bytes`` is this step's own peak.
 
-        Cost beyond a hand-written loop (lesson 04 measures it): two CUDA events; one detach per
-        micro-batch; with ``track_grad_norm`` a foreach norm over the gradients (and an explicit
-        ``unscale_``, which ``scaler.step`` would do anyway); for fp16 a copy of the 0-dim scale;
-        with skip-safe BatchNorm about ten small kernels over one flat copy of the BN buffers, the
-        restore queued before ``scaler.step`` (for non-fused optimizers through an explicit ``unscale_``,
-        which ``scaler.step`` would do anyway), so GradScaler's host sync does not leave the GPU
-        idle while they are launched; with ``track_memory`` two allocator queries. No
-        ``.item()``, no host sync of its own.
-        ``TrainConfig(track_grad_norm=False, track_memory=False, skip_safe_batchnorm=False)``
-        leaves only the events, the detach and the scale copy.
+        Cost beyond a hand-written loop (benchmarks/NOTES.md measures it): two CUDA events; one
+        detach per micro-batch; with ``track_grad_norm`` a foreach norm over the gradients (and
+        an explicit ``unscale_``, which ``scaler.step`` would do anyway); for fp16 a copy of the
+        0-dim scale; with skip-safe BatchNorm (models with BatchNorm only) about ten small
+        kernels over one flat copy of the BN buffers, the restore queued before ``scaler.step``
+        (for non-fused optimizers through an explicit ``unscale_``, which ``scaler.step`` would do
+        anyway), so GradScaler's host sync does not leave the GPU idle while they are launched;
+        with ``track_memory`` two allocator queries. No ``.item()``, no host sync of its own
+        under fp16. ``TrainConfig(track_grad_norm=False, track_memory=False)`` leaves only the
+        events, the detach and the scale copy on a model without BatchNorm.
         """
         n = len(micro_batches)
         if n < 1:
             raise ValueError("micro_batches must hold at least one (x, y) batch; got none")
-        cfg, model, opt, scaler = self.config, self.model, self.optimizer, self.scaler
-        scaling = scaler.is_enabled()
+        cfg, model, opt, scaler = self._config, self.model, self.optimizer, self.scaler
+        scaling, guard, policy = self._scaling, self._guard, self._policy
         cuda = self.device.type == "cuda"
-        track_memory = cuda and cfg.track_memory
         if not model.training:
             model.train()
-        if track_memory:
+        if self._track_memory:
             torch.cuda.reset_peak_memory_stats(self.device)
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         else:
             t0 = time.perf_counter()
-        guard = self._bn_guard if scaling and cfg.skip_safe_batchnorm else None
 
         with precision_settings(cfg.precision, self.device):
             if guard is not None:
@@ -499,7 +655,7 @@ class Trainer:
             # with skip-safe BatchNorm and an optimizer that GradScaler steps from the host
             # (everything but fused), unscale_ here, as scaler.step would, so the skip flag is
             # known and the BN restore is queued before step()'s host sync, not after it
-            early_guard = guard is not None and not getattr(opt, "_step_supports_amp_scaling", False)
+            early_guard = scaling and guard is not None and not self._fused_skip
             if self._unscale_first or early_guard:  # true gradients from here on
                 scaler.unscale_(opt)
             for h in self._after_unscale:
@@ -516,23 +672,46 @@ class Trainer:
                         # private API gone: the fallback flag must see the gradients unclipped
                         grad_norm = _total_norm([p.grad for p in self._params
                                                  if p.grad is not None])
+                    if policy in ("skip", "raise") and grad_norm is None:
+                        # clipping by value turns inf into a finite bound: check before it
+                        grad_norm = _total_norm([p.grad for p in self._params
+                                                 if p.grad is not None])
                     torch.nn.utils.clip_grad_value_(self._params, cfg.clip_value)
             lr = opt.param_groups[0]["lr"]
-            found_inf, scale = None, 1.0
+            found_inf, scale, cause = None, 1.0, None
             if scaling:  # the scale this step used, before update() changes it in place
+                cause = SKIPPED_BY_SCALER
                 current = getattr(scaler, "_scale", None)
                 scale = (current.detach().clone() if current is not None
                          else torch.tensor(scaler.get_scale()))
-            if early_guard:
-                found_inf = self._skip_flag(grad_norm)
-                guard.restore_if(found_inf)
-
-            scaler.step(opt)  # unscales here if not done above; skips on inf/NaN
-            if scaling and found_inf is None:
-                found_inf = self._skip_flag(grad_norm)  # set by unscale_/step, cleared by update()
-            scaler.update()
-            if guard is not None and not early_guard:
-                guard.restore_if(found_inf)
+                if early_guard:
+                    found_inf = self._skip_flag(grad_norm)
+                    guard.restore_if(found_inf)
+                scaler.step(opt)  # unscales here if not done above; skips on inf/NaN
+                if found_inf is None:
+                    found_inf = self._skip_flag(grad_norm)  # set by unscale_/step, reset by update
+                scaler.update()
+                if guard is not None and not early_guard:
+                    guard.restore_if(found_inf)
+            elif policy == "ignore":
+                opt.step()
+            else:
+                flag = self._nonfinite_flag(loss_sum, grad_norm)
+                if policy == "raise":
+                    if bool(flag.item()):  # the one host sync this policy needs
+                        if guard is not None:
+                            guard.restore_if(flag)
+                        opt.zero_grad(set_to_none=True)
+                        raise NonFiniteError(
+                            f"step {self.step} (epoch {self.epoch}): non-finite loss or gradient "
+                            f"under {cfg.precision} with nonfinite='raise'; the model is as it "
+                            f"was before this step")
+                    opt.step()
+                else:
+                    cause, found_inf = SKIPPED_NONFINITE, flag
+                    if guard is not None:
+                        guard.restore_if(flag)
+                    self._step_unless(flag)
             opt.zero_grad(set_to_none=True)
 
         if self.scheduler is not None:
@@ -554,7 +733,8 @@ class Trainer:
                             grad_norm=grad_norm, lr=lr, time_s=elapsed,
                             peak_memory_bytes=(torch.cuda.memory_stats_as_nested_dict(self.device)
                                                ["allocated_bytes"]["all"]["peak"]
-                                               if track_memory else None))
+                                               if self._track_memory else None),
+                            skip_cause=cause)
         self.step += 1
         self.history.append(record)
         for h in self._after_step:
@@ -567,10 +747,11 @@ class Trainer:
             eval_loader=None) -> History:
         """Train for ``epochs`` more epochs (a resumed, half-done epoch counts as one), grouping
         ``config.accumulate`` batches per optimizer step; stop early after ``max_steps`` steps of
-        this call. Calls ``loader.set_epoch(epoch)`` where it exists and skips the batches a
-        resumed epoch already used. An epoch's last, shorter group is one step with its loss
-        divided by its own size. With ``eval_loader``, each finished epoch is evaluated.
-        Returns ``self.history``; ``history.epochs`` gets one summary per finished epoch.
+        this call. Calls ``loader.set_epoch(epoch)`` (or its sampler's) where it exists and skips
+        the batches a resumed epoch already used. An epoch's last, shorter group is one step with
+        its loss divided by its own size. With ``eval_loader``, each finished epoch is evaluated.
+        Returns ``self.history``; ``history.epochs`` gets one summary per finished epoch
+        (``records.epoch_summary``: marked ``partial`` when it covers only a resumed part).
         """
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(f"epochs must be a whole number >= 1; got {epochs!r}")
@@ -579,7 +760,7 @@ class Trainer:
             raise ValueError(f"max_steps must be None or a whole number >= 1; got {max_steps!r}")
         from tqdm.auto import tqdm
 
-        acc, taken = self.config.accumulate, 0
+        acc, taken = self._config.accumulate, 0
         for _ in range(epochs):
             set_loader_epoch(loader, self.epoch)
             skip = self._batches_done
@@ -591,7 +772,7 @@ class Trainer:
             _sync(self.device)
             t0, first = time.perf_counter(), len(self.history)
             bar = tqdm(total=total, desc=f"epoch {self.epoch + 1}", leave=False,
-                       disable=not self.config.progress)
+                       disable=not self._config.progress)
             every = max(1, (total or 50) // 10)
             group, stopped = [], False
             iterator = iter(loader)
@@ -613,7 +794,7 @@ class Trainer:
             bar.close()
             if stopped:
                 return self.history
-            self._end_epoch(first, t0, eval_loader)
+            self._end_epoch(first, t0, eval_loader, skip)
             if max_steps is not None and taken >= max_steps:
                 break
         return self.history
@@ -625,17 +806,12 @@ class Trainer:
         if not bar.disable and bar.n % every == 0:
             bar.set_postfix(loss=f"{record.loss:.4f}", scale=f"{record.scale:g}")
 
-    def _end_epoch(self, first: int, t0: float, eval_loader) -> None:
+    def _end_epoch(self, first: int, t0: float, eval_loader, resumed_at: int) -> None:
         _sync(self.device)
         seconds = time.perf_counter() - t0
-        steps = self.history[first:]
         self.history.materialize()
-        peaks = [r.peak_memory_bytes for r in steps if r.peak_memory_bytes is not None]
-        losses = [r.loss for r in steps]
-        summary = {"epoch": self.epoch, "steps": len(steps), "time_s": seconds,
-                   "peak_memory_bytes": max(peaks) if peaks else None,
-                   "train_loss": float(np.mean(losses)) if losses else None,
-                   "skipped": sum(1 for r in steps if r.skipped)}
+        summary = epoch_summary(self.epoch, self.history[first:], seconds,
+                                resumed_at_batch=resumed_at)
         if eval_loader is not None:
             result = self.evaluate(eval_loader)
             summary["test_loss"], summary["test_accuracy"] = result["loss"], result["accuracy"]
@@ -685,36 +861,43 @@ class Trainer:
         """Everything a resumed run needs, as tensors and plain containers only."""
         return {
             "format": CHECKPOINT_FORMAT,
+            CHECKSUM_KEY: True,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
             "scaler": self.scaler.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "step": self.step, "epoch": self.epoch, "batches_done": self._batches_done,
-            "config": self.config.as_dict(),
+            "config": self._config.as_dict(),
             "history": {"steps": self.history.columns(),
                         "epochs": [dict(e) for e in self.history.epochs]},
             "rng": rng_state(),
         }
 
     def save_checkpoint(self, path: Union[str, Path]) -> Path:
-        """Write a training checkpoint atomically (temp file + rename): a failed save leaves the
-        previous checkpoint intact."""
+        """Write a training checkpoint atomically (temporary file + rename; see
+        ``checkpoint.atomic_save``): a failed or killed save leaves the previous checkpoint
+        intact, temporary files of killed saves are removed by the next save or load, and a full
+        disk raises ``DiskFullError``."""
         return atomic_save(self.state_dict(), path)
 
     def load_checkpoint(self, path: Union[str, Path], load_scaler: bool = True) -> dict:
-        """Load a checkpoint written by ``save_checkpoint`` with ``weights_only=True`` and continue
-        exactly where it stopped (model, optimizer, scaler, scheduler, counters, history, RNG).
-        ``load_scaler=False`` keeps this trainer's scaler. Returns the loaded dict."""
+        """Load a checkpoint written by ``save_checkpoint`` and continue exactly where it stopped
+        (model, optimizer, scaler, scheduler, counters, history, RNG). ``load_scaler=False``
+        keeps this trainer's scaler. Returns the loaded dict.
+
+        All or nothing: every byte is verified (checksum), the file is read with
+        ``weights_only=True``, and every part is checked against this trainer (model keys,
+        shapes and dtypes; optimizer kind, groups and state shapes; scaler; scheduler; counters;
+        history; RNG) before anything live changes. Any problem raises ``CheckpointError`` (a
+        ValueError) naming the file and what is wrong, and leaves the trainer untouched.
+        """
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"path must be an existing checkpoint file; got {str(path)!r}")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"path must be a checkpoint written by Trainer.save_checkpoint "
-                             f"({CHECKPOINT_FORMAT}); got {str(path)!r}")
-        if state["scheduler"] is not None and self.scheduler is None:
-            raise ValueError("scheduler: the checkpoint holds a scheduler state but this Trainer "
-                             "has no scheduler; pass the same kind of scheduler")
+        state = read_verified(path)
+        try:
+            self._check_checkpoint(state, load_scaler)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._prime_fused_sgd()  # a checkpoint saved before the first step holds no buffers
@@ -727,3 +910,104 @@ class Trainer:
         self.history = History.from_columns(state["history"]["steps"], state["history"]["epochs"])
         set_rng_state(state["rng"])
         return state
+
+    def _check_checkpoint(self, state, load_scaler: bool) -> None:
+        """Raise CheckpointError unless ``state`` can be loaded into this trainer whole."""
+        if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
+            if isinstance(state, dict) and state and all(
+                    isinstance(v, torch.Tensor) for v in state.values()):
+                raise CheckpointError("holds a plain state dict (torch.save(model.state_dict())?), "
+                                      "not a training checkpoint written by "
+                                      "Trainer.save_checkpoint; load it with "
+                                      "model.load_state_dict(torch.load(...))")
+            raise CheckpointError(f"not a checkpoint written by Trainer.save_checkpoint "
+                                  f"({CHECKPOINT_FORMAT})")
+        needed = ("model", "optimizer", "scaler", "scheduler", "step", "epoch", "batches_done",
+                  "history", "rng")
+        missing = [k for k in needed if k not in state]
+        if missing:
+            raise CheckpointError(f"incomplete checkpoint: no {', '.join(missing)}")
+        _check_model_state(state["model"], self.model)
+        kind = state.get("optimizer_class")
+        if kind is not None and kind != type(self.optimizer).__name__:
+            raise CheckpointError(f"optimizer: the checkpoint holds {kind} state but this "
+                                  f"Trainer's optimizer is {type(self.optimizer).__name__}")
+        _check_optimizer_state(state["optimizer"], self.optimizer)
+        if load_scaler and state["scaler"] and self.scaler.is_enabled():
+            scaler = state["scaler"]
+            keys = ("scale", "growth_factor", "backoff_factor", "growth_interval")
+            if not isinstance(scaler, dict) or not all(is_real(scaler.get(k)) for k in keys):
+                raise CheckpointError(f"scaler: not a GradScaler state (needs {', '.join(keys)})")
+        if state["scheduler"] is not None and self.scheduler is None:
+            raise CheckpointError("scheduler: the checkpoint holds a scheduler state but this "
+                                  "Trainer has no scheduler; pass the same kind of scheduler")
+        if self.scheduler is not None and state["scheduler"] is not None:
+            saved, live = state["scheduler"], self.scheduler.state_dict()
+            if not isinstance(saved, dict) or set(saved) != set(live):
+                raise CheckpointError(f"scheduler: the checkpoint holds another kind of scheduler "
+                                      f"than this Trainer's {type(self.scheduler).__name__}")
+        for key in ("step", "epoch", "batches_done"):
+            value = state[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CheckpointError(f"{key}: must be a whole number >= 0; got {value!r}")
+        try:
+            History.from_columns(state["history"]["steps"], state["history"]["epochs"])
+            check_rng_state(state["rng"])
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise CheckpointError(f"history or rng: damaged ({exc})") from None
+
+
+# --- checks used before anything is loaded ------------------------------------------------------
+
+def _check_owns_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """ValueError unless every trainable parameter of ``model`` is in ``optimizer``."""
+    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in trainable if id(p) not in owned]
+    if missing:
+        which = ("none of them" if len(missing) == len(trainable)
+                 else f"{len(trainable) - len(missing)} of {len(trainable)}")
+        names = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise ValueError(f"optimizer must own every trainable parameter of the model; it holds "
+                         f"{which} (missing: {names}). Build it from this model's parameters, "
+                         f"e.g. torch.optim.SGD(model.parameters(), ...), or freeze the others "
+                         f"with requires_grad_(False)")
+
+
+def _check_model_state(saved, model: nn.Module) -> None:
+    live = model.state_dict()
+    if not isinstance(saved, dict):
+        raise CheckpointError("model: not a state dict")
+    missing = [k for k in live if k not in saved]
+    extra = [k for k in saved if k not in live]
+    if missing or extra:
+        raise CheckpointError(f"model: another model (missing keys: {missing[:4]}, unexpected "
+                              f"keys: {extra[:4]})")
+    for k, v in live.items():
+        s = saved[k]
+        if not isinstance(s, torch.Tensor) or s.shape != v.shape or s.dtype != v.dtype:
+            got = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
+                   else type(s).__name__)
+            raise CheckpointError(f"model: {k} is {got} in the checkpoint but "
+                                  f"{tuple(v.shape)} {v.dtype} in this model")
+
+
+# state entries that have their parameter's shape, in torch's optimizers
+_PARAM_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                       "square_avg", "grad_avg", "acc_delta", "sum", "ax", "prev", "mu_product")
+
+
+def _check_optimizer_state(saved, optimizer: torch.optim.Optimizer) -> None:
+    """Load into a shallow copy of ``optimizer`` (the live one is not touched), then compare
+    state shapes with the parameters."""
+    shadow = copy.copy(optimizer)
+    try:
+        shadow.load_state_dict(saved)
+    except Exception as exc:  # noqa: BLE001 - torch raises ValueError, KeyError, TypeError...
+        raise CheckpointError(f"optimizer: does not fit this optimizer ({exc})") from None
+    for p, entry in shadow.state.items():
+        for key in _PARAM_SHAPED_STATE:
+            v = entry.get(key) if isinstance(entry, dict) else None
+            if isinstance(v, torch.Tensor) and v.shape != p.shape:
+                raise CheckpointError(f"optimizer: {key} of shape {tuple(v.shape)} for a "
+                                      f"parameter of shape {tuple(p.shape)}")

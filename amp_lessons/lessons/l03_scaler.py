@@ -109,17 +109,6 @@ def final_loss(losses: Sequence[float], last: int = FINAL_LOSS_WINDOW) -> float:
     return float(np.mean(tail)) if tail else float("nan")
 
 
-def pow2_text(value: float, html: bool = False) -> str:
-    """``65536`` as ``2^16 = 65,536`` (``2<sup>16</sup> = 65,536`` with ``html``); other values
-    as ``2^15.29 = 40,000``."""
-    if not value or not math.isfinite(value) or value <= 0:
-        return str(value)
-    k = math.log2(value)
-    exp = f"{k:.0f}" if abs(k - round(k)) < 1e-9 else f"{k:.2f}"
-    shown = f"{value:,.0f}" if value >= 1 and value == int(value) else f"{value:.6g}"
-    return f"2<sup>{exp}</sup> = {shown}" if html else f"2^{exp} = {shown}"
-
-
 @dataclasses.dataclass
 class ScalerRun:
     """What one run recorded, step by step, and its summary.

@@ -1,5 +1,6 @@
-"""Lesson 01's figures (amp_lessons.plots, section "Lesson 01"): titles, axis titles with units,
-traces, shaded bands, and that the numbers they draw are the formats module's numbers."""
+"""amp_lessons.ui.plots: every figure has a title, axis titles with units and the traces it
+promises; the numbers it draws are the formats module's numbers; shares never read as zero while
+a value is lost; long runs grow by appending (ScaleSeries) and the scale axis keeps few ticks."""
 import math
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from amp_lessons import formats as F
-from amp_lessons import plots as P
+from amp_lessons.ui import plots as P
 
 GRADS = {"fc1": np.array([2.0**-26, 2.0**-20, 2.0**-10, 0.0, 1.0], dtype=np.float32),
          "fc2": torch.tensor([3e-3, -2e-3, 0.0, 0.0])}
@@ -50,9 +51,7 @@ def test_gradient_histogram_bars_bands_and_title():
     assert fig.layout.shapes[2].x1 == pytest.approx(math.log2(65520))
     labels = " ".join(a.text for a in fig.layout.annotations)
     assert "flushed to zero" in labels and "subnormal" in labels and "overflow (inf)" in labels
-    f = F.scaled_fractions(list(GRADS.values()), 1.0, "fp16")
-    assert f"{100 * f['flushed']:.3g}% flushed to zero, {100 * f['subnormal']:.3g}% subnormal" \
-        in fig.layout.title.text
+    assert "16.7% flushed to zero, 16.7% subnormal, 0% overflow" in fig.layout.title.text
     assert "× 2^0" in fig.layout.title.text
 
 
@@ -144,3 +143,124 @@ def test_accumulation_figure_thins_long_runs():
     assert np.allclose(fig.data[0].y, x * 1e-4)
     with pytest.raises(ValueError, match="max_points must be"):
         P.accumulation_figure({"a": ys}, max_points=1)
+
+
+# ---- lesson 02's figures --------------------------------------------------------------------------
+
+ROWS = [
+    {"precision": "fp32", "ran": True, "epoch_time_s": 1.2, "peak_memory_mib": 80.0,
+     "accuracy_pct": 96.0},
+    {"precision": "fp16", "ran": True, "epoch_time_s": 0.8, "peak_memory_mib": 50.0,
+     "accuracy_pct": 95.5},
+    {"precision": "bf16", "ran": False, "reason": "no native bf16"},
+]
+
+
+def test_precision_comparison_has_three_titled_panels():
+    fig = P.precision_comparison(ROWS)
+    assert len(fig.data) == 3
+    assert [list(t.x) for t in fig.data] == [["fp32", "fp16"]] * 3
+    assert [fig.layout[f"yaxis{i}"].title.text for i in ("", 2, 3)] == \
+        ["time per epoch (s)", "peak memory (MiB)", "test accuracy (%)"]
+    assert all(fig.layout[f"xaxis{i}"].title.text == "precision" for i in ("", 2, 3))
+    assert "bf16 not run here" in fig.layout.title.text
+
+
+def test_precision_comparison_without_memory_says_so():
+    rows = [dict(r, peak_memory_mib=None) for r in ROWS[:2]]
+    fig = P.precision_comparison(rows)
+    assert list(fig.data[1].x) == [] and "peak memory not measured" in fig.layout.title.text
+
+
+def test_precision_comparison_needs_a_run():
+    with pytest.raises(ValueError, match="at least one precision that ran"):
+        P.precision_comparison(ROWS[2:])
+
+
+def test_loss_curves():
+    fig = P.loss_curves({"fp32": {"step": [0, 1], "loss": [2.3, 2.0]},
+                             "fp16": {"step": [0, 1], "loss": [2.3, 2.1]}})
+    assert [t.name for t in fig.data] == ["fp32", "fp16"]
+    assert fig.layout.xaxis.title.text == "optimizer step (count)"
+    assert fig.layout.yaxis.title.text == "training loss (nats)" and fig.layout.title.text
+    with pytest.raises(ValueError, match="at least one run"):
+        P.loss_curves({})
+    with pytest.raises(ValueError, match="same length"):
+        P.loss_curves({"a": {"step": [0], "loss": []}})
+
+
+# ---- lesson 03's figures --------------------------------------------------------------------------
+
+def test_scale_and_loss_figure_is_labelled():
+    fig = P.scale_and_loss([0, 1, 2], [8.0, 4.0, 4.0], [True, False, False], [2.0, 1.5, 1.0])
+    assert [t.name for t in fig.data] == ["loss scale", "skipped step", "loss"]
+    assert fig.layout.title.text and "loss scale" in fig.layout.yaxis.title.text
+    assert "nats" in fig.layout.yaxis2.title.text and "step" in fig.layout.xaxis2.title.text
+    assert list(fig.data[1].x) == [0] and list(fig.data[1].y) == [3.0]
+    with pytest.raises(ValueError, match="same length"):
+        P.scale_and_loss([0], [1.0, 2.0], [False], [1.0])
+
+
+def test_preset_comparison_figure_one_legend_entry_per_preset():
+    cols = {"steps": [0, 1], "scales": [2.0, 4.0], "skipped": [False, False], "losses": [1, 1]}
+    fig = P.preset_comparison({"x": cols, "y": cols})
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["x", "y"]
+    assert fig.layout.title.text and fig.layout.yaxis2.title.text
+    with pytest.raises(ValueError):
+        P.preset_comparison({})
+
+
+def test_pow2_text():
+    assert P.pow2_text(65536.0) == "2^16 = 65,536"
+    assert P.pow2_text(2.0**-3, html=True) == "2<sup>-3</sup> = 0.125"
+    assert P.pow2_text(40000.0) == "2^15.29 = 40,000"
+    assert P.pow2_text(0.0) == "0 (underflowed)"      # not "-", which reads as "not measured"
+    assert P.pow2_text(None) == "n/a"
+
+
+def test_scale_ticks_stay_few_when_the_scale_falls_to_nothing():
+    # an overflow on every step: 2^24 halves down to 2^-149 and then to 0
+    scales = [2.0 ** k for k in range(24, -150, -1)] + [0.0]
+    n = len(scales)
+    fig = P.scale_and_loss(list(range(n)), scales, [True] * n, [1.0] * n)
+    dtick = fig.layout.yaxis.dtick
+    assert (24 + 149) / dtick <= P.MAX_SCALE_TICKS and dtick in (32, 64)
+    assert fig.data[0].y[-1] is None                  # 0 has no log2: a gap, not a fake value
+    small = P.scale_and_loss([0, 1], [4.0, 8.0], [False, False], [1.0, 1.0])
+    assert small.layout.yaxis.dtick == 1
+
+
+def test_scale_series_appends_and_applies():
+    s = P.ScaleSeries()
+    fig = P.scale_and_loss([], [], [], [])
+    s.extend([0, 1], [8.0, 4.0], [True, False], [2.0, 1.5])
+    s.extend([2], [4.0], [False], [1.0])
+    s.apply(fig)
+    whole = P.scale_and_loss([0, 1, 2], [8.0, 4.0, 4.0], [True, False, False], [2.0, 1.5, 1.0])
+    for got, want in zip(fig.data, whole.data):
+        assert list(got.x) == list(want.x) and list(got.y) == list(want.y)
+    assert len(s) == 3 and (s.low, s.high) == (2.0, 3.0)
+    s.extend([3], [0.0], [True], [1.0])               # a scale of 0 is kept, not plotted
+    assert s.log2[-1] is None and s.skip_x == [0]
+    with pytest.raises(ValueError, match="same length"):
+        s.extend([4], [1.0, 2.0], [False], [1.0])
+    s.clear()
+    assert len(s) == 0 and s.low is None
+
+
+def test_lost_shares_never_read_zero_for_a_lost_value():
+    many = {"fc": np.r_[np.full(2_000_000, 1e-3), 1e-12]}   # one flushed in two million
+    s = P.lost_shares(many, 1.0, "fp16")
+    assert s["flushed"] == "< 0.001% (1 of 2,000,001)" and s["overflow"] == "0%"
+    title = P.gradient_histogram(many, 1.0).layout.title.text
+    assert "< 0.001% (1 of 2,000,001) flushed to zero" in title
+
+
+def test_plots_has_one_import_block_and_no_claim_ids():
+    import inspect
+    import re
+    src = inspect.getsource(P)
+    body = src[src.index("TEMPLATE ="):]
+    assert not re.search(r"^(import|from) ", body, re.M), "imports only at the top"
+    assert "_l01_" not in src and "_L0" not in src
+    assert not re.search(r"\b(claim_|[RB]\d+[a-d]?\b)", src)

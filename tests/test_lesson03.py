@@ -1,0 +1,340 @@
+"""Lesson 03's own experiments (amp_lessons.lessons.l03_scaler): runs through the trainer with a
+GradScaler, presets on the same run, gradient capture, the claims it decides (R2, R3, B4) as
+claims.Verdict, and the notebook's panels wired to real runs. Runs train the digits MLP in fp16
+on the CPU for a few steps (torch's CPU autocast and GradScaler("cpu")).
+"""
+import inspect
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from amp_lessons import claims, formats
+from amp_lessons.lessons import l03_scaler as L
+from amp_lessons.trainer import ScalerSettings
+from amp_lessons.ui import widgets as W
+
+SETUP = L.RunSetup(model="mlp", device="cpu")
+
+
+def _fake_run(name, skipped, losses=None, scale=1024.0, growth=2.0):
+    run = L.ScalerRun(name=name, settings=ScalerSettings(growth_factor=growth))
+    run.steps = list(range(len(skipped)))
+    run.skipped = list(skipped)
+    run.scales = [scale] * len(skipped)
+    run.losses = list(losses or [1.0] * len(skipped))
+    run.injected = [False] * len(skipped)
+    run.final_scale = scale
+    return run
+
+
+def test_lesson_decides_only_its_own_claims():
+    assert L.LESSON == "03" and set(L.DECIDES) == {"R2", "R3", "B4"}
+    assert all(claims.CLAIMS[c].lesson == L.LESSON for c in L.DECIDES)
+
+
+def test_steps_to_settle_definition():
+    assert L.steps_to_settle([False] * 10, window=10) == 0
+    assert L.steps_to_settle([True, True, True] + [False] * 10, window=10) == 3
+    # a skip inside the first streak pushes the settle point past it
+    assert L.steps_to_settle([True, False, False, True, False, False, False], window=3) == 4
+    assert L.steps_to_settle([True] + [False] * 9, window=10) is None  # streak too short
+    assert L.steps_to_settle([], window=1) is None
+    with pytest.raises(ValueError, match="window"):
+        L.steps_to_settle([False], window=0)
+
+
+def test_final_loss_is_mean_of_last_steps():
+    assert L.final_loss([5.0] * 5 + [1.0, 2.0, 3.0], last=3) == pytest.approx(2.0)
+    assert L.final_loss([4.0, 2.0], last=10) == pytest.approx(3.0)
+    assert math.isnan(L.final_loss([], last=3))
+    with pytest.raises(ValueError, match="last"):
+        L.final_loss([1.0], last=0)
+
+
+def test_summary_line_says_what_was_measured():
+    run = _fake_run("x", [True, True] + [False] * 12, losses=[3.0] * 4 + [0.5] * 10)
+    s = run.summary()
+    assert s["skipped steps"] == 2 and s["settled after (steps)"] == 2
+    assert s["final loss"] == pytest.approx(0.5)
+    line = run.summary_line()
+    assert "skipped 2 of 14 steps" in line and "settled after 2 steps" in line
+    assert "2^10 = 1,024" in line and "0.5000" in line
+
+
+# ---- presets and claims -------------------------------------------------------------------------
+
+def test_measured_defaults_match_gradscalers_signature():
+    measured = L.measured_defaults("cpu")
+    sig = inspect.signature(torch.amp.GradScaler).parameters
+    for knob in ("init_scale", "growth_factor", "backoff_factor", "growth_interval"):
+        assert getattr(measured, knob) == sig[knob].default
+
+
+def test_presets_hold_the_documented_settings():
+    presets = L.scaler_presets("cpu")
+    assert presets["PyTorch defaults"] == L.measured_defaults("cpu")
+    r3 = presets["article R tuned (R3)"]
+    assert (r3.init_scale, r3.growth_factor, r3.backoff_factor, r3.growth_interval) == \
+        (32768.0, 1.5, 0.4, 1000)
+    nv = presets["NVIDIA ResNet-50"]
+    assert (nv.init_scale, nv.growth_interval) == (128.0, 100)
+
+def test_scale_factor_is_not_a_gradscaler_argument():
+    assert L.scale_factor_error("cpu").startswith("TypeError")
+    assert "scale_factor" in L.scale_factor_error("cpu")
+
+def test_early_skips_counts_skips_before_settling():
+    assert L.early_skips(_fake_run("a", [True, False, True] + [False] * 10)) == 2
+    assert L.early_skips(_fake_run("b", [True, False] * 6)) == 6  # never settled: all of them
+
+def test_step_table_text_explains_each_update():
+    run = _fake_run("t", [True, False, False])
+    run.scales, run.final_scale = [8.0, 4.0, 4.0], 8.0
+    run.injected = [True, False, False]
+    text = L.step_table_text(run, first=3)
+    lines = text.splitlines()
+    assert "yes*" in lines[1] and "backed off x0.5 -> 2^2 = 4" in lines[1]
+    assert "kept the scale" in lines[2] and "grew x2 -> 2^3 = 8" in lines[3]
+    assert "injected" in lines[-1]
+    with pytest.raises(ValueError, match="first"):
+        L.step_table_text(run, first=0)
+
+
+def test_scale_window_from_the_format_limits():
+    mags = {"tiny": np.array([2.0 ** -30], dtype=np.float32),
+            "big": np.array([1.0], dtype=np.float32)}
+    w = L.scale_window(mags, exponents=range(-4, 30))
+    assert w["no_flush_from"] == 6        # 2^-30 x 2^5 = 2^-25 still rounds to 0 (tie to even)
+    assert w["no_overflow_up_to"] == 15   # 2^16 > 65504
+    assert w["at_scale_1"]["flushed"] == 0.5
+
+
+# ---- training through the trainer ---------------------------------------------------------------
+
+def test_run_setup_rejects_bad_values():
+    with pytest.raises(ValueError, match="model"):
+        L.RunSetup(model="resnet")
+    with pytest.raises(ValueError, match="batch_size"):
+        L.RunSetup(batch_size=0)
+    with pytest.raises(ValueError, match="steps"):
+        L.train_with_scaler(ScalerSettings(), 0, SETUP)
+
+
+def test_overflow_injector_rate_is_validated():
+    with pytest.raises(ValueError, match="rate"):
+        L.OverflowInjector(1.5)
+    inj = L.OverflowInjector(0.0)
+    with pytest.raises(ValueError, match="rate"):
+        inj.rate = -0.1
+
+
+def test_persistent_overflow_backs_off_every_step_and_goes_below_one():
+    run = L.train_with_scaler(ScalerSettings(init_scale=8.0), 6, SETUP, injection_rate=1.0,
+                              evaluate=False)
+    assert run.injected == [True] * 6 and run.skipped == [True] * 6
+    assert run.scales == [8.0 * 0.5 ** i for i in range(6)]
+    assert run.final_scale == pytest.approx(8.0 * 0.5 ** 6) and run.final_scale < 1
+
+
+def test_runs_repeat_and_injection_is_seeded():
+    a = L.train_with_scaler(ScalerSettings(), 8, SETUP, injection_rate=0.3, evaluate=False)
+    b = L.train_with_scaler(ScalerSettings(), 8, SETUP, injection_rate=0.3, evaluate=False)
+    assert a.losses == b.losses and a.injected == b.injected and a.scales == b.scales
+    assert any(a.injected) and not all(a.injected)
+    assert a.skipped == a.injected  # the MLP itself never overflows at 2^16
+
+
+def test_on_step_can_change_the_scaler_mid_run():
+    def change(trainer, run):
+        if len(run.steps) == 3:
+            trainer.set_scaler(ScalerSettings(init_scale=2.0 ** 10))
+        return len(run.steps) < 7   # stop after 7 steps
+
+    run = L.train_with_scaler(ScalerSettings(), 20, SETUP, on_step=change, evaluate=False)
+    assert len(run.steps) == 7
+    assert run.scales[:3] == [65536.0] * 3 and run.scales[3:] == [1024.0] * 4
+
+
+def test_growth_interval_grows_the_scale():
+    run = L.train_with_scaler(ScalerSettings(init_scale=2.0, growth_interval=2), 6, SETUP,
+                              evaluate=False)
+    assert run.scales == [2.0, 2.0, 4.0, 4.0, 8.0, 8.0] and run.final_scale == 16.0
+
+
+def test_gradient_capture_keeps_true_per_layer_grads():
+    setup = L.RunSetup(model="cnn", width=8, image_size=16, device="cpu")
+    mags, step = L.capture_gradients(steps=2, setup=setup)
+    assert step == 1
+    assert len(mags) == 4 and all(np.isfinite(m).all() for m in mags.values())
+    assert any("Conv2d" in k for k in mags) and any("Linear" in k for k in mags)
+    # unscaled: far below the 2^16 scale's overflow, and not all zero
+    assert all(0 < m.max() < 1e3 for m in mags.values())
+
+def test_compare_presets_same_seed_and_data():
+    presets = {"a": ScalerSettings(), "b": ScalerSettings(init_scale=2.0 ** 24)}
+    runs = L.compare_presets(presets, 5, SETUP)
+    assert list(runs) == ["a", "b"]
+    assert runs["a"].losses[0] == runs["b"].losses[0]  # same weights, same first batch
+    assert runs["b"].skipped[0] and not runs["a"].skipped[0]
+    rows = L.comparison_rows(runs)
+    assert [r["preset"] for r in rows] == ["a", "b"] and rows[1]["init_scale"] == 2.0 ** 24
+    assert 0 <= rows[0]["test accuracy"] <= 1
+    with pytest.raises(ValueError):
+        L.compare_presets({}, 5, SETUP)
+    with pytest.raises(ValueError, match="ScalerSettings"):
+        L.compare_presets({"x": {"init_scale": 1.0}}, 5, SETUP)
+
+
+# ---- the claims, as claims.Verdict ----------------------------------------------------------------
+
+def test_decide_r2_compares_against_measurement(monkeypatch):
+    v = L.decide_r2("cpu")
+    assert isinstance(v, claims.Verdict) and v.claim == "R2" and v.lesson == "03" and v.held
+    monkeypatch.setitem(L.ARTICLE_R_DEFAULTS, "growth_interval", 1000)
+    v = L.decide_r2("cpu")
+    assert v.held is False and "growth_interval (claimed 1000, measured 2000)" in v.why
+
+
+def test_decide_r3_over_pairs():
+    calm = _fake_run("d", [False] * 20)
+    assert L.decide_r3([(calm, _fake_run("t", [False] * 20))]).held is None
+    wobbly = _fake_run("d", [True] * 4 + [False] * 20)
+    better = _fake_run("t", [True] * 2 + [False] * 20)
+    v = L.decide_r3([(wobbly, better)])
+    assert v.held is True and v.claim == "R3" and "2 early skips" in v.measured
+    assert L.decide_r3([(better, wobbly)]).held is False
+    # one undecided pair and one that held: held; one that did not: not held
+    assert L.decide_r3([(calm, calm), (wobbly, better)]).held is True
+    assert L.decide_r3([(wobbly, better), (better, wobbly)]).held is False
+    assert L.decide_r3([(calm, calm), (wobbly, better)]).numbers == {"pairs": 2, "decided": 1}
+    with pytest.raises(ValueError, match="at least one"):
+        L.decide_r3([])
+
+
+def test_steadier_reads_b4_generously():
+    base = _fake_run("2", [True] * 2 + [False] * 10, losses=[1.0] * 12)
+    larger = _fake_run("4", [True] * 5 + [False] * 7, losses=[1.2] * 12, growth=4.0)
+    held, measured, why = L.steadier(base, larger)
+    assert held is False and "more steps (2 -> 5)" in why
+    calm = _fake_run("4", [False] * 12, losses=[1.0] * 12, growth=4.0)
+    assert L.steadier(base, calm)[0] is True
+    assert L.steadier(_fake_run("2", [False] * 12), calm)[0] is None   # no wobble to steady
+    with pytest.raises(ValueError, match="larger growth_factor"):
+        L.steadier(larger, base)
+    with pytest.raises(ValueError, match="tolerance"):
+        L.steadier(base, calm, tolerance=1.5)
+
+
+def test_decide_b4_one_verdict_for_both_readings():
+    a, b = _fake_run("a", [False] * 12), _fake_run("b", [False] * 12)
+    base = _fake_run("2", [True] * 2 + [False] * 10)
+    worse = _fake_run("4", [True] * 5 + [False] * 7, growth=4.0)
+    v = L.decide_b4(a, b, base, worse, "cpu")
+    assert isinstance(v, claims.Verdict) and v.claim == "B4" and v.held is False
+    assert "changes nothing" in v.why and "no scale_factor argument" in v.why
+    assert v.numbers["scale_factor_accepted"] is False and v.numbers["same_as_default"] is True
+    calm = _fake_run("4", [False] * 12, growth=4.0)
+    assert L.decide_b4(a, b, base, calm, "cpu").held is True     # raising growth steadied it
+    c = _fake_run("c", [True] + [False] * 11)
+    assert "different scales" in L.decide_b4(a, c, base, worse, "cpu").measured
+
+
+# ---- the notebook's panels on real runs ------------------------------------------------------------
+
+def test_scaler_panel_trains_through_the_trainer():
+    p = L.scaler_panel(SETUP, steps=8, figure_mode="output", background=False)
+    assert p.settings() == L.measured_defaults("cpu")
+    p.init_scale.value = 24              # 2^24: the MLP's gradients overflow at first
+    p.run_button.click()
+    run = p.run_result
+    assert isinstance(run, L.ScalerRun) and len(run.steps) == 8
+    assert run.scales[0] == 2.0 ** 24 and run.skipped[0]
+    assert len(p.live.figure.data[0].x) == 8 and "Run 1: skipped" in p.summary.value
+
+
+def test_scaler_panel_rate_change_mid_run_reaches_the_injector():
+    p = L.scaler_panel(SETUP, steps=10, figure_mode="output", background=False)
+    real = p._run_fn
+
+    def run(settings, steps, rate, on_step):
+        def step(trainer, result):
+            if len(result.steps) == 4:
+                p.overflow_rate.value = 1.0
+            return on_step(trainer, result)
+        return real(settings, steps, rate, step)
+
+    p._run_fn = run
+    result = p.run()
+    assert result.injected[:4] == [False] * 4 and all(result.injected[5:])
+
+
+def test_scaler_panel_reset_during_a_long_run_is_quick():
+    p = L.scaler_panel(SETUP, steps=100_000, figure_mode="output", background=True)
+    p.run_button.click()
+    time.sleep(1.0)
+    assert p.running
+    started = time.monotonic()
+    p.reset()
+    assert time.monotonic() - started < 5
+    assert not p.running and "Press" in p.summary.value
+
+
+def test_panel_overhead_is_linear_in_steps():
+    """A 600-step panel run costs at most 2x the same training without the panel."""
+    torch.set_num_threads(1)
+    settings = L.measured_defaults("cpu")
+    L.train_with_scaler(settings, 20, SETUP, evaluate=False)          # warm up
+    started = time.perf_counter()
+    L.train_with_scaler(settings, 600, SETUP, evaluate=False)
+    bare = time.perf_counter() - started
+    p = L.scaler_panel(SETUP, steps=600, figure_mode="output", background=False)
+    started = time.perf_counter()
+    p.run()
+    panel = time.perf_counter() - started
+    assert len(p.live.figure.data[0].x) == 600
+    assert panel < 2 * bare + 0.5, (panel, bare)
+
+
+def test_preset_panel_and_histogram_panel_builders():
+    presets = {"a": ScalerSettings(), "b": ScalerSettings(init_scale=2.0 ** 20)}
+    p = L.preset_panel(presets, steps=4, setup=SETUP, figure_mode="output", background=False)
+    runs = p.run()
+    assert list(runs) == ["a", "b"] and all(isinstance(r, L.ScalerRun) for r in runs.values())
+    assert runs["a"].losses[0] == runs["b"].losses[0]
+    assert "<table" in p.table.value
+    mags = {"fc": np.abs(np.random.default_rng(0).normal(0, 1e-3, 100)).astype(np.float32)}
+    h = L.histogram_panel(mags, scale_log2=4, figure_mode="output")
+    assert isinstance(h, W.HistogramPanel) and h.loss_scale == 16.0
+
+
+def test_fraction_rows_and_lost_line():
+    rng = np.random.default_rng(0)
+    mags = {"conv": np.abs(rng.normal(0, 1e-8, 2000)).astype(np.float32),
+            "fc": np.abs(rng.normal(0, 1e-2, 500)).astype(np.float32)}
+    rows = L.fraction_rows(mags, 2.0 ** 4, "fp16")
+    assert [r["layer"] for r in rows] == ["conv", "fc"]
+    for row, (name, m) in zip(rows, mags.items()):
+        f = formats.scaled_fractions(m, 2.0 ** 4, "fp16")
+        assert row["flushed"] == f["flushed"] and row["overflow"] == f["overflow"]
+        assert row["nonzero"] == formats.scaled_counts(m, 1.0)["nonzero"]
+    line = L.lost_line(mags, 1.0)
+    assert line.endswith("overflow") and "flushed" in line
+    assert L.lost_line(mags, 2.0 ** 40, layer="fc").endswith("100% overflow")
+    with pytest.raises(ValueError):
+        L.fraction_rows({}, 1.0)
+
+
+def test_summary_line_and_row_say_a_zero_scale():
+    run = _fake_run("z", [True] * 3, scale=0.0)
+    assert "final scale 0 (underflowed)" in run.summary_line()
+    assert run.row()["final scale"] == 0.0 and run.row()["preset"] == "z"
+
+
+def test_lesson03_rules_only_on_its_claims():
+    import re
+    src = inspect.getsource(L)
+    ruled = set(re.findall(r'claims\.decide\("(\w+)"', src))
+    assert ruled == set(L.DECIDES)

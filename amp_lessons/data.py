@@ -6,6 +6,10 @@
 - ``synthetic_images``: ImageNet-shaped random batches made on the device, for speed and memory
   measurements where the data pipeline must not be what is measured (lessons 04-05).
 - ``image_folder_loader``: a torchvision ``ImageFolder`` loader for learners' own images.
+
+Every loader here has ``set_epoch(epoch)`` and shuffles (and seeds its workers) from
+``(seed, epoch)`` alone, so a run resumed from a checkpoint sees exactly the batches an
+uninterrupted run would (``Trainer.fit`` calls ``set_epoch``).
 """
 from __future__ import annotations
 
@@ -135,6 +139,78 @@ def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 
 
 # --- learners' own images (image folders) and torchvision's classic sets ------------------------
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The generator seed of one epoch's shuffle (the same formula as ``TensorBatches``)."""
+    return seed * 100_003 + epoch
+
+
+class EpochShuffleSampler(torch.utils.data.Sampler):
+    """A random order of ``range(n)`` that depends only on ``(seed, epoch)``: call
+    ``set_epoch(e)`` before iterating epoch ``e``. The order of an epoch can be reproduced in
+    a fresh process, which is what exact resume needs (a DataLoader's own ``shuffle=True``
+    draws each epoch's order from one generator, so epoch ``e`` depends on the epochs run
+    before it in the same process)."""
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed, self.epoch = int(n), int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose order the next iteration uses."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+class EpochDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader with ``set_epoch(e)``: its sampler's order and the seeds of its random
+    augmentations in worker processes come from ``(seed, e)`` (see ``EpochShuffleSampler``).
+    With ``num_workers=0`` augmentations draw from torch's global generator, which a
+    checkpoint restores."""
+
+    def __init__(self, dataset, seed: int = 0, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.seed = int(seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch: the sampler's order and the workers' base seed."""
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        if self.generator is not None:
+            self.generator.manual_seed(epoch_seed(self.seed, int(epoch)) + 1)
+
+
+class UnreadableImageError(ValueError):
+    """An image file that cannot be decoded (truncated, damaged); the message names the file."""
+
+
+def read_image(path: str):
+    """Open an image file as RGB with PIL, reading all of it now, so a truncated or damaged
+    file raises ``UnreadableImageError`` naming it (PIL alone says "image file is truncated"
+    without the file's name)."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            image = Image.open(f)
+            return image.convert("RGB")  # convert() decodes the whole file
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise UnreadableImageError(f"cannot read image {path}: {exc}") from None
+
+
+def _epoch_loader(dataset, batch_size: int, shuffle: bool, num_workers: int, seed: int,
+                  drop_last: bool = False) -> EpochDataLoader:
+    sampler = EpochShuffleSampler(len(dataset), seed) if shuffle else None
+    return EpochDataLoader(dataset, seed=seed, batch_size=batch_size, sampler=sampler,
+                           drop_last=drop_last, num_workers=num_workers,
+                           pin_memory=torch.cuda.is_available(),
+                           generator=torch.Generator().manual_seed(epoch_seed(seed, 0) + 1))
+
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 TORCHVISION_SETS = ("CIFAR10", "CIFAR100", "MNIST", "FashionMNIST")
@@ -171,9 +247,12 @@ def image_folder_loader(root: Union[str, Path], image_size: int = 224, batch_siz
                         seed: int = 0) -> "torch.utils.data.DataLoader":
     """A ``DataLoader`` over your own images laid out as ``root/<class name>/<image file>``.
 
-    Training loaders shuffle (reproducibly from ``seed``) and augment; evaluation loaders keep
-    order. Batches are ``(N x 3 x S x S float32, N int64)``; ``loader.dataset.classes`` names
-    the classes. Pinned memory when CUDA is present. ValueError for a missing or empty folder.
+    Training loaders shuffle (reproducibly from ``seed`` and the epoch given to
+    ``loader.set_epoch``, so resume is exact) and augment; evaluation loaders keep order.
+    Batches are ``(N x 3 x S x S float32, N int64)``; ``loader.dataset.classes`` names the
+    classes. Pinned memory when CUDA is present. ValueError for a missing or empty folder; an
+    image that cannot be decoded raises ``UnreadableImageError`` naming the file when its batch
+    is read.
     """
     from torchvision.datasets import ImageFolder
 
@@ -182,13 +261,11 @@ def image_folder_loader(root: Union[str, Path], image_size: int = 224, batch_siz
     if not root.is_dir():
         raise ValueError(f"root must be an existing folder of class subfolders; got {str(root)!r}")
     try:
-        dataset = ImageFolder(str(root), transform=image_transforms(image_size, train))
+        dataset = ImageFolder(str(root), transform=image_transforms(image_size, train),
+                              loader=read_image)
     except (FileNotFoundError, RuntimeError) as exc:  # no class folders / no images
         raise ValueError(f"root must hold one subfolder of images per class; {exc}") from None
-    generator = torch.Generator().manual_seed(seed)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train,
-                                       drop_last=False, num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available(), generator=generator)
+    return _epoch_loader(dataset, batch_size, train, num_workers, seed)
 
 
 def torchvision_dataset_loader(name: str, root: Union[str, Path], image_size: int = 32,
@@ -196,7 +273,8 @@ def torchvision_dataset_loader(name: str, root: Union[str, Path], image_size: in
                                num_workers: int = 0, seed: int = 0) -> "torch.utils.data.DataLoader":
     """A ``DataLoader`` over one of torchvision's classic sets (CIFAR10, CIFAR100, MNIST,
     FashionMNIST) stored under ``root``; ``download=True`` fetches it first (needs internet).
-    MNIST-like sets come as 1-channel images."""
+    MNIST-like sets come as 1-channel images. Training loaders shuffle per ``set_epoch`` as
+    ``image_folder_loader``'s do."""
     import torchvision.datasets as sets
 
     if name not in TORCHVISION_SETS:
@@ -216,7 +294,4 @@ def torchvision_dataset_loader(name: str, root: Union[str, Path], image_size: in
                                       transform=transform)
     except RuntimeError as exc:  # "Dataset not found or corrupted"
         raise ValueError(f"root must hold {name} (or pass download=True); {exc}") from None
-    generator = torch.Generator().manual_seed(seed)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train,
-                                       num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available(), generator=generator)
+    return _epoch_loader(dataset, batch_size, train, num_workers, seed)

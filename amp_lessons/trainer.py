@@ -776,9 +776,14 @@ class Trainer:
             every = max(1, (total or 50) // 10)
             group, stopped = [], False
             iterator = iter(loader)
-            for _ in range(skip):
-                if next(iterator, None) is None:
-                    break
+            if skip:  # batches a resumed epoch already used: drawn again (a loader may not
+                # support seeking), with the random generators put back afterwards, since
+                # drawing them ran augmentations the checkpoint's RNG state already counted
+                generators = rng_state()
+                for _ in range(skip):
+                    if next(iterator, None) is None:
+                        break
+                set_rng_state(generators)
             for batch in iterator:
                 group.append(batch)
                 if len(group) < acc:

@@ -130,3 +130,67 @@ def test_torchvision_dataset_loader_checks_arguments_offline(tmp_path):
         data.torchvision_dataset_loader("CIFAR10", tmp_path, download="yes")
     with pytest.raises(ValueError, match=r"root must hold CIFAR10 \(or pass download=True\)"):
         data.torchvision_dataset_loader("CIFAR10", tmp_path)
+
+
+# --- exact resume with every loader, and unreadable images ---------------------------------------
+
+def _train_images(loader_factory, tmp_path, split_at=None, epochs=2):
+    """Train 2 epochs on a fresh loader; with ``split_at``, stop after that many steps, save,
+    and finish in a fresh trainer with a fresh loader (as a new process would)."""
+    from amp_lessons import trainer as T
+    from amp_lessons.models import SmallCNN
+
+    def build():
+        torch.manual_seed(0)
+        model = SmallCNN(in_channels=3, width=4, num_classes=2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return T.Trainer(model, opt, T.TrainConfig(progress=False, seed=None)), loader_factory()
+
+    trainer, loader = build()
+    if split_at is None:
+        trainer.fit(loader, epochs=epochs)
+        return trainer
+    trainer.fit(loader, epochs=epochs, max_steps=split_at)
+    trainer.save_checkpoint(tmp_path / "c.pt")
+    torch.manual_seed(999)  # a new process: every generator elsewhere
+    trainer, loader = build()
+    trainer.load_checkpoint(tmp_path / "c.pt")
+    trainer.fit(loader, epochs=epochs - trainer.epoch)
+    return trainer
+
+
+@pytest.mark.parametrize("split_at", [2, 3])  # at the epoch boundary, and inside epoch 2
+def test_image_folder_loader_resumes_exactly(image_folder, tmp_path, split_at):
+    factory = lambda: data.image_folder_loader(image_folder, 16, batch_size=3, seed=5)  # noqa: E731
+    whole = _train_images(factory, tmp_path)
+    resumed = _train_images(factory, tmp_path, split_at)
+    assert whole.step == resumed.step == 4
+    for (k, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert whole.history.columns()["loss"] == resumed.history.columns()["loss"]
+
+
+def test_epoch_loader_order_depends_only_on_seed_and_epoch():
+    ds = torch.utils.data.TensorDataset(torch.arange(20))
+    first = data._epoch_loader(ds, 4, True, 0, seed=1)
+    orders = []
+    for epoch in (0, 1, 0):
+        first.set_epoch(epoch)
+        orders.append(torch.cat([b[0] for b in first]).tolist())
+    assert orders[0] == orders[2] != orders[1] and sorted(orders[1]) == list(range(20))
+    fresh = data._epoch_loader(ds, 4, True, 0, seed=1)
+    fresh.set_epoch(1)  # a new process, straight to epoch 1
+    assert torch.cat([b[0] for b in fresh]).tolist() == orders[1]
+    sampler = data.EpochShuffleSampler(5, seed=2)
+    sampler.set_epoch(3)
+    assert sorted(sampler) == list(range(5)) and len(sampler) == 5
+
+
+def test_a_truncated_image_is_named_in_the_error(image_folder):
+    bad = image_folder / "cat" / "1.png"
+    bad.write_bytes(bad.read_bytes()[:60])
+    loader = data.image_folder_loader(image_folder, 16, batch_size=6, train=False)
+    with pytest.raises(data.UnreadableImageError, match=r"cannot read image .*cat/1\.png"):
+        list(loader)
+    with pytest.raises(ValueError):  # a ValueError, as bad input is everywhere in the package
+        data.read_image(str(bad))

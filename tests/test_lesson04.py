@@ -1,0 +1,367 @@
+"""Lesson 04 (amp_lessons.lessons.l04_resnet50) on the CPU: its table of configurations, the skip
+check, accuracy runs, op errors, the claims it decides (B1, B2, R4, R5, R6, R7, R12) as
+claims.Verdict through the timing and accuracy gates, the fastest step, and its figure. The
+quick profile (a CPU, 2 timed steps, accuracy at chance) must decide no claim."""
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from amp_lessons import claims, measure
+from amp_lessons.lessons import l04_resnet50 as L
+from amp_lessons.ui import perf_plots
+
+GPU = dict(timer="CUDA events", steps=15, warmup=5)
+
+
+def _row(label, ips, peak, precision="fp16", status="ok", idle=0.05, **extra):
+    """A measured table row as run_configs makes it, timed on a busy GPU unless told."""
+    row = dict(label=label, img_per_s=ips, step_ms=None if ips is None else 256e3 / ips,
+               peak_allocated_gib=peak, status=status, reason="", gpu_idle_fraction=idle,
+               config={"precision": precision, "batch_size": 256}, loss=1.0, **GPU)
+    row.update(extra)
+    return row
+
+
+def _run(precision, accuracy, fp32_eval=None, label=None, **extra):
+    return dict(label=label or precision, precision=precision, accuracy=accuracy,
+                accuracy_fp32_eval=accuracy if fp32_eval is None else fp32_eval, classes=10,
+                status="ok", **extra)
+
+
+CPU = dict(timer="perf_counter", steps=2, warmup=1, idle=None)
+
+
+def test_lesson_decides_exactly_its_registered_claims():
+    assert L.LESSON == "04"
+    assert sorted(L.DECIDES) == sorted(c.id for c in claims.CLAIMS.values() if c.lesson == "04")
+    assert sorted(L.DECIDES) == ["B1", "B2", "R12", "R4", "R5", "R6", "R7"]
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+def test_lesson_configs_cover_the_lesson_with_the_standard_settings():
+    cfgs = L.lesson_configs("resnet18", 8, 32, amp="fp16", compile_precision="bf16")
+    labels = [c.label for c in cfgs]
+    assert len(set(labels)) == len(labels)
+    for p in L.PRECISIONS:
+        assert any(c.precision == p and not c.channels_last for c in cfgs)
+        assert any(c.precision == p and c.channels_last for c in cfgs)
+    assert all(c.cudnn_benchmark for c in cfgs)  # measure.STANDARD: cuDNN autotuning on
+    plain = [c for c in cfgs if c.optimizer == "sgd" and not c.compile and c.impl != "fused"]
+    assert {c.impl for c in plain} == {measure.STANDARD["impl"]}
+    assert {c.impl for c in cfgs} == {"foreach", "fused"}
+    assert any(c.model == "resnet18-selective" for c in cfgs)
+    adam = [c for c in cfgs if c.optimizer == "adam"]
+    assert {c.eps for c in adam} == {1e-8, 1e-7} and any(c.amsgrad for c in adam)
+    compiled = [c for c in cfgs if c.compile]
+    assert [c.compile for c in compiled] == ["default", "reduce-overhead"]
+    assert all(c.impl == "fused" and c.channels_last and c.precision == "bf16" for c in compiled)
+    one = L.lesson_configs("resnet18", compile_modes=("default",))
+    assert [c.compile for c in one if c.compile] == ["default"]
+    assert not any(c.compile for c in L.lesson_configs("resnet18", compile_precision=None))
+    assert not any(c.cudnn_benchmark for c in L.lesson_configs("resnet18", cudnn_benchmark=False))
+    with pytest.raises(ValueError, match="amp"):
+        L.lesson_configs(amp="fp32")
+    with pytest.raises(ValueError, match="compile_precision"):
+        L.lesson_configs(compile_precision="fp8")
+    with pytest.raises(ValueError, match="cudnn_benchmark"):
+        L.lesson_configs(cudnn_benchmark="yes")
+    for bad in ("default", (), ("fast",), (None,)):
+        with pytest.raises(ValueError, match="compile_modes"):
+            L.lesson_configs(compile_modes=bad)
+
+
+def _table_rows():
+    cfgs = L.lesson_configs("resnet18", 8, 32, compile_precision=None)
+    speed = {"fp32": 100.0, "tf32": 200.0, "fp16": 300.0, "bf16": 250.0}
+    rows = []
+    for c in cfgs:
+        ips = speed[c.precision] * (2 if c.channels_last else 1)
+        rows.append(dict(_row(c.label, ips, 1.0, c.precision), config=dict(
+            precision=c.precision, channels_last=c.channels_last, model=c.model,
+            optimizer=c.optimizer, impl=c.impl, compile=c.compile, cuda_graph=c.cuda_graph)))
+    return rows
+
+
+def test_plain_row_and_layout_effects():
+    rows = _table_rows()
+    fp32 = L.plain_row(rows, "fp32", "resnet18")
+    assert fp32["label"] == "fp32, TF32 off, foreach SGD"
+    assert L.plain_row(rows, "fp16", "resnet18", channels_last=True)["img_per_s"] == 600.0
+    assert L.plain_row(rows, "fp16", "vgg") is None
+    out = L.layout_effects(rows)
+    assert [r["label"].split(",")[0] for r in out] == ["fp32", "fp32", "fp16 + GradScaler", "bf16"]
+    assert all(r["channels_last_gain"] == 2.0 for r in out)
+
+
+# --- the skipped-step check -------------------------------------------------------------------------
+
+def test_skipped_step_check_reference_is_clean():
+    out = L.skipped_step_check("sgd", "foreach", "cpu")
+    assert out["max_abs_diff"] == 0.0 and out["finite"]
+    assert out["state_after_skip"] is False and out["reference_state_after_skip"] is False
+    fused = L.skipped_step_check("adam", "fused", "cpu", size=64)
+    assert set(fused) >= {"max_abs_diff", "finite", "state_after_skip"}
+    with pytest.raises(ValueError, match="size"):
+        L.skipped_step_check("sgd", "foreach", "cpu", size=1)
+    with pytest.raises(ValueError, match="optimizer"):
+        L.skipped_step_check("lamb", "foreach", "cpu")
+
+
+def test_fused_sgd_skipped_first_step_bug_and_priming_fix():
+    # the PyTorch bug the lesson shows: fused SGD's momentum is garbage after a skipped first step
+    raw = L.skipped_step_check("sgd", "fused", "cpu", size=256)
+    assert raw["primed"] is False
+    assert not (raw["finite"] and raw["max_abs_diff"] < 1e-6), raw
+    assert raw["state_after_skip"] is True  # the skipped step created the (unwritten) buffer
+    fixed = L.skipped_step_check("sgd", "fused", "cpu", size=256, prime_momentum=True)
+    assert fixed["primed"] is True and fixed["finite"] and fixed["max_abs_diff"] < 1e-6
+    assert fixed["state_after_skip"] is False  # the primed buffer was there before the step
+    assert L.skipped_step_check("sgd", "foreach", "cpu", prime_momentum=True)["primed"] is False
+    with pytest.raises(ValueError, match="prime_momentum"):
+        L.skipped_step_check("sgd", "fused", "cpu", prime_momentum="yes")
+
+
+# --- accuracy runs, op errors, R5 facts -----------------------------------------------------------
+
+def test_digits_accuracy_runs_with_the_trainer():
+    row = L.digits_accuracy("resnet18", "bf16", "cpu", epochs=1, batch_size=16,
+                            image_size=16, small_input=False, max_train=32, max_test=64)
+    assert row["status"] == "ok" and row["classes"] == 10
+    assert 0 <= row["accuracy"] <= 1 and 0 <= row["accuracy_fp32_eval"] <= 1
+    assert row["steps"] == 2 and row["test_examples"] == 64 and math.isfinite(row["final_loss"])
+    with pytest.raises(ValueError, match="model"):
+        L.digits_accuracy("vgg")
+    with pytest.raises(ValueError, match="max_train"):
+        L.digits_accuracy(max_train=0)
+    assert L.RESNET_DIGITS_MODELS is not L.models.DIGITS_MODELS  # no name clash any more
+
+
+def test_autocast_error_by_op():
+    rows = L.autocast_error_by_op("cpu", torch.bfloat16, logit_scales=(1.0, 16.0))
+    assert [r["op"].split()[0] for r in rows] == ["conv2d", "linear", "attention", "attention"]
+    assert all(0 < r["rel_error"] < 0.05 for r in rows)
+    assert rows[0]["out_dtype"] == "torch.bfloat16" and {r["device"] for r in rows} == {"cpu"}
+    with pytest.raises(ValueError, match="dtype"):
+        L.autocast_error_by_op("cpu", torch.float32)
+
+
+def test_multi_tensor_status_matches_an_import_check():
+    expected = importlib.util.find_spec("torch.optim._multi_tensor") is not None
+    status = L.multi_tensor_status()
+    assert status["exists"] is expected
+    if expected:  # what it is in this torch: Adam with foreach=True fixed
+        assert status["subclass_of_adam"] and status["foreach"] is True
+
+
+def test_adam_precision_facts_keep_adam_in_fp32():
+    facts = L.adam_precision_facts("cpu")
+    assert facts["exp_avg_sq_dtype"] == "torch.float32" and facts["param_dtype"] == "torch.float32"
+    assert facts["activation_dtype"] == facts["autocast_dtype"] == "torch.bfloat16"
+    assert facts["eps_1e-8_in_fp16"] == 0.0 and facts["eps_1e-7_in_fp16"] > 0
+
+
+# --- the gates --------------------------------------------------------------------------------------
+
+def test_timing_reason_follows_claims_timing_gate():
+    a, b = _row("a", 1000.0, 20.0), _row("b", 2000.0, 10.0)
+    assert L.timing_reason(a, b) is None
+    assert "cpu" in L.timing_reason(a, dict(b, timer="perf_counter"))
+    assert "warm-up" in L.timing_reason(dict(a, warmup=0), b)
+    assert "2 timed steps" in L.timing_reason(dict(a, steps=2), b)
+    assert "idle 60%" in L.timing_reason(a, dict(b, gpu_idle_fraction=0.6))
+    assert "not measured" in L.timing_reason(a, dict(b, gpu_idle_fraction=None))
+    assert "did not run" in L.timing_reason(a, _row("c", None, None, status="out of memory"))
+    with pytest.raises(ValueError, match="rows"):
+        L.timing_reason()
+
+
+def test_accuracy_reason_follows_claims_accuracy_gate():
+    assert L.accuracy_reason(_run("fp16", 0.98), _run("fp32", 0.97)) is None
+    assert "near chance" in L.accuracy_reason(_run("fp16", 0.98), _run("fp32", 0.12))
+    assert "did not train" in L.accuracy_reason(dict(_run("bf16", None), status="skipped"))
+    with pytest.raises(ValueError, match="runs"):
+        L.accuracy_reason()
+
+
+# --- B1 and B2 ------------------------------------------------------------------------------------
+
+def test_verdict_b1_rules_only_on_a_busy_gpu():
+    fp32 = _row("fp32", 1000.0, 20.0, "fp32")
+    held = L.verdict_b1(fp32, _row("fp16", 1800.0, 10.0))
+    assert isinstance(held, claims.Verdict) and held.claim == "B1" and held.lesson == "04"
+    assert held.held is True and held.numbers["memory_saving_pct"] == pytest.approx(50.0)
+    assert L.verdict_b1(fp32, _row("fp16", 3260.0, 10.0)).held is True  # faster counts
+    assert "faster than the claimed 2x" in L.verdict_b1(fp32, _row("fp16", 3260.0, 10.0)).why
+    assert L.verdict_b1(fp32, _row("fp16", 1200.0, 10.0)).held is False  # too slow
+    assert L.verdict_b1(fp32, _row("fp16", 1800.0, 15.0)).held is False  # saves 25%
+    idle = L.verdict_b1(fp32, _row("fp16", 1800.0, 10.0, idle=0.5))
+    assert idle.outcome == claims.UNDECIDED and "idle 50%" in idle.why
+    assert "GPU idle 5%" in held.measured  # every timing comparison states the idle share
+    cpu = L.verdict_b1(_row("fp32", 10.0, None, **CPU), _row("fp16", 50.0, None, **CPU))
+    assert cpu.outcome == claims.UNDECIDED and "cpu" in cpu.why
+    with pytest.raises(ValueError, match="fp16"):
+        L.verdict_b1(fp32, None)
+
+
+def test_verdict_b2_needs_memory_and_step_time():
+    fp32 = _row("fp32", 1000.0, 20.0, "fp32")
+    v = L.verdict_b2(fp32, _row("fp16", 2000.0, 10.0))  # 50% shorter, 50% saved
+    assert v.claim == "B2" and v.held is True
+    assert v.numbers["step_time_shorter_pct"] == pytest.approx(50.0)
+    assert L.verdict_b2(fp32, _row("fp16", 1250.0, 10.0)).held is False  # only 20% shorter
+    assert L.verdict_b2(fp32, _row("fp16", 2000.0, 13.0)).held is False  # only 35% saved
+    cpu = L.verdict_b2(_row("fp32", 10.0, None, **CPU), _row("fp16", 5.0, None, **CPU))
+    assert not cpu.decided and "longer" in cpu.measured
+
+
+# --- R6 ---------------------------------------------------------------------------------------------
+
+def test_compare_r6_and_its_verdict():
+    fp32, amp = _row("fp32", 1000.0, 20.0, "fp32"), _row("amp", 3000.0, 10.0)
+    slow = _row("selective", 2000.0, 13.0)
+    out = L.compare_r6(fp32, amp, slow)
+    assert [r["configuration"] for r in out] == [c["configuration"] for c in L.R6_CLAIM]
+    assert out[1]["measured_saving_pct"] == pytest.approx(50.0)
+    assert out[1]["gpu_idle_fraction"] == 0.05
+    v = L.verdict_r6(out)
+    assert v.claim == "R6" and v.held is False and "not better than plain AMP" in v.why
+    fast = L.verdict_r6(L.compare_r6(fp32, amp, _row("selective", 3500.0, 9.0)))
+    assert fast.held is True
+    weak = L.verdict_r6(L.compare_r6(fp32, _row("amp", 1100.0, 19.0), _row("o", 3500.0, 9.0)))
+    assert weak.held is False and "slower than claimed" in weak.why
+    cpu = L.verdict_r6(L.compare_r6(*(dict(r, **CPU) for r in (fp32, amp, slow))))
+    assert not cpu.decided
+    with pytest.raises(ValueError, match="measurements"):
+        L.compare_r6(fp32, _row("amp", None, None), slow)
+    with pytest.raises(ValueError, match="3 rows"):
+        L.verdict_r6(out[:2])
+
+
+# --- R4, R5, R7 (accuracy) and R12 ------------------------------------------------------------------
+
+def test_verdict_r4_rules_on_accuracy_above_chance():
+    amp, sel = _row("amp", 3000.0, 11.0), _row("sel", 2500.0, 14.0)
+    same = L.verdict_r4(amp, sel, _run("fp16", 0.99), _run("fp16", 0.993))
+    assert same.claim == "R4" and same.held is False and "x0.83" in same.measured
+    bought = L.verdict_r4(amp, sel, _run("fp16", 0.90), _run("fp16", 0.95))
+    assert bought.held is True
+    chance = L.verdict_r4(amp, sel, _run("fp16", 0.11), _run("fp16", 0.2))
+    assert not chance.decided and "chance" in chance.why
+    with pytest.raises(ValueError, match="amp_run"):
+        L.verdict_r4(amp, sel, dict(_run("fp16", None), status="skipped"), _run("fp16", 0.9))
+
+
+def test_verdict_r5():
+    facts = L.adam_precision_facts("cpu")
+    plain = {"exists": True, "subclass_of_adam": True, "foreach": True}
+    runs = [_run("fp16", 0.98), _run("fp16", 0.979), _run("fp16", 0.981)]
+    v = L.verdict_r5(facts, plain, runs)
+    assert v.claim == "R5" and v.held is False and "torch.float32" in v.why
+    better = [_run("fp16", 0.90), _run("fp16", 0.95)]
+    assert L.verdict_r5(facts, plain, better).held is True
+    assert L.verdict_r5(dict(facts, exp_avg_sq_dtype="torch.float16"), plain, runs).held is True
+    assert not L.verdict_r5(facts, plain, [_run("fp16", 0.1), _run("fp16", 0.1)]).decided
+    with pytest.raises(ValueError, match="runs"):
+        L.verdict_r5(facts, plain, runs[:1])
+
+
+def test_verdict_r7():
+    runs = [_run("fp32", 0.98), _run("fp16", 0.98, 0.985), _run("bf16", 0.97, 0.971)]
+    v = L.verdict_r7(runs)
+    assert v.claim == "R7" and v.held is False and v.numbers["max_difference"] == pytest.approx(0.005)
+    assert L.verdict_r7([_run("fp16", 0.90, 0.95)]).held is True
+    assert not L.verdict_r7([_run("fp16", 0.10, 0.12)]).decided
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        L.verdict_r7([_run("fp32", 0.9)])
+
+
+def test_verdict_r12_rules_only_on_gpu_kernels():
+    rows = [dict(op="conv2d 3x3", rel_error=1e-3, device="cuda"),
+            dict(op="attention (SDPA)", rel_error=1e-3, device="cuda"),
+            dict(op="attention (SDPA)", rel_error=5e-3, device="cuda")]
+    v = L.verdict_r12(rows)
+    assert v.claim == "R12" and v.held is True and "grows" in v.measured
+    assert L.verdict_r12([rows[0], rows[1]]).held is False
+    cpu = L.verdict_r12([dict(r, device="cpu") for r in rows])
+    assert not cpu.decided and "GPU kernels" in cpu.why
+    with pytest.raises(ValueError, match="convolution and attention"):
+        L.verdict_r12(rows[:1])
+
+
+# --- the fastest step -----------------------------------------------------------------------------
+
+def test_fastest_row_and_the_published_figure():
+    rows = [_row("a", 1000.0, 10.0, loss=2.0), _row("nan", 9000.0, 10.0, loss=float("nan")),
+            _row("b", 3000.0, 10.0, loss=1.5), {"label": "oom", "status": "out of memory"}]
+    assert L.fastest_row(rows)["label"] == "b"
+    assert L.fastest_row([rows[1], rows[3]]) is None
+    out = L.fastest_against_published(rows[2], rows[0])
+    assert out["share_of_published"] == pytest.approx(3000.0 / L.PUBLISHED_FASTEST["img_per_s"])
+    assert out["comparable"] and not out["beats_published"] and "3.00x fp32" in out["text"]
+    cpu = L.fastest_against_published(dict(rows[2], **CPU), dict(rows[0], **CPU))
+    assert cpu["share_of_published"] is None and cpu["beats_published"] is None
+    assert not cpu["comparable"] and "not compared" in cpu["text"] and "%" not in cpu["text"]
+    with pytest.raises(ValueError, match="fp32 must be a measured row"):
+        L.fastest_against_published(rows[2], rows[3])
+    with pytest.raises(ValueError, match="row must be a measured row"):
+        L.fastest_against_published(dict(rows[1], status="error"), rows[0])
+
+
+# --- the quick profile decides nothing --------------------------------------------------------------
+
+def test_quick_profile_decides_no_claim():
+    """Issue 15.2: the quick profile's rows (a CPU, 1 warm-up + 2 timed steps) and digits runs
+    at chance give "not decided here" with a reason for every claim the lesson decides."""
+    quick = measure.standard_settings(quick=True)
+    cfgs = [c for c in L.lesson_configs("resnet18", 2, 16, num_classes=10, compile_precision=None)
+            if not c.channels_last and c.optimizer == "sgd" and c.impl == quick["impl"]
+            and c.precision in ("fp32", "fp16")]
+    rows = measure.run_configs(cfgs, "cpu", warmup=quick["warmup"], steps=quick["steps"],
+                               progress=False)
+    assert all(r["status"] == "ok" and r["warmup"] == 1 for r in rows), rows
+    fp32, half = L.plain_row(rows, "fp32", "resnet18"), L.plain_row(rows, "fp16", "resnet18")
+    selective = measure.find_row(rows, model="resnet18-selective")
+    digits = dict(model="resnet18", epochs=1, batch_size=16, image_size=16, small_input=False,
+                  max_train=16, max_test=32)
+    amp_run = L.digits_accuracy(precision="fp16", device="cpu", **digits)
+    sel_run = L.digits_accuracy(precision="fp16", device="cpu",
+                                **dict(digits, model="resnet18-selective"))
+    variant = L.digits_accuracy(precision="fp16", device="cpu", eps=1e-7, **digits)
+    verdicts = [L.verdict_b1(fp32, half), L.verdict_b2(fp32, half),
+                L.verdict_r6(L.compare_r6(fp32, half, selective)),
+                L.verdict_r4(half, selective, amp_run, sel_run),
+                L.verdict_r5(L.adam_precision_facts("cpu"), L.multi_tensor_status(),
+                             [amp_run, variant]),
+                L.verdict_r7([amp_run, sel_run, variant]),
+                L.verdict_r12(L.autocast_error_by_op("cpu", "fp16", logit_scales=(1.0, 8.0)))]
+    assert sorted(v.claim for v in verdicts) == sorted(L.DECIDES)
+    for v in verdicts:
+        assert v.outcome == claims.UNDECIDED and v.why, str(v)
+        assert "held" not in v.why and "did not hold" not in v.why
+    assert not L.fastest_against_published(L.fastest_row(rows), fp32)["comparable"]
+
+
+# --- the figure -----------------------------------------------------------------------------------
+
+def test_throughput_memory_plot():
+    rows = [_row("fp32", 1000.0, 20.0, "fp32"), _row("fp16 a", 3000.0, 10.0),
+            _row("fp16 b", 3500.0, 10.5, idle=0.0004), _row("bf16", None, None, "bf16", status="skipped")]
+    fig = perf_plots.throughput_memory(rows)
+    assert {t.name for t in fig.data} == {"fp32", "fp16"}
+    assert sum(len(t.x) for t in fig.data) == 3
+    assert "(GiB)" in fig.layout.xaxis.title.text and "(img/s)" in fig.layout.yaxis.title.text
+    assert "bf16" in fig.layout.title.text  # the row left out is named
+    hover = [t for t in fig.data if t.name == "fp16"][0].text
+    assert "GPU idle 0.04% of the step" in hover[1]  # a small nonzero share is not shown as 0
+
+
+def test_throughput_memory_plot_counts_memory_on_a_cpu():
+    parts = dict(params_gib=0.1, grads_gib=0.1, optimizer_state_gib=0.1, activations_gib=0.2)
+    fig = perf_plots.throughput_memory([_row("a", 10.0, None, "fp32", idle=None, **parts)])
+    assert fig.data[0].x[0] == pytest.approx(0.5)
+    assert "counted" in fig.layout.xaxis.title.text and "GPU idle" not in fig.data[0].text[0]
+    with pytest.raises(ValueError, match="measured"):
+        perf_plots.throughput_memory([_row("a", None, None, status="skipped")])

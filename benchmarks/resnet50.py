@@ -6,8 +6,9 @@
     python benchmarks/resnet50.py --suite all --smoke        # a CPU check of the script itself
 
 ``lesson`` runs what notebooks/04_resnet50_memory_and_speed.ipynb runs in its full profile, in the
-same order (the table, the trainer against a hand-written loop, the digits accuracy runs), and
-times the whole, so the notebook's GPU run time is known. ``explore`` tries what might be faster:
+same order (the table, the trainer against a hand-written loop, the digits accuracy runs), with
+the course's standard settings (``measure.STANDARD``: cuDNN autotuning on, foreach SGD), and times
+the whole, so the notebook's GPU run time is known. ``explore`` tries what might be faster:
 CUDA graphs of the whole step, bf16, fused SGD, larger batches, torch.compile modes and inductor
 options, and profiles the step (top kernels and their share of device time).
 
@@ -29,8 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from amp_lessons import bench  # noqa: E402
-from amp_lessons.bench import BenchConfig  # noqa: E402
+from amp_lessons import measure  # noqa: E402
+from amp_lessons.data import synthetic_images  # noqa: E402
+from amp_lessons.lessons import l04_resnet50 as lesson  # noqa: E402
+from amp_lessons.measure import BenchConfig  # noqa: E402
+from amp_lessons.precision import native_bf16, precision_settings  # noqa: E402
 
 
 def _inductor_patch(overrides):
@@ -64,7 +68,7 @@ class Recorder:
         self.save()
 
     def save(self) -> None:
-        doc = bench.results_document(self.rows, self.device, total_seconds=self.elapsed(),
+        doc = measure.results_document(self.rows, self.device, total_seconds=self.elapsed(),
                                      **self.extra)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(doc, indent=1))
@@ -74,30 +78,31 @@ class Recorder:
 
 def lesson_suite(rec: Recorder, device, sizes: dict) -> None:
     amp = "fp16" if device.type == "cuda" else "bf16"
-    compile_precision = None if sizes["smoke"] else ("bf16" if bench.native_bf16(device) else "fp16")
-    configs = bench.lesson_configs(sizes["model"], sizes["batch"], sizes["image"], amp=amp,
+    compile_precision = None if sizes["smoke"] else ("bf16" if native_bf16(device) else "fp16")
+    configs = lesson.lesson_configs(sizes["model"], sizes["batch"], sizes["image"], amp=amp,
                                    compile_precision=compile_precision)
-    rows = bench.run_configs(configs, device, warmup=sizes["warmup"], steps=sizes["steps"],
+    rows = measure.run_configs(configs, device, warmup=sizes["warmup"], steps=sizes["steps"],
                              progress=False, on_row=lambda r: rec.add(dict(r, kind="table")))
-    loops_cfg = BenchConfig(model=sizes["model"], precision=amp, channels_last=True,
-                            batch_size=sizes["batch"], image_size=sizes["image"], impl="foreach")
-    rec.add(dict(bench.compare_loops(loops_cfg, device, warmup=sizes["warmup"],
+    standard = {k: v for k, v in measure.STANDARD.items() if k not in ("warmup", "steps")}
+    loops_cfg = BenchConfig(model=sizes["model"], precision=amp, batch_size=sizes["batch"],
+                            image_size=sizes["image"], **standard)
+    rec.add(dict(measure.compare_loops(loops_cfg, device, warmup=sizes["warmup"],
                                      steps=sizes["steps"], rounds=3), kind="loops"))
     digits = dict(model=sizes["digits_model"], device=device, epochs=sizes["digits_epochs"],
                   batch_size=sizes["digits_batch"], small_input=not sizes["smoke"],
                   max_train=sizes["digits_max_train"])
     for precision in ("fp32", "fp16", "bf16"):
-        rec.add(dict(bench.digits_accuracy(precision=precision, **digits), kind="digits"))
-    rec.add(dict(bench.digits_accuracy(**dict(digits, model=sizes["digits_model"] + "-r4"),
+        rec.add(dict(lesson.digits_accuracy(precision=precision, **digits), kind="digits"))
+    rec.add(dict(lesson.digits_accuracy(**dict(digits, model=sizes["digits_model"] + "-selective"),
                                        precision=amp), kind="digits"))
     for eps, amsgrad in ((1e-8, False), (1e-7, False), (1e-8, True)):
-        rec.add(dict(bench.digits_accuracy(precision=amp, optimizer="adam", eps=eps,
+        rec.add(dict(lesson.digits_accuracy(precision=amp, optimizer="adam", eps=eps,
                                            amsgrad=amsgrad, **digits), kind="digits"))
     for dtype in (torch.float16, torch.bfloat16):
-        for r in bench.autocast_error_by_op(device, dtype):
+        for r in lesson.autocast_error_by_op(device, dtype):
             rec.add(dict(r, kind="op_error", dtype=str(dtype), label=r["op"]))
     for opt in ("sgd", "adam"):
-        rec.add(dict(bench.skipped_step_check(opt, "fused", device), kind="skip_check",
+        rec.add(dict(lesson.skipped_step_check(opt, "fused", device), kind="skip_check",
                      label=f"skipped step, fused {opt}"))
     _ = rows
 
@@ -110,7 +115,7 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "04_resnet50_m
 def notebook_suite(rec: Recorder) -> None:
     """Run the notebook's code cells in order in this process (no Jupyter needed) and time each.
 
-    Cells that draw (``al.plots``) are skipped where plotly is not installed; a failing cell is
+    Cells that draw (``perf_plots``) are skipped where plotly is not installed; a failing cell is
     recorded and the rest still run. The lesson's measurements are then recorded as rows.
     """
     os.environ.setdefault("AMP_LESSONS_PROFILE", "full")
@@ -123,7 +128,7 @@ def notebook_suite(rec: Recorder) -> None:
         have_plotly = False
     ns: dict = {}
     for i, src in enumerate(cells):
-        if "al.plots" in src and not have_plotly:
+        if "perf_plots" in src and not have_plotly:
             rec.add({"label": f"cell {i}", "kind": "cell", "status": "skipped",
                      "reason": "plotly is not installed here", "seconds": 0.0})
             continue
@@ -136,10 +141,12 @@ def notebook_suite(rec: Recorder) -> None:
             status, reason = "error", f"{type(exc).__name__}: {exc}"[:400]
         rec.add({"label": f"cell {i}: {src.strip().splitlines()[0][:60]}", "kind": "cell",
                  "status": status, "reason": reason, "seconds": time.perf_counter() - t0})
-    for name in ("rows", "runs", "r4_run", "r5_runs", "loops", "op_rows", "r6", "b1"):
+    for name in ("rows", "runs", "selective_run", "r5_runs", "loops", "op_rows", "r6", "verdicts"):
         value = ns.get(name)
         if isinstance(value, dict):
             value = [value]
+        if name == "verdicts":
+            value = [dict(v.row(), numbers=dict(v.numbers)) for v in value or []]
         for row in value or []:
             rec.add(dict(row, kind={"rows": "table"}.get(name, name)))
 
@@ -149,7 +156,7 @@ def notebook_suite(rec: Recorder) -> None:
 def explore_entries(sizes: dict):
     """(config, inductor overrides, estimated seconds) in the order to try them.
 
-    Fused SGD is safe with GradScaler here: ``bench.build_optimizer`` primes its momentum buffers
+    Fused SGD is safe with GradScaler here: ``measure.build_optimizer`` primes its momentum buffers
     (see ``trainer.prime_momentum_buffers``), so the fp16 fused rows train correctly.
     """
     base = dict(model=sizes["model"], batch_size=sizes["batch"], image_size=sizes["image"],
@@ -182,16 +189,16 @@ def top_kernels(config: BenchConfig, device, steps: int = 3, top: int = 15) -> d
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    model = bench.build_model(config, device)
-    optimizer = bench.build_optimizer(config, model.parameters())
-    x, y = bench.synthetic_images(config.batch_size, config.image_size, config.num_classes,
+    model = measure.build_model(config, device)
+    optimizer = measure.build_optimizer(config, model.parameters())
+    x, y = synthetic_images(config.batch_size, config.image_size, config.num_classes,
                                   device, channels_last=config.channels_last)
     run = model if not config.compile else torch.compile(model, mode=config.compile)
     old = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = True
     try:
-        with bench.precision_settings(config.precision, device):
-            step = bench.hand_step(run, optimizer, config.precision, device)
+        with precision_settings(config.precision, device):
+            step = measure.hand_step(run, optimizer, config.precision, device)
             for _ in range(4):
                 step(x, y)
             torch.cuda.synchronize()
@@ -214,7 +221,7 @@ def top_kernels(config: BenchConfig, device, steps: int = 3, top: int = 15) -> d
     for name, ms, _ in events:
         groups[_kernel_group(name)] = groups.get(_kernel_group(name), 0.0) + ms
     del model, optimizer, x, y, run, step, prof
-    bench.free_memory(device, reset_compiler=bool(config.compile))
+    measure.free_memory(device, reset_compiler=bool(config.compile))
     return {"label": f"profile: {config.label}", "kind": "profile", "status": "ok",
             "device_ms_per_step": total,
             "top": [{"kernel": n[:140], "ms_per_step": ms, "share_pct": 100 * ms / total,
@@ -268,7 +275,7 @@ def explore_suite(rec: Recorder, device, sizes: dict, budget: float, only=(),
                      "reason": f"time budget ({budget:.0f}s) would be exceeded"})
             continue
         with _inductor_patch(overrides):
-            row = bench.measure(config, device, warmup=sizes["warmup"], steps=sizes["steps"],
+            row = measure.measure(config, device, warmup=sizes["warmup"], steps=sizes["steps"],
                                 breakdown=False)
         rec.add(dict(row, kind="explore", inductor=overrides or {}))
 
@@ -312,10 +319,10 @@ def main(argv=None) -> int:
     else:
         total = (torch.cuda.get_device_properties(device).total_memory / 2**30
                  if device.type == "cuda" else None)
-        sizes = dict(model="resnet50", batch=bench.batch_size_for(total, 224), image=224,
+        sizes = dict(model="resnet50", batch=measure.batch_size_for(total, 224), image=224,
                      warmup=5, steps=15, digits_model="resnet50", digits_epochs=6,
                      digits_batch=64, digits_max_train=None, smoke=False)
-    print(f"device {device} ({bench.results_document([], device)['device_name']}), "
+    print(f"device {device} ({measure.results_document([], device)['device_name']}), "
           f"torch {torch.__version__}, sizes {sizes}", flush=True)
     recorders = []
     if args.suite in ("lesson", "all"):

@@ -349,10 +349,19 @@ def b5_verdict(report: AutocastReport) -> claims.Verdict:
     parts = b5_parts(report)
     low = report.low
     layer_grads = {g for _, _, _, g in report.layers if g is not None}
-    held = (report.loss == low and low in layer_grads and report.gradients == {torch.float32})
-    why = ("the loss and the backward ran in 16 bits and the parameter gradients are float32"
-           if held else "not as stated: " + "; ".join(f"{p['part']}: {p['finding']}"
-                                                     for p in parts))
+    loss_low, back_low = report.loss == low, low in layer_grads
+    fp32_grads = report.gradients == {torch.float32}
+    held = loss_low and back_low and fp32_grads
+    if held:
+        why = "the loss and the backward ran in 16 bits and the parameter gradients are float32"
+    else:
+        why = "; ".join(filter(None, (
+            None if loss_low else "the loss is float32 (cross_entropy is on autocast's float32 "
+                                  "list), so its backward starts in float32",
+            "backward runs in 16 bits only through the 16-bit ops" if back_low
+            else "no gradient flowed back in 16 bits",
+            "the parameter gradients are float32 because the parameters never left float32: "
+            "nothing is restored" if fp32_grads else "the parameter gradients are not float32")))
     measured = "; ".join(p["measured"] for p in parts)
     return claims.decide("B5", LESSON, measured, held, why,
                          numbers={"loss": str(report.loss), "parts": parts})

@@ -1,15 +1,46 @@
-"""Command line: ``python -m amp_lessons {run-notebooks,train,bench} ...``.
+"""Command line: ``python -m amp_lessons {run-notebooks,readme,bench,train} ...``.
 
-Bad flags end in argparse's usage message and exit status 2, never a traceback.
+Bad flags end in argparse's usage message and exit status 2. Every other user error (a bad
+setting, a missing or damaged file, a path that cannot be written) prints one line,
+``python -m amp_lessons <command>: error: ...``, and exits with a non-zero status, never a
+traceback. Paths are checked before any training or measuring starts.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 from . import __version__
+
+PROG = "python -m amp_lessons"
+
+
+def fail(command: str, message: str, status: int = 2) -> int:
+    """Print one error line for ``command`` to stderr and return ``status``."""
+    text = " ".join(str(message).split())  # one line, whatever the message held
+    print(f"{PROG} {command}: error: {text}", file=sys.stderr)
+    return status
+
+
+def check_writable(path: Path, what: str) -> None:
+    """ValueError unless a file can be written at ``path`` (checked before the work starts):
+    not a folder, and its folder exists (or can be made) and is writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} must name a file, not a folder; got '{path}'")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{what}: '{path}' exists and cannot be written")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{what}: '{parent}' is not a folder, so '{path}' cannot be written")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what}: the folder '{parent}' is not writable, so '{path}' cannot "
+                         f"be written")
 
 
 def _positive_int(text: str) -> int:
@@ -44,17 +75,26 @@ def _add_run_notebooks(sub) -> None:
 def _cmd_run_notebooks(args) -> int:
     from .runner import NotebookRunError, course_notebooks, run_notebooks
 
+    from .runner import NotANotebookError, read_notebook
+
     paths = args.notebooks or course_notebooks()
     missing = [str(p) for p in paths if not Path(p).is_file()]
     if missing:
-        print(f"error: no such notebook: {', '.join(missing)}", file=sys.stderr)
-        return 2
+        return fail("run-notebooks", f"no such notebook: {', '.join(missing)}")
+    try:
+        for p in paths:  # every file is a notebook before the first one runs
+            read_notebook(Path(p))
+        if args.out is not None and args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"out must be a folder; got the file '{args.out}'")
+    except (NotANotebookError, ValueError) as exc:
+        return fail("run-notebooks", str(exc))
     try:
         written = run_notebooks(paths, profile=args.profile, out=args.out, timeout=args.timeout,
                                 progress=not args.no_progress)
     except NotebookRunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return fail("run-notebooks", exc.summary, 1)
+    except (OSError, RuntimeError, ValueError) as exc:  # kernel would not start, disk, ...
+        return fail("run-notebooks", f"{type(exc).__name__}: {exc}", 1)
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -78,9 +118,15 @@ def _cmd_readme(args) -> int:
 
     readme = args.readme or NOTEBOOK_DIR.parent / "README.md"
     notebooks = course_notebooks()
+    if not readme.is_file():
+        return fail("readme", f"no README at '{readme}'")
     if args.check:
-        current = readme.read_text()
-        if results_section(notebooks) not in current:
+        try:
+            current = readme.read_text()
+            section = results_section(notebooks)
+        except (OSError, ValueError) as exc:
+            return fail("readme", str(exc))
+        if section not in current:
             print(f"{readme}: results section is out of date; run `python -m amp_lessons readme`",
                   file=sys.stderr)
             return 1
@@ -88,9 +134,8 @@ def _cmd_readme(args) -> int:
         return 0
     try:
         changed = update_readme(readme, notebooks)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as exc:
+        return fail("readme", str(exc))
     print(f"{readme}: {'updated' if changed else 'already current'}")
     return 0
 
@@ -147,6 +192,8 @@ def _cmd_bench(args) -> int:
     batch = args.batch_size or (8 if quick else batch_size_for(env.total_memory_gib, image))
     precisions = list(dict.fromkeys("fp16" if p == "amp" else p for p in args.precision))
     try:
+        if args.json is not None:
+            check_writable(args.json, "json")
         configs = [BenchConfig(model=model, precision=p, channels_last=args.channels_last,
                                batch_size=batch, image_size=image, optimizer=args.optimizer,
                                impl=args.impl, compile=args.compile, cuda_graph=args.cuda_graph,
@@ -154,15 +201,17 @@ def _cmd_bench(args) -> int:
                                loop="trainer" if args.trainer else "hand")
                    for p in precisions]
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail("bench", str(exc))
     rows = run_configs(configs, env.device, warmup=args.warmup or (1 if quick else 5),
                        steps=args.steps or (3 if quick else 15), progress=False)
     print(text_table(rows, DEFAULT_COLUMNS))
     if args.json is not None:
         doc = results_document(rows, env.device, profile=env.profile)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(doc, indent=1))
+        except OSError as exc:
+            return fail("bench", f"could not write {args.json}: {exc}", 1)
         print(f"wrote {args.json}")
     return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
 
@@ -228,6 +277,10 @@ def _mib(value) -> str:
     return "n/a on a CPU" if value is None else f"{value / 2 ** 20:.1f} MiB"
 
 
+def _loss_text(value) -> str:
+    return "n/a (every step skipped)" if value is None else f"{value:.4f}"
+
+
 def _cmd_train(args) -> int:
     import json
 
@@ -236,8 +289,11 @@ def _cmd_train(args) -> int:
     from .trainer import ScalerSettings
 
     def on_epoch(e: dict) -> None:
-        print(f"epoch {e['epoch'] + 1}/{args.epochs}: {e['time_s']:.2f} s, "
-              f"peak memory {_mib(e['peak_memory_bytes'])}, train loss {e['train_loss']:.4f}, "
+        part = (f" (resumed after batch {e['resumed_at_batch']}: covers the last {e['steps']} "
+                f"steps only)" if e.get("partial") else "")
+        print(f"epoch {e['epoch'] + 1}/{args.epochs}{part}: {e['time_s']:.2f} s, "
+              f"peak memory {_mib(e['peak_memory_bytes'])}, "
+              f"train loss {_loss_text(e['train_loss'])}, "
               f"test accuracy {100 * e['test_accuracy']:.1f}%, skipped steps {e['skipped']}",
               flush=True)
 
@@ -246,6 +302,10 @@ def _cmd_train(args) -> int:
             raise ValueError(f"seed must be a whole number >= 0; got {args.seed}")
         if args.resume is not None and not args.resume.is_file():
             raise ValueError(f"resume must name an existing checkpoint file; got '{args.resume}'")
+        if args.checkpoint is not None:
+            check_writable(args.checkpoint, "checkpoint")
+        if args.json is not None:
+            check_writable(args.json, "json")
         scaler = ScalerSettings(init_scale=args.init_scale, growth_factor=args.growth_factor,
                                 backoff_factor=args.backoff_factor,
                                 growth_interval=args.growth_interval)
@@ -256,11 +316,12 @@ def _cmd_train(args) -> int:
                            device=None if args.device == "auto" else args.device,
                            seed=args.seed, progress=not args.no_progress,
                            checkpoint=args.checkpoint, resume=args.resume, on_epoch=on_epoch)
-    except ValueError as exc:
-        args.parser.error(str(exc))  # exits with status 2
+    except (ValueError, OSError, FloatingPointError) as exc:
+        # bad settings, a damaged --resume file (CheckpointError), a full disk (DiskFullError)
+        return fail("train", str(exc))
     s = run.summary()
     if not run.epochs:
-        args.parser.error("resume: the checkpoint holds no finished epoch; nothing to report")
+        return fail("train", "resume: the checkpoint holds no finished epoch; nothing to report")
     peak = s["peak_memory_mib"]
     print(f"summary: {s['model']} at {s['precision']} on {s['device']}, {s['epochs']} epochs")
     print(f"  time per epoch : {s['epoch_time_s']:.2f} s "
@@ -276,8 +337,11 @@ def _cmd_train(args) -> int:
                         if k not in ("func", "parser")},
                "env": probe().as_dict(), "summary": s, "epochs": run.epochs,
                "history": run.history.columns()}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(json_safe(doc), indent=1))
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(json_safe(doc), indent=1))
+        except OSError as exc:
+            return fail("train", f"could not write {args.json}: {exc}", 1)
         print(f"wrote {args.json}")
     return 0
 
@@ -286,7 +350,7 @@ def _cmd_train(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m amp_lessons`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="python -m amp_lessons",
+    parser = argparse.ArgumentParser(prog=PROG,
                                      description="Companion tools of the amp-lessons course.")
     parser.add_argument("--version", action="version", version=f"amp-lessons {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

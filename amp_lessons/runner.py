@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,12 +24,36 @@ GPU_TAG = "requires-gpu"
 
 
 class NotebookRunError(RuntimeError):
-    """A cell failed: the message names the notebook, the cell and the error."""
+    """A cell failed, timed out or killed its kernel: the message names the notebook, the cell
+    and the error; ``summary`` says it in one line (what the CLI prints)."""
 
     def __init__(self, notebook: Path, cell_index: int, cell_source: str, error: str):
         first = next((line for line in cell_source.splitlines() if line.strip()), "")
         self.notebook, self.cell_index, self.error = notebook, cell_index, error
+        lines = [line.strip() for line in _ANSI.sub("", error).splitlines() if line.strip()]
+        self.summary = (f"{notebook.name}: cell {cell_index} ({first[:70]!r}) failed: "
+                        f"{lines[-1] if lines else 'no message'}")
         super().__init__(f"{notebook.name}: cell {cell_index} ({first[:70]!r}) failed:\n{error}")
+
+
+class NotANotebookError(ValueError):
+    """A file that cannot be read as a Jupyter notebook; the message names it."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def read_notebook(path: Path):
+    """``nbformat.read`` a notebook, or raise ``NotANotebookError`` naming the file and what is
+    wrong (not JSON, not a notebook's structure, unreadable)."""
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:  # noqa: BLE001 - nbformat raises JSON, validation and OS errors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise NotANotebookError(f"{path}: not a readable Jupyter notebook ({first[:160]})") from None
+    if not isinstance(nb, dict) or "cells" not in nb:
+        raise NotANotebookError(f"{path}: not a Jupyter notebook (no cells)")
+    return nb
 
 
 def course_notebooks(directory: Path = NOTEBOOK_DIR) -> List[Path]:
@@ -76,11 +101,13 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
 
     ``out`` is a folder for the copy; by default the notebook is rewritten in place, and only
     after every cell succeeded. Cells tagged ``requires-gpu`` are left unexecuted without CUDA.
-    Raises ``NotebookRunError`` naming the cell that failed (a partial copy is still written to
-    ``out`` when one was given, so the failure can be read).
+    Raises ``NotebookRunError`` naming the cell that failed, timed out (``timeout`` seconds) or
+    killed the kernel (a partial copy is still written to ``out`` when one was given and it is
+    not the notebook itself, so the failure can be read), ``NotANotebookError`` for a file that
+    is not a notebook. The original notebook is never left half-written.
     """
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from tqdm.auto import tqdm
 
     path = Path(path)
@@ -90,8 +117,9 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
         raise ValueError(f"timeout must be a positive number of seconds; got {timeout}")
     profile = get_profile(profile)
     has_gpu = _device_count() > 0
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     target = Path(out) / path.name if out is not None else path
+    keep_partial = out is not None and target.resolve() != path.resolve()
     # Widget state is not saved: anywidget-based FigureWidgets would embed plotly.js (5 MB) each.
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
                             store_widget_state=False,
@@ -108,10 +136,16 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
                 continue
             try:
                 client.execute_cell(cell, index)
-            except CellExecutionError as exc:
-                if out is not None:
+            except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
+                if isinstance(exc, CellTimeoutError):
+                    error = f"timed out after {timeout} s (--timeout)"
+                elif isinstance(exc, DeadKernelError):
+                    error = f"the kernel died ({exc})"
+                else:
+                    error = str(exc)
+                if keep_partial:
                     _write(nb, target)
-                raise NotebookRunError(path, index, cell.source, str(exc)) from None
+                raise NotebookRunError(path, index, cell.source, error) from None
     _tidy_widget_outputs(nb)
     record = run_record(profile)
     record["seconds"] = round(time.perf_counter() - started, 1)

@@ -1,0 +1,195 @@
+"""`python -m amp_lessons ...`: train end to end in the quick sizes, and every command's user
+errors: one line, a non-zero exit, never a traceback, paths checked before training."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import nbformat
+import pytest
+import torch
+from nbformat.v4 import new_code_cell, new_notebook
+
+from amp_lessons import cli
+from amp_lessons.cli import main
+
+FAST = ["--model", "cnn", "--width", "4", "--batch-size", "256", "--no-progress"]
+
+
+def test_train_end_to_end_with_json_checkpoint_and_resume(tmp_path, capsys):
+    out, ckpt = tmp_path / "run.json", tmp_path / "c.pt"
+    assert main(["train", "--precision", "amp", "--epochs", "1", "--checkpoint", str(ckpt),
+                 "--json", str(out), "--clip", "1.0"] + FAST) == 0
+    text = capsys.readouterr().out
+    assert "epoch 1/1:" in text and "test accuracy" in text and "peak memory" in text
+    assert "summary: cnn at fp16" in text
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["precision"] == "fp16" and len(doc["epochs"]) == 1
+    assert doc["args"]["clip"] == 1.0 and len(doc["history"]["loss"]) == 6
+    assert main(["train", "--precision", "amp", "--epochs", "2", "--resume", str(ckpt)]
+                + FAST) == 0
+    text = capsys.readouterr().out
+    assert "epoch 2/2:" in text and "epoch 1/2" not in text and ", 2 epochs" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--precision", "fp8"], "invalid choice"),
+    (["--model", "resnet"], "invalid choice"),
+    (["--epochs", "0"], "expected a whole number >= 1"),
+    (["--lr", "fast"], "expected a number"),
+])
+def test_bad_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train"] + argv + FAST)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "Traceback" not in err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--growth-factor", "1.0"], "growth_factor must be a finite number > 1"),
+    (["--backoff-factor", "2"], r"backoff_factor must be in the open interval \(0, 1\)"),
+    (["--init-scale", "-1"], "init_scale must be a finite number > 0"),
+    (["--growth-interval", "0"], "growth_interval must be a whole number >= 1"),
+    (["--clip", "0"], "clip_norm must be None or a finite number > 0"),
+    (["--lr", "0"], "lr must be a finite number > 0"),
+    (["--seed", "-2"], "seed must be a whole number >= 0"),
+    (["--resume", "missing.pt"], "resume must name an existing checkpoint file"),
+])
+def test_bad_settings_are_one_line_errors(argv, message, capsys):
+    assert main(["train"] + argv + FAST) == 2
+    err = capsys.readouterr().err
+    assert_one_line_error(err, "train", message)
+
+
+def assert_one_line_error(err, command, message):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"python -m amp_lessons {command}: error: ")
+    assert re.search(message, lines[0]), err
+
+
+def test_module_entry_point_exit_status():
+    proc = subprocess.run([sys.executable, "-m", "amp_lessons", "train", "--accumulate", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+
+# --- files and paths: checked before training, one line each -------------------------------------
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "good.pt"
+    assert main(["train", "--epochs", "1", "--checkpoint", str(path)] + FAST) == 0
+    return path
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncated", "truncated or damaged archive"),
+    ("random", "not a PyTorch archive"),
+    ("empty", "the file is empty"),
+    ("flipped", "corrupted"),
+    ("mismatched", r"model: .* in the checkpoint but"),
+])
+def test_resume_with_a_bad_file_is_one_line(tmp_path, good_checkpoint, damage, message, capsys):
+    capsys.readouterr()
+    data = good_checkpoint.read_bytes()
+    path = tmp_path / "bad.pt"
+    if damage == "truncated":
+        path.write_bytes(data[:len(data) // 3])
+    elif damage == "random":
+        path.write_bytes(os.urandom(5000))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "flipped":
+        bad = bytearray(data)
+        bad[len(bad) // 2] ^= 0x10
+        path.write_bytes(bytes(bad))
+    else:
+        path.write_bytes(data)
+    argv = FAST[:]
+    if damage == "mismatched":
+        argv[argv.index("--width") + 1] = "6"  # another model shape
+    assert main(["train", "--epochs", "2", "--resume", str(path)] + argv) == 2
+    out = capsys.readouterr()
+    assert_one_line_error(out.err, "train", message)
+    assert "epoch" not in out.out  # nothing trained
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint", "--json"])
+def test_output_paths_are_checked_before_training(tmp_path, flag, capsys):
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    assert main(["train", "--epochs", "1", flag, str(folder)] + FAST) == 2
+    out = capsys.readouterr()
+    assert_one_line_error(out.err, "train", "must name a file, not a folder")
+    assert "epoch 1" not in out.out
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["train", "--epochs", "1", flag, str(blocker / "sub" / "x.out")] + FAST) == 2
+    out = capsys.readouterr()
+    assert_one_line_error(out.err, "train", "is not a folder")
+    assert "epoch 1" not in out.out
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into read-only folders")
+def test_unwritable_json_folder_is_found_before_training(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert main(["train", "--epochs", "1", "--json", str(locked / "r.json")] + FAST) == 2
+    finally:
+        locked.chmod(0o700)
+    assert_one_line_error(capsys.readouterr().err, "train", "is not writable")
+
+
+def test_check_writable_refuses_unwritable_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(ValueError, match="json: the folder .* is not writable"):
+        cli.check_writable(tmp_path / "r.json", "json")
+    monkeypatch.undo()
+    cli.check_writable(tmp_path / "new" / "deeper" / "r.json", "json")  # folders can be made
+
+
+def test_readme_check_with_a_missing_file(tmp_path, capsys):
+    assert main(["readme", "--check", "--readme", str(tmp_path / "nope.md")]) == 2
+    assert_one_line_error(capsys.readouterr().err, "readme", "no README at")
+    assert main(["readme", "--readme", str(tmp_path / "nope.md")]) == 2
+    assert_one_line_error(capsys.readouterr().err, "readme", "no README at")
+
+
+def test_run_notebooks_on_a_file_that_is_not_a_notebook(tmp_path, capsys):
+    path = tmp_path / "01_text.ipynb"
+    path.write_text("just text")
+    assert main(["run-notebooks", "--no-progress", str(path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "run-notebooks", "not a readable Jupyter")
+    assert path.read_text() == "just text"
+
+
+def _notebook(path, *sources):
+    nb = new_notebook(cells=[new_code_cell(s) for s in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source,message", [
+    ("import time; time.sleep(30)", r"cell 0 .* failed: timed out after 2 s"),
+    ("import os; os.kill(os.getpid(), 9)", r"cell 0 .* failed: the kernel died"),
+    ("1 / 0", r"cell 0 .* failed: ZeroDivisionError"),
+])
+def test_run_notebooks_cell_failures_are_one_line_and_keep_the_notebook(tmp_path, source,
+                                                                        message, capsys):
+    path = _notebook(tmp_path / "01_x.ipynb", source)
+    before = path.read_bytes()
+    for out in ([], ["--out", str(tmp_path)]):  # --out the notebook's own folder: still intact
+        assert main(["run-notebooks", "--no-progress", "--profile", "quick", "--timeout", "2",
+                     str(path)] + out) == 1
+        assert_one_line_error(capsys.readouterr().err, "run-notebooks", message)
+        assert path.read_bytes() == before

@@ -1,0 +1,465 @@
+"""Lesson 07 on the CPU: FP8 numerics and scaling, the FP8-support line, the speed sweep's rows
+where FP8 cannot run, the standard-library corpus, GPT training and its comparison, the module
+filter and the figures. torchao-specific tests run only where torchao is installed."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from amp_lessons.lessons import l07_fp8 as L
+
+HAS_TORCHAO = L.torchao_version() is not None
+needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
+CPU = L.FP8Support("cpu", "CPU", None, None, L.support_reason("cpu", None, None))
+TINY_GPT = dict(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+
+
+# --- support -----------------------------------------------------------------------------------
+
+def test_support_reason_names_every_missing_piece():
+    assert L.support_reason("cuda", (9, 0), "0.18.0") == ""
+    assert L.support_reason("cuda", (8, 9), "0.18.0") == ""
+    assert "8.0 is below 8.9" in L.support_reason("cuda", (8, 0), "0.18.0")
+    assert "7.5 is below 8.9" in L.support_reason("cuda", (7, 5), "0.18.0")
+    both = L.support_reason("cpu", None, None)
+    assert "no CUDA GPU" in both and "torchao not installed" in both
+    assert L.support_reason("cuda", (9, 0), None) == 'torchao not installed (pip install "amp-lessons[fp8]")'
+    with pytest.raises(ValueError, match="device_type"):
+        L.support_reason("tpu", None, None)
+
+
+def test_fp8_support_properties_and_line():
+    h200 = L.FP8Support("cuda", "NVIDIA H200", (9, 0), "0.18.0", "")
+    assert h200.tensor_cores and h200.available and h200.can_emulate
+    assert h200.line().startswith("FP8 runs here: NVIDIA H200 (compute capability 9.0)")
+    a100 = L.FP8Support("cuda", "A100", (8, 0), "0.18.0", L.support_reason("cuda", (8, 0), "0.18.0"))
+    assert not a100.available and a100.can_emulate and not a100.tensor_cores
+    assert not CPU.available and not CPU.can_emulate
+    line = CPU.line()
+    assert line.startswith("FP8 matmuls do not run here: no CUDA GPU") and "\n" not in line
+
+
+def test_fp8_support_probes_this_machine():
+    support = L.fp8_support("cpu")
+    assert support.device_type == "cpu" and not support.available
+    assert ("torchao not installed" in support.reason) == (not HAS_TORCHAO)
+    assert support.torchao == L.torchao_version()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device"):
+            L.fp8_support("cuda")
+
+
+# --- numerics ----------------------------------------------------------------------------------
+
+def test_format_facts_match_the_formats():
+    facts = {r["format"]: r for r in L.format_facts()}
+    assert facts["e4m3"]["largest"] == 448 and facts["e5m2"]["largest"] == 57344
+    assert facts["e4m3"]["smallest normal"] == 2.0 ** -6
+    assert facts["e4m3"]["smallest subnormal"] == 2.0 ** -9
+    assert facts["e5m2"]["smallest subnormal"] == 2.0 ** -16
+    assert facts["e4m3"]["step at 1.0"] == 0.125 and facts["e5m2"]["step at 1.0"] == 0.25
+    assert facts["bf16"]["mantissa bits"] == 7
+    assert L.fp8_max("e4m3") == 448 and L.fp8_max("e5m2") == 57344
+    with pytest.raises(ValueError, match="fmt"):
+        L.fp8_max("e3m4")
+
+
+def test_amax_scale_per_tensor_per_row_and_power_of_two():
+    x = torch.tensor([[1.0, -2.0], [0.5, 0.25]])
+    assert float(L.amax_scale(x, "e4m3", "tensorwise")) == pytest.approx(448 / 2)
+    rows = L.amax_scale(x, "e4m3", "rowwise")
+    assert rows.shape == (2, 1)
+    assert rows.flatten().tolist() == pytest.approx([224.0, 896.0])
+    assert float(L.amax_scale(x, "e4m3", "none")) == 1.0
+    p2 = L.amax_scale(torch.tensor([3.0]), "e4m3", "tensorwise", power_of_2=True)
+    assert float(p2) == 128.0  # 448 / 3 = 149.3, rounded down to a power of two
+    assert torch.isfinite(L.amax_scale(torch.zeros(3), "e5m2")).all()
+    with pytest.raises(ValueError, match="granularity"):
+        L.amax_scale(x, "e4m3", "blockwise")
+
+
+def test_to_fp8_saturates_instead_of_nan_and_round_trips():
+    x = torch.tensor([1000.0, -1.0, 0.5])
+    y, scale = L.to_fp8(x, "e4m3", "none")
+    assert y.dtype == torch.float8_e4m3fn
+    back = L.from_fp8(y, scale)
+    assert back.tolist() == [448.0, -1.0, 0.5]  # saturated, not NaN
+    y, scale = L.to_fp8(x, "e4m3", "tensorwise")
+    assert L.from_fp8(y, scale)[0] == pytest.approx(1000.0)
+    assert L.fake_quantize(x, "e5m2", "tensorwise").dtype == torch.float32
+    with pytest.raises(ValueError, match="x_fp8"):
+        L.from_fp8(x, scale)
+
+
+def test_quantization_error_sees_underflow_and_scaling_removes_it():
+    tiny = torch.full((4, 8), 1e-4)
+    tiny[0, 0] = 2e-4
+    unscaled = L.quantization_error(tiny, "e4m3", "none")
+    assert unscaled["underflow"] == 1.0 and unscaled["rel_error"] == pytest.approx(1.0)
+    scaled = L.quantization_error(tiny, "e4m3", "tensorwise")
+    assert scaled["underflow"] == 0.0 and scaled["rel_error"] < 0.07
+    assert L.quantization_error(torch.tensor([1000.0]), "e4m3", "none")["saturated"] == 1.0
+    with pytest.raises(ValueError, match="finite"):
+        L.quantization_error(torch.tensor([float("inf")]))
+    with pytest.raises(ValueError, match="non-empty"):
+        L.quantization_error(torch.tensor([]))
+
+
+def test_scaling_walkthrough_shows_per_row_keeping_the_small_row():
+    walk = L.scaling_walkthrough()
+    assert walk["amax"] == 1700 and walk["tensor_scale"] == pytest.approx(448 / 1700)
+    assert walk["row_scales"][1] == pytest.approx(448 / 1700)
+    small = walk["rows"][2]  # 0.0007
+    assert small["value"] == pytest.approx(7e-4)
+    assert small["no scale"] == 0 and small["one scale"] == 0
+    assert small["scale per row"] == pytest.approx(7e-4, rel=0.07)
+    outlier = walk["rows"][7]
+    assert outlier["no scale"] == 448 and outlier["one scale"] == pytest.approx(1700)
+    with pytest.raises(ValueError, match="2-d"):
+        L.scaling_walkthrough(torch.ones(3))
+
+
+@pytest.fixture(scope="module")
+def digits_tensors():
+    return L.digits_tensors(seed=0, epochs=1)
+
+
+def test_digits_tensors_capture_activation_weight_and_gradient(digits_tensors):
+    assert list(digits_tensors) == ["net.0", "net.2", "net.4"]
+    first = digits_tensors["net.0"]
+    assert first["activation"].shape == (64, 64) and first["weight"].shape == (256, 64)
+    assert first["gradient"].shape == (64, 256)
+    assert float(first["gradient"].abs().max()) < 0.1  # gradients of a mean loss are small
+    with pytest.raises(ValueError, match="epochs"):
+        L.digits_tensors(epochs=-1)
+
+
+def test_error_table_and_summary(digits_tensors):
+    rows = L.error_table(digits_tensors)
+    assert len(rows) == 3 * 3 * 2 * 3
+    summary = {(r["tensor"], r["format"], r["scaling"]): r for r in L.error_summary(rows)}
+    assert len(summary) == 3 * 2 * 3
+    assert summary[("gradient", "e4m3", "none")]["underflow"] > 0.5
+    assert summary[("gradient", "e4m3", "tensorwise")]["underflow"] < 0.05
+    assert summary[("weight", "e4m3", "rowwise")]["rel_error"] < summary[("weight", "e5m2", "rowwise")]["rel_error"]
+    with pytest.raises(ValueError, match="formats"):
+        L.error_table(digits_tensors, formats=("fp4",))
+    with pytest.raises(ValueError, match="tensors"):
+        L.error_table({})
+    with pytest.raises(ValueError, match="rows"):
+        L.error_summary([])
+
+
+# --- speed -------------------------------------------------------------------------------------
+
+def test_mlp_stack_shape_and_checks():
+    model = L.mlp_stack(32, blocks=2)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 4 and all(m.bias is None for m in linears)
+    assert linears[0].weight.shape == (128, 32)
+    assert model(torch.randn(3, 32)).shape == (3, 32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        L.mlp_stack(40)
+    with pytest.raises(ValueError, match="blocks"):
+        L.mlp_stack(32, blocks=0)
+
+
+def test_time_recipe_on_the_cpu():
+    row = L.time_recipe("bf16", 32, tokens=64, blocks=1, steps=2, warmup=1, compile=False)
+    assert row["status"] == "measured" and row["step_ms"] > 0 and row["peak_gib"] is None
+    assert row["params"] == 2 * 4 * 32 * 32 and math.isfinite(row["loss"])
+    with pytest.raises(ValueError, match="recipe"):
+        L.time_recipe("fp16", 32)
+    with pytest.raises(ValueError, match="steps"):
+        L.time_recipe("bf16", 32, steps=0)
+
+
+def test_speed_sweep_marks_rows_not_measured_with_the_reason():
+    rows = L.speed_sweep((32, 64), support=CPU)
+    assert len(rows) == 6
+    assert all(r["status"] == f"not measured: {CPU.reason}" and r["step_ms"] is None for r in rows)
+    assert L.speedup(rows, 32) is None and L.smallest_paying_width(rows) is None
+    with pytest.raises(ValueError, match="widths"):
+        L.speed_sweep((), support=CPU)
+    with pytest.raises(ValueError, match="recipes"):
+        L.speed_sweep((32,), recipes=("fp8",), support=CPU)
+
+
+def test_speed_sweep_measures_and_reports_failures_as_rows():
+    fake = L.FP8Support("cuda", "fake", (9, 0), "0.18.0", "")  # pretend, to reach the timing code
+    rows = L.speed_sweep((32,), recipes=("bf16", "tensorwise"), tokens=32, blocks=1, steps=1,
+                         warmup=1, support=fake, device="cpu", compile=False)
+    bf16, fp8 = rows
+    assert bf16["status"] == "measured" and bf16["speedup"] == pytest.approx(1.0)
+    if HAS_TORCHAO:  # torchao's FP8 GEMM does not run on the CPU: the failure is a row
+        assert fp8["status"] == "measured" or fp8["status"].startswith("not measured: ")
+    else:
+        assert fp8["status"] == 'not measured: RuntimeError: torchao not installed (pip install "amp-lessons[fp8]")'
+
+
+def test_speedup_and_smallest_paying_width():
+    rows = [{"width": w, "recipe": r, "speedup": s} for w, r, s in [
+        (1024, "bf16", 1.0), (1024, "tensorwise", 0.9), (2048, "tensorwise", 1.2),
+        (4096, "tensorwise", 1.04), (8192, "tensorwise", 1.5), (1024, "rowwise", 1.1),
+        (2048, "rowwise", 1.1)]]
+    assert L.speedup(rows, 2048) == 1.2 and L.speedup(rows, 512) is None
+    assert L.smallest_paying_width(rows) == 8192  # 4096 dips under 1.05 again
+    assert L.smallest_paying_width(rows, at_least=1.0) == 2048
+    assert L.smallest_paying_width(rows, "rowwise") == 1024
+    with pytest.raises(ValueError, match="at_least"):
+        L.smallest_paying_width(rows, at_least=0)
+
+
+# --- accuracy ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def source_tree(tmp_path: Path) -> Path:
+    for rel, text in [("b.py", "b = 2\n" * 300), ("a.py", "a = 1\n" * 300),
+                      ("pkg/c.py", "c = 3\n" * 300), ("pkg/notes.txt", "skip"),
+                      ("site-packages/x.py", "skip"), ("__pycache__/y.py", "skip"),
+                      ("z.py", "z = 0\n" * 300)]:
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_stdlib_files_sorted_without_site_packages(source_tree):
+    names = [p.relative_to(source_tree).as_posix() for p in L.stdlib_files(source_tree)]
+    assert names == ["a.py", "b.py", "pkg/c.py", "z.py"]
+    real = L.stdlib_files()
+    assert real and all(p.suffix == ".py" for p in real)
+    assert not any("site-packages" in p.parts for p in real)
+    with pytest.raises(ValueError, match="root"):
+        L.stdlib_files(source_tree / "missing")
+
+
+def test_stdlib_corpus_splits_by_file(source_tree):
+    corpus = L.stdlib_corpus(val_every=2, root=source_tree)
+    assert corpus.files == 4 and corpus.train.dtype == torch.uint8
+    assert bytes(corpus.val.tolist()).startswith(b"a = 1")    # files 0 and 2 held out
+    assert b"pkg" not in bytes(corpus.train.tolist()) and b"b = 2" in bytes(corpus.train.tolist())
+    assert "4 .py files" in corpus.describe()
+    capped = L.stdlib_corpus(max_bytes=4096)
+    assert len(capped.train) == 4096
+    with pytest.raises(ValueError, match="max_bytes"):
+        L.stdlib_corpus(max_bytes=10)
+    with pytest.raises(ValueError, match="val_every"):
+        L.stdlib_corpus(val_every=1, root=source_tree)
+
+
+def test_batches_are_fixed_by_the_seed():
+    a = L.batch_offsets(1000, 16, 4, 3, seed=1)
+    assert a.shape == (3, 4) and torch.equal(a, L.batch_offsets(1000, 16, 4, 3, seed=1))
+    assert not torch.equal(a, L.batch_offsets(1000, 16, 4, 3, seed=2))
+    text = torch.arange(100, dtype=torch.uint8)
+    x, y = L.text_batch(text, torch.tensor([0, 10]), 5)
+    assert x.tolist()[1] == [10, 11, 12, 13, 14] and y.tolist()[1] == [11, 12, 13, 14, 15]
+    with pytest.raises(ValueError, match="n must exceed"):
+        L.batch_offsets(10, 16, 1, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return L.stdlib_corpus(max_bytes=60_000)
+
+
+def test_train_gpt_learns_and_repeats(corpus):
+    kw = dict(steps=12, batch_size=4, model_kwargs=TINY_GPT, warmup_steps=2, eval_batches=1)
+    run = L.train_gpt(corpus, "bf16", seed=3, **kw)
+    assert run["status"] == "trained" and run["finite"] and len(run["losses"]) == 12
+    assert run["final_loss"] < run["losses"][0] and math.isfinite(run["val_loss"])
+    assert run["label"] == "bf16, seed 3" and run["float8_layers"] == 0
+    again = L.train_gpt(corpus, "bf16", seed=3, **kw)
+    assert again["losses"] == run["losses"]
+    fp32 = L.train_gpt(corpus, "bf16", seed=3, amp_dtype=None, **kw)
+    assert fp32["label"] == "fp32, seed 3"
+    with pytest.raises(ValueError, match="recipe"):
+        L.train_gpt(corpus, "fp16", **kw)
+
+
+def test_evaluate_uses_fixed_batches(corpus):
+    torch.manual_seed(0)
+    model = L._models.TinyTransformer(**TINY_GPT)
+    assert L.evaluate(model, corpus.val, 16, 2, 2) == L.evaluate(model, corpus.val, 16, 2, 2)
+    with pytest.raises(ValueError, match="batches"):
+        L.evaluate(model, corpus.val, 16, 2, 0)
+
+
+def test_accuracy_runs_without_fp8_show_why(corpus):
+    runs = L.accuracy_runs(corpus, (0, 1), ("tensorwise",), support=CPU, steps=4, batch_size=2,
+                           model_kwargs=TINY_GPT, warmup_steps=1, eval_batches=1)
+    assert [r["label"] for r in runs] == ["bf16, seed 0", "bf16, seed 1", "float8 tensorwise, seed 0"]
+    assert runs[2]["status"] == f"not run: {CPU.reason}"
+    table = L.accuracy_table(runs)
+    assert table[2]["final loss"] is None and table[0]["steps"] == 4
+    cmp = L.loss_comparison(runs, min_steps=2)
+    assert not cmp["decided"] and "FP8 not run" in cmp["reason"]
+    with pytest.raises(ValueError, match="seeds"):
+        L.accuracy_runs(corpus, (), support=CPU)
+
+
+@needs_torchao
+def test_accuracy_runs_emulate_fp8_where_torchao_is_installed(corpus):
+    support = L.fp8_support("cpu")
+    runs = L.accuracy_runs(corpus, (0,), ("tensorwise",), support=support, steps=4, batch_size=2,
+                           model_kwargs=TINY_GPT, warmup_steps=1, eval_batches=1)
+    fp8 = runs[1]
+    assert fp8["status"] == "trained" and fp8["emulated"] and fp8["float8_layers"] == 7
+    assert fp8["label"] == "float8 tensorwise (emulated), seed 0"
+    assert abs(fp8["final_loss"] - runs[0]["final_loss"]) < 0.1
+
+
+def _run(recipe, seed, final, steps=2000, status="trained"):
+    return {"label": f"{recipe}, seed {seed}", "recipe": recipe, "seed": seed, "steps": steps,
+            "final_loss": final, "status": status, "losses": [final + 1, final]}
+
+
+def test_loss_comparison_within_outside_and_not_decided():
+    runs = [_run("bf16", 0, 1.50), _run("bf16", 1, 1.52), _run("bf16", 2, 1.49),
+            _run("tensorwise", 0, 1.51), _run("rowwise", 0, 1.56)]
+    cmp = L.loss_comparison(runs)
+    assert cmp["decided"] and cmp["spread"] == pytest.approx(0.03)
+    tw, rw = cmp["rows"]
+    assert tw["difference"] == pytest.approx(0.01) and tw["within"]
+    assert rw["difference"] == pytest.approx(0.06) and rw["within"] is False
+    short = L.loss_comparison([_run("bf16", 0, 1.5, 50), _run("bf16", 1, 1.6, 50),
+                               _run("tensorwise", 0, 1.5, 50)])
+    assert not short["decided"] and "50 steps are too few" in short["reason"]
+    single = L.loss_comparison([_run("bf16", 0, 1.5), _run("tensorwise", 0, 1.5)])
+    assert not single["decided"] and "fewer than two bf16 seeds" in single["reason"]
+    with pytest.raises(ValueError, match="min_steps"):
+        L.loss_comparison(runs, min_steps=0)
+
+
+# --- what not to convert -----------------------------------------------------------------------
+
+def test_conversion_plan_reasons():
+    model = nn.Sequential(nn.Linear(64, 4096), nn.Linear(4096, 4096), nn.Linear(4096, 1000),
+                          nn.Linear(1000, 4096), nn.Linear(4096, 512), nn.Linear(512, 10))
+    plan = {r["layer"]: r for r in L.conversion_plan(model, min_features=1024)}
+    assert plan["0"]["precision"] == "bf16" and plan["0"]["reason"].startswith("first layer")
+    assert plan["5"]["precision"] == "bf16" and plan["5"]["reason"].startswith("last layer")
+    assert plan["1"]["precision"] == "float8"
+    assert "not divisible by 16" in plan["2"]["reason"] and "not divisible by 16" in plan["3"]["reason"]
+    assert plan["4"]["reason"].startswith("small: 512 < 1,024")
+    keep_all_edges = L.conversion_plan(model, min_features=1, keep_first=False, keep_last=False)
+    assert keep_all_edges[0]["precision"] == "float8"
+    chosen = L.module_filter(L.conversion_plan(model, 1024))
+    assert chosen(model[1], "1") and not chosen(model[0], "0")
+    with pytest.raises(ValueError, match="min_features"):
+        L.conversion_plan(model, min_features=0)
+
+
+def test_example_transformer_is_on_meta_and_planned():
+    big = L.example_transformer(d_model=2048, n_layers=2)
+    assert next(big.parameters()).device.type == "meta"
+    plan = L.plan_table(big, 2048)
+    rows = {r["layer"]: r for r in plan}
+    assert rows["head"]["precision"] == "bf16" and rows["head"]["out"] == 50257
+    assert rows["blocks.1.mlp.0"]["precision"] == "float8"
+    if HAS_TORCHAO:
+        assert rows["blocks.1.mlp.0"]["converted by torchao"] == "yes"
+        assert rows["head"]["converted by torchao"] == "no"
+        assert rows["blocks.0.qkv"]["torchao auto filter"] == "float8"
+    else:
+        assert rows["head"]["converted by torchao"] == "-" and L.torchao_auto_filter() is None
+    with pytest.raises(ValueError, match="d_model"):
+        L.example_transformer(d_model=8)
+
+
+def test_float8_api_without_torchao_names_the_fix():
+    if HAS_TORCHAO:
+        pytest.skip("torchao is installed")
+    with pytest.raises(RuntimeError, match="torchao not installed"):
+        L.convert_to_float8(L.mlp_stack(32), "tensorwise")
+    with pytest.raises(RuntimeError, match="torchao not installed"):
+        L.float8_config("rowwise")
+
+
+@needs_torchao
+def test_convert_to_float8_swaps_the_filtered_layers():
+    model = L.mlp_stack(32, blocks=2)
+    plan = L.conversion_plan(model, min_features=16)
+    L.convert_to_float8(model, "rowwise", L.module_filter(plan), emulate=True)
+    assert L.float8_layers(model) == ["0.2", "1.0"]
+    assert L.float8_config("tensorwise", emulate=True).emulate
+    with pytest.raises(ValueError, match="recipe"):
+        L.float8_config("bf16")
+
+
+# --- findings, tables, figures -----------------------------------------------------------------
+
+def _speed_rows():
+    rows = []
+    for w, ms in [(1024, (2.0, 2.2, 2.5)), (4096, (84.7, 58.3, 66.6))]:
+        for recipe, m in zip(L.RECIPES, ms):
+            rows.append({"width": w, "recipe": recipe, "step_ms": m, "speedup": ms[0] / m,
+                         "peak_gib": 10.0, "tflops": 1.0, "status": "measured"})
+    return rows
+
+
+def test_findings_state_measurements_and_what_is_not_decided():
+    h200 = L.FP8Support("cuda", "NVIDIA H200", (9, 0), "0.18.0", "")
+    runs = [_run("bf16", 0, 1.50), _run("bf16", 1, 1.52), _run("tensorwise", 0, 1.56)]
+    lines = L.findings(h200, _speed_rows(), L.loss_comparison(runs), width=4096)
+    text = "\n".join(lines)
+    assert "1.45x at 4,096" in text and "0.91x at 1,024" in text
+    assert "Peak memory at width 4,096: bf16 10.0 GiB" in text
+    assert "outside, by 0.0400, that spread" in text and "Not decided" not in text
+    cpu_lines = L.findings(CPU, L.speed_sweep((32,), support=CPU),
+                           L.loss_comparison([_run("bf16", 0, 1.5, 20), _run("bf16", 1, 1.6, 20)]))
+    assert cpu_lines[1] == f"Speed: not measured: {CPU.reason}."
+    assert cpu_lines[-1].startswith("Not decided here whether FP8 trains as well as bf16")
+
+
+def test_format_rows_aligns_and_formats():
+    text = L.format_rows([{"name": "a", "x": 1234.5, "n": 3, "none": None},
+                          {"name": "bb", "x": 0.0001234, "n": 10, "none": None}])
+    lines = text.splitlines()
+    assert lines[0].split() == ["name", "x", "n", "none"]
+    assert "1,234" in lines[2] and "0.000123" in lines[3] and lines[3].rstrip().endswith("-")
+    assert len({len(l) for l in lines[:2]}) == 1
+    with pytest.raises(ValueError, match="rows"):
+        L.format_rows([])
+
+
+def _titles(fig):
+    return fig.layout.title.text, [a.title.text for a in (fig.layout.xaxis, fig.layout.yaxis)]
+
+
+def test_error_figure(digits_tensors):
+    fig = L.error_figure(L.error_table(digits_tensors))
+    title, (x, y) = _titles(fig)
+    assert "FP8" in title and "tensor" in x and "%" in y
+    assert len(fig.data) == 6 and fig.layout.yaxis.type == "log"
+    with pytest.raises(ValueError, match="rows"):
+        L.error_figure([])
+
+
+def test_speed_figure_measured_and_not():
+    fig = L.speed_figure(_speed_rows())
+    title, (x, y) = _titles(fig)
+    assert "speed-up" in title and "width" in x and "(x" in y
+    assert [t.name for t in fig.data] == ["float8 tensorwise", "float8 rowwise"]
+    empty = L.speed_figure(L.speed_sweep((32,), support=CPU))
+    assert not empty.data and "not measured" in empty.layout.annotations[-1].text
+    with pytest.raises(ValueError, match="rows"):
+        L.speed_figure([])
+
+
+def test_loss_figure():
+    runs = [dict(_run("bf16", s, 1.5 + s / 100), losses=[3.0, 2.0, 1.5 + s / 100]) for s in range(2)]
+    runs.append(dict(_run("tensorwise", 0, 1.51), losses=[3.0, 2.1, 1.51]))
+    runs.append({"label": "float8 rowwise, seed 0", "recipe": "rowwise", "seed": 0,
+                 "status": "not run: no torchao"})
+    fig = L.loss_figure(runs, smooth=1)
+    assert "bf16 against FP8" in fig.layout.title.text
+    assert fig.layout.xaxis.title.text == "step" and "nats" in fig.layout.yaxis.title.text
+    assert "nats" in fig.layout.yaxis2.title.text
+    names = [t.name for t in fig.data]
+    assert "tensorwise, seed 0 minus bf16" in names and len(names) == 5
+    with pytest.raises(ValueError, match="trained"):
+        L.loss_figure(runs[3:])

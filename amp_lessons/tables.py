@@ -68,8 +68,10 @@ def _columns(rows: Sequence[Mapping], columns: Optional[Sequence[Column]]):
     return [c for c in out if any(c[0] in r for r in rows)]
 
 
-def _cell(row: Mapping, col) -> str:
+def _cell(row: Mapping, col, cell: Optional[Callable[[Any], str]] = None) -> str:
     key = col[0]
+    if cell is not None:
+        return cell(row.get(key))
     value = row.get(key)
     if key == "status" and value != "ok" and row.get("reason"):
         return f"{value}: {row['reason']}"
@@ -82,7 +84,8 @@ def _cell(row: Mapping, col) -> str:
 
 
 def text_table(rows: Sequence[Mapping], columns: Optional[Sequence[Column]] = None,
-               formats: Optional[Mapping[str, str]] = None) -> str:
+               formats: Optional[Mapping[str, str]] = None,
+               cell: Optional[Callable[[Any], str]] = None) -> str:
     """Rows of dicts as an aligned text table (the course's one table formatter).
 
     Without ``columns``: every key of the first row, headed by its name; ``formats`` maps a column
@@ -90,7 +93,8 @@ def text_table(rows: Sequence[Mapping], columns: Optional[Sequence[Column]] = No
     facts (format limits, rounded values) show every digit. With ``columns``: ``key``,
     ``(key, heading)`` or ``(key, heading, format)`` (a spec, a ``"{:.0%}"`` pattern or a
     function); keys absent from every row are left out, ``None`` reads ``"n/a"``, a ``status``
-    other than ``"ok"`` carries its ``reason``, and numeric columns are right-aligned.
+    other than ``"ok"`` carries its ``reason``, and numeric columns are right-aligned. ``cell``,
+    when given, formats every value instead (a lesson's own number style).
     """
     if not rows:
         raise ValueError("rows must hold at least one row")
@@ -112,7 +116,7 @@ def text_table(rows: Sequence[Mapping], columns: Optional[Sequence[Column]] = No
     cols = _columns(rows, columns)
     if not cols:
         raise ValueError("columns must name at least one key present in the rows")
-    cells = [[_cell(r, c) for c in cols] for r in rows]
+    cells = [[_cell(r, c, cell) for c in cols] for r in rows]
     widths = [max(len(c[1]), *(len(line[i]) for line in cells)) for i, c in enumerate(cols)]
     numeric = [all(_is_number(r.get(c[0])) or r.get(c[0]) is None for r in rows) for c in cols]
 

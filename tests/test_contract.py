@@ -10,7 +10,8 @@ from notebook_contract import SETUP_SOURCE, colab_url, kaggle_url
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 EXPECTED = ["01_fp16_ranges_and_underflow.ipynb", "02_basic_amp_loop.ipynb",
             "03_grad_scaler_tuning.ipynb", "04_resnet50_memory_and_speed.ipynb",
-            "05_checkpointing_and_accumulation.ipynb", "06_multi_gpu.ipynb"]
+            "05_checkpointing_and_accumulation.ipynb", "06_multi_gpu.ipynb",
+            "07_fp8_training.ipynb"]
 WARNING_TEXT = re.compile(r"\b\w*Warning\b|\bwarn(ing)?:", re.IGNORECASE)
 
 

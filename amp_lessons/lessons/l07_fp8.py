@@ -39,6 +39,11 @@ from torch import nn
 
 from .. import data as _data
 from .. import models as _models
+from .._validate import check_choice, check_int, check_positive
+from ..tables import text_table
+
+LESSON = "07"
+DECIDES = ()  # no article claims FP8 numbers: the lesson states its findings as measurements
 
 FORMATS: Dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FORMAT_BITS = {"e4m3": (4, 3), "e5m2": (5, 2), "bf16": (8, 7)}
@@ -60,30 +65,12 @@ INSTALL_HINT = 'pip install "amp-lessons[fp8]"'
 
 # --- argument checks (each names the setting and its allowed range) ----------------------------
 
-def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
-    if (not isinstance(value, int) or isinstance(value, bool) or value < low
-            or (high is not None and value > high)):
-        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-        raise ValueError(f"{name} must be {allowed}; got {value!r}")
-
-
-def _check_positive(name: str, value) -> None:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-            or value <= 0):
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-
-
-def _check_choice(name: str, value, allowed: Sequence) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-
 def _check_ints(name: str, values, low: int) -> Tuple[int, ...]:
     values = tuple(values) if isinstance(values, (list, tuple)) else values
     if not isinstance(values, tuple) or not values:
         raise ValueError(f"{name} must be a non-empty sequence of integers >= {low}; got {values!r}")
     for v in values:
-        _check_int(f"each of {name}", v, low)
+        check_int(f"each of {name}", v, low)
     return values
 
 
@@ -126,7 +113,7 @@ def _float8_api():
 def support_reason(device_type: str, capability: Optional[Tuple[int, int]],
                    torchao: Optional[str]) -> str:
     """Why FP8 matmuls cannot run with this device and torchao version ("" when they can)."""
-    _check_choice("device_type", device_type, ("cuda", "cpu", "mps", "xpu"))
+    check_choice("device_type", device_type, ("cuda", "cpu", "mps", "xpu"))
     reasons = []
     if device_type != "cuda":
         reasons.append(f"no CUDA GPU (running on the {device_type.upper()})")
@@ -218,7 +205,7 @@ def format_facts() -> List[dict]:
 
 def fp8_max(fmt: str) -> float:
     """The largest finite value of an FP8 format (448 for e4m3, 57,344 for e5m2)."""
-    _check_choice("fmt", fmt, tuple(FORMATS))
+    check_choice("fmt", fmt, tuple(FORMATS))
     return float(torch.finfo(FORMATS[fmt]).max)
 
 
@@ -231,8 +218,8 @@ def amax_scale(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensorwis
     rowwise recipe does, so scaling itself adds no rounding error). Multiplying by the scale puts
     the largest magnitude exactly at the top of the format's range.
     """
-    _check_choice("fmt", fmt, tuple(FORMATS))
-    _check_choice("granularity", granularity, SCALINGS)
+    check_choice("fmt", fmt, tuple(FORMATS))
+    check_choice("granularity", granularity, SCALINGS)
     x = x.detach().float()
     if granularity == "none":
         return torch.ones((), device=x.device)
@@ -328,9 +315,9 @@ def digits_tensors(seed: int = 0, epochs: int = 3, batch_size: int = 64,
     respect to its output (what FP8 training casts to e5m2 in backward). Returns
     ``{layer: {"activation", "weight", "gradient"}}``.
     """
-    _check_int("seed", seed, 0)
-    _check_int("epochs", epochs, 0, 100)
-    _check_int("batch_size", batch_size, 1, 1347)
+    check_int("seed", seed, 0)
+    check_int("epochs", epochs, 0, 100)
+    check_int("batch_size", batch_size, 1, 1347)
     torch.manual_seed(seed)
     model = _models.MLP(in_features=64, hidden=tuple(hidden), num_classes=10)
     train, _ = _data.digits_loaders(batch_size=batch_size, seed=seed)
@@ -371,9 +358,9 @@ def error_table(tensors: Mapping[str, Mapping[str, torch.Tensor]],
     if not tensors:
         raise ValueError("tensors must hold at least one layer (see digits_tensors)")
     for f in formats:
-        _check_choice("formats", f, tuple(FORMATS))
+        check_choice("formats", f, tuple(FORMATS))
     for s in scalings:
-        _check_choice("scalings", s, SCALINGS)
+        check_choice("scalings", s, SCALINGS)
     rows = []
     for layer, kinds in tensors.items():
         for kind in TENSOR_KINDS:
@@ -410,9 +397,9 @@ def mlp_stack(width: int, blocks: int = 4, ratio: int = 4) -> nn.Sequential:
 
     The transformer MLP's shape without the rest: its two GEMMs per block are where FP8 pays.
     """
-    _check_int("width", width, 16)
-    _check_int("blocks", blocks, 1, 64)
-    _check_int("ratio", ratio, 1, 16)
+    check_int("width", width, 16)
+    check_int("blocks", blocks, 1, 64)
+    check_int("ratio", ratio, 1, 16)
     if width % 16:
         raise ValueError(f"width must be a multiple of 16 (FP8 GEMMs need it); got {width}")
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, ratio * width, bias=False), nn.GELU(),
@@ -422,7 +409,7 @@ def mlp_stack(width: int, blocks: int = 4, ratio: int = 4) -> nn.Sequential:
 
 def float8_config(recipe: str, emulate: bool = False):
     """torchao's ``Float8LinearConfig.from_recipe_name(recipe)`` (``emulate=True``: no FP8 GEMMs)."""
-    _check_choice("recipe", recipe, FP8_RECIPES)
+    check_choice("recipe", recipe, FP8_RECIPES)
     api = _float8_api()
     config = api.Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(config, emulate=True) if emulate else config
@@ -477,11 +464,11 @@ def time_recipe(recipe: str, width: int, tokens: int = 16384, blocks: int = 4, s
     counts weights, gradients, optimizer state and activations. Returns the median step (CUDA
     events on a GPU), peak GiB, TFLOP/s, the time of the first (compiling) step and the loss.
     """
-    _check_choice("recipe", recipe, RECIPES)
-    _check_int("tokens", tokens, 1)
-    _check_int("steps", steps, 1)
-    _check_int("warmup", warmup, 1)
-    _check_positive("lr", lr)
+    check_choice("recipe", recipe, RECIPES)
+    check_int("tokens", tokens, 1)
+    check_int("steps", steps, 1)
+    check_int("warmup", warmup, 1)
+    check_positive("lr", lr)
     device = torch.device(device) if device is not None else torch.device("cpu")
     cuda = device.type == "cuda"
     _free_memory()
@@ -549,7 +536,7 @@ def speed_sweep(widths: Sequence[int] = (1024, 2048, 4096, 8192), recipes: Seque
     """
     widths = _check_ints("widths", widths, 16)
     for r in recipes:
-        _check_choice("recipes", r, RECIPES)
+        check_choice("recipes", r, RECIPES)
     support = support if support is not None else fp8_support(device)
     rows: List[dict] = []
     for width in widths:
@@ -579,7 +566,7 @@ def speed_sweep(widths: Sequence[int] = (1024, 2048, 4096, 8192), recipes: Seque
 
 def speedup(rows: Sequence[Mapping], width: int, recipe: str = "tensorwise") -> Optional[float]:
     """The measured speed-up of ``recipe`` over bf16 at ``width``, or None where not measured."""
-    _check_choice("recipe", recipe, RECIPES)
+    check_choice("recipe", recipe, RECIPES)
     for r in rows:
         if r["width"] == width and r["recipe"] == recipe:
             return r.get("speedup")
@@ -590,8 +577,8 @@ def smallest_paying_width(rows: Sequence[Mapping], recipe: str = "tensorwise",
                           at_least: float = 1.05) -> Optional[int]:
     """The smallest width from which ``recipe`` stays at least ``at_least`` x bf16's speed, or
     None when it never does (or nothing was measured)."""
-    _check_choice("recipe", recipe, FP8_RECIPES)
-    _check_positive("at_least", at_least)
+    check_choice("recipe", recipe, FP8_RECIPES)
+    check_positive("at_least", at_least)
     measured = sorted((r["width"], r["speedup"]) for r in rows
                       if r["recipe"] == recipe and r.get("speedup") is not None)
     for i, (width, _) in enumerate(measured):
@@ -638,8 +625,8 @@ def stdlib_corpus(max_bytes: Optional[int] = None, val_every: int = 20,
     validation. ``max_bytes`` caps the training text (the quick profile reads a few hundred KB).
     """
     if max_bytes is not None:
-        _check_int("max_bytes", max_bytes, 4096)
-    _check_int("val_every", val_every, 2)
+        check_int("max_bytes", max_bytes, 4096)
+    check_int("val_every", val_every, 2)
     files = stdlib_files(root)
     if not files:
         raise ValueError(f"root must hold .py files; none under {root!r}")
@@ -668,10 +655,10 @@ def stdlib_corpus(max_bytes: Optional[int] = None, val_every: int = 20,
 
 def batch_offsets(n: int, seq_len: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
     """``steps x batch_size`` random start positions in a text of ``n`` tokens (fixed by ``seed``)."""
-    _check_int("seq_len", seq_len, 1)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("steps", steps, 1)
-    _check_int("seed", seed, 0)
+    check_int("seq_len", seq_len, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("steps", steps, 1)
+    check_int("seed", seed, 0)
     if n < seq_len + 2:
         raise ValueError(f"n must exceed seq_len + 1 = {seq_len + 1}; got {n}")
     g = torch.Generator().manual_seed(seed)
@@ -697,7 +684,7 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
 def evaluate(model: nn.Module, text: torch.Tensor, seq_len: int, batch_size: int = 16,
              batches: int = 8, amp_dtype: Optional[torch.dtype] = torch.bfloat16) -> float:
     """Mean next-token loss on fixed batches of held-out ``text`` (the same batches every run)."""
-    _check_int("batches", batches, 1)
+    check_int("batches", batches, 1)
     offsets = batch_offsets(len(text), seq_len, batch_size, batches, seed=1234)
     was_training = model.training
     model.eval()
@@ -726,11 +713,11 @@ def train_gpt(corpus: Corpus, recipe: str = "bf16", seed: int = 0, steps: int = 
     tensor cores. ``amp_dtype=None`` trains in fp32 (a GPU without bf16). Returns the per-step
     losses, the final loss (mean of the last 10% of steps), the held-out loss, time and memory.
     """
-    _check_choice("recipe", recipe, RECIPES)
-    _check_int("seed", seed, 0)
-    _check_int("steps", steps, 1)
-    _check_int("warmup_steps", warmup_steps, 0)
-    _check_positive("lr", lr)
+    check_choice("recipe", recipe, RECIPES)
+    check_int("seed", seed, 0)
+    check_int("steps", steps, 1)
+    check_int("warmup_steps", warmup_steps, 0)
+    check_positive("lr", lr)
     kwargs = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, seq_len=64)
     kwargs.update(model_kwargs or {})
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -796,7 +783,7 @@ def accuracy_runs(corpus: Corpus, seeds: Sequence[int] = (0, 1, 2),
     """
     seeds = _check_ints("seeds", seeds, 0)
     for r in fp8_recipes:
-        _check_choice("fp8_recipes", r, FP8_RECIPES)
+        check_choice("fp8_recipes", r, FP8_RECIPES)
     support = support if support is not None else fp8_support(train_kwargs.get("device"))
     runs = [train_gpt(corpus, "bf16", seed, **train_kwargs) for seed in seeds]
     for recipe in fp8_recipes:
@@ -817,7 +804,7 @@ def loss_comparison(runs: Sequence[Mapping], min_steps: int = 1000) -> dict:
     ``decided`` is False, with the reason, when the run cannot tell: fewer than ``min_steps`` steps,
     fewer than two bf16 seeds, or no FP8 run.
     """
-    _check_int("min_steps", min_steps, 1)
+    check_int("min_steps", min_steps, 1)
     base = [r for r in runs if r["recipe"] == "bf16" and r.get("status") == "trained"]
     finals = [r["final_loss"] for r in base]
     spread = (max(finals) - min(finals)) if len(finals) >= 2 else None
@@ -866,7 +853,7 @@ def conversion_plan(model: nn.Module, min_features: int = 2048, keep_first: bool
     (FP8 GEMMs require it), and small layers (a dimension under ``min_features``: the casts and
     scales cost more time than the FP8 GEMM saves). Works on a model on the meta device.
     """
-    _check_int("min_features", min_features, 1)
+    check_int("min_features", min_features, 1)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     rows = []
     for i, (name, m) in enumerate(linears):
@@ -896,7 +883,7 @@ def module_filter(plan: Sequence[Mapping]) -> Callable[[nn.Module, str], bool]:
 def torchao_auto_filter(recipe: str = "tensorwise") -> Optional[Callable[[nn.Module, str], bool]]:
     """torchao's own size heuristic (``_auto_filter_for_recipe``, measured on H100s), or None where
     torchao or that (experimental) function is missing."""
-    _check_choice("recipe", recipe, FP8_RECIPES)
+    check_choice("recipe", recipe, FP8_RECIPES)
     try:
         api = _float8_api()
         return api._auto_filter_for_recipe(recipe, filter_fqns=[])
@@ -910,7 +897,7 @@ def example_transformer(d_model: int = 2048, n_layers: int = 2, vocab_size: int 
 
     The default vocabulary is GPT-2's 50,257 tokens, not a multiple of 16.
     """
-    _check_int("d_model", d_model, 16)
+    check_int("d_model", d_model, 16)
     with torch.device("meta"):
         return _models.TinyTransformer(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
                                        n_heads=n_heads, seq_len=seq_len)
@@ -995,17 +982,11 @@ def _cell(value) -> str:
 
 
 def format_rows(rows: Sequence[Mapping], columns: Optional[Sequence[str]] = None) -> str:
-    """Rows of dicts as an aligned plain-text table (numbers to 4 significant digits)."""
+    """Rows of dicts as an aligned plain-text table (numbers to 4 significant digits), through the
+    course's one table formatter (``tables.text_table``) with this lesson's number style."""
     if not rows:
         raise ValueError("rows must hold at least one row")
-    columns = list(columns or rows[0].keys())
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows)
-               for c in columns]
-    fmt = lambda vals: "  ".join(v.rjust(w) if num else v.ljust(w)  # noqa: E731
-                                 for v, w, num in zip(vals, widths, numeric)).rstrip()
-    return "\n".join([fmt(columns), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells])
+    return text_table(rows, list(columns or rows[0].keys()), cell=_cell)
 
 
 def error_figure(rows: Sequence[Mapping], title: str = "FP8 round-trip error of real tensors"):
@@ -1096,7 +1077,7 @@ def loss_figure(runs: Sequence[Mapping], title: str = "A small GPT on the standa
         raise ValueError("runs must hold at least one trained run (see accuracy_runs)")
     steps = min(len(r["losses"]) for r in trained)
     window = smooth or max(1, steps // 50)
-    _check_int("smooth", window, 1)
+    check_int("smooth", window, 1)
     curves = {r["label"]: _smooth(r["losses"][:steps], window) for r in trained}
     x = list(range(1, steps + 1))
     fig = make_subplots(rows=1, cols=2, subplot_titles=(

@@ -87,31 +87,41 @@ def wrap_rows(result: multi.SweepResult) -> List[Dict[str, Any]]:
 
 
 def fsdp_against_ddp(result: multi.SweepResult, world_size: int = 1) -> List[Dict[str, Any]]:
-    """Per batch: the fastest FSDP2 wrapping's throughput over DDP's, at ``world_size``."""
+    """Per batch: the fastest FSDP2 wrapping at ``world_size``, its throughput over DDP's, and
+    the peak memory per rank of both (None off GPUs)."""
     out = []
-    for row in wrap_rows(result):
-        if row["processes"] != world_size or row["wrapping"] == WRAPPINGS[0][0]:
+    rows = [r for r in wrap_rows(result) if r["processes"] == world_size]
+    peak = "peak memory per rank (GiB)"
+    for row in rows:
+        if row["wrapping"] == WRAPPINGS[0][0]:
             continue
         best = next((o for o in out if o["batch per rank"] == row["batch per rank"]), None)
-        if best is None:
-            out.append({"batch per rank": row["batch per rank"], "best FSDP2": row["wrapping"],
-                        "vs DDP": row["vs DDP"]})
-        elif (row["vs DDP"] or 0) > (best["vs DDP"] or 0):
-            best.update({"best FSDP2": row["wrapping"], "vs DDP": row["vs DDP"]})
+        if best is None or (row["vs DDP"] or 0) > (best["vs DDP"] or 0):
+            ddp = next((r for r in rows if r["wrapping"] == WRAPPINGS[0][0]
+                        and r["batch per rank"] == row["batch per rank"]), {})
+            entry = {"batch per rank": row["batch per rank"], "best FSDP2": row["wrapping"],
+                     "vs DDP": row["vs DDP"], "FSDP2 peak GiB": row[peak],
+                     "DDP peak GiB": ddp.get(peak)}
+            if best is None:
+                out.append(entry)
+            else:
+                best.update(entry)
     return out
 
 
 def batchnorm_mixup(precision: str = "bf16", device=None) -> List[Dict[str, str]]:
-    """What one BatchNorm layer does with a half-precision input in the three ways FSDP2 can hand
-    it its parameters: half weights with fp32 running statistics (``param_dtype=half`` on a
-    block: refused), fp32 weights under autocast (``fsdp_wrap="blocks"``), and all of BatchNorm in
-    fp32 (its own unit). Each row: the setup, and the output dtype or the error."""
+    """What one BatchNorm layer does, forward and backward as in a training step, with a
+    half-precision input in the three ways FSDP2 can hand it its parameters: half weights with
+    fp32 running statistics (``param_dtype=half`` on a block: refused, on the CPU in forward, on
+    CUDA in backward), fp32 weights under autocast (``fsdp_wrap="blocks"``), and all of BatchNorm
+    in fp32 (its own unit). Each row: the setup, and the output dtype or where and why it
+    failed."""
     if precision not in HALF_DTYPES:
         raise ValueError(f"precision must be one of {', '.join(HALF_DTYPES)}; got {precision!r}")
     dev = as_device(device)
     half = HALF_DTYPES[precision]
     torch.manual_seed(0)
-    x = torch.randn(4, 8, 6, 6, device=dev).to(half)  # a convolution's output under autocast
+    x = torch.randn(4, 8, 6, 6, device=dev).to(half).requires_grad_()  # a convolution's output
     cases = []
     mixed = nn.BatchNorm2d(8).to(dev)
     mixed.weight.data, mixed.bias.data = mixed.weight.data.to(half), mixed.bias.data.to(half)
@@ -127,10 +137,15 @@ def batchnorm_mixup(precision: str = "bf16", device=None) -> List[Dict[str, str]
                   lambda: plain(x.float())))
     rows = []
     for setup, run in cases:
+        where = "forward"
         try:
-            outcome = f"runs, output {str(run().dtype).replace('torch.', '')}"
+            out = run()
+            where = "backward"
+            out.float().square().sum().backward()
+            outcome = f"runs, output {str(out.dtype).replace('torch.', '')}"
         except RuntimeError as exc:
-            outcome = f"refused: {str(exc).splitlines()[0]}"
+            outcome = f"refused in {where}: {str(exc).splitlines()[0]}"
+        x.grad = None
         rows.append({"BatchNorm gets": setup, "outcome": outcome})
     return rows
 

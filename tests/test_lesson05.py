@@ -9,19 +9,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from amp_lessons import bench as B
+from amp_lessons import claims, measure
 from amp_lessons import models as M
-from amp_lessons import plots as P
 from amp_lessons import trainer as T
+from amp_lessons.lessons import l05_checkpointing as L
+from amp_lessons.ui import perf_plots as P
 
 TINY = dict(model="resnet18", image_size=16, num_classes=10)  # layer3 and layer4 at 1x1
 
 
 # --- checkpointing: same step, BatchNorm updated once ------------------------------------------
 
-@pytest.mark.parametrize("mode", ["block", "stage"])
+@pytest.mark.parametrize("mode", ["block", "stage", "stage1-2", "stem+stage1", "stem+stage1-2"])
 def test_checkpointed_resnet_matches_plain(mode):
-    out = B.checkpoint_equivalence("resnet18", mode, image_size=16, batch_size=4)
+    out = L.checkpoint_equivalence("resnet18", mode, image_size=16, batch_size=4)
     assert out["loss_diff"] <= 1e-6
     assert out["grad_rel_diff"] <= 1e-5
     assert out["weight_rel_diff"] <= 1e-6
@@ -38,7 +39,7 @@ def test_without_fix_updates_batchnorm_twice_by_the_momentum_formula():
     bn = nn.BatchNorm2d(3, momentum=0.1)
     bn.running_mean.fill_(1.0)
     block = nn.Sequential(nn.Conv2d(3, 3, 1), bn)
-    wrapped = B.CheckpointedWithoutBatchNormFix(block)
+    wrapped = M.CheckpointedWithoutBatchNormFix(block)
     x = torch.randn(4, 3, 5, 5)
     with torch.no_grad():
         mu = block[0](x).mean(dim=(0, 2, 3))
@@ -60,13 +61,13 @@ def test_without_fix_updates_batchnorm_twice_by_the_momentum_formula():
 def test_without_batchnorm_fix_swaps_every_unit_and_nothing_else():
     net = M.resnet18(num_classes=10, checkpoint="block")
     n = sum(isinstance(m, M.Checkpointed) for m in net.modules())
-    B.without_batchnorm_fix(net)
-    assert sum(type(m) is B.CheckpointedWithoutBatchNormFix for m in net.modules()) == n == 8
+    M.without_batchnorm_fix(net)
+    assert sum(type(m) is M.CheckpointedWithoutBatchNormFix for m in net.modules()) == n == 8
 
 
 @pytest.mark.slow
 def test_checkpoint_sequential_pitfall_is_the_stem_relu_at_a_boundary():
-    out = B.checkpoint_sequential_pitfall(segments=4)
+    out = L.checkpoint_sequential_pitfall(segments=4)
     assert "modified by an inplace operation" in out["error"]
     assert out["inplace_first"] == [["relu", "maxpool"]]
     assert out["segments"][0] == ["conv1", "bn1"]
@@ -75,9 +76,9 @@ def test_checkpoint_sequential_pitfall_is_the_stem_relu_at_a_boundary():
 
 def test_pitfall_rejects_bad_segments():
     with pytest.raises(ValueError, match="segments"):
-        B.checkpoint_sequential_pitfall(segments=1)
+        L.checkpoint_sequential_pitfall(segments=1)
     with pytest.raises(ValueError, match="segments"):
-        B.checkpoint_sequential_pitfall(segments=40)
+        L.checkpoint_sequential_pitfall(segments=40)
 
 
 # --- largest_batch under a fake memory limit -----------------------------------------------------
@@ -89,7 +90,8 @@ def _fake(fixed, per_image):
 @pytest.fixture
 def no_gc(monkeypatch):
     """The search frees memory after every trial (gc.collect: slow, and nothing to free here)."""
-    monkeypatch.setattr(B, "free_memory", lambda *a, **k: None)
+    monkeypatch.setattr(L, "free_memory", lambda *a, **k: None)
+    monkeypatch.setattr(measure, "free_memory", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("cap,start,limit", [(1000, 1, 4096), (1000, 3, 64), (5000, 1, 100),
@@ -98,7 +100,7 @@ def test_largest_batch_bisects_to_the_exact_answer(cap, start, limit, no_gc):
     fixed, per = 100, 7
     expected = min(limit, max(0, (cap - fixed) // per))
     ran = []
-    found = B.largest_batch(lambda b: (lambda: ran.append(b)), cap, start=start, limit=limit,
+    found = measure.largest_batch(lambda b: (lambda: ran.append(b)), cap, start=start, limit=limit,
                             peak_bytes=_fake(fixed, per))
     assert found.batch_size == expected
     fits = [t["batch_size"] for t in found.trials if t["fits"]]
@@ -122,7 +124,7 @@ def test_largest_batch_survives_a_real_out_of_memory_error(no_gc):
             return torch.ones(b).sum()
         return run
 
-    found = B.largest_batch(make, 10 ** 9, start=1, limit=1000, peak_bytes=lambda b: 1)
+    found = measure.largest_batch(make, 10 ** 9, start=1, limit=1000, peak_bytes=lambda b: 1)
     assert found.batch_size == 37
     assert any(t["reason"] == "out of memory" for t in found.trials)
     assert torch.ones(3).sum().item() == 3.0  # still alive
@@ -133,23 +135,23 @@ def test_largest_batch_survives_a_real_out_of_memory_error(no_gc):
         return run
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        B.largest_batch(broken, 10 ** 9, peak_bytes=lambda b: 1)
+        measure.largest_batch(broken, 10 ** 9, peak_bytes=lambda b: 1)
 
 
 def test_largest_batch_table_on_the_cpu_follows_the_counted_line(monkeypatch, no_gc):
     """On a CPU the search runs on the counted memory line: the answer is the largest multiple
     of the resolution whose counted peak stays under the card."""
-    lines = {"fp32": (0.05 * B.GIB, 2 ** 20), "bf16 + checkpointing": (0.06 * B.GIB, 2 ** 18)}
-    monkeypatch.setattr(B, "counted_memory_model", lambda config, device: dict(
+    lines = {"fp32": (0.05 * measure.GIB, 2 ** 20), "bf16 + checkpointing": (0.06 * measure.GIB, 2 ** 18)}
+    monkeypatch.setattr(L, "counted_memory_model", lambda config, device: dict(
         zip(("fixed_bytes", "bytes_per_image"), lines[config.label])))
-    rows = B.largest_batch_table((0.2, 0.4), tuple(lines), device="cpu", resolution_parts=4,
+    rows = L.largest_batch_table((0.2, 0.4), tuple(lines), device="cpu", resolution_parts=4,
                                  **TINY)
     assert [(r["card_gb"], r["technique"]) for r in rows] == [
         (0.2, "fp32"), (0.4, "fp32"), (0.2, "bf16 + checkpointing"),
         (0.4, "bf16 + checkpointing")]
     for r in rows:
         fixed, per = lines[r["technique"]]
-        res, cap = r["resolution"], r["card_gb"] * B.GIB
+        res, cap = r["resolution"], r["card_gb"] * measure.GIB
         assert r["status"] == "ok" and r["how"].startswith("counted") and r["reason"] == ""
         assert res >= 1 and res & (res - 1) == 0 and r["largest_batch"] % res == 0
         assert fixed + per * r["largest_batch"] <= cap < fixed + per * (r["largest_batch"] + res)
@@ -159,8 +161,8 @@ def test_largest_batch_table_on_the_cpu_follows_the_counted_line(monkeypatch, no
 
 
 def test_largest_batch_table_skips_with_the_reason(monkeypatch, no_gc):
-    monkeypatch.setattr(B, "skip_reason", lambda config, device: "no such hardware here")
-    rows = B.largest_batch_table((8, 16), ("AMP",), device="cpu", **TINY)
+    monkeypatch.setattr(L, "skip_reason", lambda config, device: "no such hardware here")
+    rows = L.largest_batch_table((8, 16), ("AMP",), device="cpu", **TINY)
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     assert all(r["reason"] == "no such hardware here" and r["largest_batch"] is None
                for r in rows)
@@ -168,21 +170,21 @@ def test_largest_batch_table_skips_with_the_reason(monkeypatch, no_gc):
 
 def test_largest_batch_table_rejects_bad_settings():
     with pytest.raises(ValueError, match="card_sizes_gb"):
-        B.largest_batch_table((), device="cpu")
+        L.largest_batch_table((), device="cpu")
     with pytest.raises(ValueError, match="card_sizes_gb"):
-        B.largest_batch_table((8, -1), device="cpu")
+        L.largest_batch_table((8, -1), device="cpu")
     with pytest.raises(ValueError, match="technique"):
-        B.largest_batch_table((8,), ("fp8",), device="cpu")
+        L.largest_batch_table((8,), ("fp8",), device="cpu")
     with pytest.raises(ValueError, match="time_budget_s"):
-        B.largest_batch_table((8,), device="cpu", time_budget_s=0)
-    with pytest.raises(ValueError, match="checkpoint"):
-        B.technique_configs(["fp32"], checkpoint="layer")
+        L.largest_batch_table((8,), device="cpu", time_budget_s=0)
+    with pytest.raises(ValueError, match="cudnn_benchmark"):
+        L.technique_configs(["fp32"], cudnn_benchmark="yes")
 
 
 # --- counted memory and the technique table -----------------------------------------------------
 
 def test_counted_memory_sees_what_checkpointing_keeps_and_recomputes():
-    plain, ckpt = (B.counted_step_memory(c, "cpu") for c in B.technique_configs(
+    plain, ckpt = (L.counted_step_memory(c, "cpu") for c in L.technique_configs(
         ["fp32", "fp32 + checkpointing"], batch_size=4, **TINY))
     assert plain["state_bytes"] == ckpt["state_bytes"] > 0
     assert plain["recompute_bytes"] == 0 < ckpt["recompute_bytes"]
@@ -192,38 +194,58 @@ def test_counted_memory_sees_what_checkpointing_keeps_and_recomputes():
 
 
 def test_technique_table_and_claim_r8_on_the_cpu():
-    rows = B.technique_table(["fp32", "fp32 + checkpointing"], device="cpu", batch_size=2,
-                             warmup=0, steps=1, **TINY)
+    """The quick profile's path: standard settings, counted memory, and R8 not decided (a CPU
+    timing says nothing about a GPU)."""
+    rows = L.technique_table(["fp32", "fp32 + checkpointing"], device="cpu", batch_size=2,
+                             **TINY)
     assert [r["technique"] for r in rows] == ["fp32", "fp32 + checkpointing"]
-    assert all(r["status"] == "ok" and r["memory_gib"] > 0 for r in rows)
+    assert all(r["status"] == "ok" and r["memory_gib"] > r["state_gib"] > 0 for r in rows)
     assert rows[1]["activations_gib"] < rows[0]["activations_gib"]
     assert rows[0]["memory_source"].startswith("counted")
-    costs = B.checkpointing_costs(rows)
+    assert rows[0]["settings"] == measure.standard_settings(quick=True)
+    assert rows[0]["config"]["channels_last"] and rows[0]["config"]["impl"] == "foreach"
+    caption = L.technique_caption(rows)
+    assert "channels_last" in caption and "cuDNN autotuning on" in caption and "counted" in caption
+    costs = L.checkpointing_costs(rows)
     assert [c["pair"] for c in costs] == ["fp32 -> fp32 + checkpointing"]
-    verdict = B.claim_r8(rows)
-    assert verdict["claim"] == B.R8_CLAIM and verdict["pair"] == costs[0]["pair"]
-    assert isinstance(verdict["held"], bool)
+    verdict = L.claim_r8(rows)
+    assert isinstance(verdict, claims.Verdict) and verdict.claim == "R8" and verdict.lesson == "05"
+    assert verdict.held is None and verdict.outcome == "not decided here"
+    assert "timed on cpu" in verdict.why and costs[0]["pair"] in verdict.measured
 
 
-def _row(technique, memory, step_ms, img_per_s=None):
+def test_technique_table_skips_what_a_cpu_cannot_count():
+    rows = L.technique_table(["AMP + selective checkpointing"], device="cpu", batch_size=2,
+                             settings={"channels_last": False}, **TINY)
+    assert rows[0]["status"] == "skipped" and "saved-tensor hooks" in rows[0]["reason"]
+
+
+def _row(technique, memory, step_ms, img_per_s=None, device_type="cuda", state=0.3):
     return {"technique": technique, "status": "ok", "memory_gib": memory, "step_ms": step_ms,
             "img_per_s": img_per_s if img_per_s is not None else 1000.0 / step_ms,
-            "config": {"batch_size": 64}, "memory_source": "peak allocated (CUDA)"}
+            "config": {"batch_size": 64}, "memory_source": "peak allocated (CUDA)",
+            "device_type": device_type, "steps": 15, "warmup": 5, "state_gib": state}
 
 
 def test_claim_r8_verdicts_are_computed():
-    held = B.claim_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
-    assert held["held"] is True and "within" in held["verdict"]
-    assert "25% saved" in held["measured"] and "+30%" in held["measured"]
-    more = B.claim_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 4.0, 160.0)])
-    assert more["held"] is False
-    assert "more than the claimed 20-30%" in more["verdict"]
-    assert "more than the claimed 20-40%" in more["verdict"]
-    none = B.claim_r8([_row("AMP", 10.0, 100.0)])
-    assert none["held"] is None and none["verdict"].startswith("not measured")
+    held = L.claim_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
+    assert held.held is True and "within" in held.why
+    assert "25% saved" in held.measured and "+30%" in held.measured
+    more = L.claim_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 4.0, 160.0)])
+    assert more.held is False
+    assert "more than the claimed 20-30%" in more.why
+    assert "more than the claimed 20-40%" in more.why
+    none = L.claim_r8([_row("AMP", 10.0, 100.0)])
+    assert none.held is None and none.outcome == "not decided here"
+    few = L.claim_r8([dict(r, steps=2) for r in (_row("AMP", 10.0, 100.0),
+                                                  _row("AMP + checkpointing", 7.5, 130.0))])
+    assert few.held is None and "only 2 timed steps" in few.why
+    cpu = L.claim_r8([_row("AMP", 10.0, 100.0, device_type="cpu"),
+                      _row("AMP + checkpointing", 7.5, 130.0, device_type="cpu")])
+    assert cpu.held is None and "counted" in cpu.why
 
 
-def test_claim_r10_rows():
+def test_claim_r10_verdicts():
     techniques = [_row("fp32", 20.0, 100.0, 1000.0), _row("AMP", 11.0, 40.0, 3000.0),
                   _row("AMP + checkpointing", 4.5, 55.0, 2300.0)]
     cards = [{"card_gb": c, "technique": t, "largest_batch": b, "status": "ok"}
@@ -232,32 +254,88 @@ def test_claim_r10_rows():
                              (16, "AMP + checkpointing", 870)]]
     cards.append({"card_gb": 24, "technique": "fp32", "largest_batch": None,
                   "status": "skipped"})
-    rows = B.claim_r10(cards, techniques)
-    assert [r["claim"] for r in rows] == list(B.R10_CLAIMS)
-    assert "1 of 1" in rows[0]["verdict"] and "memory saved 78%: more than" in rows[0]["verdict"]
-    assert "8 GB: fp32 90" in rows[0]["measured"]
-    assert "memory saved 45%: within the claimed 40-50%" in rows[1]["verdict"]
-    assert "the faster way" in rows[1]["verdict"] and "24 GB" not in rows[1]["measured"]
-    assert all(r["verdict"].startswith("not measured") for r in rows[2:])
-    # only small cards measured: the second row says so
-    only_small = B.claim_r10([c for c in cards if c["card_gb"] == 8], techniques)
-    assert only_small[1]["verdict"].startswith("not measured")
+    rows = L.claim_r10(cards, techniques)
+    assert [r.claim for r in rows] == ["R10a", "R10b", "R10c", "R10d"]
+    assert all(isinstance(r, claims.Verdict) and r.lesson == "05" for r in rows)
+    assert rows[0].held is True
+    assert "1 of 1" in rows[0].why and "memory saved 78%: more than" in rows[0].why
+    assert "8 GB: fp32 90" in rows[0].measured
+    assert rows[1].held is True
+    assert "memory saved 45%: within the claimed 40-50%" in rows[1].why
+    assert "the faster way" in rows[1].why and "24 GB" not in rows[1].measured
+    assert all(r.held is None for r in rows[2:]) and "lesson 06" in rows[2].why
+    # only small cards measured: R10b cannot be decided
+    only_small = L.claim_r10([c for c in cards if c["card_gb"] == 8], techniques)
+    assert only_small[1].held is None
     # bf16 stands in where AMP did not run
     bf = [dict(r, technique=r["technique"].replace("AMP", "bf16")) for r in techniques]
     bf_cards = [dict(c, technique=c["technique"].replace("AMP", "bf16")) for c in cards]
-    assert "standing in for AMP" in B.claim_r10(bf_cards, bf)[0]["measured"]
+    assert "standing in for AMP" in L.claim_r10(bf_cards, bf)[0].measured
+    # checkpointing faster than plain AMP: accumulation is not the faster way, R10b fails
+    slow_amp = [techniques[0], _row("AMP", 11.0, 80.0, 1000.0), techniques[2]]
+    assert L.claim_r10(cards, slow_amp)[1].held is False
+    # a CPU run (counted memory) decides neither
+    cpu = [dict(r, device_type="cpu") for r in techniques]
+    assert [v.held for v in L.claim_r10(cards, cpu)] == [None, None, None, None]
+    with pytest.raises(ValueError, match="small_card_gb"):
+        L.claim_r10(cards, techniques, small_card_gb=0)
+
+
+def test_lesson_decides_exactly_its_claims():
+    assert L.LESSON == "05"
+    assert set(L.DECIDES) == {c.id for c in claims.CLAIMS.values() if c.lesson == "05"}
+
+
+# --- the frontier: memory against time, and what to pick on a card ------------------------------
+
+def test_pareto_front_and_frontier_rows():
+    rows = [_row("fp32", 21.0, 80.0), _row("AMP", 11.0, 44.0),
+            _row("AMP + checkpointing", 4.7, 64.0),
+            _row("AMP + checkpointing stem+layer1", 7.1, 57.0),
+            _row("AMP + selective checkpointing", 9.4, 100.0),
+            {"technique": "bf16", "status": "skipped", "reason": "no bf16"}]
+    assert L.pareto_front(rows) == ["AMP", "AMP + checkpointing stem+layer1",
+                                    "AMP + checkpointing"]
+    table = L.frontier_rows(rows)
+    assert [r["technique"] for r in table][:2] == ["AMP", "AMP + checkpointing stem+layer1"]
+    by = {r["technique"]: r for r in table}
+    assert by["AMP + selective checkpointing"]["on the frontier"] == "no"
+    assert by["fp32"]["on the frontier"] == "no"  # slower and larger than AMP
+    assert by["AMP"]["time x AMP"] == 1.0 and by["fp32"]["memory x fp32"] == 1.0
+    assert by["AMP + checkpointing"]["memory x fp32"] == pytest.approx(4.7 / 21.0)
+    assert by["AMP + checkpointing stem+layer1"]["checkpoint"] == "stem+stage1"
+    assert L.pareto_front([]) == []
+
+
+def test_card_advice_picks_the_fastest_that_fits():
+    rows = [_row("AMP", 11.0, 44.0, state=0.4), _row("AMP + checkpointing", 4.7, 64.0, state=0.4),
+            _row("AMP + checkpointing stem+layer1", 7.1, 57.0, state=0.4)]
+    # measured at batch 64: AMP needs 0.4 + 10.6 * b / 64 GiB
+    advice = L.card_advice(rows, 15.0, batches=(64, 80, 128, 192, 4096))
+    picks = [a["pick"] for a in advice]
+    assert picks == ["AMP", "AMP", "AMP + checkpointing stem+layer1", "AMP + checkpointing", None]
+    assert advice[0]["predicted GiB"] == pytest.approx(11.0)
+    assert advice[0]["predicted img/s"] == pytest.approx(64 / 0.044)
+    assert advice[2]["predicted GiB"] == pytest.approx(0.4 + 6.7 * 2) and advice[4]["slower choices that fit"] == "-"
+    with pytest.raises(ValueError, match="card_gib"):
+        L.card_advice(rows, 0)
+    for bad in ((), (0,), (2.5,)):
+        with pytest.raises(ValueError, match="batches"):
+            L.card_advice(rows, 15.0, batches=bad)
+    with pytest.raises(ValueError, match="rows"):
+        L.card_advice([], 15.0)
 
 
 # --- gradient accumulation -----------------------------------------------------------------------
 
 def test_accumulation_equals_one_big_batch_in_fp32():
-    out = B.accumulation_equivalence("mlp", "fp32", micro_batch=8, micro_batches=4)
+    out = L.accumulation_equivalence("mlp", "fp32", micro_batch=8, micro_batches=4)
     assert out["loss_diff"] <= 1e-6
     assert out["grad_rel_diff"] <= 1e-5 and out["weight_rel_diff"] <= 1e-6
 
 
 def test_accumulation_equals_one_big_batch_with_the_scaler():
-    out = B.accumulation_equivalence("mlp", "fp16", micro_batch=8, micro_batches=4)
+    out = L.accumulation_equivalence("mlp", "fp16", micro_batch=8, micro_batches=4)
     assert out["scale"] == (65536.0, 65536.0) and out["skipped"] == (False, False)
     assert out["loss_diff"] <= 1e-3
     assert out["grad_rel_diff"] <= 5e-3  # fp16 rounding of four partial sums
@@ -266,7 +344,7 @@ def test_accumulation_equals_one_big_batch_with_the_scaler():
 
 def test_accumulation_differs_with_batchnorm():
     """BatchNorm normalises each micro-batch by its own statistics: not the big batch's step."""
-    out = B.accumulation_equivalence("cnn", "fp32", micro_batch=4, micro_batches=2)
+    out = L.accumulation_equivalence("cnn", "fp32", micro_batch=4, micro_batches=2)
     assert out["grad_rel_diff"] > 1e-3
 
 
@@ -288,7 +366,7 @@ def test_trainer_accumulation_against_a_hand_written_big_batch():
 
 
 def test_accumulation_memory_and_claim_r9():
-    rows = B.accumulation_memory(micro_batch=2, counts=(1, 3), precision="fp32",
+    rows = L.accumulation_memory(micro_batch=2, counts=(1, 3), precision="fp32",
                                  device="cpu", **TINY)
     assert [r["effective_batch"] for r in rows] == [2, 6]
     acc = [r["accumulated_saved_gib"] for r in rows]
@@ -296,21 +374,28 @@ def test_accumulation_memory_and_claim_r9():
     assert max(acc) == pytest.approx(min(acc), rel=1e-6)  # one micro-batch saved at a time
     assert one[1] > 2 * one[0]  # one big batch saves ~3x
     assert all(r["accumulated_peak_gib"] is None for r in rows)  # no peak counter on a CPU
-    verdict = B.claim_r9(rows)
-    assert verdict["held"] is True and "saved for backward" in verdict["measured"]
+    # counted memory and the step comparison are arithmetic: a CPU run decides R9
+    eq = L.accumulation_equivalence("mlp", "fp32", micro_batch=4, micro_batches=4, device="cpu")
+    verdict = L.claim_r9(rows, eq)
+    assert isinstance(verdict, claims.Verdict) and verdict.held is True
+    assert "saved for backward" in verdict.measured and "gradients differ" in verdict.measured
     grown = [dict(r, accumulated_saved_gib=r["one_batch_saved_gib"]) for r in rows]
-    assert B.claim_r9(grown)["held"] is False
+    assert L.claim_r9(grown, eq).held is False
+    assert L.claim_r9(rows, dict(eq, grad_rel_diff=0.1)).held is False  # not the same step
+    assert "not compared" in L.claim_r9(rows).why
     with pytest.raises(ValueError, match="counts"):
-        B.accumulation_memory(counts=(0,))
+        L.accumulation_memory(counts=(0,))
     with pytest.raises(ValueError, match="rows"):
-        B.claim_r9([])
+        L.claim_r9([])
+    with pytest.raises(ValueError, match="tolerance"):
+        L.claim_r9(rows, tolerance=1.5)
 
 
 # --- training checkpoints ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def resumed():
-    return B.resume_experiment("fp16", "mlp", total_steps=24, resume_at=12, init_scale=2.0 ** 24)
+    return L.resume_experiment("fp16", "mlp", total_steps=24, resume_at=12, init_scale=2.0 ** 24)
 
 
 def test_resume_with_scaler_state_is_exact(resumed):
@@ -343,7 +428,7 @@ def test_resume_without_scaler_state_restarts_the_scale(resumed):
 
 def test_resume_rejects_bad_settings():
     with pytest.raises(ValueError, match="resume_at"):
-        B.resume_experiment(total_steps=10, resume_at=10)
+        L.resume_experiment(total_steps=10, resume_at=10)
 
 
 # --- charts -------------------------------------------------------------------------------------
@@ -383,7 +468,7 @@ def test_charts_have_titles_units_and_legends(resumed):
 def test_report_rows():
     rows = [dict(_row("fp32", 20.0, 100.0), status="ok"), _row("AMP", 10.0, 50.0),
             {"technique": "bf16", "status": "skipped", "reason": "no bf16", "config": {}}]
-    table = B.technique_report_rows(rows)
+    table = L.technique_report_rows(rows)
     assert [r["technique"] for r in table] == ["fp32", "AMP", "bf16"]
     assert table[1]["memory x fp32"] == 0.5 and table[1]["time x fp32"] == 0.5
     assert table[2]["status"] == "skipped: no bf16" and table[2]["memory GiB"] is None
@@ -393,30 +478,30 @@ def test_report_rows():
               "reason": "this device has 14.6 GiB", "how": "", "resolution": None},
              {"card_gb": 8, "technique": "AMP", "largest_batch": 176, "status": "ok",
               "reason": "", "how": "CUDA allocator capped at 8 GiB", "resolution": 16}]
-    pivot = B.largest_batch_report_rows(cards)
+    pivot = L.largest_batch_report_rows(cards)
     assert pivot["columns"] == ["card (GB)", "fp32", "AMP"]
     assert pivot["rows"] == [{"card (GB)": "8", "fp32": 88, "AMP": 176},
                              {"card (GB)": "80", "fp32": None, "AMP": None}]
     assert "steps of 8, 16 images" in pivot["note"] and "14.6 GiB" in pivot["note"]
     with pytest.raises(ValueError, match="rows"):
-        B.largest_batch_report_rows([])
+        L.largest_batch_report_rows([])
 
 
 def test_accumulation_equivalence_rejects_bad_settings():
     with pytest.raises(ValueError, match="micro_batches"):
-        B.accumulation_equivalence(micro_batches=0)
+        L.accumulation_equivalence(micro_batches=0)
     with pytest.raises(ValueError, match="precision"):
-        B.accumulation_equivalence(precision="fp8")
+        L.accumulation_equivalence(precision="fp8")
 
 
 def test_pitfall_with_resnet18_has_the_same_stem():
-    out = B.checkpoint_sequential_pitfall(segments=4, model="resnet18")
+    out = L.checkpoint_sequential_pitfall(segments=4, model="resnet18")
     assert "modified by an inplace operation" in out["error"]
     assert out["inplace_first"] == [["relu", "maxpool"]]
-    fine = B.checkpoint_sequential_pitfall(segments=2, model="resnet18")  # ReLU inside segment 0
+    fine = L.checkpoint_sequential_pitfall(segments=2, model="resnet18")  # ReLU inside segment 0
     assert fine["error"] == "" and fine["inplace_first"] == []
     with pytest.raises(ValueError, match="model"):
-        B.checkpoint_sequential_pitfall(model="vgg16")
+        L.checkpoint_sequential_pitfall(model="vgg16")
 
 
 def test_accumulation_plan():
@@ -424,9 +509,79 @@ def test_accumulation_plan():
              {"card_gb": 8, "technique": "AMP", "largest_batch": 1100, "status": "ok"},
              {"card_gb": 16, "technique": "fp32", "largest_batch": None, "status": "skipped"},
              {"card_gb": 16, "technique": "AMP", "largest_batch": 256, "status": "ok"}]
-    plan = B.accumulation_plan(cards, 1024)
+    plan = L.accumulation_plan(cards, 1024)
     assert plan["columns"] == ["card (GB)", "fp32", "AMP"]
     assert plan["rows"] == [{"card (GB)": "8", "fp32": "12 x 86", "AMP": "1 x 1024"},
                             {"card (GB)": "16", "fp32": None, "AMP": "4 x 256"}]
     with pytest.raises(ValueError, match="target_batch"):
-        B.accumulation_plan(cards, 0)
+        L.accumulation_plan(cards, 0)
+
+
+# --- the cheaper checkpointing modes and the frontier chart --------------------------------------
+
+def test_technique_configs_follow_the_standard_settings():
+    configs = L.technique_configs(["AMP", "AMP + checkpointing stem+layer1-2",
+                                   "AMP + checkpointing stem+layer1-2 + CUDA graph"])
+    std = measure.standard_settings()
+    assert all(c.channels_last == std["channels_last"] and c.cudnn_benchmark for c in configs)
+    assert [c.impl for c in configs] == ["foreach", "foreach", "fused"]  # GradScaler in a graph
+    assert [c.cuda_graph for c in configs] == [False, False, True]
+    assert configs[1].checkpoint == "stem+stage1-2"
+    off = L.technique_configs(["AMP"], cudnn_benchmark=False, settings={"channels_last": False})
+    assert not off[0].cudnn_benchmark and not off[0].channels_last
+    assert all(L.TECHNIQUES[t]["checkpoint"] in M.CHECKPOINT_MODES for t in L.TECHNIQUES)
+    assert set(L.CARD_TECHNIQUES) <= set(L.TECHNIQUES)
+    with pytest.raises(ValueError, match="technique"):
+        L.technique_configs(["AMP", "AMP"])
+
+
+def test_cuda_graph_rows_say_why_on_a_cpu():
+    rows = L.technique_table(["AMP + CUDA graph"], device="cpu", batch_size=2, **TINY)
+    assert rows[0]["status"] == "skipped" and "CUDA" in rows[0]["reason"]
+
+
+def test_frontier_chart_marks_the_frontier_and_guides():
+    rows = [_row("fp32", 21.0, 80.0), _row("AMP", 11.0, 44.0),
+            _row("AMP + checkpointing", 4.7, 64.0),
+            _row("AMP + checkpointing stem+layer1", 7.1, 57.0)]
+    front = L.pareto_front(rows)
+    fig = P.technique_memory_time(rows, frontier=front, memory_lines={"25% of fp32": 5.25},
+                                  time_lines={"AMP + 15%": 50.6})
+    title, x, y = _titles(fig)
+    assert "ms" in x and "GiB" in y and title
+    line = [t for t in fig.data if t.name == "frontier"]
+    assert len(line) == 1 and list(line[0].x) == [44.0, 57.0, 64.0]
+    stars = [t.name for t in fig.data if t.mode == "markers+text" and t.marker.symbol == "star"]
+    assert stars == [n for n in (r["technique"] for r in rows) if n in front]
+    assert [s.y0 for s in fig.layout.shapes if s.type == "line" and s.y0 == s.y1] == [5.25]
+    assert any(a.text == "25% of fp32" for a in fig.layout.annotations)
+    with pytest.raises(ValueError, match="frontier"):
+        P.technique_memory_time(rows, frontier=["bf16"])
+    with pytest.raises(ValueError, match="memory_lines"):
+        P.technique_memory_time(rows, memory_lines={"card": 0})
+
+
+def test_checkpointed_keeps_rng_only_for_dropout():
+    assert not M.Checkpointed(nn.Sequential(nn.Linear(2, 2), nn.ReLU())).preserve_rng_state
+    unit = M.Checkpointed(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)))
+    assert unit.preserve_rng_state
+    # with dropout the replay draws the same mask: gradients as without checkpointing
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, requires_grad=True)
+    torch.manual_seed(1)
+    unit(x).sum().backward()
+    g_ckpt = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(1)
+    unit.module(x).sum().backward()
+    torch.testing.assert_close(g_ckpt, x.grad)
+
+
+def test_keep_batchnorm_stats_restores_every_setting():
+    bn = nn.BatchNorm2d(3, momentum=None)  # cumulative average: momentum None
+    count = bn.num_batches_tracked
+    with M.KeepBatchNormStats(nn.Sequential(bn)):
+        assert bn.momentum == 0.0 and bn.num_batches_tracked is None
+        bn(torch.randn(4, 3, 2, 2))
+    assert bn.momentum is None and bn.num_batches_tracked is count and int(count) == 0
+    assert torch.equal(bn.running_mean, torch.zeros(3)) and torch.equal(bn.running_var, torch.ones(3))

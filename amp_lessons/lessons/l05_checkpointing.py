@@ -1,55 +1,73 @@
-"""Lesson 05, checkpointing and accumulation: the checkpoint_sequential pitfall, per-block
-checkpointing, memory against time per technique, the largest batch per card, accumulation and exact
-resume (claims R8-R10)."""
+"""Lesson 05, checkpointing and accumulation: the checkpoint_sequential pitfall, checkpointing per
+block and its cheaper variants, memory against time per technique and its Pareto frontier, the
+largest batch per card, gradient accumulation and exact resume.
+
+Decides claims R8 (checkpointing's cost), R9 (accumulation at the same memory) and R10a/R10b (what
+to use on one small or large card). Timing and GPU-memory verdicts pass ``claims.timing_gate``: a
+CPU run (the quick profile) reports them as "not decided here", with the reason.
+"""
 from __future__ import annotations
 
 import math
+import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import models as _models
-from .. import trainer as _trainer
-from ..data import synthetic_images
+from .. import claims, models
 from .._validate import check_choice, check_int
-from ..measure import (BenchConfig, GIB, LargestBatch, MODELS, SavedActivations, build_model, build_optimizer, format_value, free_memory, hand_step, is_out_of_memory, largest_batch, optimizer_state_tensors, ratio, run_configs, skip_reason, storage_key, tensor_bytes)
-from ..precision import precision_settings
+from ..data import digits, digits_loaders, synthetic_images
+from ..measure import (GIB, MODELS, BenchConfig, LargestBatch, SavedActivations, build_model,
+                       build_optimizer, free_memory, hand_step, is_out_of_memory, largest_batch,
+                       optimizer_state_tensors, ratio, run_configs, settings_caption, skip_reason,
+                       standard_settings, tensor_bytes)
+from ..precision import as_device, check_precision, precision_settings
+from ..tables import format_value
+from ..trainer import Hooks, ScalerSettings, Trainer, TrainConfig
 
+LESSON = "05"
+DECIDES = ("R8", "R9", "R10a", "R10b")
 
-
-# --- Lesson 05: techniques, card sizes, accumulation ---------------------------------------------
-# What lesson 05 measures: the checkpoint_sequential pitfall on torchvision's ResNet-50, that
-# per-block checkpointing computes the same step (BatchNorm statistics included), memory against
-# time per technique (claim R8), the largest batch per simulated card (claim R10), memory per
-# micro-batch count (claim R9) and exact resume with and without the scaler's state.
+# --- the techniques ------------------------------------------------------------------------------
+# fp32 runs with TF32 tensor-core math where the GPU has it (cuDNN's default for convolutions);
+# its memory is the same as with TF32 off. "checkpoint" is a mode of models.resnet50(checkpoint=).
 
 TECHNIQUES: Dict[str, Dict[str, object]] = {
-    # fp32 runs with TF32 tensor-core math where the GPU has it (cuDNN's default for
-    # convolutions); its memory is the same as with TF32 off, and the searches run twice as fast.
-    "fp32": {"precision": "tf32", "checkpoint": False},
-    "fp32 + checkpointing": {"precision": "tf32", "checkpoint": True},
-    "AMP": {"precision": "fp16", "checkpoint": False},
-    "AMP + checkpointing": {"precision": "fp16", "checkpoint": True},
-    "bf16": {"precision": "bf16", "checkpoint": False},
-    "bf16 + checkpointing": {"precision": "bf16", "checkpoint": True},
+    "fp32": {"precision": "tf32", "checkpoint": None},
+    "fp32 + checkpointing": {"precision": "tf32", "checkpoint": "block"},
+    "AMP": {"precision": "fp16", "checkpoint": None},
+    "AMP + checkpointing": {"precision": "fp16", "checkpoint": "block"},
+    "AMP + checkpointing per stage": {"precision": "fp16", "checkpoint": "stage"},
+    "AMP + checkpointing layer1-2": {"precision": "fp16", "checkpoint": "stage1-2"},
+    "AMP + checkpointing stem+layer1": {"precision": "fp16", "checkpoint": "stem+stage1"},
+    "AMP + checkpointing stem+layer1-2": {"precision": "fp16", "checkpoint": "stem+stage1-2"},
+    "AMP + selective checkpointing": {"precision": "fp16", "checkpoint": "sac"},
+    "bf16": {"precision": "bf16", "checkpoint": None},
+    "bf16 + checkpointing": {"precision": "bf16", "checkpoint": "block"},
+    "bf16 + checkpointing stem+layer1": {"precision": "bf16", "checkpoint": "stem+stage1"},
+    "bf16 + checkpointing stem+layer1-2": {"precision": "bf16", "checkpoint": "stem+stage1-2"},
+    # the whole step captured in one CUDA graph (fused SGD, as GradScaler needs there): the
+    # host work of checkpointing (its Python, per unit, in backward) is gone from replays
+    "AMP + CUDA graph": {"precision": "fp16", "checkpoint": None, "cuda_graph": True},
+    "AMP + checkpointing + CUDA graph": {"precision": "fp16", "checkpoint": "block",
+                                         "cuda_graph": True},
+    "AMP + checkpointing stem+layer1-2 + CUDA graph": {"precision": "fp16",
+                                                       "checkpoint": "stem+stage1-2",
+                                                       "cuda_graph": True},
 }
-CARD_TECHNIQUES = ("fp32", "AMP", "AMP + checkpointing", "bf16 + checkpointing")
+"""Lesson 05's techniques: name -> precision, ``models.CHECKPOINT_MODES`` mode and, for some, a
+CUDA graph of the whole step. "+ checkpointing" alone is per residual block (the classic recipe);
+``models.CHECKPOINT_HELP`` says what each mode recomputes."""
+CARD_TECHNIQUES = ("fp32", "AMP", "AMP + checkpointing stem+layer1-2", "AMP + checkpointing")
 CARD_SIZES_GB = (8, 12, 16, 24, 40, 80)
 
-R8_CLAIM = ("R8: gradient checkpointing saves another 20-30% of memory for about 30% more "
-            "compute time")
 R8_MEMORY_PCT, R8_TIME_PCT = (20.0, 30.0), (20.0, 40.0)  # "about 30%": 20-40% counts as held
-R9_CLAIM = "R9: gradient accumulation gives a larger virtual batch at the same memory"
-R10_CLAIMS = (
-    "R10: one card under 12 GB: AMP + checkpointing, 50-60% memory saved",
-    "R10: one card of 12 GB or more: AMP + gradient accumulation, 40-50% memory saved",
-    "R10: several 8 GB cards: AMP + ZeRO stage 1, 60-70% saved",
-    "R10: AMP + model parallelism, 40-50% saved",
-)
+R10A_SAVED_PCT, R10B_SAVED_PCT = (50.0, 60.0), (40.0, 50.0)
 
 
 def _check_techniques(techniques: Sequence[str]) -> List[str]:
@@ -63,21 +81,40 @@ def _check_techniques(techniques: Sequence[str]) -> List[str]:
     return techniques
 
 
+def _settings(settings: Optional[Dict[str, object]], device: torch.device) -> Dict[str, object]:
+    """The standard measurement settings (``measure.standard_settings``; the quick ones on a CPU)
+    with the caller's overrides."""
+    out = standard_settings(quick=device.type != "cuda")
+    out.update(settings or {})
+    return out
+
+
 def technique_configs(techniques: Sequence[str] = tuple(TECHNIQUES), model: str = "resnet50",
                       batch_size: int = 64, image_size: int = 224, num_classes: int = 1000,
-                      channels_last: bool = False, checkpoint: str = "block") -> List[BenchConfig]:
+                      settings: Optional[Dict[str, object]] = None,
+                      cudnn_benchmark: Optional[bool] = None) -> List[BenchConfig]:
     """One ``BenchConfig`` per technique of ``TECHNIQUES``, labelled with the technique's name.
 
-    ``checkpoint`` is the unit a checkpointing technique recomputes: ``"block"`` (each residual
-    block) or ``"stage"`` (each of layer1..layer4). cuDNN's benchmark mode is left off, so a
-    new batch size costs no autotuning (the largest-batch search tries many).
+    Memory format, cuDNN autotuning and the optimizer come from ``settings`` (default:
+    ``measure.STANDARD``, the settings of lesson 04; a CUDA-graph technique uses fused SGD, which
+    GradScaler needs inside a graph); ``cudnn_benchmark`` overrides autotuning alone (the largest-batch search turns it off: every new batch size would be tuned again).
     """
-    check_choice("checkpoint", checkpoint, ("block", "stage"))
-    return [BenchConfig(label=t, model=model, precision=TECHNIQUES[t]["precision"],
-                        checkpoint=checkpoint if TECHNIQUES[t]["checkpoint"] else None,
-                        channels_last=channels_last, batch_size=batch_size,
-                        image_size=image_size, num_classes=num_classes, cudnn_benchmark=False)
-            for t in _check_techniques(techniques)]
+    s = dict(standard_settings())
+    s.update(settings or {})
+    if cudnn_benchmark is not None:
+        if not isinstance(cudnn_benchmark, bool):
+            raise ValueError(f"cudnn_benchmark must be None, True or False; got {cudnn_benchmark!r}")
+        s["cudnn_benchmark"] = cudnn_benchmark
+    configs = []
+    for t in _check_techniques(techniques):
+        graph = bool(TECHNIQUES[t].get("cuda_graph"))
+        configs.append(BenchConfig(
+            label=t, model=model, precision=TECHNIQUES[t]["precision"],
+            checkpoint=TECHNIQUES[t]["checkpoint"], channels_last=bool(s["channels_last"]),
+            batch_size=batch_size, image_size=image_size, num_classes=num_classes,
+            optimizer=s["optimizer"], impl="fused" if graph else s["impl"], cuda_graph=graph,
+            cudnn_benchmark=bool(s["cudnn_benchmark"])))
+    return configs
 
 
 # --- the checkpoint_sequential pitfall, and checkpointing done per block -------------------------
@@ -108,7 +145,7 @@ def checkpoint_sequential_pitfall(segments: int = 4, image_size: int = 32, batch
     check_int("segments", segments, 2)
     check_int("image_size", image_size, 32)
     check_int("batch_size", batch_size, 2)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
     torch.manual_seed(seed)
     net = getattr(torchvision.models, model)(weights=None, num_classes=10).to(device).train()
     children = list(net.named_children())
@@ -143,24 +180,6 @@ def checkpoint_sequential_pitfall(segments: int = 4, image_size: int = 32, batch
             "batchnorm_updates_per_step": updates}
 
 
-class CheckpointedWithoutBatchNormFix(_models.Checkpointed):
-    """``models.Checkpointed`` without its BatchNorm fix, for comparison only: recomputing the
-    block in backward runs its BatchNorm layers in training mode again, so their running
-    statistics move twice per step."""
-
-    def _contexts(self):
-        return nullcontext(), nullcontext()
-
-
-def without_batchnorm_fix(model: nn.Module) -> nn.Module:
-    """Turn every ``Checkpointed`` unit of ``model`` into ``CheckpointedWithoutBatchNormFix``
-    (in place; returns ``model``)."""
-    for m in model.modules():
-        if type(m) is _models.Checkpointed:
-            m.__class__ = CheckpointedWithoutBatchNormFix
-    return model
-
-
 def _batchnorm_buffers(model: nn.Module) -> List[torch.Tensor]:
     return [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
             for name, b in m.named_buffers() if name != "num_batches_tracked"]
@@ -191,16 +210,17 @@ def checkpoint_equivalence(model: str = "resnet18", checkpoint: str = "block",
                            device=None, seed: int = 0) -> Dict[str, object]:
     """One SGD step of a plain ResNet and of the same weights checkpointed, compared.
 
-    Three models start from the same weights: plain, checkpointed (``models.Checkpointed``,
-    which restores BatchNorm buffers after recomputation) and checkpointed without that fix.
+    Three models start from the same weights: plain, checkpointed with ``checkpoint`` (a mode
+    of ``models.CHECKPOINT_MODES``; ``models.Checkpointed`` keeps BatchNorm statistics still
+    during recomputation) and checkpointed without that fix (``models.without_batchnorm_fix``).
     Returns ``loss_diff`` (absolute), ``grad_rel_diff`` and ``weight_rel_diff`` (largest
     relative difference over parameters after the step), ``bn_rel_diff`` and
     ``bn_rel_diff_without_fix`` (running mean and variance against the plain model), and the
     ``num_batches_tracked`` of bn1 in the first residual block for each: 1, 1 and 2.
     """
     check_choice("model", model, ("resnet18", "resnet50"))
-    check_choice("checkpoint", checkpoint, ("block", "stage"))
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    check_choice("checkpoint", checkpoint, tuple(m for m in models.CHECKPOINT_MODES if m))
+    device = as_device(device)
     x, y = synthetic_images(batch_size, image_size, num_classes, device, seed=seed)
     out: Dict[str, object] = {"model": model, "checkpoint": checkpoint}
     nets = {}
@@ -210,7 +230,7 @@ def checkpoint_equivalence(model: str = "resnet18", checkpoint: str = "block",
             torch.manual_seed(seed)  # same construction order, so the same initial weights
             net = MODELS[model](num_classes=num_classes, checkpoint=mode).to(device).train()
             if name == "without_fix":
-                without_batchnorm_fix(net)
+                models.without_batchnorm_fix(net)
             opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
             loss = F.cross_entropy(net(x), y)
             loss.backward()
@@ -246,14 +266,18 @@ def counted_step_memory(config: BenchConfig, device=None,
     """What a training step of ``config`` holds at its peak, counted tensor by tensor, in bytes.
 
     For devices without an allocator to read (a CPU): ``state_bytes`` (parameters, gradients,
-    optimizer state), ``kept_bytes`` (tensors saved for backward, and the inputs that
-    checkpointed units keep), ``recompute_bytes`` (what the largest checkpointed unit saves while
+    optimizer state), ``kept_bytes`` (tensors saved for backward, the inputs that checkpointed
+    units keep included), ``recompute_bytes`` (what the largest checkpointed unit saves while
     it is recomputed in backward, 0 without checkpointing) and ``peak_bytes``, their sum. A
     model of the peak, not a measurement of it: temporaries and allocator overhead are left out.
     """
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
     batch = config.batch_size if batch_size is None else batch_size
     check_int("batch_size", batch, 1)
+    if config.checkpoint == "sac":
+        raise ValueError("checkpoint 'sac' cannot be counted: the tensors selective checkpointing "
+                         "saves bypass saved-tensor hooks; measure it on a GPU (one of "
+                         f"{', '.join(str(m) for m in models.CHECKPOINT_MODES if m != 'sac')})")
     with precision_settings(config.precision, device):
         torch.manual_seed(0)
         model = build_model(config, device)
@@ -262,21 +286,18 @@ def counted_step_memory(config: BenchConfig, device=None,
                                 channels_last=config.channels_last)
         params = list(model.parameters())
         step = hand_step(model, optimizer, config.precision, device)
-        inputs: Dict[object, int] = {}
         recompute = [0]
 
         def measure_unit(unit, args, output):
+            # the unit's input is already counted: checkpoint saves it through the outer hooks
             t = args[0]
-            key = storage_key(t)
-            if key is not None:
-                inputs[key] = t.untyped_storage().nbytes()
             with torch.enable_grad(), SavedActivations(exclude=params) as inner, \
-                    _models._KeepBatchNormStats(unit.module):
+                    models.KeepBatchNormStats(unit.module):
                 unit.module(t.detach().requires_grad_())
             recompute[0] = max(recompute[0], inner.bytes)
 
         handles = [m.register_forward_hook(measure_unit) for m in model.modules()
-                   if isinstance(m, _models.Checkpointed)]
+                   if isinstance(m, models.Checkpointed)]
         try:
             with SavedActivations(exclude=params) as kept:
                 loss = step.forward(x, y)
@@ -290,7 +311,7 @@ def counted_step_memory(config: BenchConfig, device=None,
             step(x, y)
         state = (tensor_bytes(params) + grads
                  + tensor_bytes(optimizer_state_tensors(optimizer)))
-        kept_bytes = kept.bytes + sum(v for k, v in inputs.items() if k not in kept._sizes)
+        kept_bytes = kept.bytes
     del model, optimizer, step, x, y, loss
     free_memory(device)
     return {"state_bytes": state, "kept_bytes": kept_bytes, "recompute_bytes": recompute[0],
@@ -308,40 +329,59 @@ def counted_memory_model(config: BenchConfig, device=None,
     return {"fixed_bytes": lo - per_image * batch_sizes[0], "bytes_per_image": per_image}
 
 
-# --- memory against time per technique (claim R8) ------------------------------------------------
+# --- memory against time per technique (claim R8), and the frontier ------------------------------
 
 def technique_table(techniques: Sequence[str] = tuple(TECHNIQUES), device=None,
                     model: str = "resnet50", batch_size: int = 64, image_size: int = 224,
-                    num_classes: int = 1000, channels_last: bool = False,
-                    checkpoint: str = "block", warmup: int = 3,
-                    steps: int = 10) -> List[Dict[str, object]]:
+                    num_classes: int = 1000,
+                    settings: Optional[Dict[str, object]] = None) -> List[Dict[str, object]]:
     """Step time and memory of each technique at one batch size (``run_configs`` rows).
 
-    Adds ``technique``, ``memory_gib`` and ``memory_source``: the peak allocated memory on a
-    GPU; on a CPU, ``counted_step_memory``'s model of the peak (``activations_gib`` there holds
-    what is kept for backward). Rows that cannot run here say why (``status``, ``reason``).
+    ``settings`` are the measurement settings (``measure.standard_settings``: the full ones on a
+    GPU, the quick ones on a CPU; the caption comes from ``settings_caption``). Adds
+    ``technique``, ``device_type``, ``settings``, ``memory_gib``, ``state_gib`` (parameters,
+    gradients and optimizer state) and ``memory_source``: the peak allocated memory on a GPU; on
+    a CPU, ``counted_step_memory``'s model of the peak (``activations_gib`` there holds what is
+    kept for backward). Rows that cannot run here say why (``status``, ``reason``).
     """
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
+    s = _settings(settings, device)
     configs = technique_configs(techniques, model=model, batch_size=batch_size,
-                                image_size=image_size, num_classes=num_classes,
-                                channels_last=channels_last, checkpoint=checkpoint)
+                                image_size=image_size, num_classes=num_classes, settings=s)
     cuda = device.type == "cuda"
-    rows = run_configs(configs, device, warmup=warmup, steps=steps, breakdown=cuda,
+    rows = run_configs(configs, device, warmup=s["warmup"], steps=s["steps"], breakdown=cuda,
                        progress=False)
     for config, row in zip(configs, rows):
-        row["technique"] = config.label
-        row["memory_gib"], row["memory_source"] = None, ""
+        row.update(technique=config.label, device_type=device.type, settings=dict(s),
+                   memory_gib=None, state_gib=None, memory_source="")
         if row["status"] != "ok":
             continue
         if cuda:
             row["memory_gib"] = row["peak_allocated_gib"]
+            row["state_gib"] = row["params_gib"] + row["grads_gib"] + row["optimizer_state_gib"]
             row["memory_source"] = "peak allocated (CUDA)"
         else:
-            counted = counted_step_memory(config, device)
+            try:
+                counted = counted_step_memory(config, device)
+            except ValueError as exc:  # selective checkpointing cannot be counted
+                row.update(status="skipped", reason=str(exc).split(" (one of")[0])
+                continue
             row["memory_gib"] = counted["peak_bytes"] / GIB
+            row["state_gib"] = counted["state_bytes"] / GIB
             row["activations_gib"] = (counted["kept_bytes"] + counted["recompute_bytes"]) / GIB
             row["memory_source"] = "counted (no peak counter on a CPU)"
     return rows
+
+
+def technique_caption(rows: Sequence[Dict[str, object]]) -> str:
+    """How ``technique_table`` measured, in words, for the table's title: memory format, cuDNN
+    autotuning, optimizer, steps (``measure.settings_caption``), precision of fp32 and memory."""
+    if not rows:
+        raise ValueError("rows must hold at least one technique_table row")
+    settings = rows[0].get("settings") or standard_settings()
+    memory = next((r["memory_source"] for r in rows if r.get("memory_source")), "not measured")
+    return (f"{settings_caption(settings)}; fp32 with TF32 tensor-core math where the GPU has it; "
+            f"AMP = fp16 autocast + GradScaler; memory: {memory}")
 
 
 def _range_verdict(measured: float, low: float, high: float, what: str) -> str:
@@ -357,8 +397,8 @@ def _by_technique(rows: Sequence[Dict[str, object]]) -> Dict[str, Dict[str, obje
 
 
 def checkpointing_costs(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
-    """Per technique pair (X, X + checkpointing) in ``technique_table`` rows: memory saved and
-    time added by checkpointing, in percent, with claim R8's verdict on each."""
+    """Per technique pair (X, X + checkpointing per block) in ``technique_table`` rows: memory
+    saved and time added by checkpointing, in percent, against claim R8's ranges."""
     ok = _by_technique(rows)
     out = []
     for base in ("AMP", "bf16", "fp32"):
@@ -376,23 +416,104 @@ def checkpointing_costs(rows: Sequence[Dict[str, object]]) -> List[Dict[str, obj
     return out
 
 
-def claim_r8(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
-    """Claim R8 ("another 20-30% of memory for about 30% more time") against the AMP pair of
-    ``technique_table`` rows (the bf16 or fp32 pair when AMP could not run): claim, measured,
-    verdict, and ``held`` (both halves within the claim's ranges)."""
+def _timing_reason(rows: Sequence[Dict[str, object]]) -> Optional[str]:
+    """``claims.timing_gate`` over measured rows (their device, fewest steps and warm-up)."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return "nothing was measured"
+    device_type = ok[0].get("device_type") or ("cuda" if ok[0].get("timer") == "CUDA events"
+                                               else "cpu")
+    return claims.timing_gate(device_type, min(int(r.get("steps") or 0) for r in ok),
+                              min(int(r.get("warmup") or 0) for r in ok))
+
+
+def claim_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
+    """Claim R8 ("another 20-30% of memory for about 30% more compute time") against the AMP pair
+    of ``technique_table`` rows (the bf16 or fp32 pair when AMP could not run): held when both
+    the memory saved and the time added lie in the claim's ranges. A CPU run, or too few timed
+    steps, cannot decide: the verdict says so."""
     costs = checkpointing_costs(rows)
     if not costs:
-        return {"claim": R8_CLAIM, "measured": "-", "held": None,
-                "verdict": "not measured: no technique ran both with and without checkpointing"}
+        return claims.not_decided("R8", LESSON, "no technique ran both with and without "
+                                  "checkpointing", "nothing to compare")
     c = costs[0]
     mem_ok = R8_MEMORY_PCT[0] <= c["memory_saved_pct"] <= R8_MEMORY_PCT[1]
     time_ok = R8_TIME_PCT[0] <= c["time_added_pct"] <= R8_TIME_PCT[1]
-    return {"claim": R8_CLAIM, "pair": c["pair"],
-            "measured": f"{c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
-                        f"({c['memory_saved_pct']:.0f}% saved), step time "
-                        f"{c['time_added_pct']:+.0f}%",
-            "held": mem_ok and time_ok,
-            "verdict": f"{c['memory_verdict']}; {c['time_verdict']}"}
+    measured = (f"{c['pair']}: {c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
+                f"({c['memory_saved_pct']:.0f}% saved), step time {c['time_added_pct']:+.0f}%")
+    reason = _timing_reason(rows)
+    if reason:
+        reason += "; memory on a CPU is counted, not a GPU's peak"
+    return claims.decide("R8", LESSON, measured, mem_ok and time_ok,
+                         f"{c['memory_verdict']}; {c['time_verdict']}",
+                         numbers={k: c[k] for k in ("memory_saved_pct", "time_added_pct")},
+                         cannot_decide=reason)
+
+
+def pareto_front(rows: Sequence[Dict[str, object]]) -> List[str]:
+    """The techniques no other technique beats on both memory and step time (the frontier of
+    memory against time), fastest first. ``technique_table`` rows; unmeasured rows left out."""
+    ok = sorted(_by_technique(rows).items(), key=lambda kv: (kv[1]["step_ms"], kv[1]["memory_gib"]))
+    front, best = [], math.inf
+    for name, r in ok:
+        if r.get("memory_gib") is not None and r["memory_gib"] < best:
+            front.append(name)
+            best = r["memory_gib"]
+    return front
+
+
+def frontier_rows(rows: Sequence[Dict[str, object]],
+                  reference: str = "AMP", baseline: str = "fp32") -> List[Dict[str, object]]:
+    """Every measured technique with its memory as a share of ``baseline``'s (fp32) and its step
+    time against ``reference``'s (AMP), and whether it is on the frontier: the table beside the
+    frontier chart."""
+    ok = _by_technique(rows)
+    front = set(pareto_front(rows))
+    ref, base = ok.get(reference), ok.get(baseline)
+    out = []
+    for name, r in sorted(ok.items(), key=lambda kv: kv[1]["step_ms"]):
+        out.append({"technique": name,
+                    "checkpoint": TECHNIQUES.get(name, {}).get("checkpoint") or "-",
+                    "img/s": r["img_per_s"], "memory GiB": r["memory_gib"],
+                    f"memory x {baseline}": ratio(r["memory_gib"], base["memory_gib"]) if base
+                    else None,
+                    f"time x {reference}": ratio(r["step_ms"], ref["step_ms"]) if ref else None,
+                    "on the frontier": "yes" if name in front else "no"})
+    return out
+
+
+def card_advice(rows: Sequence[Dict[str, object]], card_gib: float,
+                batches: Sequence[int] = (128, 256, 384, 512, 768, 1024)) -> List[Dict[str, object]]:
+    """For a card of ``card_gib`` GiB usable memory, the fastest measured technique that fits
+    each batch size in ``batches``, predicted from ``technique_table`` rows: memory grows
+    linearly with the batch from the fixed ``state_gib`` (weights, gradients, optimizer state),
+    and time per image stays as measured. One row per batch: ``batch``, ``pick`` (None when
+    nothing fits: accumulate micro-batches), ``predicted GiB``, ``predicted img/s`` and
+    ``slower choices that fit``."""
+    if not (isinstance(card_gib, (int, float)) and not isinstance(card_gib, bool) and card_gib > 0):
+        raise ValueError(f"card_gib must be a number > 0 (GiB); got {card_gib!r}")
+    batches = list(batches)
+    if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
+        raise ValueError(f"batches must hold whole numbers >= 1; got {batches!r}")
+    ok = [(name, r) for name, r in _by_technique(rows).items()
+          if r.get("state_gib") is not None and r.get("memory_gib") is not None]
+    if not ok:
+        raise ValueError("rows must hold at least one measured technique_table row")
+    out = []
+    for b in batches:
+        fits = []
+        for name, r in ok:
+            measured_batch = r["config"]["batch_size"]
+            memory = r["state_gib"] + (r["memory_gib"] - r["state_gib"]) * b / measured_batch
+            if memory <= card_gib:
+                fits.append((r["step_ms"] / measured_batch, name, memory))
+        fits.sort()
+        pick = fits[0] if fits else None
+        out.append({"batch": b, "pick": pick[1] if pick else None,
+                    "predicted GiB": pick[2] if pick else None,
+                    "predicted img/s": 1e3 / pick[0] if pick else None,
+                    "slower choices that fit": ", ".join(f[1] for f in fits[1:3]) or "-"})
+    return out
 
 
 # --- the largest batch per simulated card (claim R10) -------------------------------------------
@@ -453,12 +574,13 @@ def _card_row(card: float, technique: str, **values) -> Dict[str, object]:
 def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
                         techniques: Sequence[str] = CARD_TECHNIQUES, device=None,
                         model: str = "resnet50", image_size: int = 224, num_classes: int = 1000,
-                        channels_last: bool = False, checkpoint: str = "block",
+                        settings: Optional[Dict[str, object]] = None,
                         time_budget_s: Optional[float] = None, resolution_parts: int = 16,
                         max_batch: int = 8192) -> List[Dict[str, object]]:
     """The largest batch that trains per simulated card size and technique, with ``largest_batch``.
 
-    On a GPU each card is simulated by capping this process's allocator at ``card`` GiB
+    Memory format and optimizer come from ``settings`` (``measure.STANDARD``); cuDNN autotuning
+    is off in the search (it tries many batch sizes, and each would be tuned again). On a GPU each card is simulated by capping this process's allocator at ``card`` GiB
     (``memory_cap``); a card larger than the device is skipped with the reason. The model and
     optimizer are built once per technique and stay through the search (they would be on the
     card anyway). Two uncapped steps at small batches predict the answer; the search then runs
@@ -484,12 +606,12 @@ def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"time_budget_s must be None or > 0 seconds; got {time_budget_s!r}")
     cards = sorted(cards)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device)
     cuda = device.type == "cuda"
     total_gib = torch.cuda.get_device_properties(device).total_memory / GIB if cuda else None
     configs = technique_configs(techniques, model=model, batch_size=8, image_size=image_size,
-                                num_classes=num_classes, channels_last=channels_last,
-                                checkpoint=checkpoint)
+                                num_classes=num_classes, settings=settings,
+                                cudnn_benchmark=False)
     share = time_budget_s / len(configs) if time_budget_s else None
     rows: List[Dict[str, object]] = []
     old_benchmark = torch.backends.cudnn.benchmark
@@ -509,7 +631,7 @@ def _largest_for_technique(config: BenchConfig, cards: Sequence[float], device: 
     reason = skip_reason(config, device)
     if reason is None:
         try:
-            _trainer.check_precision(config.precision, device)
+            check_precision(config.precision, device)
         except ValueError as exc:
             reason = str(exc)
     if reason:
@@ -661,17 +783,30 @@ def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> D
 
 def claim_r10(card_rows: Sequence[Dict[str, object]],
               technique_rows: Sequence[Dict[str, object]],
-              small_card_gb: float = 12.0) -> List[Dict[str, object]]:
-    """Claim R10's recommendations beside what was measured: one row per recommendation with
-    ``claim``, ``measured`` and ``verdict`` (computed from ``largest_batch_table`` rows and
-    ``technique_table`` rows; the several-card setups say where they are measured instead).
-    Where AMP (fp16) did not run but bf16 did, bf16 stands in for it and the row says so.
-    ``small_card_gb`` is the claim's line between small and large cards (12 GB)."""
+              small_card_gb: float = 12.0) -> List[claims.Verdict]:
+    """Claim R10's recommendations (R10a-R10d) beside what was measured, as ``claims.Verdict``s.
+
+    R10a (a card under ``small_card_gb``: AMP + checkpointing, 50-60% saved) holds when AMP with
+    per-block checkpointing fits the largest batch on every such card and saves at least 50%
+    of fp32's memory at the same batch; R10b (a larger card: AMP + accumulation, 40-50% saved)
+    holds when AMP saves at least 40% and trains faster than AMP + checkpointing (so
+    accumulating micro-batches is the faster way to a batch that does not fit). Both need GPU
+    memory: on a CPU (counted memory, simulated cards of a few hundred MB) they are "not decided
+    here". R10c and R10d need several GPUs: lesson 06 decides R10c, the course does not measure
+    R10d. Where AMP (fp16) did not run but bf16 did, bf16 stands in for it and says so.
+    """
+    if not (isinstance(small_card_gb, (int, float)) and small_card_gb > 0):
+        raise ValueError(f"small_card_gb must be a number > 0 (GB); got {small_card_gb!r}")
     ok = _by_technique(technique_rows)
     fp32 = ok.get("fp32")
     amp = "AMP" if "AMP" in ok or "bf16" not in ok else "bf16"
     amp_ckpt = f"{amp} + checkpointing"
     note = "" if amp == "AMP" else " (bf16 autocast standing in for AMP)"
+    device_types = {r.get("device_type") for r in technique_rows if r.get("status") == "ok"}
+    on_cpu = None
+    if device_types != {"cuda"}:
+        on_cpu = ("memory was counted on a CPU (no allocator to cap; simulated cards of a few "
+                  "hundred MB): the claim is about GPU cards")
 
     def saved(name: str) -> Optional[float]:
         row = ok.get(name)
@@ -692,43 +827,50 @@ def claim_r10(card_rows: Sequence[Dict[str, object]],
     small = [c for c in measured_cards if c < small_card_gb]
     ckpt_saved = saved(amp_ckpt)
     if not small or ckpt_saved is None:
-        out.append({"claim": R10_CLAIMS[0], "measured": "-",
-                    "verdict": f"not measured here: no simulated card under {small_card_gb:g} "
-                               f"GB, or no fp32 and {amp_ckpt} rows"})
+        out.append(claims.not_decided(
+            "R10a", LESSON, f"no simulated card under {small_card_gb:g} GB, or no fp32 and "
+                            f"{amp_ckpt} rows", "nothing to compare"))
     else:
         best = [max(b, key=b.get) for b in (batches(c) for c in small) if b]
         wins = sum(1 for t in best if t == amp_ckpt)
         others = sorted({t for t in best if t != amp_ckpt})
         pick = (f"{amp_ckpt} fit the largest batch on {wins} of {len(best)} such cards"
                 + (f" ({', '.join(others)} on the rest)" if others else ""))
-        out.append({"claim": R10_CLAIMS[0],
-                     "measured": "; ".join(describe(c) for c in small)
-                                 + f"; {amp_ckpt} saved {ckpt_saved:.0f}% against fp32 at the "
-                                   f"same batch{note}",
-                     "verdict": f"{pick}; " + _range_verdict(ckpt_saved, 50, 60, "memory saved")})
+        out.append(claims.decide(
+            "R10a", LESSON,
+            "; ".join(describe(c) for c in small)
+            + f"; {amp_ckpt} saved {ckpt_saved:.0f}% against fp32 at the same batch{note}",
+            wins == len(best) and ckpt_saved >= R10A_SAVED_PCT[0],
+            f"{pick}; " + _range_verdict(ckpt_saved, *R10A_SAVED_PCT, "memory saved"),
+            numbers={"memory_saved_pct": ckpt_saved, "wins": wins, "cards": len(best)},
+            cannot_decide=on_cpu))
     large = [c for c in measured_cards if c >= small_card_gb]
     amp_saved = saved(amp)
     if not large or amp_saved is None:
-        out.append({"claim": R10_CLAIMS[1], "measured": "-",
-                    "verdict": f"not measured here: no simulated card of {small_card_gb:g} GB "
-                               f"or more, or no fp32 and {amp} rows"})
+        out.append(claims.not_decided(
+            "R10b", LESSON, f"no simulated card of {small_card_gb:g} GB or more, or no fp32 "
+                            f"and {amp} rows", "nothing to compare"))
     else:
-        speed = ""
+        faster, speed = True, ""
         if amp_ckpt in ok:
             fast, slow = ok[amp]["img_per_s"], ok[amp_ckpt]["img_per_s"]
-            speed = (f"; {amp} trains at {format_value(fast)} img/s against {format_value(slow)} with "
-                     f"checkpointing, so accumulating micro-batches is "
-                     f"{'the faster' if fast >= slow else 'NOT the faster'} way to a batch that "
-                     f"does not fit")
-        out.append({"claim": R10_CLAIMS[1],
-                    "measured": "; ".join(describe(c) for c in large)
-                                + f"; {amp} saved {amp_saved:.0f}% against fp32 at the same "
-                                  f"batch{note}",
-                    "verdict": _range_verdict(amp_saved, 40, 50, "memory saved") + speed})
-    for claim in R10_CLAIMS[2:]:
-        out.append({"claim": claim, "measured": "-",
-                    "verdict": "not measured here: several GPUs (lesson 06 measures sharded "
-                               "optimizer state)"})
+            faster = fast >= slow
+            speed = (f"; {amp} trains at {format_value(fast)} img/s against {format_value(slow)} "
+                     f"with checkpointing, so accumulating micro-batches is "
+                     f"{'the faster' if faster else 'NOT the faster'} way to a batch that does "
+                     f"not fit")
+        reason = on_cpu or (_timing_reason(technique_rows) if speed else None)
+        out.append(claims.decide(
+            "R10b", LESSON,
+            "; ".join(describe(c) for c in large)
+            + f"; {amp} saved {amp_saved:.0f}% against fp32 at the same batch{note}",
+            amp_saved >= R10B_SAVED_PCT[0] and faster,
+            _range_verdict(amp_saved, *R10B_SAVED_PCT, "memory saved") + speed,
+            numbers={"memory_saved_pct": amp_saved}, cannot_decide=reason))
+    out.append(claims.not_decided("R10c", LESSON, "one GPU here",
+                                  "needs several GPUs: lesson 06 measures ZeRO-1's memory per rank"))
+    out.append(claims.not_decided("R10d", LESSON, "one GPU here",
+                                  "the course trains no model-parallel setup"))
     return out
 
 
@@ -778,15 +920,13 @@ def accumulation_memory(micro_batch: int = 32, counts: Sequence[int] = (1, 2, 4,
     big batch (``one_batch_*``; ``one_batch_status`` says "out of memory" where it did not fit).
     Each is the second of two steps, so optimizer state and lazy buffers exist.
     """
-    from ..trainer import Trainer, TrainConfig
-
     check_int("micro_batch", micro_batch, 1)
     counts = list(counts)
     if not counts or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts):
         raise ValueError(f"counts must hold whole numbers >= 1; got {counts!r}")
     check_choice("model", model, ("resnet18", "resnet50"))
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    precision = _trainer.check_precision(precision, device)
+    device = as_device(device)
+    precision = check_precision(precision, device)
     torch.manual_seed(0)
     net = MODELS[model](num_classes=num_classes).to(device)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -847,20 +987,16 @@ def accumulation_equivalence(model: str = "mlp", precision: str = "fp32", micro_
     """One optimizer step of the trainer on ``micro_batches`` micro-batches of ``micro_batch``
     digits (``accumulate=micro_batches``) against one step on the same examples as one batch.
 
-    ``model`` is a digits model of ``trainer.build_digits_model`` ("mlp" has no BatchNorm;
+    ``model`` is a digits model of ``models.build_digits_model`` ("mlp" has no BatchNorm;
     "cnn" has, and BatchNorm normalises each micro-batch by its own statistics, so the two
     differ by more than rounding there). Returns ``loss_diff``, ``grad_rel_diff`` (largest
     relative difference of the gradients, unscaled), ``weight_rel_diff`` (after the step), the
     ``scale`` each used and whether either step was ``skipped``.
     """
-    from ..data import digits
-    from ..models import build_digits_model
-    from ..trainer import Hooks, Trainer, TrainConfig
-
     check_int("micro_batch", micro_batch, 1)
     check_int("micro_batches", micro_batches, 1)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    precision = _trainer.check_precision(precision, device)
+    device = as_device(device)
+    precision = check_precision(precision, device)
 
     class KeepGrads(Hooks):
         grads: List[torch.Tensor] = []
@@ -871,7 +1007,7 @@ def accumulation_equivalence(model: str = "mlp", precision: str = "fp32", micro_
     results = []
     for n in (micro_batches, 1):
         torch.manual_seed(seed)
-        net, size = build_digits_model(model)
+        net, size = models.build_digits_model(model)
         x, y = digits("train", size, device)
         x, y = x[:micro_batch * micro_batches], y[:micro_batch * micro_batches]
         hook = KeepGrads()
@@ -891,14 +1027,21 @@ def accumulation_equivalence(model: str = "mlp", precision: str = "fp32", micro_
             "scale": (sa, sb), "skipped": (ka, kb)}
 
 
-def claim_r9(rows: Sequence[Dict[str, object]], tolerance: float = 0.15) -> Dict[str, object]:
-    """Claim R9 against ``accumulation_memory`` rows: held when the accumulated steps' memory
-    varies by at most ``tolerance`` (a fraction) across micro-batch counts. Peak allocated memory
-    where measured (a GPU), else the counted bytes saved for backward."""
+def claim_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str, object]] = None,
+             tolerance: float = 0.15, step_tolerance: float = 1e-4) -> claims.Verdict:
+    """Claim R9 against ``accumulation_memory`` rows and, if given, an
+    ``accumulation_equivalence`` result (fp32, a model without BatchNorm): held when the
+    accumulated steps' memory varies by at most ``tolerance`` (a fraction) across micro-batch
+    counts and the accumulated gradients equal the big batch's within ``step_tolerance``
+    (relative). Peak allocated memory where measured (a GPU), else the bytes one forward saves
+    for backward, counted tensor by tensor. Both halves are arithmetic, not timing: a CPU run
+    decides too (its memory is counted exactly, and the step comparison is the same math)."""
     if not rows:
         raise ValueError("rows must hold at least one accumulation_memory row")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1); got {tolerance!r}")
+    if not 0 < step_tolerance < 1:
+        raise ValueError(f"step_tolerance must be in (0, 1); got {step_tolerance!r}")
     gpu = all(r["accumulated_peak_gib"] is not None for r in rows)
     key = "peak_gib" if gpu else "saved_gib"
     what = "peak allocated" if gpu else "saved for backward (counted)"
@@ -906,7 +1049,7 @@ def claim_r9(rows: Sequence[Dict[str, object]], tolerance: float = 0.15) -> Dict
     one = [(r["effective_batch"], r[f"one_batch_{key}"]) for r in rows
            if r[f"one_batch_{key}"] is not None]
     spread = max(acc) / min(acc) - 1
-    held = spread <= tolerance
+    flat = spread <= tolerance
     measured = (f"{what}: {min(acc):.3g}-{max(acc):.3g} GiB for effective batches "
                 f"{rows[0]['effective_batch']}-{rows[-1]['effective_batch']} by accumulation")
     if len(one) > 1:
@@ -915,11 +1058,22 @@ def claim_r9(rows: Sequence[Dict[str, object]], tolerance: float = 0.15) -> Dict
     oom = [r["effective_batch"] for r in rows if r["one_batch_status"] != "ok"]
     if oom:
         measured += f"; one batch of {', '.join(map(str, oom))} did not fit"
-    verdict = (f"held: memory moved {100 * spread:.0f}% (at most {100 * tolerance:.0f}% counts "
-               f"as the same)" if held else
-               f"did not hold: memory moved {100 * spread:.0f}% across micro-batch counts")
-    return {"claim": R9_CLAIM, "measured": measured, "verdict": verdict, "held": held,
-            "spread": spread}
+    why = (f"memory moved {100 * spread:.0f}% across micro-batch counts (at most "
+           f"{100 * tolerance:.0f}% counts as the same)")
+    same_step = True
+    if equivalence is not None:
+        diff = float(equivalence["grad_rel_diff"])
+        same_step = diff <= step_tolerance
+        measured += (f"; {equivalence['micro_batches']} x {equivalence['micro_batch']} against "
+                     f"1 x {equivalence['micro_batches'] * equivalence['micro_batch']} "
+                     f"({equivalence['model']}, {equivalence['precision']}): gradients differ by "
+                     f"{diff:.1e} (relative)")
+        why += (f"; the accumulated step {'equals' if same_step else 'differs from'} the big "
+                f"batch's (at most {step_tolerance:.0e} relative counts as equal)")
+    else:
+        why += "; the step itself was not compared here"
+    return claims.decide("R9", LESSON, measured, flat and same_step, why,
+                         numbers={"spread": spread, "memory": what})
 
 
 # --- training checkpoints: exact resume, and resume without the scaler's state --------------------
@@ -940,25 +1094,18 @@ def resume_experiment(precision: str = "fp16", model: str = "mlp", total_steps: 
     ``summary`` (one row per resumed run, compared with the uninterrupted one from the resume
     step on). cuDNN runs deterministically, so a GPU repeats a step bit for bit, as a CPU does.
     """
-    import tempfile as _tempfile
-    from pathlib import Path as _Path
-
-    from ..data import digits_loaders
-    from ..models import build_digits_model
-    from ..trainer import ScalerSettings, Trainer, TrainConfig
-
     check_int("total_steps", total_steps, 2)
     check_int("resume_at", resume_at, 1)
     if resume_at >= total_steps:
         raise ValueError(f"resume_at must be in [1, {total_steps - 1}] (before total_steps); "
                          f"got {resume_at}")
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    precision = _trainer.check_precision(precision, device)
+    device = as_device(device)
+    precision = check_precision(precision, device)
     settings = ScalerSettings(init_scale=init_scale)
 
     def new_trainer() -> "Trainer":
         torch.manual_seed(seed)
-        net, size = build_digits_model(model)
+        net, size = models.build_digits_model(model)
         trainer_ = Trainer(net, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9),
                            TrainConfig(precision=precision, scaler=settings, progress=False,
                                        seed=seed), device=device)
@@ -969,8 +1116,8 @@ def resume_experiment(precision: str = "fp16", model: str = "mlp", total_steps: 
         return digits_loaders(batch_size, trainer_.image_size, device, seed)[0]
 
     runs: Dict[str, dict] = {}
-    with deterministic_kernels(), _tempfile.TemporaryDirectory(dir=directory) as tmp:
-        path = _Path(tmp) / "checkpoint.pt"
+    with deterministic_kernels(), tempfile.TemporaryDirectory(dir=directory) as tmp:
+        path = Path(tmp) / "checkpoint.pt"
         whole = new_trainer()
         whole.fit(loader(whole), epochs=total_steps, max_steps=total_steps)
         runs["uninterrupted"] = whole.history.columns()

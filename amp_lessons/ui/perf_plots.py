@@ -81,37 +81,88 @@ def throughput_memory(rows: Sequence[Mapping], title: str = "ResNet training ste
 
 _L05_COLORS = {"fp32": "#4C78A8", "fp32 + checkpointing": "#9ECAE9", "AMP": "#F58518",
                "AMP + checkpointing": "#FFBF79", "bf16": "#E45756",
-               "bf16 + checkpointing": "#FF9D98"}
+               "bf16 + checkpointing": "#FF9D98",
+               "AMP + checkpointing per stage": "#B279A2",
+               "AMP + checkpointing layer1-2": "#9D755D",
+               "AMP + checkpointing stem+layer1": "#54A24B",
+               "AMP + checkpointing stem+layer1-2": "#2E7D32",
+               "AMP + selective checkpointing": "#BAB0AC", "AMP + CUDA graph": "#D62728",
+               "AMP + checkpointing + CUDA graph": "#FF7F7F",
+               "AMP + checkpointing stem+layer1-2 + CUDA graph": "#8C1D18"}
 _L05_OTHER = ("#54A24B", "#B279A2", "#9D755D", "#BAB0AC")
 # AMP and bf16 land on top of each other: their labels go left and right, checkpointed below
 _L05_TEXT = {"fp32": "top center", "fp32 + checkpointing": "bottom center", "AMP": "top left",
              "AMP + checkpointing": "bottom left", "bf16": "top right",
-             "bf16 + checkpointing": "bottom right"}
+             "bf16 + checkpointing": "bottom right",
+             "AMP + checkpointing stem+layer1": "top right",
+             "AMP + checkpointing stem+layer1-2": "bottom right",
+             "AMP + checkpointing layer1-2": "top right",
+             "AMP + checkpointing per stage": "bottom right",
+             "AMP + selective checkpointing": "top center", "AMP + CUDA graph": "bottom left",
+             "AMP + checkpointing + CUDA graph": "bottom left",
+             "AMP + checkpointing stem+layer1-2 + CUDA graph": "bottom left"}
 
 
 def _l05_color(name: str, i: int) -> str:
     return _L05_COLORS.get(name, _L05_OTHER[i % len(_L05_OTHER)])
 
 
-def technique_memory_time(rows: Sequence[Mapping[str, Any]],
-                          title: str = "Memory against step time per technique") -> go.Figure:
-    """Lesson 05: one point per technique: step time (ms, x) against memory (GiB, y).
+def _l05_check_lines(name: str, lines: Optional[Mapping[str, float]]) -> Dict[str, float]:
+    lines = dict(lines or {})
+    for label, value in lines.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{name} must map labels to numbers > 0; got {label!r}: {value!r}")
+    return lines
 
-    ``rows`` are ``bench.technique_table`` rows (``technique``, ``step_ms``, ``memory_gib``,
+
+def technique_memory_time(rows: Sequence[Mapping[str, Any]],
+                          title: str = "Memory against step time per technique",
+                          frontier: Sequence[str] = (),
+                          memory_lines: Optional[Mapping[str, float]] = None,
+                          time_lines: Optional[Mapping[str, float]] = None) -> go.Figure:
+    """Lesson 05: one labelled point per technique: step time (ms, x) against memory (GiB, y).
+
+    ``rows`` are ``technique_table`` rows (``technique``, ``step_ms``, ``memory_gib``,
     ``memory_source``); rows that did not run are named under the title with their status.
+    ``frontier``: the techniques on the Pareto frontier (no other is both faster and smaller),
+    joined by a dashed line. ``memory_lines`` / ``time_lines``: labelled horizontal (GiB) and
+    vertical (ms) guides, e.g. a card's memory or a time budget.
     """
+    memory_lines = _l05_check_lines("memory_lines", memory_lines)
+    time_lines = _l05_check_lines("time_lines", time_lines)
     shown = [r for r in rows if r.get("status") == "ok" and r.get("step_ms") is not None
              and r.get("memory_gib") is not None]
     if not shown:
         raise ValueError("rows must hold at least one measured technique (status ok)")
+    names = [r.get("technique", r.get("label", "?")) for r in shown]
+    unknown = [f for f in frontier if f not in names]
+    if unknown:
+        raise ValueError(f"frontier must name measured techniques; not measured: {unknown}")
     fig = go.Figure()
-    for i, r in enumerate(shown):
-        name = r.get("technique", r.get("label", "?"))
+    on_front = [r for n in frontier for r, m in zip(shown, names) if m == n]
+    if len(on_front) > 1:
+        on_front.sort(key=lambda r: r["step_ms"])
+        fig.add_trace(go.Scatter(
+            x=[r["step_ms"] for r in on_front], y=[r["memory_gib"] for r in on_front],
+            mode="lines", name="frontier", line=dict(color="#888", dash="dash", width=1.5),
+            hoverinfo="skip"))
+    for i, (r, name) in enumerate(zip(shown, names)):
+        star = name in frontier
         fig.add_trace(go.Scatter(
             x=[r["step_ms"]], y=[r["memory_gib"]], mode="markers+text", name=name,
             text=[name], textposition=_L05_TEXT.get(name, "top center"),
-            marker=dict(size=13, color=_l05_color(name, i), line=dict(width=1, color="#333")),
+            textfont=dict(size=10),
+            marker=dict(size=14 if star else 10, color=_l05_color(name, i),
+                        symbol="star" if star else "circle", line=dict(width=1, color="#333")),
             hovertemplate=f"{name}<br>%{{x:,.1f}} ms per step<br>%{{y:.3f}} GiB<extra></extra>"))
+    for label, gib in memory_lines.items():
+        fig.add_hline(y=gib, line=dict(color="#C44", dash="dot", width=1),
+                      annotation_text=label, annotation_position="top left",
+                      annotation_font_size=10)
+    for label, ms in time_lines.items():
+        fig.add_vline(x=ms, line=dict(color="#44C", dash="dot", width=1),
+                      annotation_text=label, annotation_position="top right",
+                      annotation_font_size=10)
     left_out = [f"{r.get('technique', r.get('label', '?'))} ({r.get('status')})" for r in rows
                 if r not in shown]
     if left_out:
@@ -121,10 +172,13 @@ def technique_memory_time(rows: Sequence[Mapping[str, Any]],
     if batch:
         title = f"{title} (batch {batch})"
     fig = styled(fig, title, "training step time (ms, median)", f"memory (GiB, {source})",
-                 height=460)
+                 height=520)
+    fig.update_layout(showlegend=len(shown) <= 6)
     # room for the labels beside the outermost points
-    fig.update_xaxes(range=[0, 1.2 * max(r["step_ms"] for r in shown)])
-    fig.update_yaxes(range=[0, 1.15 * max(r["memory_gib"] for r in shown)])
+    top_x = max([r["step_ms"] for r in shown] + list(time_lines.values()))
+    top_y = max([r["memory_gib"] for r in shown] + list(memory_lines.values()))
+    fig.update_xaxes(range=[0, 1.25 * top_x])
+    fig.update_yaxes(range=[0, 1.15 * top_y])
     return fig
 
 

@@ -134,7 +134,8 @@ def _escape(text: str) -> str:
 
 def scroll_box(html_text: str) -> str:
     """``html_text`` in a box that scrolls sideways in a narrow window instead of clipping."""
-    return f"<div style='overflow-x:auto;max-width:100%'>{html_text}</div>"
+    return (f"<div class='amp-scroll' style='overflow-x:auto;max-width:100%;white-space:nowrap'>"
+            f"{html_text}</div>")
 
 
 WRAP = dict(flex_flow="row wrap", align_items="center", width="100%")
@@ -203,7 +204,8 @@ class NumberField:
                  high: Optional[float] = None, integer: bool = False,
                  description: Optional[str] = None, css_class: str = "", width: str = "220px"):
         self.name, self.low, self.high, self.integer = name, low, high, integer
-        self.text = w.Text(value=self._show(value), description=description or name,
+        self.text = w.Text(value=self._show(value),
+                           description=name if description is None else description,
                            continuous_update=True, style=_DESC,
                            layout=w.Layout(width=width, min_width="120px"))
         self.message = w.HTML(layout=w.Layout(min_width="0"))
@@ -906,9 +908,9 @@ def comparison_table_html(rows: Sequence[Mapping]) -> str:
                  plots.pow2_text(row.get("final scale"), html=True),
                  f"{row['final loss']:.4f}" if row.get("final loss") is not None else "n/a",
                  f"{acc:.1%}" if acc is not None else "n/a")
-        body.append("<tr>" + "".join(f"<td style='padding:2px 10px'>{c}</td>" for c in cells)
+        body.append("<tr>" + "".join(f"<td style='padding:2px 10px;white-space:nowrap'>{c}</td>" for c in cells)
                     + "</tr>")
-    header = "".join(f"<th style='padding:2px 10px;text-align:left'>{h}</th>" for h in head)
+    header = "".join(f"<th style='padding:2px 10px;text-align:left;white-space:nowrap'>{h}</th>" for h in head)
     return scroll_box(f"<table style='border-collapse:collapse'><tr>{header}</tr>"
                       f"{''.join(body)}</table><small>settled: first of a streak of steps "
                       f"without a skip; final loss: mean of the last steps</small>")

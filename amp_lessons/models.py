@@ -74,7 +74,7 @@ class SmallCNN(nn.Module):
 
 # --- ResNets (lessons 04-05) ----------------------------------------------------------------------
 # torchvision's ResNet-50 and ResNet-18 (random weights), optionally with activation checkpointing
-# per residual block or per stage, and the "optimized" variant of article R (claim R4): layer3,
+# per residual block or per stage, and the "optimized" variant of article R: layer3,
 # layer4 and fc forced to fp32 inside an autocast region. Lesson 04 measures their speed and memory,
 # lesson 05 their checkpointing.
 
@@ -295,7 +295,7 @@ RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4", "fc")
 
 
 class SelectiveAutocastResNet(nn.Module):
-    """Article R's "optimized" ResNet (claim R4): the stages from ``fp32_from`` on run in fp32.
+    """Article R's "optimized" ResNet: the stages from ``fp32_from`` on run in fp32.
 
     The stem and the earlier stages run under whatever autocast region encloses the call; from
     ``fp32_from`` (default ``"layer3"``: layer3, layer4 and fc) a nested
@@ -331,12 +331,12 @@ class SelectiveAutocastResNet(nn.Module):
 
 
 def optimized_resnet50(num_classes: int = 1000, fp32_from: str = "layer3", **kwargs) -> nn.Module:
-    """ResNet-50 wrapped in ``SelectiveAutocastResNet`` (claim R4's layer3/4 + fc in fp32)."""
+    """ResNet-50 wrapped in ``SelectiveAutocastResNet`` (layer3/4 + fc in fp32, as article R advises)."""
     return SelectiveAutocastResNet(resnet50(num_classes, **kwargs), fp32_from=fp32_from)
 
 
 def optimized_resnet18(num_classes: int = 1000, fp32_from: str = "layer3", **kwargs) -> nn.Module:
-    """ResNet-18 wrapped in ``SelectiveAutocastResNet`` (the quick profile's R4 model)."""
+    """ResNet-18 wrapped in ``SelectiveAutocastResNet`` (the quick profile's selective-autocast model)."""
     return SelectiveAutocastResNet(resnet18(num_classes, **kwargs), fp32_from=fp32_from)
 
 

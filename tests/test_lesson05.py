@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from amp_lessons import claims, measure
 from amp_lessons import models as M

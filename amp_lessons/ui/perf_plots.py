@@ -186,7 +186,7 @@ def largest_batch_chart(rows: Sequence[Mapping[str, Any]],
                         title: str = "The largest batch per simulated card") -> go.Figure:
     """Lesson 05: grouped bars, the largest batch (images) per card size and technique.
 
-    ``rows`` are ``bench.largest_batch_table`` rows; skipped cells have no bar and are counted
+    ``rows`` are lesson 05's ``largest_batch_table`` rows; skipped cells have no bar and are counted
     under the title (the table says why).
     """
     if not rows:
@@ -220,9 +220,9 @@ def largest_batch_chart(rows: Sequence[Mapping[str, Any]],
 def accumulation_memory_chart(rows: Sequence[Mapping[str, Any]],
                               title: str = "Memory per effective batch: accumulation against "
                                            "one batch") -> go.Figure:
-    """Lesson 05 (claim R9): memory against the effective batch, reached by accumulating
+    """Lesson 05: memory against the effective batch, reached by accumulating
     micro-batches and by one big batch. Peak allocated memory where measured (a GPU), else the
-    counted bytes saved for backward. ``rows`` are ``bench.accumulation_memory`` rows."""
+    counted bytes saved for backward. ``rows`` are lesson 05's ``accumulation_memory`` rows."""
     if not rows:
         raise ValueError("rows must hold at least one accumulation_memory row")
     gpu = all(r.get("accumulated_peak_gib") is not None for r in rows)
@@ -252,10 +252,10 @@ def resume_chart(result: Mapping[str, Any],
                  title: str = "Resuming from a checkpoint, with and without the scaler's state"
                  ) -> go.Figure:
     """Lesson 05: loss scale (top, skipped steps crossed) and loss per step of the three runs of
-    ``bench.resume_experiment``, with the resume step marked."""
+    lesson 05's ``resume_experiment``, with the resume step marked."""
     runs = result.get("runs") or {}
     if not runs:
-        raise ValueError("result must hold the runs of bench.resume_experiment")
+        raise ValueError("result must hold the runs of resume_experiment (lesson 05)")
     step = result["resume_step"]
 
     def columns(name, c):  # resumed runs: only their own steps (before, they are the same run)

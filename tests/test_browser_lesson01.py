@@ -1,7 +1,8 @@
 """Lesson 01 in a real browser: JupyterLab (started here, loopback + token) driven by Chromium.
 
 Runs every cell of lesson 01 in the quick profile, types a value into the bit explorer and checks
-its table, moves the loss-scale slider and checks that the chart and the summary changed.
+its table, drives its slider to its top end (an exact 2^20), moves the loss-scale slider and
+checks that the chart and the summary changed, and that no shown share reads 0.000%.
 Screenshots go to test-output/. Skips only where no Chromium executable exists.
 """
 import pytest
@@ -35,6 +36,13 @@ def test_lesson01_widgets_in_jupyterlab(chromium, lab):
         page.wait_for_function("el => /0x7C00/.test(el.textContent)",
                                arg=table.element_handle(), timeout=20_000)
         assert "x = 65520.0" in table.inner_text()
+        # the slider's top end is exactly 2^20: no stray mantissa bit
+        slider = explorer.locator(".amp-bit-slider .noUi-handle").first
+        slider.focus()
+        slider.press("End")
+        page.wait_for_function("el => /x = 1048576\\.0/.test(el.textContent)",
+                               arg=table.element_handle(), timeout=20_000)
+        assert box.input_value() == "1048576.0"
         explorer.screenshot(path=str(OUTPUT_DIR / "lesson01_bit_explorer.png"))
 
         # the loss-scale slider: 12 steps right, the chart's title and the summary follow
@@ -53,4 +61,5 @@ def test_lesson01_widgets_in_jupyterlab(chromium, lab):
         page.wait_for_function("el => /× 2\\^12 /.test(el.layout.title.text)",
                                arg=chart.element_handle(), timeout=30_000)
         assert "4096" in summary.inner_text()
+        assert "0.000%" not in summary.inner_text()
         panel.screenshot(path=str(OUTPUT_DIR / "lesson01_loss_scale.png"))

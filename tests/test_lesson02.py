@@ -414,3 +414,24 @@ def test_cosine_schedule_decays_to_zero():
     lrs = run.history.columns()["lr"]
     assert lrs[0] == pytest.approx(0.05) and lrs[-1] < 0.01 * lrs[0]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_loops_agree_bitwise_on_the_cpu():
+    for precision in ("fp32", "fp16"):
+        out = L.loops_agree(precision, steps=3, width=4, image_size=16, device="cpu")
+        assert out == {"precision": precision, "steps": 3, "equal": True, "max_abs_diff": 0.0}
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1"):
+        L.loops_agree(steps=0, device="cpu")
+
+
+def test_loops_agree_notices_a_different_update(monkeypatch):
+    real = L.measure.hand_step
+
+    def doubled_lr(model, optimizer, precision, device):  # a hand loop that is not the recipe
+        for group in optimizer.param_groups:
+            group["lr"] *= 2
+        return real(model, optimizer, precision, device)
+
+    monkeypatch.setattr(L.measure, "hand_step", doubled_lr)
+    out = L.loops_agree("fp32", steps=2, width=4, image_size=16, device="cpu")
+    assert out["equal"] is False and out["max_abs_diff"] > 0

@@ -8,6 +8,7 @@ lesson 04 on ResNet-50: this lesson shows the digits CNN's numbers beside them, 
 """
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import warnings
@@ -150,6 +151,43 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
         del trainer, loops, net, opt
         measure.free_memory(dev)
     return rows
+
+
+def loops_agree(precision: str = "fp16", steps: int = 5, model: str = "cnn", width: int = 32,
+                image_size: Optional[int] = None, batch_size: int = 64, lr: float = 0.05,
+                device: Device = None, seed: int = 0) -> dict:
+    """Train two copies of one digits model from the same weights on the same ``steps`` batches:
+    one with the recipe's hand-written step (``measure.hand_step``), one with
+    ``Trainer.train_step`` (defaults). Returns precision, steps, equal (every parameter and
+    buffer bitwise equal afterwards) and max_abs_diff: the trainer's bookkeeping must not change
+    the arithmetic."""
+    check_int("steps", steps, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("width", width, 1)
+    check_positive("lr", lr)
+    dev = as_device(device)
+    p = check_precision(precision, dev)
+    torch.manual_seed(seed)
+    hand_net, size = build_digits_model(model, width)
+    if image_size is not None and size is not None:
+        size = image_size
+    hand_net.to(dev).train()
+    trained_net = copy.deepcopy(hand_net)
+    train, _ = digits_loaders(batch_size, size, dev, seed)
+    batches = [b for _, b in zip(range(steps), _cycle(train))]
+    hand = measure.hand_step(hand_net, torch.optim.SGD(hand_net.parameters(), lr=lr,
+                                                       momentum=0.9), p, dev)
+    trainer = Trainer(trained_net, torch.optim.SGD(trained_net.parameters(), lr=lr, momentum=0.9),
+                      TrainConfig(precision=p, progress=False, seed=None), device=dev)
+    with precision_settings(p, dev):
+        for x, y in batches:
+            hand(x, y)
+            trainer.train_step([(x, y)])
+    a, b = hand_net.state_dict(), trained_net.state_dict()
+    equal = all(torch.equal(a[k], b[k]) for k in a)
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a
+               if a[k].is_floating_point())
+    return {"precision": p, "steps": steps, "equal": equal, "max_abs_diff": diff}
 
 
 def overhead_table(rows: Sequence[Mapping]) -> str:

@@ -29,6 +29,7 @@ sync; ``"raise"`` stops with ``NonFiniteError`` naming the step (one host sync p
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field, replace
@@ -40,11 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validate import check_bool, check_choice, check_positive, is_real
+from ._validate import check_bool, check_choice, check_int, check_positive, is_real
 from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_rng_state, read_verified, rng_state,
                          set_rng_state)
-from .precision import (PRECISION_ALIASES, PRECISIONS, Device, as_device, autocast_for,
-                        check_precision, normalize_precision, precision_settings)
+from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
+                        autocast_for, check_precision, normalize_precision, precision_settings)
 from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
 
 EVAL_PRECISIONS = ("same",) + PRECISIONS
@@ -324,6 +325,9 @@ class _UpdateGuard(_Snapshot):
 
 # --- the trainer ---------------------------------------------------------------------------------
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -345,6 +349,12 @@ def set_loader_epoch(loader, epoch: int) -> None:
 
 
 def _total_norm(grads: List[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all ``grads`` together. One device and dtype (the usual case): the same
+    three kernels as ``torch.nn.utils.get_total_norm`` (foreach norms, stack, norm), so the same
+    bits, without its grouping work on the host (about a third of its host time)."""
+    first = grads[0]
+    if all(g.device == first.device and g.dtype == first.dtype for g in grads):
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
         return torch.nn.utils.get_total_norm(grads)
     norms = torch._foreach_norm(grads)
@@ -490,6 +500,7 @@ class Trainer:
             or self._policy in ("skip", "raise")) else None
         self._fused_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
         self._track_memory = self.device.type == "cuda" and cfg.track_memory
+        self._half = HALF_DTYPES.get(cfg.precision)  # autocast dtype, None for fp32/tf32
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -623,26 +634,63 @@ class Trainer:
         n = len(micro_batches)
         if n < 1:
             raise ValueError("micro_batches must hold at least one (x, y) batch; got none")
-        cfg, model, opt, scaler = self._config, self.model, self.optimizer, self.scaler
-        scaling, guard, policy = self._scaling, self._guard, self._policy
-        cuda = self.device.type == "cuda"
-        if not model.training:
-            model.train()
+        device = self.device
+        cuda = device.type == "cuda"
+        if not self.model.training:
+            self.model.train()
         if self._track_memory:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.reset_peak_memory_stats(device)
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         else:
             t0 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
+        loss_sum, grad_norm, found_inf, scale, cause = self._kernels(micro_batches)
+        if self.scheduler is not None:
+            if found_inf is None or not bool(found_inf.item()):  # the one sync, only with both
+                self.scheduler.step()
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            elapsed = (start, end)
+        else:
+            elapsed = time.perf_counter() - t0
+        return self._record(loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed)
 
-        with precision_settings(cfg.precision, self.device):
+    def _record(self, loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed) -> StepRecord:
+        if loss_sum.dtype != torch.float32:
+            loss_sum = loss_sum.float()
+        if grad_norm is not None and grad_norm.dtype != torch.float32:
+            grad_norm = grad_norm.float()
+        record = StepRecord(step=self.step, epoch=self.epoch, loss=loss_sum, scale=scale,
+                            skipped=found_inf if found_inf is not None else False,
+                            grad_norm=grad_norm, lr=lr, time_s=elapsed,
+                            peak_memory_bytes=(torch.cuda.memory_stats_as_nested_dict(self.device)
+                                               ["allocated_bytes"]["all"]["peak"]
+                                               if self._track_memory else None),
+                            skip_cause=cause)
+        self.step += 1
+        self.history.append(record)
+        for h in self._after_step:
+            h.after_step(self, record)
+        return record
+
+    def _kernels(self, micro_batches, cache_enabled: bool = True):
+        """The step's device work: forward, backward, unscale, clip, step, update, zero_grad.
+        Returns (loss, grad_norm, skipped flag, scale used, skip cause), tensors not read."""
+        n = len(micro_batches)
+        cfg, model, opt, scaler = self._config, self.model, self.optimizer, self.scaler
+        scaling, guard, policy, device = self._scaling, self._guard, self._policy, self.device
+        half = self._half  # fp16/bf16 leave the TF32 switches alone: no context to enter
+        with (precision_settings(cfg.precision, device) if half is None else _NO_CONTEXT):
             if guard is not None:
                 guard.snapshot()
             loss_sum = None
             for i, (x, y) in enumerate(micro_batches):
                 x, y = self._to_device(x, y)
-                with autocast_for(cfg.precision, self.device.type):
+                with (_NO_CONTEXT if half is None else
+                      torch.autocast(device.type, dtype=half, cache_enabled=cache_enabled)):
                     loss = self.loss_fn(model(x), y)
                     if n > 1:
                         loss = loss / n
@@ -677,7 +725,6 @@ class Trainer:
                         grad_norm = _total_norm([p.grad for p in self._params
                                                  if p.grad is not None])
                     torch.nn.utils.clip_grad_value_(self._params, cfg.clip_value)
-            lr = opt.param_groups[0]["lr"]
             found_inf, scale, cause = None, 1.0, None
             if scaling:  # the scale this step used, before update() changes it in place
                 cause = SKIPPED_BY_SCALER
@@ -714,33 +761,54 @@ class Trainer:
                     self._step_unless(flag)
             opt.zero_grad(set_to_none=True)
 
-        if self.scheduler is not None:
-            if found_inf is None or not bool(found_inf.item()):  # the one sync, only with both
-                self.scheduler.step()
+        return loss_sum, grad_norm, found_inf, scale, cause
 
-        if cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            elapsed = (start, end)
-        else:
-            elapsed = time.perf_counter() - t0
-        if loss_sum.dtype != torch.float32:
-            loss_sum = loss_sum.float()
-        if grad_norm is not None and grad_norm.dtype != torch.float32:
-            grad_norm = grad_norm.float()
-        record = StepRecord(step=self.step, epoch=self.epoch, loss=loss_sum, scale=scale,
-                            skipped=found_inf if found_inf is not None else False,
-                            grad_norm=grad_norm, lr=lr, time_s=elapsed,
-                            peak_memory_bytes=(torch.cuda.memory_stats_as_nested_dict(self.device)
-                                               ["allocated_bytes"]["all"]["peak"]
-                                               if self._track_memory else None),
-                            skip_cause=cause)
-        self.step += 1
-        self.history.append(record)
-        for h in self._after_step:
-            h.after_step(self, record)
-        return record
+    def capture(self, x: torch.Tensor, y: torch.Tensor, warmup: int = 3) -> Callable:
+        """Opt-in: capture the whole step in one CUDA graph; returns ``step(x, y) -> StepRecord``.
 
+        For static shapes on CUDA: each call copies ``x, y`` into the graph's input tensors (no
+        copy when they are those tensors) and replays every kernel of the step with one launch,
+        so the host's Python and launch costs vanish (benchmarks/NOTES.md: it beats the hand loop
+        on small steps). Records, history and the step counter are kept as by ``train_step``.
+        ``warmup`` ordinary steps on ``(x, y)`` run first (on a side stream, as PyTorch's
+        CUDA-graph recipe does), so lazily made state exists; they train and are recorded.
+
+        ValueError unless: the device is CUDA; ``accumulate == 1``; no hooks and no scheduler
+        (both need the host between kernels); under fp16 the optimizer is fused (GradScaler
+        steps other optimizers from the host); ``nonfinite`` is not "raise". The learning rate,
+        clip settings and scaler knobs are frozen into the graph: capture again after changing
+        them.
+        """
+        cfg = self._config
+        problems = []
+        if self.device.type != "cuda":
+            problems.append(f"a CUDA device (this trainer runs on {self.device.type})")
+        if cfg.accumulate != 1:
+            problems.append(f"accumulate == 1 (got {cfg.accumulate})")
+        if self.hooks or self.scheduler is not None:
+            problems.append("no hooks and no scheduler")
+        if self._scaling and not self._fused_skip:
+            problems.append("a fused optimizer under fp16 (e.g. SGD(..., fused=True))")
+        if self._policy == "raise":
+            problems.append("nonfinite 'skip' or 'ignore', not 'raise'")
+        if problems:
+            raise ValueError(f"capture needs {'; '.join(problems)}")
+        check_int("warmup", warmup, 1)
+        static_x = x.to(self.device).clone()
+        static_y = y.to(self.device).clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self.train_step([(static_x, static_y)])
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = self._kernels([(static_x, static_y)], cache_enabled=False)
+        if not self.model.training:
+            self.model.train()
+        return _GraphedStep(self, graph, static_x, static_y, outs)
     # -- epochs ---------------------------------------------------------------------------------
 
     def fit(self, loader, epochs: int = 1, max_steps: Optional[int] = None,
@@ -960,6 +1028,33 @@ class Trainer:
             check_rng_state(state["rng"])
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise CheckpointError(f"history or rng: damaged ({exc})") from None
+
+
+class _GraphedStep:
+    """What ``Trainer.capture`` returns: ``step(x, y) -> StepRecord`` replaying one CUDA graph."""
+
+    def __init__(self, trainer: Trainer, graph, x: torch.Tensor, y: torch.Tensor, outs: tuple):
+        self.trainer, self.graph, self.x, self.y = trainer, graph, x, y
+        self.loss, self.grad_norm, self.found_inf, self.scale, self.cause = outs
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> StepRecord:
+        trainer = self.trainer
+        if x is not self.x:
+            self.x.copy_(x, non_blocking=True)
+        if y is not self.y:
+            self.y.copy_(y, non_blocking=True)
+        if trainer._track_memory:
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        copy = [None if t is None or not isinstance(t, torch.Tensor) else t.clone()
+                for t in (self.loss, self.grad_norm, self.found_inf, self.scale)]
+        return trainer._record(copy[0], copy[1], copy[2],
+                               copy[3] if copy[3] is not None else self.scale, self.cause,
+                               trainer.optimizer.param_groups[0]["lr"], (start, end))
 
 
 # --- checks used before anything is loaded ------------------------------------------------------

@@ -886,3 +886,18 @@ def test_trainer_launches_few_ops_beyond_the_hand_loop(precision):
     if precision != "fp16":  # the non-finite check: a few ops, not one per parameter
         skip = _ops_per_step(trainer(track_grad_norm=False, track_memory=False))
         assert skip - lean <= 20, (lean, skip)
+
+
+def test_capture_says_everything_it_needs():
+    model, opt = fresh()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", accumulate=2,
+                                                  progress=False, nonfinite="raise"),
+                        scheduler=sched, hooks=[Inject({0})])
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match=r"capture needs a CUDA device \(this trainer runs on "
+                                         r"cpu\); accumulate == 1 \(got 2\); no hooks and no "
+                                         r"scheduler; a fused optimizer under fp16"):
+        trainer.capture(x, y)
+    with pytest.raises(ValueError, match="nonfinite 'skip' or 'ignore', not 'raise'"):
+        T.Trainer(*fresh(), T.TrainConfig(progress=False, nonfinite="raise")).capture(x, y)

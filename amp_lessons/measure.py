@@ -16,6 +16,7 @@ import math
 import platform
 import statistics
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
@@ -464,18 +465,12 @@ def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5
 def interval_union(intervals: Iterable[Sequence[float]]) -> float:
     """Total length covered by ``(start, end)`` intervals, overlaps counted once (kernels on
     several streams, or nested events, must not count their shared time twice)."""
-    total, cur_start, cur_end = 0.0, None, None
+    total, reach = 0.0, -math.inf  # reach: the end of everything counted so far
     for start, end in sorted((float(a), float(b)) for a, b in intervals):
         if end < start:
             raise ValueError(f"intervals must have end >= start; got ({start}, {end})")
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
     return total
 
 
@@ -495,13 +490,14 @@ def device_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device=None
     if activity == "cuda" and device.type != "cuda":
         return None
     kind = {"cuda": ProfilerActivity.CUDA, "cpu": ProfilerActivity.CPU}[activity]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    with profile(activities=[kind]) as prof:
-        for _ in range(steps):
-            step(x, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d: None)
+    sync(device)
+    with warnings.catch_warnings():  # one profiling cycle: its "clears events" notice is moot
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=[kind]) as prof:
+            for _ in range(steps):
+                step(x, y)
+            sync(device)
     wanted = "CUDA" if activity == "cuda" else "CPU"
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
              if getattr(e.device_type, "name", str(e.device_type)).upper().endswith(wanted)]
@@ -682,18 +678,19 @@ DEFAULT_COLUMNS = (("label", "configuration"), ("img_per_s", "img/s"),
 
 
 def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -> List[Dict[str, object]]:
-    """Rows keyed by column heading, for ``report.publish`` (the README's results section).
-
-    Same columns (``(key, heading[, format])``) and status text as ``tables.text_table``;
-    numbers stay numbers.
-    """
-    columns = [(c[0], c[1]) for c in columns if any(c[0] in r for r in rows)]
+    """Rows keyed by column heading, for ``report.publish`` (the README's results section): the
+    columns and status text of ``tables.text_table``; numbers stay numbers, except in a column
+    with a format function (a share: ``"0.61%"``, never rounded to zero), which gives its text."""
+    columns = [c for c in columns if any(c[0] in r for r in rows)]
     if not columns:
         raise ValueError("columns must name at least one key present in the rows")
-    def cell(r, k):
-        v = r.get(k)
-        return f"{v}: {r['reason']}" if k == "status" and v != "ok" and r.get("reason") else v
-    return [{h: cell(r, k) for k, h in columns} for r in rows]
+
+    def cell(r, c):
+        v = r.get(c[0])
+        if c[0] == "status" and v != "ok" and r.get("reason"):
+            return f"{v}: {r['reason']}"
+        return c[2](v) if len(c) > 2 and callable(c[2]) and v is not None else v
+    return [{c[1]: cell(r, c) for c in columns} for r in rows]
 
 
 # --- batch size, rows, results -----------------------------------------------------------------

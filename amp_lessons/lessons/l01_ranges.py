@@ -125,7 +125,12 @@ def decide_r1(checks: Sequence[RangeCheck], device_type: str = "cpu") -> claims.
         f"{c.measured['smallest_positive']:.6g}, smallest normal "
         f"{c.measured['smallest_normal']:.6g}, max {c.measured['max']:.6g}" for c in checks)
     held = all(c.holds for c in checks)
-    why = " ".join(f"{c.fmt}: {c.sentence()}" for c in checks)
+    why = "; ".join(
+        f"{c.fmt}: {c.claimed_low} is {'the ' + c.low_is if c.low_is != 'neither' else 'no limit'}"
+        f", {c.claimed_high} {'is' if c.high_holds else 'is not'} the largest finite value"
+        for c in checks)
+    if held and any(c.low_is == "smallest subnormal" for c in checks):
+        why += " (the low ends are subnormal minima: full precision stops at the smallest normal)"
     numbers = {c.fmt: dict(c.measured) for c in checks}
     return claims.decide("R1", LESSON, measured, held, why, numbers)
 

@@ -33,6 +33,7 @@ WORLD_SIZES = (1, 2, 4, 8)
 # --- checks -------------------------------------------------------------------------------------
 
 def cpu_count() -> int:
+    """CPU cores this process may use (its affinity on Linux), at least 1."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -138,6 +139,9 @@ def free_port() -> int:
 
 def init_rank(rank: int, world_size: int, local_rank: int, backend: str, init_method: str,
                timeout_s: float) -> RankContext:
+    """Join this process to the default process group (``init_method``: ``tcp://`` or
+    ``env://``): NCCL with its own GPU ``local_rank``, or gloo with a fair share of the CPU
+    threads. Used by ``launch`` and by the torchrun entry point."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
     if backend == "nccl":
         torch.cuda.set_device(local_rank)

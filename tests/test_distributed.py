@@ -146,6 +146,19 @@ def test_launch_refuses_bad_requests_before_starting_processes():
         D.run_experiments([("ddp", 2)])
 
 
+def test_init_rank_joins_a_one_process_group():
+    assert D.cpu_count() == D.device_slots("gloo") >= 1
+    threads = torch.get_num_threads()
+    ctx = D.init_rank(0, 1, 0, "gloo", f"tcp://127.0.0.1:{D.free_port()}", 30.0)
+    try:
+        assert ctx == D.RankContext(0, 1, 0, "gloo", torch.device("cpu"))
+        assert ctx.device_type == "cpu" and torch.distributed.get_world_size() == 1
+        D.barrier(ctx)
+    finally:
+        torch.distributed.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
 def test_grid_orders_by_world_size():
     a, b = RunConfig(label="a"), RunConfig(label="b")
     assert D.grid([a, b], [1, 2]) == [(a, 1), (b, 1), (a, 2), (b, 2)]

@@ -258,6 +258,14 @@ def test_claim_r10_verdicts():
     assert all(isinstance(r, claims.Verdict) and r.lesson == "05" for r in rows)
     assert rows[0].held is True
     assert "1 of 1" in rows[0].why and "memory saved 78%: more than" in rows[0].why
+    # a cheaper checkpointing that fits the same batch is a tie, not a loss (seen on an H200)
+    tie = cards + [{"card_gb": 8, "technique": "AMP + checkpointing stem+layer1-2",
+                    "largest_batch": 430, "status": "ok"}]
+    assert L.claim_r10(tie, techniques)[0].held is True
+    bigger = cards + [{"card_gb": 8, "technique": "AMP + checkpointing stem+layer1-2",
+                       "largest_batch": 450, "status": "ok"}]
+    lost = L.claim_r10(bigger, techniques)[0]
+    assert lost.held is False and "0 of 1" in lost.why and "stem+layer1-2 larger" in lost.why
     assert "8 GB: fp32 90" in rows[0].measured
     assert rows[1].held is True
     assert "memory saved 45%: within the claimed 40-50%" in rows[1].why

@@ -831,11 +831,14 @@ def claim_r10(card_rows: Sequence[Dict[str, object]],
             "R10a", LESSON, f"no simulated card under {small_card_gb:g} GB, or no fp32 and "
                             f"{amp_ckpt} rows", "nothing to compare"))
     else:
-        best = [max(b, key=b.get) for b in (batches(c) for c in small) if b]
-        wins = sum(1 for t in best if t == amp_ckpt)
-        others = sorted({t for t in best if t != amp_ckpt})
-        pick = (f"{amp_ckpt} fit the largest batch on {wins} of {len(best)} such cards"
-                + (f" ({', '.join(others)} on the rest)" if others else ""))
+        per_card = [b for b in (batches(c) for c in small) if b]
+        # a tie counts: the recommendation fits as large a batch as anything measured
+        wins = sum(1 for b in per_card if b.get(amp_ckpt, -1) == max(b.values()))
+        others = sorted({max(b, key=b.get) for b in per_card
+                         if b.get(amp_ckpt, -1) < max(b.values())})
+        best = per_card
+        pick = (f"{amp_ckpt} fit the largest batch (ties included) on {wins} of {len(best)} "
+                f"such cards" + (f" ({', '.join(others)} larger on the rest)" if others else ""))
         out.append(claims.decide(
             "R10a", LESSON,
             "; ".join(describe(c) for c in small)

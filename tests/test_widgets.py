@@ -18,6 +18,7 @@ import pytest
 from amp_lessons import formats as F
 from amp_lessons.trainer import ScalerSettings
 from amp_lessons.ui import plots
+from amp_lessons.ui import controls as C
 from amp_lessons.ui import widgets as W
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -97,89 +98,7 @@ def panel(mode="widget", **kw):
                          figure_mode=mode, **kw)
 
 
-# ---- figure modes and the one live-figure mechanism ----------------------------------------------
-
-def test_figure_mode_auto_follows_anywidget(monkeypatch):
-    assert W.resolve_figure_mode("widget") == "widget"
-    assert W.resolve_figure_mode("output") == "output"
-    monkeypatch.setattr(W, "figure_widget_available", lambda: False)
-    assert W.resolve_figure_mode("auto") == "output"
-    monkeypatch.setattr(W, "figure_widget_available", lambda: True)
-    assert W.resolve_figure_mode("auto") == "widget"
-    with pytest.raises(ValueError, match="figure mode"):
-        W.resolve_figure_mode("svg")
-
-
-def test_figure_widget_available_here_matches_imports():
-    import importlib.util
-
-    import plotly
-    expected = (int(plotly.__version__.split(".")[0]) >= 6
-                and importlib.util.find_spec("anywidget") is not None)
-    assert W.figure_widget_available() == expected
-
-
-@pytest.mark.parametrize("mode", ["widget", "output"])
-def test_live_figure_updates(mode):
-    if mode == "widget" and not W.figure_widget_available():
-        pytest.skip("FigureWidget needs plotly >= 6 and anywidget")
-    live = W.LiveFigure(plots.scale_and_loss([0], [4.0], [False], [1.0]), mode, css_class="amp-x")
-    assert "amp-x" in classes(live.widget)
-    before = live.redraws
-    live.update(lambda fig: plots.update_scale_and_loss(fig, [0, 1], [4.0, 2.0], [True, False],
-                                                       [1.0, 0.5]))
-    assert list(live.figure.data[0].y) == [2.0, 1.0]  # log2 of the scales
-    assert list(live.figure.data[1].x) == [0]         # the skipped step
-    if mode == "widget":
-        assert isinstance(live.widget, go.FigureWidget) and live.live
-    else:
-        assert live.redraws == before + 1 and not live.live
-        (out,) = live.widget.outputs
-        assert list(out["data"][PLOTLY_MIME]["data"][0]["y"]) == [2.0, 1.0]
-
-
-def test_output_redraws_leave_one_output_with_no_script(monkeypatch):
-    """Under the notebook_connected renderer, each redraw used to leave a <script> output."""
-    live = W.LiveFigure(plots.scale_and_loss([0], [4.0], [False], [1.0]), "output")
-    for k in range(5):
-        live.update(lambda fig: plots.update_scale_and_loss(fig, [0], [2.0 ** k], [False], [1.0]))
-    assert len(live.widget.outputs) == 1
-    data = live.widget.outputs[0]["data"]
-    assert set(data) == {PLOTLY_MIME, "text/plain"} and "<script" not in json.dumps(data)
-    json.dumps(live.widget.outputs)  # plain JSON: no numpy arrays left in it
-    # on Colab the renderer's own bundle (its HTML) is what shows
-    monkeypatch.setattr(pio.renderers, "default", "colab")
-    assert "text/html" in W.figure_bundle(live.figure)
-
-
-# ---- parse_number and the bit explorer ------------------------------------------------------------
-
-@pytest.mark.parametrize("text,value", [("0.1", 0.1), ("-1e-8", -1e-8), ("65504", 65504.0),
-                                        ("2**-24", 2.0**-24), ("2^-24", 2.0**-24), ("1/4", 0.25),
-                                        (" -(2**-14 - 2**-24) ", -(2.0**-14 - 2.0**-24)),
-                                        ("inf", math.inf), ("-inf", -math.inf)])
-def test_parse_number(text, value):
-    assert W.parse_number(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "2**", "abc", "__import__('os')", "1/0", "2**10000",
-                                  "[1]", "True", "9**9**9"])
-def test_parse_number_rejects(text):
-    with pytest.raises(ValueError, match="value must be a number such as"):
-        W.parse_number(text)
-
-
-@pytest.mark.parametrize("text", ["1+" * 5000 + "1", "-" * 3000 + "1", "(" * 150 + "1" + ")" * 150,
-                                  "2**" * 60 + "1", "1" * 100_000])
-def test_parse_number_long_or_deep_is_a_value_error(text):
-    """These raised RecursionError (or hung in the parser) before the length and depth bounds."""
-    with pytest.raises(ValueError, match="value must be a number such as"):
-        W.parse_number(text)
-
-
-def test_parse_number_nan():
-    assert math.isnan(W.parse_number("nan"))
-
+# ---- the bit explorer -----------------------------------------------------------------------
 
 def test_bit_explorer_typing_updates_the_table_and_slider():
     ex = W.bit_explorer(0.1)
@@ -198,7 +117,7 @@ def test_bit_explorer_typing_updates_the_table_and_slider():
 def test_bit_explorer_slider_and_sign_write_the_text():
     ex = W.bit_explorer(1.0)
     ex.slider.value = 2.0**-10
-    assert W.parse_number(ex.text.value) == 2.0**-10
+    assert C.parse_number(ex.text.value) == 2.0**-10
     assert "0x1400" in ex.table.value                                 # 2^-10 in fp16
     ex.negative.value = True
     assert ex.text.value.startswith("-") and ex.value < 0
@@ -209,7 +128,7 @@ def test_bit_explorer_slider_ends_are_exact_powers_of_two(k):
     ex = W.bit_explorer(3.0)
     ex.slider.value = 2.0 ** k
     assert ex.value == 2.0 ** k                    # 2^20 read 1048580.0 with "%.6g"
-    assert W.parse_number(ex.text.value) == 2.0 ** k
+    assert C.parse_number(ex.text.value) == 2.0 ** k
     assert F.decode(ex.value, "fp32").mantissa_bits == "0" * 23   # no stray mantissa bit
     assert W.slider_text(2.0 ** 20, False, 0.05) == "1048576.0"
 
@@ -251,7 +170,7 @@ def test_bit_explorer_ignores_the_browser_snapping_the_slider():
 
 @pytest.mark.parametrize("mode", ["widget", "output"])
 def test_loss_scale_explorer_follows_the_figure_rule(mode):
-    if mode == "widget" and not W.figure_widget_available():
+    if mode == "widget" and not C.figure_widget_available():
         pytest.skip("FigureWidget needs plotly >= 6 and anywidget")
     ex = W.loss_scale_explorer(GRADS, k=0, figure_mode=mode)
     assert ex.live.mode == mode
@@ -268,7 +187,7 @@ def test_loss_scale_explorer_follows_the_figure_rule(mode):
 
 
 def test_loss_scale_explorer_auto_without_anywidget_uses_output(monkeypatch):
-    monkeypatch.setattr(W, "figure_widget_available", lambda: False)
+    monkeypatch.setattr(C, "figure_widget_available", lambda: False)
     ex = W.loss_scale_explorer(GRADS, k=4)
     assert ex.live.mode == "output" and isinstance(ex.figure, go.Figure)
     ex.slider.value = 20
@@ -300,39 +219,6 @@ def test_loss_scale_explorer_bad_settings(kwargs, match):
         W.loss_scale_explorer(**args)
 
 
-# ---- fields that take what a learner types --------------------------------------------------------
-
-@pytest.mark.parametrize("typed,value", [("2000", 2000), ("1e3", 1000), ("2**10", 1024),
-                                         (" 7 ", 7)])
-def test_integer_field_accepts_what_a_learner_types(typed, value):
-    f = W.NumberField("growth_interval", 2000, 1, 1_000_000, integer=True)
-    f.text.value = typed
-    assert f.value == value and f.valid and f.message.value == ""
-
-
-@pytest.mark.parametrize("typed", ["2.5", "12.7", "0", "2000000", "-3", "abc", "1e9"])
-def test_integer_field_refuses_with_a_message_never_clamps_or_drops(typed):
-    f = W.NumberField("growth_interval", 2000, 1, 1_000_000, integer=True)
-    f.text.value = typed
-    assert not f.valid and f.text.value == typed          # kept as typed: no "25" from "2.5"
-    assert "growth_interval must be a whole number in [1, 1e+06]" in f.message.value
-    with pytest.raises(ValueError, match="growth_interval must be a whole number"):
-        f.value
-
-
-def test_float_field_and_slider_field():
-    s = W.SliderField(__import__("ipywidgets").FloatSlider(value=2.0, min=1.05, max=8.0,
-                                                          step=0.05),
-                      "growth_factor", css_class="amp-g")
-    assert s.slider.readout is False and "amp-g" in classes(s.slider)
-    s.field.text.value = "2.5"
-    assert s.value == 2.5 and s.field.message.value == ""
-    s.field.text.value = "10"                     # above max: said, and the slider stays
-    assert s.value == 2.5 and "growth_factor must be a number in [1.05, 8]" in s.field.message.value
-    s.value = 4.0
-    assert s.field.text.value == "4" and s.field.valid
-
-
 # ---- the scaler panel -----------------------------------------------------------------------------
 
 def test_scaler_panel_controls_have_css_classes():
@@ -351,7 +237,7 @@ def test_scaler_panel_controls_have_css_classes():
 
 @pytest.mark.parametrize("mode", ["widget", "output"])
 def test_run_button_runs_and_updates_chart_and_summary(mode):
-    if mode == "widget" and not W.figure_widget_available():
+    if mode == "widget" and not C.figure_widget_available():
         pytest.skip("FigureWidget needs plotly >= 6 and anywidget")
     p = panel(mode)
     title = p.live.figure.layout.title.text
@@ -486,7 +372,7 @@ def _mags():
 
 @pytest.mark.parametrize("mode", ["widget", "output"])
 def test_histogram_slider_moves_fractions_and_figure(mode):
-    if mode == "widget" and not W.figure_widget_available():
+    if mode == "widget" and not C.figure_widget_available():
         pytest.skip("FigureWidget needs plotly >= 6 and anywidget")
     p = W.HistogramPanel(_mags(), scale_log2=0, figure_mode=mode)
     assert "amp-hist-scale" in classes(p.scale.slider) and "amp-hist-table" in classes(p.table)
@@ -519,7 +405,7 @@ def _preset_run(name, settings, steps, rate):
 
 @pytest.mark.parametrize("mode", ["widget", "output"])
 def test_preset_panel_draws_every_ticked_preset(mode):
-    if mode == "widget" and not W.figure_widget_available():
+    if mode == "widget" and not C.figure_widget_available():
         pytest.skip("FigureWidget needs plotly >= 6 and anywidget")
     presets = {"a": ScalerSettings(), "b": ScalerSettings(init_scale=2.0 ** 22),
                "c": ScalerSettings(init_scale=2.0)}
@@ -551,10 +437,12 @@ def test_preset_panel_failure_is_shown(background):
 
 # ---- the rules of the ui layer --------------------------------------------------------------------
 
-def test_widgets_has_one_import_block_and_knows_no_lesson():
+@pytest.mark.parametrize("module", [W, C], ids=["widgets", "controls"])
+def test_ui_modules_have_one_import_block_and_know_no_lesson(module):
     import inspect
-    src = inspect.getsource(W)
-    body = src[src.index("FIGURE_MODES ="):]
+    src = inspect.getsource(module)
+    first_code = re.search(r"^(?!from |import |\s|$|#|\)|\"\"\")", src[src.index('"""', 3) + 3:], re.M)
+    body = src[src.index('"""', 3) + 3:][first_code.start():]
     assert not re.search(r"^(import|from) ", body, re.M), "imports only at the top"
     assert "lessons" not in re.findall(r"^from \.\.(\w+)", src, re.M)
     assert not re.search(r"\b(claim_|[RB]\d+[a-d]?\b)", src)

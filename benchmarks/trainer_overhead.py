@@ -296,21 +296,31 @@ def main(argv=None):
         args.rounds, args.steps, args.check_steps = 2, 3, 3
     t0 = time.perf_counter()
     rows, checks = [], {}
+
+    def document():
+        return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "python": sys.version.split()[0],
+                "timer": "wall clock per step over a synchronised round; median over rounds",
+                "seconds": round(time.perf_counter() - t0, 1), "rows": rows,
+                "skip_checks": checks}
+
+    def write():  # after each part, so a run cut short still leaves what it measured
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(document(), indent=1))
+
     for network in args.networks:
         try:
             rows += run_network(network, args, device, quick)
         except Exception as exc:  # noqa: BLE001 - keep what the other network measured
             print(f"{network}: failed: {type(exc).__name__}: {exc}", flush=True)
+        write()
     if device.type == "cuda":
-        checks = skip_checks(device)
-    doc = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "python": sys.version.split()[0],
-           "timer": "wall clock per step over a synchronised round; median over rounds",
-           "seconds": round(time.perf_counter() - t0, 1), "rows": rows, "skip_checks": checks}
+        checks.update(skip_checks(device))
+    write()
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.json}")
+    doc = document()
     return doc
 
 

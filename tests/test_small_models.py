@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from amp_lessons import models
-from amp_lessons.trainer import DIGITS_MODELS, build_digits_model
+from amp_lessons.models import DIGITS_MODELS, build_digits_model
 
 
 def test_simplenet_is_one_linear_layer():

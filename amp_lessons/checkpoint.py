@@ -13,6 +13,7 @@ removes the ones left by processes of this host that no longer run (never one of
 """
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import os
@@ -26,6 +27,8 @@ from typing import Any, List, Union
 
 import numpy as np
 import torch
+
+from ._validate import is_real
 
 TRAILER_PREFIX = b"\n#amp-lessons sha256="
 TRAILER_SIZE = len(TRAILER_PREFIX) + 64 + 1
@@ -227,6 +230,99 @@ def read_verified(path: Union[str, Path], map_location="cpu") -> Any:
     if not verified and isinstance(obj, dict) and obj.get(CHECKSUM_KEY):
         raise CheckpointError(f"{path}: corrupted: its checksum trailer is damaged or missing")
     return obj
+
+
+# --- does a saved state fit the live objects? ------------------------------------------------
+
+def check_model_state(saved, model: torch.nn.Module) -> None:
+    """CheckpointError unless ``saved`` has exactly ``model``'s keys, shapes and dtypes."""
+    live = model.state_dict()
+    if not isinstance(saved, dict):
+        raise CheckpointError("model: not a state dict")
+    missing = [k for k in live if k not in saved]
+    extra = [k for k in saved if k not in live]
+    if missing or extra:
+        raise CheckpointError(f"model: another model (missing keys: {missing[:4]}, unexpected "
+                              f"keys: {extra[:4]})")
+    for k, v in live.items():
+        s = saved[k]
+        if not isinstance(s, torch.Tensor) or s.shape != v.shape or s.dtype != v.dtype:
+            got = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
+                   else type(s).__name__)
+            raise CheckpointError(f"model: {k} is {got} in the checkpoint but "
+                                  f"{tuple(v.shape)} {v.dtype} in this model")
+
+
+# state entries that have their parameter's shape, in torch's optimizers
+_PARAM_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                       "square_avg", "grad_avg", "acc_delta", "sum", "ax", "prev", "mu_product")
+
+
+def check_optimizer_state(saved, optimizer: torch.optim.Optimizer) -> None:
+    """Load into a shallow copy of ``optimizer`` (the live one is not touched), then compare
+    state shapes with the parameters."""
+    shadow = copy.copy(optimizer)
+    try:
+        shadow.load_state_dict(saved)
+    except Exception as exc:  # noqa: BLE001 - torch raises ValueError, KeyError, TypeError...
+        raise CheckpointError(f"optimizer: does not fit this optimizer ({exc})") from None
+    for p, entry in shadow.state.items():
+        for key in _PARAM_SHAPED_STATE:
+            v = entry.get(key) if isinstance(entry, dict) else None
+            if isinstance(v, torch.Tensor) and v.shape != p.shape:
+                raise CheckpointError(f"optimizer: {key} of shape {tuple(v.shape)} for a "
+                                      f"parameter of shape {tuple(p.shape)}")
+
+
+def check_training_state(state, model, optimizer, scaler, scheduler, formats) -> None:
+    """CheckpointError unless ``state`` (``Trainer.state_dict()``, one of ``formats``) can be
+    loaded whole into these live objects (``scaler`` None: the scaler is not loaded). Nothing
+    live is changed: the optimizer state is tried on a shallow copy."""
+    if not isinstance(state, dict) or state.get("format") not in formats:
+        if isinstance(state, dict) and state and all(
+                isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError("holds a plain state dict (torch.save(model.state_dict())?), "
+                                  "not a training checkpoint written by "
+                                  "Trainer.save_checkpoint; load it with "
+                                  "model.load_state_dict(torch.load(...))")
+        raise CheckpointError(f"not a checkpoint written by Trainer.save_checkpoint "
+                              f"({formats[-1]})")
+    needed = ("model", "optimizer", "scaler", "scheduler", "step", "epoch", "batches_done",
+              "history", "rng")
+    missing = [k for k in needed if k not in state]
+    if missing:
+        raise CheckpointError(f"incomplete checkpoint: no {', '.join(missing)}")
+    check_model_state(state["model"], model)
+    kind = state.get("optimizer_class")
+    if kind is not None and kind != type(optimizer).__name__:
+        raise CheckpointError(f"optimizer: the checkpoint holds {kind} state but this "
+                              f"Trainer's optimizer is {type(optimizer).__name__}")
+    check_optimizer_state(state["optimizer"], optimizer)
+    if scaler is not None and state["scaler"] and scaler.is_enabled():
+        saved = state["scaler"]
+        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval")
+        if not isinstance(saved, dict) or not all(is_real(saved.get(k)) for k in keys):
+            raise CheckpointError(f"scaler: not a GradScaler state (needs {', '.join(keys)})")
+    if state["scheduler"] is not None and scheduler is None:
+        raise CheckpointError("scheduler: the checkpoint holds a scheduler state but this "
+                              "Trainer has no scheduler; pass the same kind of scheduler")
+    if scheduler is not None and state["scheduler"] is not None:
+        saved, live = state["scheduler"], scheduler.state_dict()
+        if not isinstance(saved, dict) or set(saved) != set(live):
+            raise CheckpointError(f"scheduler: the checkpoint holds another kind of scheduler "
+                                  f"than this Trainer's {type(scheduler).__name__}")
+    for key in ("step", "epoch", "batches_done"):
+        value = state[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{key}: must be a whole number >= 0; got {value!r}")
+    try:
+        history = state["history"]
+        steps = history["steps"]
+        if len({len(v) for v in steps.values()}) > 1 or not isinstance(history["epochs"], list):
+            raise ValueError("columns of different lengths")
+        check_rng_state(state["rng"])
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise CheckpointError(f"history or rng: damaged ({exc})") from None
 
 
 # --- random generators ---------------------------------------------------------------------------

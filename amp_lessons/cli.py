@@ -239,8 +239,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a digits model at one precision (lesson 02)",
                        description="Train on scikit-learn's digits with the course's trainer and "
                                    "print time per epoch, peak memory and test accuracy. Run it "
-                                   "with --precision fp32 and with --precision amp for the "
-                                   "comparison of article B's train.py (claim B2).")
+                                   "with --precision fp32 and with --precision amp to compare "
+                                   "them, as lesson 02 does.")
     p.add_argument("--precision", choices=list(PRECISIONS) + ["amp"], default="fp32",
                    help="fp32 (TF32 off), tf32, fp16 = amp (autocast + GradScaler), bf16")
     p.add_argument("--model", choices=DIGITS_MODELS, default="cnn", help="default: cnn")

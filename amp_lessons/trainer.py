@@ -30,20 +30,19 @@ sync; ``"raise"`` stops with ``NonFiniteError`` naming the step (one host sync p
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._skipsafe import BatchNormGuard, UpdateGuard, fused_sgd_groups, prime_momentum_buffers
 from ._validate import check_bool, check_choice, check_int, check_positive, is_real
-from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_rng_state, read_verified, rng_state,
-                         set_rng_state)
+from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_training_state,
+                         read_verified, rng_state, set_rng_state)
 from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
                         autocast_for, check_precision, normalize_precision, precision_settings)
 from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
@@ -225,104 +224,6 @@ def _overrides(hooks: Sequence[Hooks], name: str) -> list:
     return [h for h in hooks if getattr(type(h), name, base) is not base]
 
 
-# --- skip-safe state: BatchNorm buffers, parameters and optimizer state -------------------------
-
-class _Snapshot:
-    """Copies of a list of tensors, put back where a 0-dim flag is set, without a host sync.
-
-    The copies live in one flat tensor per (device, dtype); ``restore_if`` gathers the current
-    values into a second flat tensor, ``torch.where(flag, saved, current)`` on it and copies
-    back: a handful of kernels whatever the number of tensors. Layouts (channels_last) are kept.
-    """
-
-    def __init__(self):
-        self._tensors: list = []
-        self._groups: list = []  # (tensors, saved, current, saved_views, current_views)
-
-    def _rebuild(self, tensors: list) -> None:
-        self._tensors = tensors
-        grouped: Dict[tuple, list] = {}
-        for t in tensors:
-            grouped.setdefault((t.device, t.dtype), []).append(t)
-        self._groups = []
-        for ts in grouped.values():
-            sizes = [t.numel() for t in ts]
-            saved = torch.empty(sum(sizes), dtype=ts[0].dtype, device=ts[0].device)
-            current = torch.empty_like(saved)
-            self._groups.append((ts, saved, current,
-                                 [v.view(t.shape) for v, t in zip(saved.split(sizes), ts)],
-                                 [v.view(t.shape) for v, t in zip(current.split(sizes), ts)]))
-
-    def take(self, tensors: list) -> None:
-        """Copy ``tensors`` aside (the buffers are reused while the list stays the same)."""
-        if len(tensors) != len(self._tensors) or any(
-                a is not b for a, b in zip(tensors, self._tensors)):
-            self._rebuild(tensors)
-        for ts, _, _, saved_views, _ in self._groups:
-            torch._foreach_copy_(saved_views, ts)
-
-    def restore_if(self, skipped: torch.Tensor) -> None:
-        """Where ``skipped`` (a 0-dim tensor, nonzero = skipped) is set, put the copies back."""
-        if not self._groups:
-            return
-        flag = skipped > 0
-        for ts, saved, current, _, current_views in self._groups:
-            torch._foreach_copy_(current_views, ts)
-            torch.where(flag.to(current.device, non_blocking=True), saved, current, out=current)
-            torch._foreach_copy_(ts, current_views)
-
-
-class _BatchNormGuard(_Snapshot):
-    """Snapshot BatchNorm buffers before a step; put them back if the step was skipped.
-
-    The trainer calls ``restore_if`` before ``scaler.step``, whose host sync would otherwise leave
-    the GPU idle while these kernels are launched. The snapshot is taken at every step: tensor
-    version counters cannot tell whether something changed the buffers in between (BatchNorm's
-    own kernels and ``.data`` writes leave ``running_mean``'s counter alone). A model without
-    BatchNorm gets no guard at all (no kernels).
-    """
-
-    _NAMES = ("running_mean", "running_var", "num_batches_tracked")
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.modules = [m for m in model.modules()
-                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-
-    def snapshot(self) -> None:
-        """Copy the buffers aside (call before the step's first forward)."""
-        self.take([b for m in self.modules for b in (m._buffers.get(k) for k in self._NAMES)
-                   if b is not None])
-
-
-class _UpdateGuard(_Snapshot):
-    """Undo an optimizer step on the device: parameters and optimizer state are copied before
-    ``optimizer.step()`` and put back where the step's non-finite flag is set (the non-fused path
-    of ``nonfinite="skip"``)."""
-
-    def __init__(self, params: List[torch.Tensor], optimizer: torch.optim.Optimizer):
-        super().__init__()
-        self.params, self.optimizer = params, optimizer
-
-    def tensors(self) -> Optional[list]:
-        """Parameters with a gradient and their optimizer-state tensors; None when some state is
-        missing or lives on another device (then only a host-side decision is exact)."""
-        out = []
-        for p in self.params:
-            if p.grad is None:
-                continue
-            state = self.optimizer.state.get(p)
-            if not state:
-                return None
-            out.append(p)
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    if v.device != p.device:
-                        return None
-                    out.append(v)
-        return out
-
-
 # --- the trainer ---------------------------------------------------------------------------------
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -360,42 +261,6 @@ def _total_norm(grads: List[torch.Tensor]) -> torch.Tensor:
     norms = torch._foreach_norm(grads)
     device = grads[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-
-
-def prime_momentum_buffers(optimizer: torch.optim.Optimizer) -> int:
-    """Give each SGD parameter without one a zero momentum buffer; return how many were made.
-
-    Works around a PyTorch bug (seen on 2.11 CUDA and 2.14 CPU): fused SGD allocates its momentum
-    buffers uninitialised on the first step, and when GradScaler skips that step the kernel never
-    writes them, so the next step reads garbage (NaN parameters on a GPU). A zero buffer gives the
-    same first update as SGD's own ``buf = grad`` when ``dampening == 0``, so priming changes no
-    result; groups with ``momentum == 0`` need no buffer and are left alone.
-
-    Raises ``ValueError`` for a non-SGD optimizer, or a group with ``dampening != 0`` (priming
-    would change its first update; such a group must not be fused under GradScaler).
-    """
-    if not isinstance(optimizer, torch.optim.SGD):
-        raise ValueError(f"optimizer must be a torch.optim.SGD; got {type(optimizer).__name__}")
-    made = 0
-    for group in optimizer.param_groups:
-        if not group.get("momentum"):
-            continue
-        if group.get("dampening", 0):
-            raise ValueError(f"dampening must be 0 to prime momentum buffers (a zero buffer "
-                             f"would change the first update); got {group['dampening']!r}")
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state.get("momentum_buffer") is None:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                made += 1
-    return made
-
-
-def _fused_sgd_groups(optimizer: torch.optim.Optimizer) -> list:
-    """The param groups of a fused SGD that keep momentum buffers."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return []
-    return [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum")]
 
 
 class Trainer:
@@ -443,8 +308,8 @@ class Trainer:
         for h in self.hooks:
             if not isinstance(h, Hooks):
                 raise ValueError(f"hooks must be Hooks instances; got {type(h).__name__}")
-        self._bn_guard = _BatchNormGuard(model)
-        self._update_guard = _UpdateGuard(self._params, optimizer)
+        self._bn_guard = BatchNormGuard(model)
+        self._update_guard = UpdateGuard(self._params, optimizer)
         self._config = config
         self.scaler = self._make_scaler(config.scaler)
         self._configure()
@@ -507,7 +372,7 @@ class Trainer:
     def _prime_fused_sgd(self) -> None:
         """Under fp16 (GradScaler) or ``nonfinite="skip"``, give fused SGD zero momentum buffers
         (see ``prime_momentum_buffers``); refuse a damped fused group, which priming cannot fix."""
-        groups = _fused_sgd_groups(self.optimizer)
+        groups = fused_sgd_groups(self.optimizer)
         if not groups or not (self._scaling or self._policy == "skip"):
             return
         damped = [g["dampening"] for g in groups if g.get("dampening", 0)]
@@ -968,7 +833,9 @@ class Trainer:
         path = Path(path)
         state = read_verified(path)
         try:
-            self._check_checkpoint(state, load_scaler)
+            check_training_state(state, self.model, self.optimizer,
+                                 self.scaler if load_scaler else None, self.scheduler,
+                                 formats=READABLE_FORMATS)
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
         self.model.load_state_dict(state["model"])
@@ -983,51 +850,6 @@ class Trainer:
         self.history = History.from_columns(state["history"]["steps"], state["history"]["epochs"])
         set_rng_state(state["rng"])
         return state
-
-    def _check_checkpoint(self, state, load_scaler: bool) -> None:
-        """Raise CheckpointError unless ``state`` can be loaded into this trainer whole."""
-        if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
-            if isinstance(state, dict) and state and all(
-                    isinstance(v, torch.Tensor) for v in state.values()):
-                raise CheckpointError("holds a plain state dict (torch.save(model.state_dict())?), "
-                                      "not a training checkpoint written by "
-                                      "Trainer.save_checkpoint; load it with "
-                                      "model.load_state_dict(torch.load(...))")
-            raise CheckpointError(f"not a checkpoint written by Trainer.save_checkpoint "
-                                  f"({CHECKPOINT_FORMAT})")
-        needed = ("model", "optimizer", "scaler", "scheduler", "step", "epoch", "batches_done",
-                  "history", "rng")
-        missing = [k for k in needed if k not in state]
-        if missing:
-            raise CheckpointError(f"incomplete checkpoint: no {', '.join(missing)}")
-        _check_model_state(state["model"], self.model)
-        kind = state.get("optimizer_class")
-        if kind is not None and kind != type(self.optimizer).__name__:
-            raise CheckpointError(f"optimizer: the checkpoint holds {kind} state but this "
-                                  f"Trainer's optimizer is {type(self.optimizer).__name__}")
-        _check_optimizer_state(state["optimizer"], self.optimizer)
-        if load_scaler and state["scaler"] and self.scaler.is_enabled():
-            scaler = state["scaler"]
-            keys = ("scale", "growth_factor", "backoff_factor", "growth_interval")
-            if not isinstance(scaler, dict) or not all(is_real(scaler.get(k)) for k in keys):
-                raise CheckpointError(f"scaler: not a GradScaler state (needs {', '.join(keys)})")
-        if state["scheduler"] is not None and self.scheduler is None:
-            raise CheckpointError("scheduler: the checkpoint holds a scheduler state but this "
-                                  "Trainer has no scheduler; pass the same kind of scheduler")
-        if self.scheduler is not None and state["scheduler"] is not None:
-            saved, live = state["scheduler"], self.scheduler.state_dict()
-            if not isinstance(saved, dict) or set(saved) != set(live):
-                raise CheckpointError(f"scheduler: the checkpoint holds another kind of scheduler "
-                                      f"than this Trainer's {type(self.scheduler).__name__}")
-        for key in ("step", "epoch", "batches_done"):
-            value = state[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CheckpointError(f"{key}: must be a whole number >= 0; got {value!r}")
-        try:
-            History.from_columns(state["history"]["steps"], state["history"]["epochs"])
-            check_rng_state(state["rng"])
-        except (KeyError, TypeError, IndexError, ValueError) as exc:
-            raise CheckpointError(f"history or rng: damaged ({exc})") from None
 
 
 class _GraphedStep:
@@ -1050,10 +872,10 @@ class _GraphedStep:
         self.graph.replay()
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        copy = [None if t is None or not isinstance(t, torch.Tensor) else t.clone()
-                for t in (self.loss, self.grad_norm, self.found_inf, self.scale)]
-        return trainer._record(copy[0], copy[1], copy[2],
-                               copy[3] if copy[3] is not None else self.scale, self.cause,
+        out = [None if t is None or not isinstance(t, torch.Tensor) else t.clone()
+               for t in (self.loss, self.grad_norm, self.found_inf, self.scale)]
+        return trainer._record(out[0], out[1], out[2],
+                               out[3] if out[3] is not None else self.scale, self.cause,
                                trainer.optimizer.param_groups[0]["lr"], (start, end))
 
 
@@ -1072,42 +894,3 @@ def _check_owns_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -
                          f"{which} (missing: {names}). Build it from this model's parameters, "
                          f"e.g. torch.optim.SGD(model.parameters(), ...), or freeze the others "
                          f"with requires_grad_(False)")
-
-
-def _check_model_state(saved, model: nn.Module) -> None:
-    live = model.state_dict()
-    if not isinstance(saved, dict):
-        raise CheckpointError("model: not a state dict")
-    missing = [k for k in live if k not in saved]
-    extra = [k for k in saved if k not in live]
-    if missing or extra:
-        raise CheckpointError(f"model: another model (missing keys: {missing[:4]}, unexpected "
-                              f"keys: {extra[:4]})")
-    for k, v in live.items():
-        s = saved[k]
-        if not isinstance(s, torch.Tensor) or s.shape != v.shape or s.dtype != v.dtype:
-            got = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
-                   else type(s).__name__)
-            raise CheckpointError(f"model: {k} is {got} in the checkpoint but "
-                                  f"{tuple(v.shape)} {v.dtype} in this model")
-
-
-# state entries that have their parameter's shape, in torch's optimizers
-_PARAM_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
-                       "square_avg", "grad_avg", "acc_delta", "sum", "ax", "prev", "mu_product")
-
-
-def _check_optimizer_state(saved, optimizer: torch.optim.Optimizer) -> None:
-    """Load into a shallow copy of ``optimizer`` (the live one is not touched), then compare
-    state shapes with the parameters."""
-    shadow = copy.copy(optimizer)
-    try:
-        shadow.load_state_dict(saved)
-    except Exception as exc:  # noqa: BLE001 - torch raises ValueError, KeyError, TypeError...
-        raise CheckpointError(f"optimizer: does not fit this optimizer ({exc})") from None
-    for p, entry in shadow.state.items():
-        for key in _PARAM_SHAPED_STATE:
-            v = entry.get(key) if isinstance(entry, dict) else None
-            if isinstance(v, torch.Tensor) and v.shape != p.shape:
-                raise CheckpointError(f"optimizer: {key} of shape {tuple(v.shape)} for a "
-                                      f"parameter of shape {tuple(p.shape)}")

@@ -3,7 +3,9 @@
 Two short-step networks (issue 14.1), each under fp16 + GradScaler with SGD momentum 0.9:
 
 - ``recipe``: PyTorch's AMP recipe network, 3 x Linear(4096) with ReLU, batch 512;
-- ``digits``: the digits CNN of lessons 02/03 (SmallCNN width 32, BatchNorm), batch 64, 32x32.
+- ``digits``: the digits CNN of lessons 02/03 (SmallCNN width 32, BatchNorm), batch 64, 32x32;
+- ``resnet50`` (not run by default): lesson 04's ResNet-50, batch 256, channels_last, cuDNN
+  autotuning off, the network of the earlier results (``results/trainer_overhead_h200.json``).
 
 Variants (each on its own copy of the same initial weights, timed in interleaved rounds so clock
 drift hits all alike): the hand loop; the trainer with defaults, lean
@@ -29,11 +31,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from amp_lessons import measure, models  # noqa: E402
+from amp_lessons import data, measure, models  # noqa: E402
 from amp_lessons import trainer as T  # noqa: E402
 
 EAGER_VARIANTS = {
@@ -60,6 +61,13 @@ def build(network: str, device, quick: bool):
     """(model, x, y) for a network; the same weights every call."""
     torch.manual_seed(0)
     g = torch.Generator(device="cpu").manual_seed(1)
+    if network == "resnet50":
+        batch, size = (4, 32) if quick else (256, 224)
+        config = measure.BenchConfig(model="resnet50", precision="fp16", channels_last=True,
+                                     batch_size=batch, image_size=size)
+        model = measure.build_model(config, device)
+        x, y = data.synthetic_images(batch, size, 1000, device, channels_last=True)
+        return model, x, y
     if network == "recipe":
         width, batch = (64, 16) if quick else (4096, 512)
         model = recipe_network(width)
@@ -283,7 +291,7 @@ def skip_checks(device):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--networks", nargs="+", choices=["recipe", "digits"],
+    p.add_argument("--networks", nargs="+", choices=["recipe", "digits", "resnet50"],
                    default=["recipe", "digits"])
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=40)
@@ -292,6 +300,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = device.type != "cuda"
+    torch.backends.cudnn.benchmark = False  # as lesson 04 runs
     if quick:
         args.rounds, args.steps, args.check_steps = 2, 3, 3
     t0 = time.perf_counter()

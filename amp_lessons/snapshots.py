@@ -110,8 +110,45 @@ def _dumps(obj) -> str:
     return json.dumps(obj)
 
 
+MIN_PACKED = 64  # arrays shorter than this stay readable lists
+
+
+def _packed(values):
+    """A long list of plain numbers as plotly's typed-array form (``{"dtype", "bdata"}``: the same
+    numbers, base64 of float64 or int32, exactly), or None when it should stay a list."""
+    import numpy as np
+
+    if not isinstance(values, list) or len(values) < MIN_PACKED:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    ints = all(isinstance(v, int) for v in values)
+    if ints and all(-2**31 <= v < 2**31 for v in values):
+        array, dtype = np.asarray(values, dtype="<i4"), "i4"
+    else:
+        array, dtype = np.asarray(values, dtype="<f8"), "f8"
+    return {"dtype": dtype, "bdata": base64.b64encode(array.tobytes()).decode("ascii")}
+
+
+def pack_figure(figure: dict) -> int:
+    """Store each trace's long numeric arrays in plotly's typed-array form (lossless: float64 and
+    int32 bytes, base64), which plotly.js 2.28+ reads. A notebook stores a figure one number a line
+    otherwise, which made a 2,000-step loss curve 700 kB. Returns the number of arrays packed."""
+    packed = 0
+    for trace in figure.get("data", []):
+        for key, value in list(trace.items()):
+            if isinstance(value, list) and value and isinstance(value[0], list):
+                continue  # 2-D data (customdata rows, heatmaps) stays as it is
+            new = _packed(value)
+            if new is not None:
+                trace[key] = new
+                packed += 1
+    return packed
+
+
 def add_images(path: Path, scale: float = 1.0, force: bool = False) -> int:
-    """Give every plotly output of the notebook at ``path`` a PNG beside it and drop its HTML copy.
+    """Give every plotly output of the notebook at ``path`` a PNG beside it, drop its HTML copy and
+    pack its long numeric arrays (``pack_figure``).
 
     Only outputs without an image are rendered unless ``force``. Writes the notebook only when it
     changed; returns the number of images added.
@@ -127,12 +164,13 @@ def add_images(path: Path, scale: float = 1.0, force: bool = False) -> int:
         if "text/html" in data:
             del data["text/html"]
             changed = True
-        if IMAGE_MIME in data and not force:
-            continue
-        png = render_png(copy.deepcopy(data[PLOTLY_MIME]), scale=scale)
-        data[IMAGE_MIME] = base64.b64encode(png).decode("ascii")
-        added += 1
-        changed = True
+        if IMAGE_MIME not in data or force:
+            png = render_png(copy.deepcopy(data[PLOTLY_MIME]), scale=scale)
+            data[IMAGE_MIME] = base64.b64encode(png).decode("ascii")
+            added += 1
+            changed = True
+        if pack_figure(data[PLOTLY_MIME]):
+            changed = True
     if changed:
         tmp = path.with_name(f".{path.name}.images-tmp")
         nbformat.write(nb, tmp)

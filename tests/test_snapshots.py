@@ -65,3 +65,30 @@ def test_missing_images_finds_figures_without_a_picture(tmp_path):
 def test_find_chromium_honours_browser_path(monkeypatch):
     monkeypatch.setenv("BROWSER_PATH", "/some/chrome")
     assert snapshots.find_chromium() == "/some/chrome"
+
+
+def test_pack_figure_is_lossless_and_leaves_short_or_mixed_arrays_alone():
+    import numpy as np
+
+    ys = [0.1 * i + 1e-12 for i in range(100)]
+    fig = {"data": [{"type": "scatter", "x": list(range(100)), "y": list(ys), "text": ["a"] * 100,
+                     "customdata": [[1, 2]] * 100, "marker": {"size": 3}}, {"y": [1.0, 2.0]}]}
+    assert snapshots.pack_figure(fig) == 2
+    t = fig["data"][0]
+    assert t["x"]["dtype"] == "i4" and t["y"]["dtype"] == "f8"
+    assert np.frombuffer(base64.b64decode(t["y"]["bdata"]), "<f8").tolist() == ys
+    assert np.frombuffer(base64.b64decode(t["x"]["bdata"]), "<i4").tolist() == list(range(100))
+    assert t["text"] == ["a"] * 100 and t["customdata"] == [[1, 2]] * 100
+    assert fig["data"][1]["y"] == [1.0, 2.0]
+    assert snapshots.pack_figure(fig) == 0  # already packed
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None and not Path("/usr/bin/chromium").exists(),
+                    reason="static export needs Chromium (apt-get install chromium)")
+def test_plotly_js_draws_a_packed_figure_exactly_as_the_plain_one():
+    plain = {"data": [{"type": "scatter", "y": [float(i % 7) for i in range(80)]}],
+             "layout": {"title": {"text": "packed"}, "height": 300, "width": 400}}
+    packed = __import__("copy").deepcopy(plain)
+    assert snapshots.pack_figure(packed) == 1
+    with snapshots._browser():
+        assert snapshots.render_png(packed) == snapshots.render_png(plain)

@@ -79,6 +79,18 @@ class StepRecord:
     peak_memory_bytes: Optional[int] = None
     skip_cause: Optional[str] = None  # what would have skipped this step (read skip_reason)
 
+    @classmethod
+    def lazy(cls, step: int, epoch: int, loss, scale, skipped, grad_norm, lr, time_s,
+             peak_memory_bytes: Optional[int] = None,
+             skip_cause: Optional[str] = None) -> "StepRecord":
+        """The same record as ``StepRecord(...)``, built with one dict update instead of a
+        descriptor call per field (the trainer makes one per step; host time counts there)."""
+        record = cls.__new__(cls)
+        record.__dict__.update(step=step, epoch=epoch, _loss=loss, _scale=scale,
+                               _skipped=skipped, _grad_norm=grad_norm, _lr=lr, _time_s=time_s,
+                               peak_memory_bytes=peak_memory_bytes, skip_cause=skip_cause)
+        return record
+
     @property
     def skip_reason(self) -> Optional[str]:
         """Why the step was skipped, or None when it was not (reads ``skipped``)."""

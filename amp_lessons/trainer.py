@@ -249,12 +249,11 @@ def set_loader_epoch(loader, epoch: int) -> None:
         loader.sampler.set_epoch(epoch)
 
 
-def _total_norm(grads: List[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all ``grads`` together. One device and dtype (the usual case): the same
-    three kernels as ``torch.nn.utils.get_total_norm`` (foreach norms, stack, norm), so the same
-    bits, without its grouping work on the host (about a third of its host time)."""
-    first = grads[0]
-    if all(g.device == first.device and g.dtype == first.dtype for g in grads):
+def _total_norm(grads: List[torch.Tensor], one_group: bool = False) -> torch.Tensor:
+    """The 2-norm of all ``grads`` together. On one device and dtype (``one_group``, the usual
+    case): the same three kernels as ``torch.nn.utils.get_total_norm`` (foreach norms, stack,
+    norm), so the same bits, without its grouping work on the host (a third of its host time)."""
+    if one_group:
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
         return torch.nn.utils.get_total_norm(grads)
@@ -366,6 +365,8 @@ class Trainer:
         self._fused_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
         self._track_memory = self.device.type == "cuda" and cfg.track_memory
         self._half = HALF_DTYPES.get(cfg.precision)  # autocast dtype, None for fp32/tf32
+        # gradients have their parameter's device and dtype: one group for the norm's kernels?
+        self._one_group = len({(p.device, p.dtype) for p in self._params}) == 1
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -528,13 +529,11 @@ class Trainer:
             loss_sum = loss_sum.float()
         if grad_norm is not None and grad_norm.dtype != torch.float32:
             grad_norm = grad_norm.float()
-        record = StepRecord(step=self.step, epoch=self.epoch, loss=loss_sum, scale=scale,
-                            skipped=found_inf if found_inf is not None else False,
-                            grad_norm=grad_norm, lr=lr, time_s=elapsed,
-                            peak_memory_bytes=(torch.cuda.memory_stats_as_nested_dict(self.device)
-                                               ["allocated_bytes"]["all"]["peak"]
-                                               if self._track_memory else None),
-                            skip_cause=cause)
+        record = StepRecord.lazy(self.step, self.epoch, loss_sum, scale,
+                                 found_inf if found_inf is not None else False, grad_norm, lr,
+                                 elapsed, (torch.cuda.memory_stats_as_nested_dict(self.device)
+                                           ["allocated_bytes"]["all"]["peak"]
+                                           if self._track_memory else None), cause)
         self.step += 1
         self.history.append(record)
         for h in self._after_step:
@@ -544,87 +543,92 @@ class Trainer:
     def _kernels(self, micro_batches, cache_enabled: bool = True):
         """The step's device work: forward, backward, unscale, clip, step, update, zero_grad.
         Returns (loss, grad_norm, skipped flag, scale used, skip cause), tensors not read."""
+        if self._half is not None:  # fp16/bf16 leave the TF32 switches alone: nothing to enter
+            return self._kernels_in(micro_batches, cache_enabled)
+        with precision_settings(self._config.precision, self.device):
+            return self._kernels_in(micro_batches, cache_enabled)
+
+    def _kernels_in(self, micro_batches, cache_enabled: bool):
         n = len(micro_batches)
         cfg, model, opt, scaler = self._config, self.model, self.optimizer, self.scaler
         scaling, guard, policy, device = self._scaling, self._guard, self._policy, self.device
-        half = self._half  # fp16/bf16 leave the TF32 switches alone: no context to enter
-        with (precision_settings(cfg.precision, device) if half is None else _NO_CONTEXT):
-            if guard is not None:
-                guard.snapshot()
-            loss_sum = None
-            for i, (x, y) in enumerate(micro_batches):
-                x, y = self._to_device(x, y)
-                with (_NO_CONTEXT if half is None else
-                      torch.autocast(device.type, dtype=half, cache_enabled=cache_enabled)):
-                    loss = self.loss_fn(model(x), y)
-                    if n > 1:
-                        loss = loss / n
-                scaler.scale(loss).backward()
-                d = loss.detach()
-                loss_sum = d if loss_sum is None else loss_sum + d
-                for h in self._after_backward:
-                    h.after_backward(self, i)
+        half = self._half
+        if guard is not None:
+            guard.snapshot()
+        loss_sum = None
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = self._to_device(x, y)
+            with (_NO_CONTEXT if half is None else
+                  torch.autocast(device.type, dtype=half, cache_enabled=cache_enabled)):
+                loss = self.loss_fn(model(x), y)
+                if n > 1:
+                    loss = loss / n
+            scaler.scale(loss).backward()
+            d = loss.detach()
+            loss_sum = d if loss_sum is None else loss_sum + d
+            for h in self._after_backward:
+                h.after_backward(self, i)
 
-            # with skip-safe BatchNorm and an optimizer that GradScaler steps from the host
-            # (everything but fused), unscale_ here, as scaler.step would, so the skip flag is
-            # known and the BN restore is queued before step()'s host sync, not after it
-            early_guard = scaling and guard is not None and not self._fused_skip
-            if self._unscale_first or early_guard:  # true gradients from here on
-                scaler.unscale_(opt)
-            for h in self._after_unscale:
-                h.after_unscale(self)
-            grad_norm = None
-            if cfg.clip_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self._params, cfg.clip_norm)
-            else:
-                if cfg.track_grad_norm:
-                    grads = [p.grad for p in self._params if p.grad is not None]
-                    grad_norm = _total_norm(grads) if grads else None
-                if cfg.clip_value is not None:
-                    if scaling and grad_norm is None and self._found_inf() is None:
-                        # private API gone: the fallback flag must see the gradients unclipped
-                        grad_norm = _total_norm([p.grad for p in self._params
-                                                 if p.grad is not None])
-                    if policy in ("skip", "raise") and grad_norm is None:
-                        # clipping by value turns inf into a finite bound: check before it
-                        grad_norm = _total_norm([p.grad for p in self._params
-                                                 if p.grad is not None])
-                    torch.nn.utils.clip_grad_value_(self._params, cfg.clip_value)
-            found_inf, scale, cause = None, 1.0, None
-            if scaling:  # the scale this step used, before update() changes it in place
-                cause = SKIPPED_BY_SCALER
-                current = getattr(scaler, "_scale", None)
-                scale = (current.detach().clone() if current is not None
-                         else torch.tensor(scaler.get_scale()))
-                if early_guard:
-                    found_inf = self._skip_flag(grad_norm)
-                    guard.restore_if(found_inf)
-                scaler.step(opt)  # unscales here if not done above; skips on inf/NaN
-                if found_inf is None:
-                    found_inf = self._skip_flag(grad_norm)  # set by unscale_/step, reset by update
-                scaler.update()
-                if guard is not None and not early_guard:
-                    guard.restore_if(found_inf)
-            elif policy == "ignore":
-                opt.step()
-            else:
-                flag = self._nonfinite_flag(loss_sum, grad_norm)
-                if policy == "raise":
-                    if bool(flag.item()):  # the one host sync this policy needs
-                        if guard is not None:
-                            guard.restore_if(flag)
-                        opt.zero_grad(set_to_none=True)
-                        raise NonFiniteError(
-                            f"step {self.step} (epoch {self.epoch}): non-finite loss or gradient "
-                            f"under {cfg.precision} with nonfinite='raise'; the model is as it "
-                            f"was before this step")
-                    opt.step()
-                else:
-                    cause, found_inf = SKIPPED_NONFINITE, flag
+        # with skip-safe BatchNorm and an optimizer that GradScaler steps from the host
+        # (everything but fused), unscale_ here, as scaler.step would, so the skip flag is
+        # known and the BN restore is queued before step()'s host sync, not after it
+        early_guard = scaling and guard is not None and not self._fused_skip
+        if self._unscale_first or early_guard:  # true gradients from here on
+            scaler.unscale_(opt)
+        for h in self._after_unscale:
+            h.after_unscale(self)
+        grad_norm = None
+        if cfg.clip_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, cfg.clip_norm)
+        else:
+            if cfg.track_grad_norm:
+                grads = [p.grad for p in self._params if p.grad is not None]
+                grad_norm = _total_norm(grads, self._one_group) if grads else None
+            if cfg.clip_value is not None:
+                if scaling and grad_norm is None and self._found_inf() is None:
+                    # private API gone: the fallback flag must see the gradients unclipped
+                    grad_norm = _total_norm([p.grad for p in self._params
+                                             if p.grad is not None])
+                if policy in ("skip", "raise") and grad_norm is None:
+                    # clipping by value turns inf into a finite bound: check before it
+                    grad_norm = _total_norm([p.grad for p in self._params
+                                             if p.grad is not None])
+                torch.nn.utils.clip_grad_value_(self._params, cfg.clip_value)
+        found_inf, scale, cause = None, 1.0, None
+        if scaling:  # the scale this step used, before update() changes it in place
+            cause = SKIPPED_BY_SCALER
+            current = getattr(scaler, "_scale", None)
+            scale = (current.clone() if current is not None
+                     else torch.tensor(scaler.get_scale()))
+            if early_guard:
+                found_inf = self._skip_flag(grad_norm)
+                guard.restore_if(found_inf)
+            scaler.step(opt)  # unscales here if not done above; skips on inf/NaN
+            if found_inf is None:
+                found_inf = self._skip_flag(grad_norm)  # set by unscale_/step, reset by update
+            scaler.update()
+            if guard is not None and not early_guard:
+                guard.restore_if(found_inf)
+        elif policy == "ignore":
+            opt.step()
+        else:
+            flag = self._nonfinite_flag(loss_sum, grad_norm)
+            if policy == "raise":
+                if bool(flag.item()):  # the one host sync this policy needs
                     if guard is not None:
                         guard.restore_if(flag)
-                    self._step_unless(flag)
-            opt.zero_grad(set_to_none=True)
+                    opt.zero_grad(set_to_none=True)
+                    raise NonFiniteError(
+                        f"step {self.step} (epoch {self.epoch}): non-finite loss or gradient "
+                        f"under {cfg.precision} with nonfinite='raise'; the model is as it "
+                        f"was before this step")
+                opt.step()
+            else:
+                cause, found_inf = SKIPPED_NONFINITE, flag
+                if guard is not None:
+                    guard.restore_if(flag)
+                self._step_unless(flag)
+        opt.zero_grad(set_to_none=True)
 
         return loss_sum, grad_norm, found_inf, scale, cause
 

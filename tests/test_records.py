@@ -37,3 +37,27 @@ def test_history_json_is_strict_and_round_trips(tmp_path):
     assert again.columns()["loss"] == trainer.history.columns()["loss"]
 
 
+
+
+def test_lazy_constructor_builds_the_same_record():
+    t = torch.tensor(2.5)
+    a = R.StepRecord(step=3, epoch=1, loss=t, scale=1.0, skipped=torch.tensor(1.0),
+                     grad_norm=None, lr=0.1, time_s=0.5, peak_memory_bytes=7,
+                     skip_cause=R.SKIPPED_BY_SCALER)
+    b = R.StepRecord.lazy(3, 1, t, 1.0, torch.tensor(1.0), None, 0.1, 0.5, 7, R.SKIPPED_BY_SCALER)
+    assert a.__dict__.keys() == b.__dict__.keys()
+    for name in R.STEP_FIELDS:
+        assert getattr(a, name) == getattr(b, name), name
+    assert b.skip_reason == R.SKIPPED_BY_SCALER and b.loss == 2.5 and b.skipped is True
+
+
+def test_epoch_summary_of_a_resumed_part():
+    recs = [R.StepRecord.lazy(i, 0, torch.tensor(float(v)), 1.0, torch.tensor(float(s)), None,
+                              0.1, 0.2) for i, (v, s) in enumerate([(1, 0), (float("nan"), 1),
+                                                                     (3, 0)])]
+    summary = R.epoch_summary(0, recs, 1.5, resumed_at_batch=4)
+    assert summary["train_loss"] == 2.0 and summary["skipped"] == 1 and summary["steps"] == 3
+    assert summary["partial"] is True and summary["resumed_at_batch"] == 4
+    assert summary["nonfinite_loss_steps"] == 0
+    none = R.epoch_summary(1, recs[1:2], 0.1)
+    assert none["train_loss"] is None and none["partial"] is False

@@ -186,6 +186,15 @@ def test_loss_scale_explorer_follows_the_figure_rule(mode):
         assert len(ex.live.widget.outputs) == 1 and "× 2^12" in json.dumps(ex.live.widget.outputs, ensure_ascii=False)
 
 
+def test_loss_scale_explorer_k_is_typed_with_a_check_not_clamped():
+    ex = W.loss_scale_explorer(GRADS, k=0, figure_mode="output")
+    ex.k.field.text.value = "12"
+    assert ex.slider.value == 12 and "× 2^12" in ex.figure.layout.title.text
+    ex.k.field.text.value = "40"
+    assert ex.slider.value == 12 and "k must be a whole number in [0, 32]" in ex.k.field.message.value
+    assert W.bit_explorer(1.0).slider.readout is False   # typed values go through the text box
+
+
 def test_loss_scale_explorer_auto_without_anywidget_uses_output(monkeypatch):
     monkeypatch.setattr(C, "figure_widget_available", lambda: False)
     ex = W.loss_scale_explorer(GRADS, k=4)
@@ -250,6 +259,9 @@ def test_run_button_runs_and_updates_chart_and_summary(mode):
     assert list(fig.data[0].y)[0] == 24.0 and len(fig.data[0].x) == 8
     assert len(fig.data[1].x) == sum(run.skipped) > 0
     assert fig.layout.title.text != title and "Run 1: skipped 4 of 8 steps" in p.summary.value
+    assert "of which the chart" in p.summary.value
+    assert p.timing["run_s"] >= p.timing["drawing_s"] >= 0
+    assert p.timing["training_s"] == pytest.approx(p.timing["run_s"] - p.timing["drawing_s"])
     if mode == "output":
         data = p.live.widget.outputs[0]["data"][PLOTLY_MIME]["data"]
         assert len(data[0]["x"]) == 8

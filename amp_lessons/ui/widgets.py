@@ -76,9 +76,10 @@ class BitExplorer(w.VBox):
         self.text = w.Text(value=repr(self.value), description="x =", continuous_update=False,
                            placeholder="0.1, 1e-8, 2**-24, 70000, nan",
                            layout=w.Layout(width="auto", flex="1 1 240px", min_width="160px"))
+        # no readout to type into (it would clamp silently): values are typed into ``text``
         self.slider = w.FloatLogSlider(value=self._slider_value(self.value, lo, hi), base=2,
                                        min=lo, max=hi, step=0.05, description="|x|",
-                                       readout_format=".4g", continuous_update=True,
+                                       readout=False, continuous_update=True,
                                        layout=w.Layout(width="100%", max_width="640px",
                                                        min_width="200px"))
         self.negative = w.Checkbox(value=self.value < 0, description="negative", indent=False,
@@ -171,7 +172,8 @@ class LossScaleExplorer(w.VBox):
     """Lesson 01: slide the loss-scale exponent k and watch gradient magnitudes x 2^k move through
     a format's flushed / subnormal / normal / overflow bands (``plots.gradient_histogram``).
 
-    ``slider`` is an IntSlider over k; ``live`` the ``LiveFigure`` (a FigureWidget only where
+    ``slider`` is an IntSlider over k, with a field beside it to type k (``k``, a
+    ``SliderField``: out-of-range values are refused with a message, not clamped); ``live`` the ``LiveFigure`` (a FigureWidget only where
     anywidget is present, an Output redrawn elsewhere), ``figure`` its figure; ``summary``
     shows the shares (``shares_html``). ``figure_mode``: ``"auto"``, ``"widget"`` or
     ``"output"``. CSS classes: ``amp-l01-scale`` (the box), ``amp-l01-k``, ``amp-l01-summary``,
@@ -197,16 +199,15 @@ class LossScaleExplorer(w.VBox):
         figure = plots.gradient_histogram(self.magnitudes, 2.0 ** k, self.fmt, x_range=x_range,
                                           log_y=log_y)
         self.live = LiveFigure(figure, mode, css_class="amp-l01-chart")
-        self.slider = w.IntSlider(value=k, min=lo, max=hi, step=1, description="scale 2^k, k =",
-                                  continuous_update=False, style=DESCRIPTION_STYLE,
-                                  layout=w.Layout(width="100%", max_width="640px",
-                                                  min_width="200px"))
+        self.k = SliderField(w.IntSlider(value=k, min=lo, max=hi, step=1,
+                                         description="scale 2^k, k =", continuous_update=False),
+                             "k", integer=True, css_class="amp-l01-k")
+        self.slider = self.k.slider
         self.summary = w.HTML(shares_html(self.magnitudes, k, self.fmt))
         self.slider.observe(self._on_k, names="value")
-        super().__init__([self.slider, self.summary, self.live.widget],
+        super().__init__([self.k.widget, self.summary, self.live.widget],
                          layout=w.Layout(width="100%"))
-        for widget, css in ((self, "amp-l01-scale"), (self.slider, "amp-l01-k"),
-                            (self.summary, "amp-l01-summary")):
+        for widget, css in ((self, "amp-l01-scale"), (self.summary, "amp-l01-summary")):
             widget.add_class(css)
 
     @property
@@ -253,7 +254,8 @@ class ScalerPanel(BackgroundRun):
     ``redraw_every_s`` seconds, and never more often than keeps drawing under a tenth of the
     run's time (throttled by time, not by steps), so a long run costs time linear in its steps
     and the panel stays responsive. ``background=True`` (the Run button's
-    default) trains in a thread; ``run()`` blocks. CSS classes: ``amp-init-scale``,
+    default) trains in a thread; ``run()`` blocks. ``timing`` holds the last run's seconds:
+    ``run_s`` in all, ``drawing_s`` spent on the chart, ``training_s`` the rest. CSS classes: ``amp-init-scale``,
     ``amp-growth-factor``, ``amp-backoff-factor``, ``amp-growth-interval``, ``amp-overflow-rate``,
     ``amp-steps``, ``amp-run``, ``amp-reset``, ``amp-summary``, ``amp-scaler-chart``,
     ``amp-init-scale-value`` (the scale the kernel has); the box ``amp-scaler-panel``.
@@ -316,6 +318,8 @@ class ScalerPanel(BackgroundRun):
         self._thread: Optional[threading.Thread] = None
         self._last_draw = 0.0
         self._draw_cost = 0.0
+        self._drawing_s = 0.0
+        self.timing: Dict[str, float] = {}
         for knob in (self.init_scale.slider, self.growth_factor.slider,
                      self.backoff_factor.slider, self.growth_interval.text):
             knob.observe(self._on_knob, names="value")
@@ -394,9 +398,12 @@ class ScalerPanel(BackgroundRun):
                 self._pending = None
             self.series.clear()
             self._last_draw, self._draw_cost = time.monotonic(), 0.0
+            self._drawing_s = 0.0
             self.summary.value = f"Running {steps} steps with {settings} ..."
             self._redraw(settings, running=True)
+            started = time.perf_counter()
             result = self._run_fn(settings, steps, lambda: self._rate, self._on_step)
+            run_s = time.perf_counter() - started
         except Exception as exc:
             self._failed(exc)
             raise
@@ -404,7 +411,10 @@ class ScalerPanel(BackgroundRun):
         self._redraw(result.settings, running=False)
         self.run_result = result
         self.runs += 1
-        self.summary.value = f"Run {self.runs}: {result.summary_line()}"
+        self.timing = {"run_s": run_s, "drawing_s": self._drawing_s,
+                       "training_s": run_s - self._drawing_s}
+        self.summary.value = (f"Run {self.runs}: {result.summary_line()} · ran {run_s:.1f} s, "
+                              f"of which the chart {self._drawing_s:.1f} s")
         self._running = False
         self.run_button.disabled = False
         return result
@@ -418,6 +428,8 @@ class ScalerPanel(BackgroundRun):
             # a redraw grows with the points shown: space them so drawing stays under a tenth
             # of the run's time however long it gets
             self._draw_cost = self._last_draw - now
+            self._drawing_s += self._draw_cost
+        time.sleep(0)  # hand the interpreter to the kernel's main thread: typing registers
         with self._lock:  # knobs moved while this step ran apply from the next step on
             pending, self._pending = self._pending, None
         if pending is not None:

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import json
 import math
+import sys
 import warnings
 
 import pytest
@@ -901,3 +902,56 @@ def test_capture_says_everything_it_needs():
         trainer.capture(x, y)
     with pytest.raises(ValueError, match="nonfinite 'skip' or 'ignore', not 'raise'"):
         T.Trainer(*fresh(), T.TrainConfig(progress=False, nonfinite="raise")).capture(x, y)
+
+
+def _python_calls_per_step(step, warmup=2):
+    count = [0]
+
+    def profiler(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    for _ in range(warmup):
+        step()
+    sys.setprofile(profiler)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def test_trainer_host_calls_per_step_stay_few():
+    """Host work in Python, counted as function calls (Python and C) per step against the hand
+    loop: on a short GPU step every one of them is paid (benchmarks/NOTES.md). fp16, a model
+    without BatchNorm: lean at most 25 calls more than the hand loop, defaults at most 30 (they
+    were 48 and 110 before issue 14)."""
+    x, y = torch.randn(4, 8), torch.randint(0, 8, (4,))
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def hand():
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    def trainer(**flags):
+        m = mlp()
+        tr = T.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                       T.TrainConfig(precision="fp16", progress=False, seed=None, **flags))
+        return lambda: tr.train_step([(x, y)])
+
+    base = _python_calls_per_step(hand)
+    lean = _python_calls_per_step(trainer(track_grad_norm=False, track_memory=False))
+    defaults = _python_calls_per_step(trainer())
+    assert lean - base <= 25, (base, lean)
+    assert defaults - base <= 30, (base, defaults)

@@ -193,3 +193,10 @@ def test_run_notebooks_cell_failures_are_one_line_and_keep_the_notebook(tmp_path
                      str(path)] + out) == 1
         assert_one_line_error(capsys.readouterr().err, "run-notebooks", message)
         assert path.read_bytes() == before
+
+
+def test_bench_json_path_is_checked_before_measuring(tmp_path, capsys):
+    assert main(["bench", "--profile", "quick", "--json", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert_one_line_error(out.err, "bench", "json must name a file, not a folder")
+    assert out.out == ""  # nothing was measured

@@ -338,3 +338,12 @@ def test_lesson03_rules_only_on_its_claims():
     src = inspect.getsource(L)
     ruled = set(re.findall(r'claims\.decide\("(\w+)"', src))
     assert ruled == set(L.DECIDES)
+
+
+def test_overflow_on_every_step_takes_a_real_scaler_to_zero_and_the_table_says_so():
+    run = L.train_with_scaler(ScalerSettings(), 170, SETUP, injection_rate=1.0, evaluate=False)
+    assert all(run.skipped) and run.final_scale == 0.0     # 2^16 halved past fp32's 2^-149
+    assert "final scale 0 (underflowed)" in run.summary_line()
+    html = W.comparison_table_html([run.row()])
+    assert "0 (underflowed)" in html and "<td style='padding:2px 10px;white-space:nowrap'>-</td>" \
+        not in html

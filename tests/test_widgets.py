@@ -7,7 +7,6 @@ these panels are tested in test_lesson03.py.
 import json
 import math
 import re
-import threading
 import time
 
 import numpy as np

@@ -18,7 +18,6 @@ shown with ``ui.plots``/``ui.widgets``:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np

@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 from .. import formats
 from ..tables import percent
 from . import plots
-from .controls import (DESCRIPTION_STYLE, WRAP, BackgroundRun, LiveFigure, NumberField,
+from .controls import (WRAP, BackgroundRun, LiveFigure, NumberField,
                        SliderField, error_html, escape_html, parse_number, resolve_figure_mode,
                        scroll_box, set_class)
 

@@ -198,7 +198,8 @@ def test_decide_r2_compares_against_measurement(monkeypatch):
     assert v.held is False and "growth_interval (claimed 1000, measured 2000)" in v.why
 
 
-def test_decide_r3_over_pairs():
+def test_decide_r3_over_pairs(monkeypatch):
+    monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
     calm = _fake_run("d", [False] * 20)
     assert L.decide_r3([(calm, _fake_run("t", [False] * 20))]).held is None
     wobbly = _fake_run("d", [True] * 4 + [False] * 20)
@@ -228,7 +229,8 @@ def test_steadier_reads_b4_generously():
         L.steadier(base, calm, tolerance=1.5)
 
 
-def test_decide_b4_one_verdict_for_both_readings():
+def test_decide_b4_one_verdict_for_both_readings(monkeypatch):
+    monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
     a, b = _fake_run("a", [False] * 12), _fake_run("b", [False] * 12)
     base = _fake_run("2", [True] * 2 + [False] * 10)
     worse = _fake_run("4", [True] * 5 + [False] * 7, growth=4.0)
@@ -347,3 +349,10 @@ def test_overflow_on_every_step_takes_a_real_scaler_to_zero_and_the_table_says_s
     html = W.comparison_table_html([run.row()])
     assert "0 (underflowed)" in html and "<td style='padding:2px 10px;white-space:nowrap'>-</td>" \
         not in html
+
+
+def test_short_runs_decide_neither_r3_nor_the_generous_b4():
+    wobbly = _fake_run("d", [True] * 4 + [False] * 20)
+    better = _fake_run("t", [True] * 2 + [False] * 20)
+    v = L.decide_r3([(wobbly, better)])
+    assert v.held is None and "only 22 steps" in v.why and v.outcome == "not decided here"

@@ -513,6 +513,18 @@ def compare_settling(defaults: ScalerRun, tuned: ScalerRun,
     return held, measured, why
 
 
+MIN_DECIDING_STEPS = 200  # shorter runs show the first overflows only, not how a scale settles
+
+
+def _too_short(runs: Sequence[ScalerRun], what: str) -> Optional[str]:
+    steps = min(len(r.steps) for r in runs)
+    if steps < MIN_DECIDING_STEPS:
+        return (f"only {steps} steps per run ({what} needs at least {MIN_DECIDING_STEPS}: a short "
+                f"run shows the first overflows, not how the scale settles; the full profile runs "
+                f"longer)")
+    return None
+
+
 def decide_r3(pairs: Sequence[Tuple[ScalerRun, ScalerRun]],
               window: int = SETTLE_WINDOW) -> claims.Verdict:
     """Claim R3 (the tuned settings settle faster with less early wobble) on one or more
@@ -527,7 +539,8 @@ def decide_r3(pairs: Sequence[Tuple[ScalerRun, ScalerRun]],
     why = " | ".join(r[2] for r in results)
     held = None if not decided else all(r[0] for r in decided)
     return claims.decide("R3", LESSON, measured, held, why,
-                         numbers={"pairs": len(pairs), "decided": len(decided)})
+                         numbers={"pairs": len(pairs), "decided": len(decided)},
+                         cannot_decide=_too_short([r for p in pairs for r in p], "settling"))
 
 
 def scale_factor_accepted(device_type: str = "cpu") -> bool:
@@ -589,9 +602,11 @@ def decide_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger
               f"the scaler {behaved}{', so the advice changes nothing' if same else ''}")
     why = f"{no_knob}; read as growth_factor, {effect}. Raising growth_factor: {g_why}"
     held = bool(literal or generous)
+    # The literal reading is a fact of the API; the generous one needs runs long enough to settle.
+    short = None if literal else _too_short([base, larger], "steadying a wobbling run")
     return claims.decide("B4", LESSON, measured, held, why,
                          numbers={"scale_factor_accepted": not error, "same_as_default": same,
-                                  "largest_loss_difference": diff})
+                                  "largest_loss_difference": diff}, cannot_decide=short)
 
 
 # ---- the notebook's panels ----------------------------------------------------------------------

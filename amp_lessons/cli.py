@@ -234,7 +234,7 @@ def _whole(text: str) -> int:
 
 def _add_train(sub) -> None:
     from .models import DIGITS_MODELS
-    from .trainer import EVAL_PRECISIONS, PRECISIONS
+    from .trainer import EVAL_PRECISIONS, NONFINITE_POLICIES, PRECISIONS
 
     p = sub.add_parser("train", help="train a digits model at one precision (lesson 02)",
                        description="Train on scikit-learn's digits with the course's trainer and "
@@ -258,6 +258,9 @@ def _add_train(sub) -> None:
                    help="clip the gradient norm (after unscale_) to MAX_NORM")
     p.add_argument("--accumulate", type=_positive_int, default=1,
                    help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--nonfinite", choices=NONFINITE_POLICIES, default="skip",
+                   help="a step with an inf/NaN loss or gradient without GradScaler (fp32, tf32, "
+                        "bf16): skip it (default), raise, or ignore")
     p.add_argument("--eval-precision", choices=EVAL_PRECISIONS, default="same",
                    help="evaluate under training's autocast (same) or another precision")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -315,7 +318,8 @@ def _cmd_train(args) -> int:
                            eval_precision=args.eval_precision,
                            device=None if args.device == "auto" else args.device,
                            seed=args.seed, progress=not args.no_progress,
-                           checkpoint=args.checkpoint, resume=args.resume, on_epoch=on_epoch)
+                           checkpoint=args.checkpoint, resume=args.resume, on_epoch=on_epoch,
+                           nonfinite=args.nonfinite)
     except (ValueError, OSError, FloatingPointError) as exc:
         # bad settings, a damaged --resume file (CheckpointError), a full disk (DiskFullError)
         return fail("train", str(exc))

@@ -10,10 +10,9 @@ ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 # Colab's own widget and plotly versions (no anywidget): a second, small venv that reuses .venv's
-# torch and test tools and overrides only these packages (tests/test_colab_versions.py says why).
+# torch and test tools and overrides only the packages pinned in tests/colab_versions.txt.
 COLAB_VENV := .venv-colab
-COLAB_PINS := ipywidgets==7.7.1 plotly==5.24.1 widgetsnbextension==3.6.10 jupyterlab_widgets==1.1.11 \
-              ipython_genutils==0.2.0 tenacity==9.2.1
+COLAB_PINS := -r tests/colab_versions.txt
 COLAB_STAMP := $(COLAB_VENV)/.amp-lessons-colab
 COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)/site-packages
 
@@ -36,19 +35,21 @@ test: $(STAMP) $(COLAB_STAMP)
 	$(BIN)/python -m pytest -q tests -m browser -rs
 	$(MAKE) --no-print-directory colab
 
-$(COLAB_STAMP): $(STAMP) Makefile
+$(COLAB_STAMP): $(STAMP) Makefile tests/colab_versions.txt
 	@test -x $(COLAB_VENV)/bin/python || $(PYTHON) -m venv $(COLAB_VENV)
 	$(COLAB_VENV)/bin/python -m pip install -q --no-deps $(COLAB_PINS)
-	@mkdir -p $(COLAB_SITE)/anywidget
-	@echo 'raise ImportError("anywidget is not installed (as on Colab)")' > $(COLAB_SITE)/anywidget/__init__.py
+	@for pkg in anywidget kaleido; do mkdir -p $(COLAB_SITE)/$$pkg; \
+		echo "raise ImportError('$$pkg is not installed (as on Colab)')" > $(COLAB_SITE)/$$pkg/__init__.py; done
 	@printf '%s\n%s\n' "$(abspath $(VENV))/lib/$(notdir $(patsubst %/site-packages,%,$(COLAB_SITE)))/site-packages" \
 		"$(CURDIR)" > $(COLAB_SITE)/zz_amp_lessons_main_venv.pth
 	@touch $(COLAB_STAMP)
 
 # The widget and figure tests and lesson 03 under Colab's ipywidgets 7 / plotly 5, without anywidget.
 colab: $(COLAB_STAMP)
-	$(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_widgets.py tests/test_plots.py -m "not browser"
-	AMP_LESSONS_PROFILE=quick $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NBVAL) notebooks/03_grad_scaler_tuning.ipynb
+	$(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not browser" tests/test_controls.py \
+		tests/test_widgets.py tests/test_plots.py tests/test_lesson01.py tests/test_lesson03.py
+	AMP_LESSONS_PROFILE=quick $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NBVAL) \
+		notebooks/01_fp16_ranges_and_underflow.ipynb notebooks/03_grad_scaler_tuning.ipynb
 
 # Static PNGs beside every figure of the committed notebooks (needs Chromium), after a GPU run.
 figure-images: $(STAMP)
@@ -56,8 +57,7 @@ figure-images: $(STAMP)
 
 # The README's screenshot of lesson 03's panel, taken by the browser test into test-output/.
 screenshot: $(STAMP)
-	AMP_LESSONS_SCREENSHOT=1 $(BIN)/python -m pytest -q tests/test_browser.py -m browser -k panel
-	cp test-output/lesson03_panel.png docs/images/lesson03_panel.png
+	AMP_LESSONS_UPDATE_IMAGES=1 $(BIN)/python -m pytest -q tests/test_browser.py -m browser -k test_lesson03_panel_in_jupyterlab
 
 claims: $(STAMP)
 	$(BIN)/python -m amp_lessons claims

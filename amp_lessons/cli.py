@@ -140,6 +140,67 @@ def _cmd_readme(args) -> int:
     return 0
 
 
+# --- claims and figure images --------------------------------------------------------------------
+
+def _add_claims(sub) -> None:
+    p = sub.add_parser("claims", help="write docs/claims.md from the claims registry",
+                       description="Write docs/claims.md: every article claim, the lesson that "
+                                   "decides it and the rule, from amp_lessons/claims.py.")
+    p.add_argument("--check", action="store_true",
+                   help="change nothing; exit 1 if docs/claims.md is out of date")
+    p.set_defaults(func=_cmd_claims)
+
+
+def _cmd_claims(args) -> int:
+    from .claims import claims_markdown
+    from .runner import NOTEBOOK_DIR
+
+    path = NOTEBOOK_DIR.parent / "docs" / "claims.md"
+    text = claims_markdown()
+    if args.check:
+        current = path.read_text() if path.is_file() else ""
+        if current != text:
+            print(f"{path}: out of date; run `python -m amp_lessons claims`", file=sys.stderr)
+            return 1
+        print(f"{path}: current")
+        return 0
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        return fail("claims", f"cannot write '{path}': {exc.strerror or exc}")
+    print(f"wrote {path}")
+    return 0
+
+
+def _add_figure_images(sub) -> None:
+    p = sub.add_parser("figure-images", help="add a static PNG beside every figure of notebooks",
+                       description="Give every plotly figure in the executed notebooks a static "
+                                   "PNG (what GitHub shows), store its data once, and pack long "
+                                   "arrays. Needs Chromium (apt-get install chromium).")
+    p.add_argument("notebooks", nargs="*", type=Path,
+                   help="notebooks to update (default: every lesson in notebooks/)")
+    p.add_argument("--force", action="store_true", help="render images that already exist again")
+    p.set_defaults(func=_cmd_figure_images)
+
+
+def _cmd_figure_images(args) -> int:
+    from .runner import course_notebooks
+    from .snapshots import add_images_to
+
+    paths = args.notebooks or course_notebooks()
+    for path in paths:
+        if not path.is_file() or path.suffix != ".ipynb":
+            return fail("figure-images", f"'{path}' is not a notebook file (.ipynb)")
+    try:
+        added = add_images_to(paths, force=args.force)
+    except (RuntimeError, ValueError, OSError) as exc:
+        return fail("figure-images", str(exc))
+    for path, n in added.items():
+        print(f"{path}: {n} image{'s' if n != 1 else ''} added")
+    return 0
+
+
 # --- bench ---------------------------------------------------------------------------------------
 
 def _add_bench(sub) -> None:
@@ -364,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # One ``_add_<command>(subparsers)`` function per subcommand, defined above in its own section.
-_COMMANDS = [_add_run_notebooks, _add_readme, _add_bench, _add_train]
+_COMMANDS = [_add_run_notebooks, _add_readme, _add_claims, _add_figure_images, _add_bench, _add_train]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

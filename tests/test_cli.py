@@ -201,3 +201,16 @@ def test_bench_json_path_is_checked_before_measuring(tmp_path, capsys):
     out = capsys.readouterr()
     assert_one_line_error(out.err, "bench", "json must name a file, not a folder")
     assert out.out == ""  # nothing was measured
+
+
+def test_claims_command_checks_docs_claims_md(capsys):
+    assert main(["claims", "--check"]) == 0
+    assert "current" in capsys.readouterr().out
+
+
+def test_figure_images_refuses_a_non_notebook_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a notebook")
+    assert main(["figure-images", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a notebook file" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

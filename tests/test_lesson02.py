@@ -1,16 +1,14 @@
 """Lesson 02 (amp_lessons.lessons.l02_amp_loop): FP32 vs AMP, the trainer's cost and the GPU's
 idle share, autocast dtypes, the mistakes, and the claims it decides (B3, B5, B6, B7) - never B1/B2."""
-import json
 import warnings
 
 import pytest
 import torch
 
-from amp_lessons import claims, recipes
+from amp_lessons import claims
 from amp_lessons.data import digits_loaders
 from amp_lessons.lessons import l02_amp_loop as L
 from amp_lessons.models import build_digits_model
-from amp_lessons.records import History
 
 QUICK = dict(model="cnn", width=4, image_size=16, batch_size=128, progress=False)
 
@@ -364,56 +362,6 @@ def test_half_model_errors():
     out = L.half_model_errors()
     assert out["torch"] == "ValueError: Attempting to unscale FP16 gradients."
     assert out["trainer"].startswith("ValueError: model parameters must stay float32")
-
-
-# --- recipes.train_digits, as lesson 02 uses it (engine tests: belong in tests/test_recipes.py) ----
-
-def test_train_digits_checkpoint_and_resume_to_a_total(tmp_path):
-    seen = []
-    run = recipes.train_digits("bf16", epochs=1, checkpoint=tmp_path / "c.pt",
-                               on_epoch=seen.append, **QUICK)
-    assert len(seen) == 1 and run.epochs == seen and 0 <= run.accuracy <= 1
-    more = recipes.train_digits("bf16", epochs=2, resume=tmp_path / "c.pt", **QUICK)
-    assert len(more.epochs) == 2 and more.trainer.epoch == 2
-    whole = recipes.train_digits("bf16", epochs=2, **QUICK)
-    assert more.history.columns()["loss"] == whole.history.columns()["loss"]
-    assert more.accuracy == whole.accuracy
-    summary = more.summary()
-    assert summary["precision"] == "bf16" and summary["peak_memory_mib"] is None
-    assert json.dumps(summary)
-
-
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(epochs=0), "epochs must be a whole number >= 1"),
-    (dict(batch_size=0), "batch_size must be a whole number >= 1"),
-    (dict(lr=0), "lr must be a finite number > 0"),
-    (dict(lr_schedule="step"), "lr_schedule must be 'constant' or 'cosine'"),
-    (dict(model="vgg"), "model must be one of"),
-    (dict(precision="fp8"), "precision must be one of"),
-])
-def test_train_digits_bad_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        recipes.train_digits(**{**dict(epochs=1, progress=False), **kwargs})
-
-
-def test_digits_run_peak_memory_leaves_out_what_was_allocated_before():
-    epochs = [{"time_s": 3.0, "peak_memory_bytes": 5 * 2 ** 20, "test_accuracy": 0.5},
-              {"time_s": 1.0, "peak_memory_bytes": 6 * 2 ** 20, "test_accuracy": 0.9},
-              {"time_s": 2.0, "peak_memory_bytes": 4 * 2 ** 20, "test_accuracy": 0.95}]
-    run = recipes.DigitsRun("fp16", "cnn", "cuda:0", epochs, History(), None,
-                            baseline_bytes=2 * 2 ** 20)
-    assert run.peak_memory_mib == 4.0
-    assert run.epoch_time_s == 1.5  # median without the warm-up epoch
-    assert run.accuracy == 0.95
-    empty = recipes.DigitsRun("fp32", "cnn", "cpu", [], History(), None)
-    assert empty.epoch_time_s is None and empty.accuracy is None and empty.peak_memory_mib is None
-
-
-def test_cosine_schedule_decays_to_zero():
-    run = recipes.train_digits("fp32", epochs=2, lr_schedule="cosine", **QUICK)
-    lrs = run.history.columns()["lr"]
-    assert lrs[0] == pytest.approx(0.05) and lrs[-1] < 0.01 * lrs[0]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
 
 def test_loops_agree_bitwise_on_the_cpu():

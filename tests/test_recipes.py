@@ -55,3 +55,10 @@ def test_digits_run_numbers_leave_out_warm_up_and_baseline():
     assert run.accuracy == 0.95 and run.skipped_steps == 0
     empty = recipes.DigitsRun("fp32", "cnn", "cpu", [], History(), None)
     assert empty.epoch_time_s is None and empty.accuracy is None and empty.peak_memory_mib is None
+
+
+def test_cosine_schedule_decays_to_zero():
+    run = recipes.train_digits("fp32", epochs=2, lr_schedule="cosine", **QUICK)
+    lrs = run.history.columns()["lr"]
+    assert lrs[0] == pytest.approx(0.05) and lrs[-1] < 0.01 * lrs[0]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))

@@ -31,6 +31,7 @@ from . import trainer as _trainer
 from ._validate import check_choice, check_int
 from .data import synthetic_images
 from .tables import json_safe, percent
+from .env import device_capability
 from .precision import PRECISIONS, as_device, autocast_for, native_bf16, precision_settings
 
 GIB = 2**30
@@ -188,9 +189,10 @@ def build_optimizer(config: BenchConfig, params: Iterable[torch.Tensor],
 def skip_reason(config: BenchConfig, device) -> Optional[str]:
     """Why ``config`` cannot run on ``device`` (a sentence), or None when it can."""
     device = torch.device(device)
-    if config.precision == "bf16" and not native_bf16(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"bf16 needs native support (compute capability 8.0+); this GPU is sm_{major}{minor}"
+    if config.precision in ("bf16", "tf32") and device.type == "cuda" and not native_bf16(device):
+        major, minor = device_capability(device)
+        return (f"{config.precision} needs compute capability 8.0+ (native bf16, TF32 tensor "
+                f"cores); this GPU is sm_{major}{minor}")
     if config.compile and device.type != "cuda":
         return "torch.compile is measured on a GPU only (compiling a ResNet takes minutes on a CPU)"
     if config.cuda_graph:

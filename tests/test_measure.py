@@ -64,6 +64,7 @@ def test_skip_reasons_on_a_cpu():
     assert "GPU" in M.skip_reason(BenchConfig(compile="default"), "cpu")
     assert "CUDA" in M.skip_reason(BenchConfig(cuda_graph=True), "cpu")
     assert M.skip_reason(BenchConfig(precision="bf16"), "cpu") is None
+    assert M.skip_reason(BenchConfig(precision="tf32"), "cpu") is None  # plain fp32 off CUDA
 
 
 @pytest.mark.parametrize("memory, expected", [(None, 256), (15.0, 64), (22.0, 128),

@@ -155,8 +155,10 @@ def test_time_steps_resets_the_peak_counter_only_when_asked(monkeypatch):
 
 
 def test_measure_a_tiny_resnet_on_the_cpu():
-    row = M.measure(BenchConfig(precision="bf16", channels_last=True, **TINY), "cpu",
-                        warmup=1, steps=2)
+    # lr 0.01: at SGD's default 0.1 two images are memorised in three steps and bf16's logits can
+    # run to NaN, depending on what ran before in the process (seen once in the full suite).
+    row = M.measure(BenchConfig(precision="bf16", channels_last=True, lr=0.01, **TINY), "cpu",
+                    warmup=1, steps=2)
     assert row["status"] == "ok", row["reason"]
     assert row["img_per_s"] > 0 and row["timer"] == "perf_counter"
     assert row["peak_allocated_gib"] is None  # no allocator statistics on a CPU

@@ -107,7 +107,8 @@ def claims_table(results: Sequence[dict]) -> List[dict]:
                      "measured": got["measured"] if got else "-",
                      "verdict": got["verdict"] if got else (
                          "not measured by the course" if claim.lesson is None
-                         else "no committed run yet"),
+                         else f"not published as a verdict by lesson {claim.lesson}'s committed "
+                              f"run (see its notebook)"),
                      "why": got["why"] if got else claim.rule})
     return rows
 

@@ -14,7 +14,7 @@ NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sani
 COLAB_VENV := .venv-colab
 COLAB_PINS := -r tests/colab_versions.txt
 COLAB_STAMP := $(COLAB_VENV)/.amp-lessons-colab
-COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)/site-packages
+COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
 
 .PHONY: lab test unit notebooks browser colab figure-images screenshot claims clean
 

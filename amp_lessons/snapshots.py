@@ -13,6 +13,7 @@ import base64
 import contextlib
 import copy
 import io
+import json
 import os
 import shutil
 import warnings
@@ -64,7 +65,7 @@ def render_png(figure: dict, scale: float = 1.0) -> bytes:
     if not (isinstance(scale, (int, float)) and 0.25 <= scale <= 4):
         raise ValueError(f"scale must be a number in [0.25, 4]; got {scale!r}")
     os.environ.setdefault("BROWSER_PATH", find_chromium())
-    fig = pio.from_json(_dumps({"data": figure["data"], "layout": figure.get("layout", {})}),
+    fig = pio.from_json(json.dumps({"data": figure["data"], "layout": figure.get("layout", {})}),
                         skip_invalid=True)
     layout = figure.get("layout", {})
     width = layout.get("width") or DEFAULT_WIDTH
@@ -103,11 +104,6 @@ def _browser():
     finally:
         stop(silence_warnings=True)
 
-
-def _dumps(obj) -> str:
-    import json
-
-    return json.dumps(obj)
 
 
 MIN_PACKED = 64  # arrays shorter than this stay readable lists

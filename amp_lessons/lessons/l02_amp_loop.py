@@ -87,6 +87,15 @@ def gpu_busy(step: Callable, x: torch.Tensor, y: torch.Tensor, device: Device = 
     return busy, f"torch.profiler, union of device kernels over {steps} steps"
 
 
+def _seeded_model(model: str, width: int, image_size: Optional[int], seed: int, dev):
+    """A digits model from ``seed``, on ``dev`` in training mode, and its input size."""
+    torch.manual_seed(seed)
+    net, size = build_digits_model(model, width)
+    if image_size is not None and size is not None:
+        size = image_size
+    return net.to(dev).train(), size
+
+
 def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cnn",
                   width: int = 32, image_size: Optional[int] = None, batch_size: int = 64,
                   lr: float = 0.05, device: Device = None, warmup: int = 10, steps: int = 30,
@@ -113,11 +122,7 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
     rows: List[dict] = []
     for p in precisions:
         p = check_precision(p, dev)
-        torch.manual_seed(seed)
-        net, size = build_digits_model(model, width)
-        if image_size is not None and size is not None:
-            size = image_size
-        net.to(dev).train()
+        net, size = _seeded_model(model, width, image_size, seed, dev)
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
         x, y = next(iter(digits_loaders(batch_size, size, dev, seed)[0]))
         # Like for like: the hand loop has no non-finite guard, so the trainer's is off here (its
@@ -170,11 +175,7 @@ def loops_agree(precision: str = "fp16", steps: int = 5, model: str = "cnn", wid
     check_positive("lr", lr)
     dev = as_device(device)
     p = check_precision(precision, dev)
-    torch.manual_seed(seed)
-    hand_net, size = build_digits_model(model, width)
-    if image_size is not None and size is not None:
-        size = image_size
-    hand_net.to(dev).train()
+    hand_net, size = _seeded_model(model, width, image_size, seed, dev)
     trained_net = copy.deepcopy(hand_net)
     train, _ = digits_loaders(batch_size, size, dev, seed)
     batches = [b for _, b in zip(range(steps), _cycle(train))]

@@ -351,13 +351,17 @@ def _pct(v: Optional[float]) -> str:
 
 # --- claims B1 and B2: fp16 against fp32 on ResNet-50 -------------------------------------------
 
+def _check_pair(fp32, fp16) -> None:
+    for name, r in (("fp32", fp32), ("fp16", fp16)):
+        if not isinstance(r, dict):
+            raise ValueError(f"{name} must be a measured row (a dict); got {r!r}")
+
+
 def verdict_b1(fp32: Dict[str, object], fp16: Dict[str, object]) -> claims.Verdict:
     """Claim B1 (fp16 saves about 50% of memory and trains 1.5-2x faster on tensor cores) from
     two rows of the same run. Holds when the speed-up is at least 1.5x and the memory saved at
     least 40%; decided only on a busy GPU (``timing_reason``)."""
-    for name, r in (("fp32", fp32), ("fp16", fp16)):
-        if not isinstance(r, dict):
-            raise ValueError(f"{name} must be a measured row (a dict); got {r!r}")
+    _check_pair(fp32, fp16)
     reason = timing_reason(fp32, fp16)
     speedup = ratio(fp16.get("img_per_s"), fp32.get("img_per_s"))
     saving = _saving(fp16, fp32)
@@ -379,9 +383,7 @@ def verdict_b2(fp32: Dict[str, object], fp16: Dict[str, object]) -> claims.Verdi
     """Claim B2 (article B's RTX 3090 run: AMP over 40% less memory and about 39% less time than
     fp32) from two rows of the same run: holds when memory saved >= 40% and the step time is at
     least 30% shorter; decided only on a busy GPU."""
-    for name, r in (("fp32", fp32), ("fp16", fp16)):
-        if not isinstance(r, dict):
-            raise ValueError(f"{name} must be a measured row (a dict); got {r!r}")
+    _check_pair(fp32, fp16)
     reason = timing_reason(fp32, fp16)
     saving = _saving(fp16, fp32)
     a, b = fp32.get("step_ms"), fp16.get("step_ms")

@@ -836,16 +836,15 @@ def claim_r10(card_rows: Sequence[Dict[str, object]],
         wins = sum(1 for b in per_card if b.get(amp_ckpt, -1) == max(b.values()))
         others = sorted({max(b, key=b.get) for b in per_card
                          if b.get(amp_ckpt, -1) < max(b.values())})
-        best = per_card
-        pick = (f"{amp_ckpt} fit the largest batch (ties included) on {wins} of {len(best)} "
+        pick = (f"{amp_ckpt} fit the largest batch (ties included) on {wins} of {len(per_card)} "
                 f"such cards" + (f" ({', '.join(others)} larger on the rest)" if others else ""))
         out.append(claims.decide(
             "R10a", LESSON,
             "; ".join(describe(c) for c in small)
             + f"; {amp_ckpt} saved {ckpt_saved:.0f}% against fp32 at the same batch{note}",
-            wins == len(best) and ckpt_saved >= R10A_SAVED_PCT[0],
+            wins == len(per_card) and ckpt_saved >= R10A_SAVED_PCT[0],
             f"{pick}; " + _range_verdict(ckpt_saved, *R10A_SAVED_PCT, "memory saved"),
-            numbers={"memory_saved_pct": ckpt_saved, "wins": wins, "cards": len(best)},
+            numbers={"memory_saved_pct": ckpt_saved, "wins": wins, "cards": len(per_card)},
             cannot_decide=on_cpu))
     large = [c for c in measured_cards if c >= small_card_gb]
     amp_saved = saved(amp)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ._validate import check_choice, check_int
+from .env import apply_simulation
 
 BACKENDS = ("nccl", "gloo")
 WORLD_SIZES = (1, 2, 4, 8)
@@ -146,6 +147,7 @@ def init_rank(rank: int, world_size: int, local_rank: int, backend: str, init_me
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        apply_simulation(device)  # AMP_LESSONS_SIMULATE caps each rank's allocator too
     else:
         device = torch.device("cpu")
         # Processes share the cores: without this each would start one thread per core.

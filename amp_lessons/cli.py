@@ -1,4 +1,4 @@
-"""Command line: ``python -m amp_lessons {run-notebooks,readme,bench,train} ...``.
+"""Command line: ``python -m amp_lessons {run-notebooks,rehearse,readme,claims,figure-images,bench,train} ...``.
 
 Bad flags end in argparse's usage message and exit status 2. Every other user error (a bad
 setting, a missing or damaged file, a path that cannot be written) prints one line,
@@ -98,6 +98,54 @@ def _cmd_run_notebooks(args) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+# --- rehearse ----------------------------------------------------------------------------------
+
+def _add_rehearse(sub) -> None:
+    p = sub.add_parser("rehearse", help="run lessons' full profiles on a simulated card (T4)",
+                       description="Run notebooks with AMP_LESSONS_SIMULATE set (allocator capped, "
+                                   "bf16 and TF32 off, the card's capability) and write "
+                                   "rehearsal_<card>.json: time, GPU-busy time, peak GPU memory "
+                                   "and the rows not run per lesson.")
+    p.add_argument("notebooks", nargs="*", type=Path,
+                   help="notebooks to run (default: every lesson in notebooks/)")
+    p.add_argument("--card", default="t4", help="the card to simulate (default and only: t4)")
+    p.add_argument("--profile", choices=["quick", "full"], default="full",
+                   help="sizes to use (default: full)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for the executed copies and rehearsal_<card>.json")
+    p.add_argument("--timeout", type=_positive_int, default=1800,
+                   help="seconds one cell may run (default 1800)")
+    p.set_defaults(func=_cmd_rehearse)
+
+
+def _cmd_rehearse(args) -> int:
+    from .env import SIMULATED_CARDS
+    from .rehearsal import rehearse
+    from .runner import NotANotebookError, course_notebooks, read_notebook
+
+    paths = args.notebooks or course_notebooks()
+    try:
+        if args.card not in SIMULATED_CARDS:
+            raise ValueError(f"card must be one of {', '.join(SIMULATED_CARDS)}; got {args.card!r}")
+        missing = [str(p) for p in paths if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"no such notebook: {', '.join(missing)}")
+        for p in paths:
+            read_notebook(Path(p))
+        if args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"out must be a folder; got the file '{args.out}'")
+    except (NotANotebookError, ValueError) as exc:
+        return fail("rehearse", str(exc))
+    doc = rehearse(paths, card=args.card, out=args.out, profile=args.profile,
+                   timeout=args.timeout)
+    for r in doc["lessons"]:
+        state = "completed" if r["completed"] else f"FAILED ({r['error']})"
+        print(f"{r['notebook']}: {state} in {r['seconds']} s, peak {r['peak_gpu_mib']} MiB, "
+              f"{len(r['not_run'])} rows not run")
+    print(f"wrote {args.out / f'rehearsal_{args.card}.json'}")
+    return 0 if all(r["completed"] for r in doc["lessons"]) else 1
 
 
 # --- readme ------------------------------------------------------------------------------------
@@ -425,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # One ``_add_<command>(subparsers)`` function per subcommand, defined above in its own section.
-_COMMANDS = [_add_run_notebooks, _add_readme, _add_claims, _add_figure_images, _add_bench, _add_train]
+_COMMANDS = [_add_run_notebooks, _add_rehearse, _add_readme, _add_claims, _add_figure_images, _add_bench, _add_train]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

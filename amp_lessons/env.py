@@ -47,16 +47,17 @@ def get_profile(value: Optional[str] = None) -> str:
 
 SIMULATE_VARIABLE = "AMP_LESSONS_SIMULATE"
 SIMULATED_CARDS = ("t4",)
-# What a simulated card looks like to the lessons: Colab's and Kaggle's free T4 has 15 GiB usable,
-# compute capability 7.5 (fp16 tensor cores; no native bf16, no TF32, no FP8).
-CARD_FACTS = {"t4": {"name": "Tesla T4", "capability": (7, 5), "memory_gib": 15.0}}
+# What a simulated card looks like to the lessons: Colab's and Kaggle's free T4 (compute capability
+# 7.5: fp16 tensor cores; no native bf16, no TF32, no FP8). torch reports 14.75 GiB on it, of which
+# the CUDA context holds a few hundred MiB: the allocator gets about 14.4 GiB.
+CARD_FACTS = {"t4": {"name": "Tesla T4", "capability": (7, 5), "memory_gib": 14.4}}
 
 
 def simulated_card() -> Optional[str]:
     """The card ``AMP_LESSONS_SIMULATE`` asks the lessons to behave as (``"t4"``), or None.
 
     Under ``t4`` a bigger GPU takes Colab's and Kaggle's path: bf16 and TF32 count as unsupported
-    and ``probe`` reports a 15 GiB card, so every lesson's skips and batch sizes are the T4's.
+    and ``probe`` reports the T4's memory, so every lesson's skips and batch sizes are the T4's.
     """
     value = os.environ.get(SIMULATE_VARIABLE, "").strip().lower()
     if not value:
@@ -79,6 +80,19 @@ def device_capability(device=None) -> Optional[Tuple[int, int]]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
+def allocatable_bytes(device=None) -> Optional[int]:
+    """How many bytes this process's CUDA allocator may hold on ``device``: the GPU's memory, or
+    the simulated card's (``AMP_LESSONS_SIMULATE``) where that is smaller. None for a CPU."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    card = simulated_card()
+    if card:
+        return min(total, int(CARD_FACTS[card]["memory_gib"] * 2**30))
+    return total
+
+
 def apply_simulation(device=None) -> Optional[str]:
     """Cap this process's CUDA allocator at the simulated card's memory (``set_per_process_memory_
     fraction``), so a batch that would not fit a T4 fails here too. Returns a line saying what is
@@ -91,7 +105,7 @@ def apply_simulation(device=None) -> Optional[str]:
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     fraction = min(1.0, facts["memory_gib"] / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return (f"simulating a {facts['name']} on this GPU: allocator capped at {facts['memory_gib']:.0f} "
+    return (f"simulating a {facts['name']} on this GPU: allocator capped at {facts['memory_gib']:.1f} "
             f"GiB ({fraction:.1%} of {total:.0f} GiB), capability {facts['capability'][0]}."
             f"{facts['capability'][1]}, no bf16, no TF32")
 

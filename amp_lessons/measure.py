@@ -31,7 +31,7 @@ from . import trainer as _trainer
 from ._validate import check_choice, check_int
 from .data import synthetic_images
 from .tables import json_safe, percent
-from .env import device_capability
+from .env import allocatable_bytes, device_capability
 from .precision import PRECISIONS, as_device, autocast_for, native_bf16, precision_settings
 
 GIB = 2**30
@@ -813,9 +813,10 @@ def memory_cap(cap_bytes: int, device) -> Iterator[None]:
     """
     device = torch.device(device)
     total = torch.cuda.get_device_properties(device).total_memory
-    if not (0 < cap_bytes <= total):
-        raise ValueError(f"cap_bytes must be in (0, {total}] (this device's memory); "
-                         f"got {cap_bytes!r}")
+    usable = allocatable_bytes(device)  # a simulated card's memory where one is simulated
+    if not (0 < cap_bytes <= usable):
+        raise ValueError(f"cap_bytes must be in (0, {usable}] (the memory this process may use "
+                         f"on this device); got {cap_bytes!r}")
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None) or \
         getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -70,3 +70,13 @@ def test_default_device_matches_cuda():
 def test_unknown_submodule():
     with pytest.raises(AttributeError):
         al.does_not_exist
+
+
+def test_allocatable_bytes_is_the_simulated_cards_memory(monkeypatch):
+    import torch
+    from amp_lessons import env as E
+    assert E.allocatable_bytes("cpu") is None
+    if not torch.cuda.is_available():
+        return
+    monkeypatch.setenv(E.SIMULATE_VARIABLE, "t4")
+    assert E.allocatable_bytes("cuda") == int(E.CARD_FACTS["t4"]["memory_gib"] * 2**30)

@@ -592,3 +592,21 @@ def test_keep_batchnorm_stats_restores_every_setting():
         bn(torch.randn(4, 3, 2, 2))
     assert bn.momentum is None and bn.num_batches_tracked is count and int(count) == 0
     assert torch.equal(bn.running_mean, torch.zeros(3)) and torch.equal(bn.running_var, torch.ones(3))
+
+
+def test_claim_r8_is_decided_on_a_pair_that_kept_the_gpu_busy():
+    def idle(row, share):
+        return dict(row, gpu_idle_fraction=share)
+    eager = [idle(_row("AMP", 10.0, 100.0), 0.05), idle(_row("AMP + checkpointing", 4.0, 190.0), 0.35)]
+    graph = [idle(_row("AMP + CUDA graph", 10.0, 95.0), 0.01),
+             idle(_row("AMP + checkpointing + CUDA graph", 7.5, 125.0), 0.02)]
+    verdict = L.claim_r8(eager + graph)
+    assert verdict.held is True  # the graphed pair: 25% saved, +32% time
+    assert "AMP + CUDA graph -> AMP + checkpointing + CUDA graph" in verdict.measured
+    assert "GPU idle at most 2%" in verdict.measured
+    host_bound = L.claim_r8(eager)
+    assert host_bound.held is None and "idle 35%" in host_bound.why
+    costs = L.checkpointing_costs(eager + graph)
+    assert [c["gpu_idle_fraction"] for c in costs] == [0.35, 0.02]
+    shown = L.technique_report_rows(eager)
+    assert [r["GPU idle %"] for r in shown] == [5.0, 35.0]

@@ -280,6 +280,36 @@ def test_train_gpt_learns_and_repeats(corpus):
         L.train_gpt(corpus, "fp16", **kw)
 
 
+def test_train_gpt_compiles_each_block_for_training_only(corpus, monkeypatch):
+    """compile=True compiles every block on its own (static shapes), trains exactly as eager would
+    (the stand-in compiler changes nothing), puts the plain blocks back before the held-out loss
+    (the stand-in refuses to run without gradients) and resets dynamo's caches afterwards."""
+    calls, resets = [], []
+
+    class TrainOnly(nn.Module):  # stands in for torch.compile's wrapper
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            assert torch.is_grad_enabled(), "a compiled block ran for the held-out loss"
+            return self.block(x)
+
+    def fake_compile(module, **kwargs):
+        calls.append(kwargs)
+        return TrainOnly(module)
+
+    kw = dict(steps=6, batch_size=4, model_kwargs=TINY_GPT, warmup_steps=1, eval_batches=1)
+    eager = L.train_gpt(corpus, "bf16", seed=5, **kw)
+    monkeypatch.setattr(L.torch, "compile", fake_compile)
+    monkeypatch.setattr(L.torch._dynamo, "reset", lambda: resets.append(1))
+    compiled = L.train_gpt(corpus, "bf16", seed=5, compile=True, **kw)
+    assert calls == [{"dynamic": False}] * TINY_GPT["n_layers"] and resets == [1]
+    assert compiled["losses"] == eager["losses"] and compiled["val_loss"] == eager["val_loss"]
+    assert compiled["compiled"] and not eager["compiled"]
+    assert compiled["first_step_s"] > 0 and compiled["ms_per_step"] > 0
+
+
 def test_evaluate_uses_fixed_batches(corpus):
     torch.manual_seed(0)
     model = L._models.TinyTransformer(**TINY_GPT)
@@ -413,6 +443,72 @@ def test_findings_state_measurements_and_what_is_not_decided():
                            L.loss_comparison([_run("bf16", 0, 1.5, 20), _run("bf16", 1, 1.6, 20)]))
     assert cpu_lines[1] == f"Speed: not measured: {CPU.reason}."
     assert cpu_lines[-1].startswith("Not decided here whether FP8 trains as well as bf16")
+
+
+# --- what the lesson publishes ----------------------------------------------------------------
+
+H200 = L.FP8Support("cuda", "NVIDIA H200", (9, 0), "0.18.0", "")
+
+
+def _numbers(row, keep=("width", "recipe", "run", "steps", "status")):
+    return {k: v for k, v in row.items() if k not in keep and v is not None}
+
+
+def test_speed_report_rows_measured_and_not():
+    rows = L.speed_report_rows(_speed_rows())
+    assert [list(r) for r in rows] == [list(L.SPEED_REPORT_COLUMNS)] * len(rows)
+    tw = next(r for r in rows if r["width"] == 4096 and r["recipe"] == "tensorwise")
+    assert tw == {"width": 4096, "recipe": "tensorwise", "step ms": 58.3,
+                  "speed-up over bf16": 1.45, "peak GiB": 10.0, "status": "measured"}
+    cpu = L.speed_report_rows(L.speed_sweep((32, 64), support=CPU))
+    assert len(cpu) == 6 and all(not _numbers(r) for r in cpu)
+    assert all(r["status"] == f"not measured: {CPU.reason}" for r in cpu)
+    odd = L.speed_report_rows([{"width": 8192, "recipe": "rowwise", "step_ms": 3.0, "speedup": 1.0,
+                                "peak_gib": 1.0, "status": "failed"},
+                               {"width": 8192, "recipe": "bf16", "step_ms": None,
+                                "status": "not measured: out of memory"}])
+    assert [r["status"] for r in odd] == ["not measured: failed", "not measured: out of memory"]
+    assert all(not _numbers(r) for r in odd)  # a number is never shown beside "not measured"
+    with pytest.raises(ValueError, match="rows"):
+        L.speed_report_rows([])
+
+
+def test_accuracy_report_rows_decided_not_decided_and_not_run():
+    runs = [dict(_run("bf16", 0, 1.50), val_loss=1.6), dict(_run("bf16", 1, 1.52), val_loss=1.61),
+            dict(_run("bf16", 2, 1.49), val_loss=1.59), dict(_run("tensorwise", 0, 1.51), val_loss=1.6)]
+    rows = L.accuracy_report_rows(runs, L.loss_comparison(runs), H200)
+    assert [list(r) for r in rows] == [list(L.ACCURACY_REPORT_COLUMNS)] * 4
+    assert rows[0]["final loss"] == "1.5000" and rows[0]["FP8 minus bf16 (same seed)"] is None
+    fp8 = rows[3]
+    assert fp8["FP8 minus bf16 (same seed)"] == "+0.0100" and fp8["bf16 seed spread"] == "0.0300"
+    assert fp8["within the spread"] is True and fp8["status"] == "measured"
+    assert fp8["held-out loss"] == "1.6000"
+    # on the CPU (no FP8 tensor cores, no torchao): every row says why, with no number
+    cpu_runs = runs[:2] + [{"label": "float8 tensorwise, seed 0", "recipe": "tensorwise",
+                            "seed": 0, "steps": 2000, "status": f"not run: {CPU.reason}"}]
+    cpu = L.accuracy_report_rows(cpu_runs, L.loss_comparison(cpu_runs), CPU)
+    assert all(not _numbers(r) for r in cpu)
+    assert all(r["status"] == f"not measured: {CPU.reason}" for r in cpu)
+    # FP8 tensor cores, but too few steps to compare: the comparison's reason
+    short = [dict(r, steps=20) for r in runs]
+    rows = L.accuracy_report_rows(short, L.loss_comparison(short), H200)
+    assert all(not _numbers(r) for r in rows)
+    assert all("20 steps are too few" in r["status"] for r in rows)
+    with pytest.raises(ValueError, match="runs"):
+        L.accuracy_report_rows([], {}, H200)
+
+
+def test_published_rows_make_a_result_bundle():
+    from amp_lessons import report
+    for key, rows, columns in [
+            ("lesson07.speed", L.speed_report_rows(_speed_rows()), L.SPEED_REPORT_COLUMNS),
+            ("lesson07.accuracy", L.accuracy_report_rows(
+                [_run("bf16", 0, 1.5), _run("bf16", 1, 1.6)],
+                L.loss_comparison([_run("bf16", 0, 1.5), _run("bf16", 1, 1.6)]), CPU),
+             L.ACCURACY_REPORT_COLUMNS)]:
+        bundle = report.result_bundle(key, rows, "title", columns=columns)
+        assert bundle[report.RESULT_MIME]["rows"] == rows
+        assert bundle[report.RESULT_MIME]["columns"] == list(columns)
 
 
 def test_format_rows_aligns_and_formats():

@@ -446,12 +446,15 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def _compile_blocks(model: nn.Sequential) -> nn.Sequential:
-    # Each block is compiled on its own: the blocks are identical, so inductor's caches serve
-    # blocks 2-4 from block 1's compilation, and compiling a width takes a quarter of the time.
-    for i in range(len(model)):
-        model[i] = torch.compile(model[i], dynamic=False)
-    return model
+def _compile_blocks(blocks: Union[nn.Sequential, nn.ModuleList]) -> List[nn.Module]:
+    # Each block is compiled on its own ("regional" compilation): the blocks are identical, so
+    # inductor's caches serve blocks 2-4 from block 1's compilation, and compiling takes about a
+    # quarter of the time of compiling the whole stack. Returns the uncompiled blocks (same
+    # parameters), so a caller can put them back (see ``train_gpt``).
+    originals = list(blocks)
+    for i in range(len(blocks)):
+        blocks[i] = torch.compile(originals[i], dynamic=False)
+    return originals
 
 
 def time_recipe(recipe: str, width: int, tokens: int = 16384, blocks: int = 4, steps: int = 10,
@@ -460,9 +463,11 @@ def time_recipe(recipe: str, width: int, tokens: int = 16384, blocks: int = 4, s
     """Train ``mlp_stack(width, blocks)`` on ``tokens`` rows for ``warmup`` + ``steps`` steps.
 
     bf16 autocast, fused AdamW (on CUDA), MSE against a fixed random target; ``recipe`` is
-    ``bf16`` or a torchao float8 recipe. Peak memory is reset before the model is built, so it
-    counts weights, gradients, optimizer state and activations. Returns the median step (CUDA
-    events on a GPU), peak GiB, TFLOP/s, the time of the first (compiling) step and the loss.
+    ``bf16`` or a torchao float8 recipe. The model is built directly on ``device`` (initialising
+    two billion weights on the CPU and copying them over took longer than timing them). Peak
+    memory is reset before the model is built, so it counts weights, gradients, optimizer state
+    and activations. Returns the median step (CUDA events on a GPU), peak GiB, TFLOP/s, the time
+    of the first (compiling) step and the loss.
     """
     check_choice("recipe", recipe, RECIPES)
     check_int("tokens", tokens, 1)
@@ -475,7 +480,8 @@ def time_recipe(recipe: str, width: int, tokens: int = 16384, blocks: int = 4, s
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
-    model = mlp_stack(width, blocks).to(device)
+    with device:  # weights are created and initialised on the device itself
+        model = mlp_stack(width, blocks)
     n_params = sum(p.numel() for p in model.parameters())
     if recipe != "bf16":
         convert_to_float8(model, recipe, emulate=emulate)
@@ -703,15 +709,23 @@ def train_gpt(corpus: Corpus, recipe: str = "bf16", seed: int = 0, steps: int = 
               warmup_steps: int = 100, eval_batches: int = 16,
               device: Union[str, torch.device, None] = None,
               amp_dtype: Optional[torch.dtype] = torch.bfloat16, emulate: bool = False,
-              keep_high_precision: Sequence[str] = ("first", "last")) -> dict:
+              keep_high_precision: Sequence[str] = ("first", "last"),
+              compile: bool = False) -> dict:
     """Train a ``TinyTransformer`` on ``corpus`` in bf16 or a torchao float8 recipe.
 
     AdamW (betas 0.9/0.95, weight decay 0.1), linear warm-up then cosine decay to 10%, gradients
     clipped at 1. ``seed`` fixes both the initial weights and the batch order, so two recipes with
     one seed differ only in their arithmetic. FP8 runs convert every block's Linear layers except
     the first and last ones (``keep_high_precision``); ``emulate`` runs FP8 numerics without FP8
-    tensor cores. ``amp_dtype=None`` trains in fp32 (a GPU without bf16). Returns the per-step
-    losses, the final loss (mean of the last 10% of steps), the held-out loss, time and memory.
+    tensor cores. ``amp_dtype=None`` trains in fp32 (a GPU without bf16).
+
+    ``compile=True`` compiles each transformer block on its own (as the speed sweep does; every
+    recipe the same way, so runs still differ only in their arithmetic). In eager mode torchao's
+    casts are dozens of small kernels per layer, which made FP8 four times slower than bf16 on
+    this small model; compiled, they fuse. The held-out loss is computed with the uncompiled
+    blocks (no second compilation for inference). Returns the per-step losses, the final loss
+    (mean of the last 10% of steps), the held-out loss, the time of the first step (which
+    compiles), the time per step after it, and peak memory.
     """
     check_choice("recipe", recipe, RECIPES)
     check_int("seed", seed, 0)
@@ -741,22 +755,35 @@ def train_gpt(corpus: Corpus, recipe: str = "bf16", seed: int = 0, steps: int = 
                             fused=cuda)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, warmup_steps))
     losses = torch.zeros(steps, device=device)
+    originals = _compile_blocks(model.blocks) if compile else None
+    first_s = 0.0
     started = time.perf_counter()
+    try:
+        with _quiet():
+            for step in range(steps):
+                x, y = text_batch(train, offsets[step], seq_len)
+                with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
+                                    enabled=amp_dtype is not None):
+                    loss = _models.lm_loss(model(x), y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sched.step()
+                losses[step] = loss.detach()
+                if step == 0:
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    first_s = time.perf_counter() - started
+            if cuda:
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - started
+    finally:
+        if originals is not None:
+            for i, block in enumerate(originals):
+                model.blocks[i] = block
+            torch._dynamo.reset()  # fresh caches for the next run: no recompile limit reached
     with _quiet():
-        for step in range(steps):
-            x, y = text_batch(train, offsets[step], seq_len)
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
-                                enabled=amp_dtype is not None):
-                loss = _models.lm_loss(model(x), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-            losses[step] = loss.detach()
-        if cuda:
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - started
         val_loss = evaluate(model, val, seq_len, batch_size, eval_batches, amp_dtype)
     curve = losses.float().cpu().tolist()
     tail = curve[-max(1, steps // 10):]
@@ -765,7 +792,9 @@ def train_gpt(corpus: Corpus, recipe: str = "bf16", seed: int = 0, steps: int = 
         label = "fp32"
     return {"label": f"{label}, seed {seed}", "recipe": recipe, "seed": seed, "steps": steps,
             "losses": curve, "final_loss": statistics.fmean(tail), "val_loss": val_loss,
-            "seconds": seconds, "ms_per_step": 1e3 * seconds / steps,
+            "seconds": seconds, "first_step_s": first_s,
+            "ms_per_step": 1e3 * (seconds - first_s) / (steps - 1) if steps > 1 else 1e3 * seconds,
+            "compiled": bool(compile),
             "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
             "params": model.parameter_count(), "float8_layers": len(converted),
             "emulated": bool(emulate and recipe != "bf16"),
@@ -835,10 +864,11 @@ def loss_comparison(runs: Sequence[Mapping], min_steps: int = 1000) -> dict:
 
 
 def accuracy_table(runs: Sequence[Mapping]) -> List[dict]:
-    """One row per training run: final and held-out loss, time per step, peak memory, status."""
+    """One row per training run: final and held-out loss, the first step (which compiles, where
+    the run was compiled), time per step after it, peak memory, status."""
     return [{"run": r["label"], "steps": r.get("steps"), "final loss": r.get("final_loss"),
-             "held-out loss": r.get("val_loss"), "ms/step": r.get("ms_per_step"),
-             "peak GiB": r.get("peak_gib"), "FP8 layers": r.get("float8_layers"),
+             "held-out loss": r.get("val_loss"), "first step s": r.get("first_step_s"),
+             "ms/step": r.get("ms_per_step"), "peak GiB": r.get("peak_gib"), "FP8 layers": r.get("float8_layers"),
              "status": r.get("status")} for r in runs]
 
 
@@ -959,6 +989,84 @@ def findings(support: FP8Support, speed_rows: Sequence[Mapping], comparison: Map
     if not comparison.get("decided"):
         lines.append(f"Not decided here whether FP8 trains as well as bf16: {comparison['reason']}.")
     return lines
+
+
+# --- 6. what the lesson publishes (``report.publish``: the README's results section) -------------
+
+SPEED_REPORT_COLUMNS = ("width", "recipe", "step ms", "speed-up over bf16", "peak GiB", "status")
+ACCURACY_REPORT_COLUMNS = ("run", "steps", "final loss", "held-out loss",
+                           "FP8 minus bf16 (same seed)", "bf16 seed spread", "within the spread",
+                           "status")
+
+
+def _round(value: Optional[float], digits: int) -> Optional[float]:
+    return None if value is None else round(float(value), digits)
+
+
+def speed_report_rows(rows: Sequence[Mapping]) -> List[dict]:
+    """``speed_sweep`` rows as the table the lesson publishes: width, recipe, median step (ms),
+    speed-up over compiled bf16 of the same width, peak GiB and a status.
+
+    Only a row whose status is ``measured`` carries numbers; every other row (no FP8 tensor
+    cores, no torchao, out of memory, a failure) has no number at all and its status says
+    ``not measured: <reason>``.
+    """
+    if not rows:
+        raise ValueError("rows must hold at least one row (see speed_sweep)")
+    out = []
+    for r in rows:
+        measured = r.get("status") == "measured" and r.get("step_ms") is not None
+        status = r.get("status") or NOT_MEASURED
+        if not measured and not str(status).startswith(NOT_MEASURED):
+            status = f"{NOT_MEASURED}: {status}"
+        out.append({"width": r["width"], "recipe": r["recipe"],
+                    "step ms": _round(r.get("step_ms"), 2) if measured else None,
+                    "speed-up over bf16": _round(r.get("speedup"), 2) if measured else None,
+                    "peak GiB": _round(r.get("peak_gib"), 2) if measured else None,
+                    "status": "measured" if measured else status})
+    return out
+
+
+def accuracy_report_rows(runs: Sequence[Mapping], comparison: Mapping,
+                         support: FP8Support) -> List[dict]:
+    """``accuracy_runs`` and their ``loss_comparison`` as the table the lesson publishes: one row
+    per run (each bf16 seed, then each FP8 run), with its final and held-out loss and, on FP8
+    rows, the difference from bf16 with the same seed, the bf16 seed spread and whether the
+    difference is within it.
+
+    Numbers appear only where the comparison was made with FP8 on FP8 tensor cores
+    (``support.available``) and decided (enough steps, two or more bf16 seeds, an FP8 run);
+    otherwise every row has no number and says ``not measured: <reason>``. Losses are text with
+    four decimals: they differ in the third, which a two-decimal table would hide.
+    """
+    if not runs:
+        raise ValueError("runs must hold at least one run (see accuracy_runs)")
+    if not support.available:
+        why = support.reason or "FP8 matmuls do not run here"
+    elif not comparison.get("decided"):
+        why = comparison.get("reason") or "the comparison was not decided"
+    else:
+        why = ""
+    by_run = {row["run"]: row for row in comparison.get("rows", [])}
+    spread = comparison.get("spread")
+    loss = lambda v: None if v is None else f"{v:.4f}"  # noqa: E731
+    out = []
+    for r in runs:
+        row = {c: None for c in ACCURACY_REPORT_COLUMNS}
+        row.update(run=r["label"], steps=r.get("steps"))
+        trained = r.get("status") == "trained"
+        if why or not trained:
+            row["status"] = f"{NOT_MEASURED}: {why or r.get('status')}"
+            out.append(row)
+            continue
+        row.update({"final loss": loss(r["final_loss"]), "held-out loss": loss(r.get("val_loss")),
+                    "status": "measured"})
+        cmp = by_run.get(r["label"]) if r["recipe"] != "bf16" else None
+        if cmp is not None and cmp.get("difference") is not None:
+            row.update({"FP8 minus bf16 (same seed)": f"{cmp['difference']:+.4f}",
+                        "bf16 seed spread": loss(spread), "within the spread": cmp["within"]})
+        out.append(row)
+    return out
 
 
 # --- tables and figures ---------------------------------------------------------------------------

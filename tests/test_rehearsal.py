@@ -1,0 +1,98 @@
+"""The T4 rehearsal (``amp_lessons.rehearsal``) on the CPU: what it records, how it estimates a
+T4's run time, and the CLI's errors. The GPU parts (nvidia-smi) report "not measured" here."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook, new_output
+import nbformat
+
+from amp_lessons import cli, env, rehearsal
+from amp_lessons.report import RESULT_MIME
+
+
+def _notebook(path, *sources):
+    nb = new_notebook(cells=[new_code_cell(s) for s in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_descendants_finds_a_child_process():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        found = rehearsal.descendants(os.getpid())
+        assert found[0] == os.getpid() and child.pid in found
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_not_run_rows_reads_published_statuses():
+    payload = {"key": "lesson04.resnet", "rows": [
+        {"configuration": "fp16", "status": "ok"},
+        {"configuration": "bf16", "status": "skipped: bf16 needs compute capability 8.0+"},
+        {"configuration": "no status"}]}
+    cell = new_code_cell("x")
+    cell.outputs = [new_output("display_data", data={RESULT_MIME: payload, "text/plain": "t"})]
+    rows = rehearsal.not_run_rows(new_notebook(cells=[cell]))
+    assert rows == [{"table": "lesson04.resnet", "row": "bf16",
+                     "status": "skipped: bf16 needs compute capability 8.0+"}]
+
+
+def test_slowdown_and_estimate_follow_the_published_ratios():
+    ratio = rehearsal.slowdown("t4")
+    assert ratio == pytest.approx(min(989 / 65, 4800 / 320))
+    assert rehearsal.estimated_seconds(100.0, 10.0, "t4") == pytest.approx(90 + 10 * ratio, abs=0.1)
+    assert rehearsal.estimated_seconds(100.0, 250.0, "t4") == pytest.approx(100 * ratio, abs=0.1)
+    assert rehearsal.estimated_seconds(100.0, None, "t4") is None
+    with pytest.raises(ValueError, match="card"):
+        rehearsal.slowdown("a100")
+    with pytest.raises(ValueError, match="seconds"):
+        rehearsal.estimated_seconds(-1.0, 0.0, "t4")
+
+
+def test_sampler_without_nvidia_smi_says_not_measured(monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+    monkeypatch.setattr(rehearsal.subprocess, "run", missing)
+    with rehearsal.GpuSampler(os.getpid(), interval_s=0.01) as s:
+        pass
+    assert s.available is False and s.peak_mib is None and "not measured" in s.source
+    with pytest.raises(ValueError, match="interval_s"):
+        rehearsal.GpuSampler(os.getpid(), interval_s=0)
+
+
+def test_visible_gpu_index(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert rehearsal.visible_gpu_index() == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
+    assert rehearsal.visible_gpu_index() == 0
+
+
+def test_rehearse_runs_each_lesson_under_the_simulation_and_keeps_going(tmp_path, monkeypatch):
+    monkeypatch.delenv(env.SIMULATE_VARIABLE, raising=False)
+    good = _notebook(tmp_path / "01_good.ipynb",
+                     "import os\nassert os.environ['AMP_LESSONS_SIMULATE'] == 't4'")
+    bad = _notebook(tmp_path / "02_bad.ipynb", "raise RuntimeError('boom')")
+    doc = rehearsal.rehearse([good, bad], card="t4", out=tmp_path / "out", profile="quick",
+                             timeout=120)
+    first, second = doc["lessons"]
+    assert first["completed"] and first["error"] is None and first["seconds"] > 0
+    assert not second["completed"] and "boom" in second["error"]
+    assert os.environ.get(env.SIMULATE_VARIABLE) is None  # restored afterwards
+    written = json.loads((tmp_path / "out" / "rehearsal_t4.json").read_text())
+    assert [r["notebook"] for r in written["lessons"]] == ["01_good.ipynb", "02_bad.ipynb"]
+    assert written["card_facts"]["memory_gib"] == env.CARD_FACTS["t4"]["memory_gib"]
+    with pytest.raises(ValueError, match="at least one notebook"):
+        rehearsal.rehearse([], out=tmp_path / "none")
+
+
+def test_cli_rehearse_errors(tmp_path, capsys):
+    assert cli.main(["rehearse", "--out", str(tmp_path), str(tmp_path / "missing.ipynb")]) == 2
+    assert "no such notebook" in capsys.readouterr().err
+    nb = _notebook(tmp_path / "01_x.ipynb", "1")
+    assert cli.main(["rehearse", "--card", "a100", "--out", str(tmp_path / "o"), str(nb)]) == 2
+    assert "card must be one of t4" in capsys.readouterr().err

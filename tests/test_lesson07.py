@@ -170,6 +170,7 @@ def test_time_recipe_on_the_cpu():
     row = L.time_recipe("bf16", 32, tokens=64, blocks=1, steps=2, warmup=1, compile=False)
     assert row["status"] == "measured" and row["step_ms"] > 0 and row["peak_gib"] is None
     assert row["params"] == 2 * 4 * 32 * 32 and math.isfinite(row["loss"])
+    assert row["spread_pct"] >= 0 and row["first_step_s"] > 0
     with pytest.raises(ValueError, match="recipe"):
         L.time_recipe("fp16", 32)
     with pytest.raises(ValueError, match="steps"):
@@ -475,7 +476,8 @@ def test_speed_report_rows_measured_and_not():
 
 def test_accuracy_report_rows_decided_not_decided_and_not_run():
     runs = [dict(_run("bf16", 0, 1.50), val_loss=1.6), dict(_run("bf16", 1, 1.52), val_loss=1.61),
-            dict(_run("bf16", 2, 1.49), val_loss=1.59), dict(_run("tensorwise", 0, 1.51), val_loss=1.6)]
+            dict(_run("bf16", 2, 1.49), val_loss=1.59),
+            dict(_run("tensorwise", 0, 1.51), val_loss=1.6)]
     rows = L.accuracy_report_rows(runs, L.loss_comparison(runs), H200)
     assert [list(r) for r in rows] == [list(L.ACCURACY_REPORT_COLUMNS)] * 4
     assert rows[0]["final loss"] == "1.5000" and rows[0]["FP8 minus bf16 (same seed)"] is None

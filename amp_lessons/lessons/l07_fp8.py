@@ -12,6 +12,10 @@ Four parts, each a few calls from the notebook:
 4. **what not to convert**: the module filter that keeps some ``nn.Linear`` layers in bf16, as a
    table, next to torchao's own heuristic.
 
+The speed table and the accuracy result are published to the README's results section
+(``speed_report_rows``, ``accuracy_report_rows``: numbers only where measured on FP8 tensor cores,
+``not measured: <reason>`` everywhere else); no article makes FP8 claims, so there are no verdicts.
+
 torchao is optional (``pip install "amp-lessons[fp8]"``): it is imported inside the functions that
 need it, and where FP8 cannot run, the functions say why instead of failing. The plotly figure
 builders at the end are pure functions.
@@ -466,8 +470,9 @@ def time_recipe(recipe: str, width: int, tokens: int = 16384, blocks: int = 4, s
     ``bf16`` or a torchao float8 recipe. The model is built directly on ``device`` (initialising
     two billion weights on the CPU and copying them over took longer than timing them). Peak
     memory is reset before the model is built, so it counts weights, gradients, optimizer state
-    and activations. Returns the median step (CUDA events on a GPU), peak GiB, TFLOP/s, the time
-    of the first (compiling) step and the loss.
+    and activations. Returns the median step (CUDA events on a GPU), the spread of the timed
+    steps (largest minus smallest, in % of the median), peak GiB, TFLOP/s, the time of the first
+    (compiling) step and the loss.
     """
     check_choice("recipe", recipe, RECIPES)
     check_int("tokens", tokens, 1)
@@ -518,13 +523,15 @@ def time_recipe(recipe: str, width: int, tokens: int = 16384, blocks: int = 4, s
                 first_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.synchronize(device)
-        step_ms = statistics.median(s.elapsed_time(e) for s, e in times)
+        step_times = [s.elapsed_time(e) for s, e in times]
         peak = torch.cuda.max_memory_allocated(device) / GIB
     else:
-        step_ms, peak = statistics.median(times) * 1e3, None
+        step_times, peak = [t * 1e3 for t in times], None
+    step_ms = statistics.median(step_times)
     flops = 6.0 * n_params * tokens
     result = {"width": width, "recipe": recipe, "step_ms": step_ms, "speedup": None,
               "peak_gib": peak, "tflops": flops / (step_ms * 1e-3) / 1e12, "params": n_params,
+              "spread_pct": 100 * (max(step_times) - min(step_times)) / step_ms,
               "first_step_s": first_s, "loss": float(loss.detach()), "status": "measured"}
     del model, opt, x, target, out, loss
     return result
@@ -548,7 +555,7 @@ def speed_sweep(widths: Sequence[int] = (1024, 2048, 4096, 8192), recipes: Seque
     for width in widths:
         for recipe in recipes:
             base = {"width": width, "recipe": recipe, "step_ms": None, "speedup": None,
-                    "peak_gib": None, "tflops": None}
+                    "peak_gib": None, "tflops": None, "spread_pct": None}
             if not support.available:
                 rows.append({**base, "status": f"{NOT_MEASURED}: {support.reason}"})
                 continue
@@ -868,7 +875,8 @@ def accuracy_table(runs: Sequence[Mapping]) -> List[dict]:
     the run was compiled), time per step after it, peak memory, status."""
     return [{"run": r["label"], "steps": r.get("steps"), "final loss": r.get("final_loss"),
              "held-out loss": r.get("val_loss"), "first step s": r.get("first_step_s"),
-             "ms/step": r.get("ms_per_step"), "peak GiB": r.get("peak_gib"), "FP8 layers": r.get("float8_layers"),
+             "ms/step": r.get("ms_per_step"), "peak GiB": r.get("peak_gib"),
+             "FP8 layers": r.get("float8_layers"),
              "status": r.get("status")} for r in runs]
 
 

@@ -613,9 +613,9 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
             row = _measure(config, device, warmup, steps, breakdown, idle)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row, never a dead kernel
         if is_out_of_memory(exc):
-            total = (torch.cuda.get_device_properties(device).total_memory / GIB
+            total = (allocatable_bytes(device) / GIB  # a simulated card's memory
                      if device.type == "cuda" else None)
-            where = f" of this device's {total:.0f} GiB" if total else ""
+            where = f" of this device's {total:.1f} GiB" if total else ""
             row = _empty_row(config, "out of memory",
                              f"batch {config.batch_size} needs more than the free memory{where}")
         else:

@@ -268,3 +268,78 @@ def rehearse(paths: Sequence[Path], card: str = "t4", out: Path = Path("rehearsa
         doc["lessons"].append(rehearse_notebook(Path(path), card, out, profile, timeout))
         target.write_text(json.dumps(json_safe(doc), indent=1))  # kept after every lesson
     return doc
+
+
+def merge(docs: Sequence[Dict[str, object]]) -> Dict[str, object]:
+    """One rehearsal document from several (parts run on different GPUs or calls): the first
+    one's card and facts, every part's host record under ``parts``, the lessons in course order.
+    Raises ValueError when the parts simulated different cards or name a lesson twice."""
+    if not docs:
+        raise ValueError("docs must hold at least one rehearsal document")
+    cards = {d["card"] for d in docs}
+    if len(cards) != 1:
+        raise ValueError(f"the parts simulate different cards: {sorted(cards)}")
+    lessons = [r for d in docs for r in d["lessons"]]
+    names = [r["notebook"] for r in lessons]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"a lesson appears in more than one part: {', '.join(twice)}")
+    first = docs[0]
+    return {"card": first["card"], "card_facts": first["card_facts"],
+            "published": first.get("published", PUBLISHED), "slowdown": first.get("slowdown"),
+            "parts": [{"host": d.get("host"), "date": d.get("date"),
+                       "lessons": [r["notebook"] for r in d["lessons"]]} for d in docs],
+            "lessons": sorted(lessons, key=lambda r: r["notebook"])}
+
+
+README_START = "<!-- rehearsal:start (python -m amp_lessons readme writes this block) -->"
+README_END = "<!-- rehearsal:end -->"
+
+
+def markdown(doc: Dict[str, object]) -> str:
+    """The rehearsal as a README table: per lesson, whether it completed on the simulated card,
+    its time there, its GPU-busy time, the estimated time on the real card, its peak memory, and
+    the rows it could not run; then where the estimate comes from."""
+    facts = doc["card_facts"]
+    lines = [f"| lesson | completed | time on the H200 as a {facts['name']} | GPU busy | "
+             f"expected on a {facts['name']} | peak GPU memory | rows not run |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in doc["lessons"]:
+        est = r.get("estimated_seconds_on_card")
+        peak = r.get("peak_gpu_mib")
+        not_run = "; ".join(f"{x['row']} ({x['status']})" for x in r.get("not_run", [])) or "none"
+        lines.append("| " + " | ".join([
+            r["notebook"].split("_")[0],
+            "yes" if r["completed"] else f"no: {r.get('error')}",
+            f"{r['seconds'] / 60:.1f} min",
+            "-" if r.get("gpu_busy_s") is None else f"{r['gpu_busy_s'] / 60:.1f} min",
+            "-" if est is None else f"about {max(1, round(est / 60))} min",
+            "-" if peak is None else f"{peak / 1024:.1f} GiB",
+            not_run.replace("|", "/")]) + " |")
+    pub = doc.get("published", PUBLISHED)
+    card, host = pub[doc["card"]], pub["host"]
+    lines.append("")
+    lines.append(
+        f"Expected time = the rehearsal's host time as it was + its GPU-busy time (from "
+        f"`nvidia-smi`'s utilisation) x {doc.get('slowdown') or slowdown(doc['card']):.1f}, the "
+        f"smaller of two published ratios: fp16 tensor-core arithmetic {host['fp16_tensor_tflops']:g} "
+        f"against {card['fp16_tensor_tflops']:g} TFLOPS and memory bandwidth "
+        f"{host['memory_gb_s']:g} against {card['memory_gb_s']:g} GB/s ({host['card']} against "
+        f"{card['card']}). Colab's and Kaggle's CPUs are slower than the rehearsal host's, so the "
+        f"host-bound lessons take longer there. Peak memory: {doc['lessons'][0].get('memory_source', '')}; "
+        f"the allocator was capped at {facts['memory_gib']:g} GiB.")
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, doc: Dict[str, object]) -> bool:
+    """Rewrite the README's rehearsal block (between ``README_START`` and ``README_END``) from
+    ``doc``; True when the file changed. ValueError when the markers are missing."""
+    text = Path(readme).read_text()
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"{readme} lacks the rehearsal markers {README_START!r} ... {README_END!r}")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    new = head + README_START + "\n" + markdown(doc) + "\n" + README_END + tail
+    if new != text:
+        Path(readme).write_text(new)
+    return new != text

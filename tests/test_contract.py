@@ -17,11 +17,7 @@ EXPECTED = ["01_fp16_ranges_and_underflow.ipynb", "02_basic_amp_loop.ipynb",
 # CPU run is a real one, recorded as such in the notebook's metadata (device, profile: the full
 # profile where it ran in minutes on the CPU, else quick); the next GPU run must remove the entry
 # (the test below fails once a listed notebook carries a GPU run).
-AWAITING_GPU_RUN = {
-    "01_fp16_ranges_and_underflow.ipynb": "restructure (issue 11): GPU time of the session spent",
-    "02_basic_amp_loop.ipynb": "restructure and one verdict per claim (issues 11, 12): GPU time spent",
-    "03_grad_scaler_tuning.ipynb": "restructure and panel fixes (issues 11, 13, 15): GPU time spent",
-}
+AWAITING_GPU_RUN = {}  # notebooks whose latest run is not yet a full GPU run, and why
 WARNING_TEXT = re.compile(r"\b\w*Warning\b|\bwarn(ing)?:", re.IGNORECASE)
 
 

@@ -561,3 +561,16 @@ def test_loss_figure():
     assert "tensorwise, seed 0 minus bf16" in names and len(names) == 5
     with pytest.raises(ValueError, match="trained"):
         L.loss_figure(runs[3:])
+
+
+def test_fp8_support_follows_the_simulated_card(monkeypatch):
+    import torch
+    from amp_lessons import env as E
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(E.SIMULATE_VARIABLE, "t4")
+        assert L.fp8_support("cpu").capability is None  # a CPU is never simulated
+        return
+    monkeypatch.setenv(E.SIMULATE_VARIABLE, "t4")
+    support = L.fp8_support("cuda")
+    assert support.capability == (7, 5) and not support.tensor_cores and not support.available
+    assert "Tesla T4 (simulated on" in support.device_name

@@ -96,3 +96,41 @@ def test_cli_rehearse_errors(tmp_path, capsys):
     nb = _notebook(tmp_path / "01_x.ipynb", "1")
     assert cli.main(["rehearse", "--card", "a100", "--out", str(tmp_path / "o"), str(nb)]) == 2
     assert "card must be one of t4" in capsys.readouterr().err
+
+
+def _doc(*lessons, card="t4"):
+    return {"card": card, "card_facts": {"name": "Tesla T4", "capability": [7, 5], "memory_gib": 14.4},
+            "published": rehearsal.PUBLISHED, "slowdown": rehearsal.slowdown("t4"),
+            "host": {"device_name": "NVIDIA H200"}, "date": "2026-11-30",
+            "lessons": [{"notebook": n, "completed": ok, "error": None if ok else "cell 3 failed",
+                         "seconds": 120.0, "gpu_busy_s": 30.0,
+                         "estimated_seconds_on_card": rehearsal.estimated_seconds(120.0, 30.0, "t4"),
+                         "peak_gpu_mib": 9000, "memory_source": "nvidia-smi",
+                         "not_run": [{"table": "t", "row": "bf16", "status": "skipped: no bf16"}]}
+                        for n, ok in lessons]}
+
+
+def test_merge_orders_lessons_and_refuses_overlaps():
+    merged = rehearsal.merge([_doc(("04_b.ipynb", True)), _doc(("01_a.ipynb", True))])
+    assert [r["notebook"] for r in merged["lessons"]] == ["01_a.ipynb", "04_b.ipynb"]
+    assert [p["lessons"] for p in merged["parts"]] == [["04_b.ipynb"], ["01_a.ipynb"]]
+    with pytest.raises(ValueError, match="more than one part: 01_a.ipynb"):
+        rehearsal.merge([_doc(("01_a.ipynb", True)), _doc(("01_a.ipynb", True))])
+    with pytest.raises(ValueError, match="at least one"):
+        rehearsal.merge([])
+
+
+def test_markdown_and_readme_block(tmp_path):
+    doc = _doc(("01_a.ipynb", True), ("02_b.ipynb", False))
+    text = rehearsal.markdown(doc)
+    assert "| 01 | yes | 2.0 min | 0.5 min | about 9 min | 8.8 GiB | bf16 (skipped: no bf16) |" in text
+    assert "no: cell 3 failed" in text and "x 15.0" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{rehearsal.README_START}\nold\n{rehearsal.README_END}\nend\n")
+    assert rehearsal.update_readme(readme, doc) is True
+    assert rehearsal.update_readme(readme, doc) is False
+    body = readme.read_text()
+    assert "old" not in body and body.startswith("intro\n") and body.endswith("end\n")
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="rehearsal markers"):
+        rehearsal.update_readme(readme, doc)

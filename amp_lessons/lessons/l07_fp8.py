@@ -44,6 +44,7 @@ from torch import nn
 from .. import data as _data
 from .. import models as _models
 from .._validate import check_choice, check_int, check_positive
+from ..env import CARD_FACTS, device_capability, simulated_card
 from ..tables import text_table
 
 LESSON = "07"
@@ -171,7 +172,8 @@ class FP8Support:
 
 
 def fp8_support(device: Union[str, torch.device, None] = None) -> FP8Support:
-    """Probe ``device`` (default: the current CUDA device, else the CPU) and torchao for FP8."""
+    """Probe ``device`` (default: the current CUDA device, else the CPU) and torchao for FP8. Under
+    ``AMP_LESSONS_SIMULATE`` a GPU reports the simulated card's capability (a T4: no FP8)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -180,8 +182,11 @@ def fp8_support(device: Union[str, torch.device, None] = None) -> FP8Support:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device must be a device this machine has; got {device} without CUDA")
-        props = torch.cuda.get_device_properties(device)
-        capability, name = (props.major, props.minor), props.name
+        capability = device_capability(device)  # a simulated card's (AMP_LESSONS_SIMULATE)
+        name = torch.cuda.get_device_properties(device).name
+        card = simulated_card()
+        if card:
+            name = f"{CARD_FACTS[card]['name']} (simulated on {name})"
     elif device.type != "cpu":
         name = device.type.upper()
     version = torchao_version()

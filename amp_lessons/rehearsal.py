@@ -160,10 +160,14 @@ def not_run_rows(nb) -> List[Dict[str, str]]:
                 status = row.get("status")
                 if status is None or str(status).strip().lower() in ("ok", ""):
                     continue
-                first = next(iter(row.values()), "")
-                found.append({"table": payload.get("key", "?"), "row": str(first),
+                label = next((row[k] for k in _LABEL_KEYS if row.get(k) not in (None, "")),
+                             next((v for v in row.values() if isinstance(v, str) and v), "?"))
+                found.append({"table": payload.get("key", "?"), "row": str(label),
                               "status": str(status)})
     return found
+
+
+_LABEL_KEYS = ("technique", "configuration", "label", "recipe", "precision", "run", "name")
 
 
 @contextmanager

@@ -610,3 +610,15 @@ def test_claim_r8_is_decided_on_a_pair_that_kept_the_gpu_busy():
     assert [c["gpu_idle_fraction"] for c in costs] == [0.35, 0.02]
     shown = L.technique_report_rows(eager)
     assert [r["GPU idle %"] for r in shown] == [5.0, 35.0]
+
+
+def test_fp32_techniques_fall_back_to_plain_fp32_without_tf32(monkeypatch):
+    monkeypatch.setattr(L, "native_tf32", lambda device: False)
+    monkeypatch.setattr(L, "as_device", lambda device: __import__("torch").device("cuda"))
+    (fp32,) = L.technique_configs(["fp32"], device="cuda")
+    assert fp32.precision == "fp32"
+    monkeypatch.setattr(L, "native_tf32", lambda device: True)
+    (tf32,) = L.technique_configs(["fp32"], device="cuda")
+    assert tf32.precision == "tf32"
+    (cpu,) = L.technique_configs(["fp32"])  # no device named: the table's own choice, tf32
+    assert cpu.precision == "tf32"

@@ -34,12 +34,13 @@ def test_not_run_rows_reads_published_statuses():
     payload = {"key": "lesson04.resnet", "rows": [
         {"configuration": "fp16", "status": "ok"},
         {"configuration": "bf16", "status": "skipped: bf16 needs compute capability 8.0+"},
-        {"configuration": "no status"}]}
+        {"configuration": "no status"}, {"batch": None, "technique": "AMP", "status": "error: x"}]}
     cell = new_code_cell("x")
     cell.outputs = [new_output("display_data", data={RESULT_MIME: payload, "text/plain": "t"})]
     rows = rehearsal.not_run_rows(new_notebook(cells=[cell]))
     assert rows == [{"table": "lesson04.resnet", "row": "bf16",
-                     "status": "skipped: bf16 needs compute capability 8.0+"}]
+                     "status": "skipped: bf16 needs compute capability 8.0+"},
+                    {"table": "lesson04.resnet", "row": "AMP", "status": "error: x"}]
 
 
 def test_slowdown_and_estimate_follow_the_published_ratios():

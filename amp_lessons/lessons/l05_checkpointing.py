@@ -27,7 +27,7 @@ from ..measure import (GIB, MODELS, BenchConfig, LargestBatch, SavedActivations,
                        build_optimizer, free_memory, hand_step, is_out_of_memory, largest_batch,
                        optimizer_state_tensors, ratio, run_configs, settings_caption, skip_reason,
                        standard_settings, tensor_bytes)
-from ..precision import as_device, check_precision, precision_settings
+from ..precision import as_device, check_precision, native_tf32, precision_settings
 from ..tables import format_value
 from ..trainer import Hooks, ScalerSettings, Trainer, TrainConfig
 
@@ -97,8 +97,11 @@ def _settings(settings: Optional[Dict[str, object]], device: torch.device) -> Di
 def technique_configs(techniques: Sequence[str] = tuple(TECHNIQUES), model: str = "resnet50",
                       batch_size: int = 64, image_size: int = 224, num_classes: int = 1000,
                       settings: Optional[Dict[str, object]] = None,
-                      cudnn_benchmark: Optional[bool] = None) -> List[BenchConfig]:
+                      cudnn_benchmark: Optional[bool] = None, device=None) -> List[BenchConfig]:
     """One ``BenchConfig`` per technique of ``TECHNIQUES``, labelled with the technique's name.
+
+    The fp32 techniques use TF32 tensor-core math where ``device`` has it and plain fp32 on a GPU
+    that does not (a T4: capability 7.5), so they run on every GPU.
 
     Memory format, cuDNN autotuning and the optimizer come from ``settings`` (default:
     ``measure.STANDARD``, the settings of lesson 04; a CUDA-graph technique uses fused SGD, which
@@ -113,8 +116,12 @@ def technique_configs(techniques: Sequence[str] = tuple(TECHNIQUES), model: str 
     configs = []
     for t in _check_techniques(techniques):
         graph = bool(TECHNIQUES[t].get("cuda_graph"))
+        precision = TECHNIQUES[t]["precision"]
+        if precision == "tf32" and device is not None and as_device(device).type == "cuda" \
+                and not native_tf32(device):
+            precision = "fp32"
         configs.append(BenchConfig(
-            label=t, model=model, precision=TECHNIQUES[t]["precision"],
+            label=t, model=model, precision=precision,
             checkpoint=TECHNIQUES[t]["checkpoint"], channels_last=bool(s["channels_last"]),
             batch_size=batch_size, image_size=image_size, num_classes=num_classes,
             optimizer=s["optimizer"], impl="fused" if graph else s["impl"], cuda_graph=graph,
@@ -352,7 +359,8 @@ def technique_table(techniques: Sequence[str] = tuple(TECHNIQUES), device=None,
     device = as_device(device)
     s = _settings(settings, device)
     configs = technique_configs(techniques, model=model, batch_size=batch_size,
-                                image_size=image_size, num_classes=num_classes, settings=s)
+                                image_size=image_size, num_classes=num_classes, settings=s,
+                                device=device)
     cuda = device.type == "cuda"
     rows = run_configs(configs, device, warmup=s["warmup"], steps=s["steps"], breakdown=cuda,
                        progress=False)
@@ -633,7 +641,7 @@ def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
     total_gib = allocatable_bytes(device) / GIB if cuda else None  # a simulated card's
     configs = technique_configs(techniques, model=model, batch_size=8, image_size=image_size,
                                 num_classes=num_classes, settings=settings,
-                                cudnn_benchmark=False)
+                                cudnn_benchmark=False, device=device)
     share = time_budget_s / len(configs) if time_budget_s else None
     rows: List[Dict[str, object]] = []
     old_benchmark = torch.backends.cudnn.benchmark

@@ -300,6 +300,16 @@ README_START = "<!-- rehearsal:start (python -m amp_lessons readme writes this b
 README_END = "<!-- rehearsal:end -->"
 
 
+def _grouped(rows: Sequence[Dict[str, str]]) -> str:
+    """Rows not run, grouped by their status: "a, b: skipped: why; c: error: ..." ("none")."""
+    by_status: Dict[str, List[str]] = {}
+    for x in rows:
+        names = by_status.setdefault(x["status"], [])
+        if x["row"] not in names:
+            names.append(x["row"])
+    return "; ".join(f"{', '.join(names)}: {status}" for status, names in by_status.items()) or "none"
+
+
 def markdown(doc: Dict[str, object]) -> str:
     """The rehearsal as a README table: per lesson, whether it completed on the simulated card,
     its time there, its GPU-busy time, the estimated time on the real card, its peak memory, and
@@ -311,7 +321,7 @@ def markdown(doc: Dict[str, object]) -> str:
     for r in doc["lessons"]:
         est = r.get("estimated_seconds_on_card")
         peak = r.get("peak_gpu_mib")
-        not_run = "; ".join(f"{x['row']} ({x['status']})" for x in r.get("not_run", [])) or "none"
+        not_run = _grouped(r.get("not_run", []))
         lines.append("| " + " | ".join([
             r["notebook"].split("_")[0],
             "yes" if r["completed"] else f"no: {r.get('error')}",

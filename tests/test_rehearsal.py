@@ -124,7 +124,7 @@ def test_merge_orders_lessons_and_refuses_overlaps():
 def test_markdown_and_readme_block(tmp_path):
     doc = _doc(("01_a.ipynb", True), ("02_b.ipynb", False))
     text = rehearsal.markdown(doc)
-    assert "| 01 | yes | 2.0 min | 0.5 min | about 9 min | 8.8 GiB | bf16 (skipped: no bf16) |" in text
+    assert "| 01 | yes | 2.0 min | 0.5 min | about 9 min | 8.8 GiB | bf16: skipped: no bf16 |" in text
     assert "no: cell 3 failed" in text and "x 15.0" in text
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{rehearsal.README_START}\nold\n{rehearsal.README_END}\nend\n")
@@ -135,3 +135,24 @@ def test_markdown_and_readme_block(tmp_path):
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="rehearsal markers"):
         rehearsal.update_readme(readme, doc)
+
+
+def test_rows_not_run_are_grouped_by_status():
+    rows = [{"table": "t", "row": "bf16", "status": "skipped: no bf16"},
+            {"table": "t", "row": "bf16 + ckpt", "status": "skipped: no bf16"},
+            {"table": "u", "row": "bf16", "status": "skipped: no bf16"},
+            {"table": "t", "row": "fp8", "status": "not measured: 7.5"}]
+    assert rehearsal._grouped(rows) == "bf16, bf16 + ckpt: skipped: no bf16; fp8: not measured: 7.5"
+    assert rehearsal._grouped([]) == "none"
+
+
+def test_committed_rehearsal_covers_every_lesson_and_the_readme_shows_it():
+    from pathlib import Path
+    from amp_lessons.runner import course_notebooks
+    root = Path(__file__).resolve().parent.parent
+    doc = json.loads((root / "docs" / "rehearsal_t4.json").read_text())
+    assert [r["notebook"] for r in doc["lessons"]] == [p.name for p in course_notebooks()]
+    assert doc["card"] == "t4" and all(r["seconds"] > 0 for r in doc["lessons"])
+    assert all(r["peak_gpu_mib"] is not None for r in doc["lessons"])  # measured on a GPU
+    assert rehearsal.markdown(doc) in (root / "README.md").read_text(), \
+        "README's rehearsal block is stale: run `python -m amp_lessons readme`"

@@ -118,6 +118,9 @@ def _add_rehearse(sub) -> None:
                    help="folder for the executed copies and rehearsal_<card>.json")
     p.add_argument("--timeout", type=_positive_int, default=1800,
                    help="seconds one cell may run (default 1800)")
+    p.add_argument("--update", type=Path, default=None,
+                   help="a rehearsal record (docs/rehearsal_t4.json) to merge this run into: "
+                        "lessons run now replace their earlier records")
     p.set_defaults(func=_cmd_rehearse)
 
 
@@ -137,10 +140,24 @@ def _cmd_rehearse(args) -> int:
             read_notebook(Path(p))
         if args.out.exists() and not args.out.is_dir():
             raise ValueError(f"out must be a folder; got the file '{args.out}'")
-    except (NotANotebookError, ValueError) as exc:
+        earlier = None
+        if args.update is not None:
+            check_writable(args.update, "update")
+            if args.update.exists():
+                earlier = json.loads(args.update.read_text())
+    except (NotANotebookError, ValueError, OSError) as exc:  # JSONDecodeError is a ValueError
         return fail("rehearse", str(exc))
     doc = rehearse(paths, card=args.card, out=args.out, profile=args.profile,
                    timeout=args.timeout)
+    if args.update is not None:
+        from .rehearsal import merge
+
+        try:
+            merged = merge([earlier, doc], replace=True) if earlier else doc
+        except (KeyError, ValueError) as exc:
+            return fail("rehearse", f"could not merge into {args.update}: {exc}", 1)
+        args.update.write_text(json.dumps(merged, indent=1))
+        print(f"updated {args.update}")
     for r in doc["lessons"]:
         state = "completed" if r["completed"] else f"FAILED ({r['error']})"
         print(f"{r['notebook']}: {state} in {r['seconds']} s, peak {r['peak_gpu_mib']} MiB, "

@@ -274,25 +274,32 @@ def rehearse(paths: Sequence[Path], card: str = "t4", out: Path = Path("rehearsa
     return doc
 
 
-def merge(docs: Sequence[Dict[str, object]]) -> Dict[str, object]:
+def merge(docs: Sequence[Dict[str, object]], replace: bool = False) -> Dict[str, object]:
     """One rehearsal document from several (parts run on different GPUs or calls): the first
     one's card and facts, every part's host record under ``parts``, the lessons in course order.
-    Raises ValueError when the parts simulated different cards or name a lesson twice."""
+    With ``replace`` a later part's record of a lesson replaces an earlier one (a lesson
+    rehearsed again); without it a lesson named twice is an error. Raises ValueError when the
+    parts simulated different cards."""
     if not docs:
         raise ValueError("docs must hold at least one rehearsal document")
     cards = {d["card"] for d in docs}
     if len(cards) != 1:
         raise ValueError(f"the parts simulate different cards: {sorted(cards)}")
-    lessons = [r for d in docs for r in d["lessons"]]
-    names = [r["notebook"] for r in lessons]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"a lesson appears in more than one part: {', '.join(twice)}")
+    by_name: Dict[str, Dict[str, object]] = {}
+    for d in docs:
+        for r in d["lessons"]:
+            if r["notebook"] in by_name and not replace:
+                raise ValueError(f"a lesson appears in more than one part: {r['notebook']}")
+            by_name[r["notebook"]] = r
+    lessons = list(by_name.values())
     first = docs[0]
+    parts = []
+    for d in docs:  # a merged document's parts stay parts
+        parts += d.get("parts") or [{"host": d.get("host"), "date": d.get("date"),
+                                     "lessons": [r["notebook"] for r in d["lessons"]]}]
     return {"card": first["card"], "card_facts": first["card_facts"],
             "published": first.get("published", PUBLISHED), "slowdown": first.get("slowdown"),
-            "parts": [{"host": d.get("host"), "date": d.get("date"),
-                       "lessons": [r["notebook"] for r in d["lessons"]]} for d in docs],
+            "parts": parts,
             "lessons": sorted(lessons, key=lambda r: r["notebook"])}
 
 

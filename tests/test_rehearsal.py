@@ -156,3 +156,29 @@ def test_committed_rehearsal_covers_every_lesson_and_the_readme_shows_it():
     assert all(r["peak_gpu_mib"] is not None for r in doc["lessons"])  # measured on a GPU
     assert rehearsal.markdown(doc) in (root / "README.md").read_text(), \
         "README's rehearsal block is stale: run `python -m amp_lessons readme`"
+
+
+def test_merge_with_replace_keeps_the_newer_record_and_all_parts():
+    first = rehearsal.merge([_doc(("01_a.ipynb", True)), _doc(("04_b.ipynb", False))])
+    again = _doc(("04_b.ipynb", True))
+    merged = rehearsal.merge([first, again], replace=True)
+    assert [(r["notebook"], r["completed"]) for r in merged["lessons"]] == \
+        [("01_a.ipynb", True), ("04_b.ipynb", True)]
+    assert len(merged["parts"]) == 3
+    with pytest.raises(ValueError, match="different cards"):
+        rehearsal.merge([_doc(("01_a.ipynb", True)), dict(_doc(), card="a100")])
+
+
+def test_cli_rehearse_update_merges_into_the_record(tmp_path, capsys, monkeypatch):
+    record = tmp_path / "rehearsal_t4.json"
+    record.write_text(json.dumps(rehearsal.merge([_doc(("01_x.ipynb", False))])))
+    nb = _notebook(tmp_path / "01_x.ipynb", "1 + 1")
+    monkeypatch.delenv(env.SIMULATE_VARIABLE, raising=False)
+    status = cli.main(["rehearse", "--profile", "quick", "--out", str(tmp_path / "o"),
+                       "--update", str(record), str(nb)])
+    assert status == 0, capsys.readouterr().err
+    doc = json.loads(record.read_text())
+    assert [(r["notebook"], r["completed"]) for r in doc["lessons"]] == [("01_x.ipynb", True)]
+    assert len(doc["parts"]) == 2
+    record.write_text("not json")
+    assert cli.main(["rehearse", "--out", str(tmp_path / "o"), "--update", str(record), str(nb)]) == 2

@@ -140,23 +140,32 @@ def _cmd_rehearse(args) -> int:
             read_notebook(Path(p))
         if args.out.exists() and not args.out.is_dir():
             raise ValueError(f"out must be a folder; got the file '{args.out}'")
+        check_writable(args.out / f"rehearsal_{args.card}.json", "out")
         earlier = None
         if args.update is not None:
             check_writable(args.update, "update")
             if args.update.exists():
                 earlier = json.loads(args.update.read_text())
+                if not (isinstance(earlier, dict) and earlier.get("card") == args.card
+                        and isinstance(earlier.get("lessons"), list)):
+                    raise ValueError(f"update: '{args.update}' is not a rehearsal record of "
+                                     f"card {args.card} (a JSON object with 'card' and 'lessons')")
     except (NotANotebookError, ValueError, OSError) as exc:  # JSONDecodeError is a ValueError
         return fail("rehearse", str(exc))
-    doc = rehearse(paths, card=args.card, out=args.out, profile=args.profile,
-                   timeout=args.timeout)
+    try:
+        doc = rehearse(paths, card=args.card, out=args.out, profile=args.profile,
+                       timeout=args.timeout)
+    except (OSError, ValueError) as exc:
+        return fail("rehearse", f"{type(exc).__name__}: {exc}", 1)
     if args.update is not None:
         from .rehearsal import merge
+        from .tables import json_safe
 
         try:
             merged = merge([earlier, doc], replace=True) if earlier else doc
-        except (KeyError, ValueError) as exc:
+            args.update.write_text(json.dumps(json_safe(merged), indent=1))
+        except (KeyError, ValueError, OSError) as exc:
             return fail("rehearse", f"could not merge into {args.update}: {exc}", 1)
-        args.update.write_text(json.dumps(merged, indent=1))
         print(f"updated {args.update}")
     for r in doc["lessons"]:
         state = "completed" if r["completed"] else f"FAILED ({r['error']})"
@@ -179,34 +188,34 @@ def _add_readme(sub) -> None:
 
 
 def _cmd_readme(args) -> int:
-    from .report import results_section, update_readme
+    from . import rehearsal
+    from .report import with_results
     from .runner import NOTEBOOK_DIR, course_notebooks
 
     readme = args.readme or NOTEBOOK_DIR.parent / "README.md"
-    notebooks = course_notebooks()
     if not readme.is_file():
         return fail("readme", f"no README at '{readme}'")
-    if args.check:
-        try:
-            current = readme.read_text()
-            section = results_section(notebooks)
-        except (OSError, ValueError) as exc:
-            return fail("readme", str(exc))
-        if section not in current:
-            print(f"{readme}: results section is out of date; run `python -m amp_lessons readme`",
-                  file=sys.stderr)
-            return 1
-        print(f"{readme}: results section is current")
-        return 0
-    try:
-        changed = update_readme(readme, notebooks)
-        rehearsal_file = NOTEBOOK_DIR.parent / "docs" / "rehearsal_t4.json"
+    rehearsal_file = NOTEBOOK_DIR.parent / "docs" / "rehearsal_t4.json"
+    try:  # both generated blocks are built before anything is written
+        current = readme.read_text()
+        new = with_results(current, course_notebooks(), str(readme))
         if rehearsal_file.is_file():  # the T4 rehearsal's block, from its committed record
-            from . import rehearsal
-            changed |= rehearsal.update_readme(readme, json.loads(rehearsal_file.read_text()))
-    except (OSError, ValueError, KeyError) as exc:
+            new = rehearsal.with_rehearsal(new, json.loads(rehearsal_file.read_text()), str(readme))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail("readme", str(exc))
-    print(f"{readme}: {'updated' if changed else 'already current'}")
+    if args.check:
+        if new != current:
+            print(f"{readme}: results or rehearsal section is out of date; run "
+                  f"`python -m amp_lessons readme`", file=sys.stderr)
+            return 1
+        print(f"{readme}: results and rehearsal sections are current")
+        return 0
+    if new != current:
+        try:
+            readme.write_text(new)
+        except OSError as exc:
+            return fail("readme", f"could not write {readme}: {exc}", 1)
+    print(f"{readme}: {'updated' if new != current else 'already current'}")
     return 0
 
 

@@ -50,7 +50,10 @@ SIMULATED_CARDS = ("t4",)
 # What a simulated card looks like to the lessons: Colab's and Kaggle's free T4 (compute capability
 # 7.5: fp16 tensor cores; no native bf16, no TF32, no FP8). torch reports 14.75 GiB on it, of which
 # the CUDA context holds a few hundred MiB: the allocator gets about 14.4 GiB.
-CARD_FACTS = {"t4": {"name": "Tesla T4", "capability": (7, 5), "memory_gib": 14.4}}
+# ``memory_gib`` is what the allocator may hold; ``total_gib`` the card's whole memory (what
+# nvidia-smi's per-process figures, contexts included, must fit in).
+CARD_FACTS = {"t4": {"name": "Tesla T4", "capability": (7, 5), "memory_gib": 14.4,
+                     "total_gib": 14.75}}
 
 
 def simulated_card() -> Optional[str]:

@@ -613,8 +613,7 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
             row = _measure(config, device, warmup, steps, breakdown, idle)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row, never a dead kernel
         if is_out_of_memory(exc):
-            total = (allocatable_bytes(device) / GIB  # a simulated card's memory
-                     if device.type == "cuda" else None)
+            total = allocatable_bytes(device) / GIB if device.type == "cuda" else None
             where = f" of this device's {total:.1f} GiB" if total else ""
             row = _empty_row(config, "out of memory",
                              f"batch {config.batch_size} needs more than the free memory{where}")
@@ -820,7 +819,7 @@ def memory_cap(cap_bytes: int, device) -> Iterator[None]:
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None) or \
         getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    old = getter(index) if getter else 1.0
+    old = getter(index) if getter else usable / total  # older torch: the card's own cap
     free_memory(device)
     torch.cuda.set_per_process_memory_fraction(cap_bytes / total, index)
     try:

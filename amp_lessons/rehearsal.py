@@ -62,94 +62,127 @@ def _query(args: Sequence[str]) -> List[List[str]]:
     return [[field.strip() for field in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
-def visible_gpu_index() -> int:
-    """The ``nvidia-smi`` index of the first GPU this process may use (``CUDA_VISIBLE_DEVICES``'s
-    first entry when it is a number, else 0)."""
+def visible_gpu() -> str:
+    """How ``nvidia-smi -i`` names the first GPU this process may use: ``CUDA_VISIBLE_DEVICES``'s
+    first entry (an index or a ``GPU-...`` UUID, both of which ``-i`` takes), else ``"0"``."""
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    return int(first) if first.isdigit() else 0
+    return first or "0"
+
+
+def _number(text: str) -> Optional[float]:
+    """A number from an ``nvidia-smi`` field, or None for "[N/A]" and the like."""
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
 
 
 class GpuSampler:
-    """Samples, every ``interval_s`` seconds in a thread, the GPU memory used by the processes
-    under ``root_pid`` (``nvidia-smi --query-compute-apps``), the used memory of GPU ``gpu``
-    above what it used when sampling began (the fallback where process ids are not visible, as in
-    some containers), and the GPU's utilisation (the share of time a kernel ran), integrated into
-    ``busy_s``. ``peak_mib`` and ``source`` say what was seen; ``available`` is False where
-    ``nvidia-smi`` cannot be run (no GPU)."""
+    """Samples, every ``interval_s`` seconds in a thread, GPU ``gpu`` (an ``nvidia-smi -i`` index
+    or UUID): the memory used on it by the processes under ``root_pid`` (``nvidia-smi
+    --query-compute-apps``, only this GPU's), its used memory above its level when sampling began
+    (the fallback where process ids are not visible, as in some containers), and its utilisation
+    (the share of time a kernel ran), integrated into ``busy_s``.
 
-    def __init__(self, root_pid: int, gpu: int = 0, interval_s: float = 0.25):
+    ``available`` is False where the first sample fails (no ``nvidia-smi``, no GPU). Later failed
+    samples are counted in ``failed_samples`` and skipped, and fields it cannot read ("[N/A]")
+    are left out; ``source`` says so. ``peak_mib`` is the peak seen."""
+
+    def __init__(self, root_pid: int, gpu="0", interval_s: float = 0.25):
         check_positive("interval_s", interval_s)
-        self.root_pid, self.gpu, self.interval_s = int(root_pid), int(gpu), float(interval_s)
+        self.root_pid, self.gpu, self.interval_s = int(root_pid), str(gpu), float(interval_s)
         self.process_peak_mib = 0.0
         self.device_peak_mib = 0.0
         self.baseline_mib: Optional[float] = None
         self.busy_s = 0.0
+        self.busy_measured = False
+        self.samples = 0
+        self.failed_samples = 0
+        self.last_error: Optional[str] = None
         self._last: Optional[float] = None
         self.available = True
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    def sample(self) -> None:
-        """Take one sample (also what the thread does)."""
+    def sample(self) -> bool:
+        """Take one sample (also what the thread does); False when it could not be taken."""
         try:
-            row = _query(["-i", str(self.gpu), "--query-gpu=memory.used,utilization.gpu"])[0]
-            used, utilisation = float(row[0]), float(row[1])
-            apps = _query(["--query-compute-apps=pid,used_memory"])
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            self.available = False
-            return
+            row = _query(["-i", self.gpu, "--query-gpu=uuid,memory.used,utilization.gpu"])[0]
+            uuid, used, utilisation = row[0], _number(row[1]), _number(row[2])
+            apps = _query(["--query-compute-apps=pid,gpu_uuid,used_memory"])
+            mine = set(descendants(self.root_pid))
+        except Exception as exc:  # noqa: BLE001 - nvidia-smi missing, timed out, odd output
+            self.failed_samples += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            if self.samples == 0:
+                self.available = False
+            return False
+        self.samples += 1
         now = time.perf_counter()
-        if self._last is not None:
-            self.busy_s += utilisation / 100 * (now - self._last)
-        self._last = now
-        if self.baseline_mib is None:
-            self.baseline_mib = used
-        self.device_peak_mib = max(self.device_peak_mib, used - self.baseline_mib)
-        mine = set(descendants(self.root_pid))
-        total = sum(float(mem) for pid, mem in apps if pid.isdigit() and int(pid) in mine)
+        if utilisation is not None:
+            if self._last is not None:
+                self.busy_s += utilisation / 100 * (now - self._last)
+                self.busy_measured = True
+            self._last = now
+        if used is not None:
+            if self.baseline_mib is None:
+                self.baseline_mib = used
+            self.device_peak_mib = max(self.device_peak_mib, used - self.baseline_mib)
+        total = 0.0
+        for app in apps:
+            if len(app) < 3 or app[1] != uuid or not app[0].isdigit() or int(app[0]) not in mine:
+                continue
+            total += _number(app[2]) or 0.0
         self.process_peak_mib = max(self.process_peak_mib, total)
+        return True
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.sample()
-            if not self.available:
-                return
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> "GpuSampler":
-        self.sample()  # the baseline, before the lesson starts
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        if self.sample():  # the baseline, before the lesson starts
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join()  # at most one sample (two nvidia-smi calls) to finish
+        self.sample()  # the last reading, after the lesson
 
     @property
     def peak_mib(self) -> Optional[float]:
         """The peak seen: per process where ``nvidia-smi`` showed the lesson's processes, else the
-        GPU's growth over its baseline; None without ``nvidia-smi``."""
-        if not self.available and self.baseline_mib is None:
+        GPU's growth over its baseline; None where nothing could be read."""
+        if not self.available or (self.baseline_mib is None and not self.process_peak_mib):
             return None
         return self.process_peak_mib or self.device_peak_mib
 
     @property
     def source(self) -> str:
-        """Where ``peak_mib`` comes from, in words."""
+        """Where ``peak_mib`` comes from, in words (and how many samples failed)."""
         if self.peak_mib is None:
-            return "not measured: nvidia-smi could not be run (no GPU)"
+            return f"not measured: nvidia-smi could not be read ({self.last_error or 'no GPU'})"
         if self.process_peak_mib:
-            return "nvidia-smi, the lesson's processes (CUDA contexts included)"
-        return (f"nvidia-smi, GPU {self.gpu}'s used memory above its level before the lesson "
-                f"(process ids not visible here)")
+            text = "nvidia-smi, the lesson's processes on this GPU (CUDA contexts included)"
+        else:
+            text = (f"nvidia-smi, GPU {self.gpu}'s used memory above its level before the lesson "
+                    f"(process ids not visible here)")
+        if self.failed_samples:
+            text += (f"; {self.failed_samples} of {self.samples + self.failed_samples} samples "
+                     f"failed ({self.last_error})")
+        return text
 
 
 def not_run_rows(nb) -> List[Dict[str, str]]:
     """The rows of an executed notebook's published tables (``report.publish``) that were not
-    measured: a ``status`` other than ``ok`` (``"skipped: why"``, ``"error: why"``...). One dict
-    per row: ``table`` (the publish key), ``row`` (its first cell) and ``status``."""
+    measured: a ``status`` that starts with one of ``NOT_RUN`` (``"skipped: why"``, ``"error:
+    why"``, ``"not measured: why"``...; ``ok`` and ``measured`` ran). One dict per row:
+    ``table`` (the publish key), ``row`` (its label: ``_LABEL_KEYS``, at most two of them) and
+    ``status``."""
     found = []
     for cell in nb.cells:
         for out in cell.get("outputs", []):
@@ -158,16 +191,20 @@ def not_run_rows(nb) -> List[Dict[str, str]]:
                 continue
             for row in payload.get("rows", []):
                 status = row.get("status")
-                if status is None or str(status).strip().lower() in ("ok", ""):
+                if status is None or not str(status).strip().lower().startswith(NOT_RUN):
                     continue
-                label = next((row[k] for k in _LABEL_KEYS if row.get(k) not in (None, "")),
-                             next((v for v in row.values() if isinstance(v, str) and v), "?"))
+                parts = [str(row[k]) for k in _LABEL_KEYS if row.get(k) not in (None, "")][:2]
+                label = " ".join(parts) or next(
+                    (v for v in row.values() if isinstance(v, str) and v), "?")
                 found.append({"table": payload.get("key", "?"), "row": str(label),
                               "status": str(status)})
     return found
 
 
-_LABEL_KEYS = ("technique", "configuration", "label", "recipe", "precision", "run", "name")
+_LABEL_KEYS = ("width", "technique", "configuration", "label", "recipe", "precision", "run",
+               "name")
+# How the lessons' published tables mark a row that did not run (``status``, lower case).
+NOT_RUN = ("skipped", "error", "not measured", "not run", "out of memory", "failed")
 
 
 @contextmanager
@@ -194,23 +231,23 @@ def rehearse_notebook(path: Path, card: str, out: Path, profile: str = "full",
     path, out = Path(path), Path(out)
     record: Dict[str, object] = {"notebook": path.name, "completed": False, "error": None}
     started = time.perf_counter()
-    with _simulating(card), GpuSampler(os.getpid(), gpu=visible_gpu_index()) as memory:
+    with _simulating(card), GpuSampler(os.getpid(), gpu=visible_gpu()) as memory:
         try:
             run_notebook(path, profile=profile, out=out, timeout=timeout, progress=False)
             record["completed"] = True
         except NotebookRunError as exc:
             record["error"] = exc.summary
-        except (OSError, RuntimeError, ValueError) as exc:
-            record["error"] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a kernel that would not start: record, go on
+            record["error"] = f"{type(exc).__name__}: {exc}"[:500]
     record["seconds"] = round(time.perf_counter() - started, 1)
-    record["gpu_busy_s"] = round(memory.busy_s, 1) if memory.available else None
+    record["gpu_busy_s"] = round(memory.busy_s, 1) if memory.busy_measured else None
     record["estimated_seconds_on_card"] = estimated_seconds(record["seconds"],
                                                             record["gpu_busy_s"], card)
     peak = memory.peak_mib
     record["peak_gpu_mib"] = None if peak is None else round(peak)
     record["memory_source"] = memory.source
-    limit_mib = CARD_FACTS[card]["memory_gib"] * 1024
-    record["fits_card"] = None if peak is None else bool(peak <= limit_mib + _CONTEXT_ALLOWANCE_MIB)
+    # nvidia-smi counts CUDA contexts too, so the peak is held against the card's whole memory
+    record["fits_card"] = None if peak is None else bool(peak <= CARD_FACTS[card]["total_gib"] * 1024)
     executed = out / path.name
     record["not_run"] = not_run_rows(read_notebook(executed)) if executed.is_file() else []
     return record
@@ -237,16 +274,12 @@ def estimated_seconds(seconds: float, gpu_busy_s: Optional[float], card: str) ->
     (``seconds - gpu_busy_s``) plus the GPU-busy share times ``slowdown(card)``. None where the
     busy time was not measured. Colab's and Kaggle's CPUs are slower than the rehearsal host's,
     so treat it as a lower bound for host-bound lessons."""
-    check_positive("seconds", seconds)
+    if not (isinstance(seconds, (int, float)) and seconds >= 0):
+        raise ValueError(f"seconds must be a number >= 0; got {seconds!r}")
     if gpu_busy_s is None:
         return None
     busy = min(max(float(gpu_busy_s), 0.0), float(seconds))
     return round(seconds - busy + busy * slowdown(card), 1)
-
-
-# The allocator is capped at the card's usable memory; nvidia-smi also counts each process's CUDA
-# context (a few hundred MiB), which the card's total holds on top of that.
-_CONTEXT_ALLOWANCE_MIB = 512
 
 
 def rehearse(paths: Sequence[Path], card: str = "t4", out: Path = Path("rehearsal"),
@@ -282,9 +315,11 @@ def merge(docs: Sequence[Dict[str, object]], replace: bool = False) -> Dict[str,
     parts simulated different cards."""
     if not docs:
         raise ValueError("docs must hold at least one rehearsal document")
-    cards = {d["card"] for d in docs}
+    cards = {(d["card"], json.dumps({k: (d.get("card_facts") or {}).get(k) for k in _SIMULATED},
+                                    sort_keys=True)) for d in docs}
     if len(cards) != 1:
-        raise ValueError(f"the parts simulate different cards: {sorted(cards)}")
+        raise ValueError(f"the parts simulate different cards (or the same card with other "
+                         f"facts): {sorted(c for c, _ in cards)}")
     by_name: Dict[str, Dict[str, object]] = {}
     for d in docs:
         for r in d["lessons"]:
@@ -302,6 +337,9 @@ def merge(docs: Sequence[Dict[str, object]], replace: bool = False) -> Dict[str,
             "parts": parts,
             "lessons": sorted(lessons, key=lambda r: r["notebook"])}
 
+
+# The facts of a card that change what a rehearsal does: parts must agree on them to be merged.
+_SIMULATED = ("name", "capability", "memory_gib")
 
 README_START = "<!-- rehearsal:start (python -m amp_lessons readme writes this block) -->"
 README_END = "<!-- rehearsal:end -->"
@@ -322,6 +360,8 @@ def markdown(doc: Dict[str, object]) -> str:
     its time there, its GPU-busy time, the estimated time on the real card, its peak memory, and
     the rows it could not run; then where the estimate comes from."""
     facts = doc["card_facts"]
+    if not doc.get("lessons"):
+        raise ValueError("the rehearsal record holds no lessons")
     lines = [f"| lesson | completed | time on the H200 as a {facts['name']} | GPU busy | "
              f"expected on a {facts['name']} | peak GPU memory | rows not run |",
              "|---|---|---:|---:|---:|---:|---|"]
@@ -347,20 +387,28 @@ def markdown(doc: Dict[str, object]) -> str:
         f"against {card['fp16_tensor_tflops']:g} TFLOPS and memory bandwidth "
         f"{host['memory_gb_s']:g} against {card['memory_gb_s']:g} GB/s ({host['card']} against "
         f"{card['card']}). Colab's and Kaggle's CPUs are slower than the rehearsal host's, so the "
-        f"host-bound lessons take longer there. Peak memory: {doc['lessons'][0].get('memory_source', '')}; "
+        f"host-bound lessons take longer there. Peak memory: "
+        f"{'; '.join(dict.fromkeys(r.get('memory_source', '?') for r in doc['lessons']))}; "
         f"the allocator was capped at {facts['memory_gib']:g} GiB.")
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, doc: Dict[str, object]) -> bool:
-    """Rewrite the README's rehearsal block (between ``README_START`` and ``README_END``) from
-    ``doc``; True when the file changed. ValueError when the markers are missing."""
-    text = Path(readme).read_text()
+def with_rehearsal(text: str, doc: Dict[str, object], name: str = "the README") -> str:
+    """``text`` (a README) with its rehearsal block (between ``README_START`` and
+    ``README_END``) rebuilt from ``doc``. ValueError naming ``name`` when the markers are
+    missing."""
     if README_START not in text or README_END not in text:
-        raise ValueError(f"{readme} lacks the rehearsal markers {README_START!r} ... {README_END!r}")
+        raise ValueError(f"{name} lacks the rehearsal markers {README_START!r} ... {README_END!r}")
     head, rest = text.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
-    new = head + README_START + "\n" + markdown(doc) + "\n" + README_END + tail
+    return head + README_START + "\n" + markdown(doc) + "\n" + README_END + tail
+
+
+def update_readme(readme: Path, doc: Dict[str, object]) -> bool:
+    """Rewrite the README's rehearsal block from ``doc`` (``with_rehearsal``); True when the
+    file changed. ValueError when the markers are missing."""
+    text = Path(readme).read_text()
+    new = with_rehearsal(text, doc, str(readme))
     if new != text:
         Path(readme).write_text(new)
     return new != text

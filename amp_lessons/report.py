@@ -152,14 +152,20 @@ def results_section(notebooks: Iterable[Path]) -> str:
     return "\n".join(parts)
 
 
+def with_results(text: str, notebooks: Iterable[Path], name: str = "the README") -> str:
+    """``text`` (a README) with the section between the markers rebuilt from ``notebooks``.
+    ValueError naming ``name`` when the markers are missing."""
+    if START not in text or END not in text:
+        raise ValueError(f"{name} lacks the results markers {START!r} ... {END!r}")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return head + results_section(notebooks) + tail
+
+
 def update_readme(readme: Path, notebooks: Iterable[Path]) -> bool:
     """Rewrite the section between the markers; return True when the file changed."""
     text = Path(readme).read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{readme} lacks the results markers {START!r} ... {END!r}")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = head + results_section(notebooks) + tail
+    new = with_results(text, notebooks, str(readme))
     if new != text:
         Path(readme).write_text(new)
     return new != text

@@ -73,10 +73,15 @@ def test_unknown_submodule():
 
 
 def test_allocatable_bytes_is_the_simulated_cards_memory(monkeypatch):
+    """140 GiB of GPU (stood in for on a CPU): all of it, or the T4's 14.4 GiB when simulated."""
+    import types
     import torch
     from amp_lessons import env as E
     assert E.allocatable_bytes("cpu") is None
-    if not torch.cuda.is_available():
-        return
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=140 * 2**30))
+    monkeypatch.delenv(E.SIMULATE_VARIABLE, raising=False)
+    assert E.allocatable_bytes("cuda") == 140 * 2**30
     monkeypatch.setenv(E.SIMULATE_VARIABLE, "t4")
     assert E.allocatable_bytes("cuda") == int(E.CARD_FACTS["t4"]["memory_gib"] * 2**30)
+    assert E.CARD_FACTS["t4"]["memory_gib"] < E.CARD_FACTS["t4"]["total_gib"]

@@ -564,13 +564,19 @@ def test_loss_figure():
 
 
 def test_fp8_support_follows_the_simulated_card(monkeypatch):
-    import torch
+    """An H200 simulated as a T4 reports capability 7.5: no FP8 tensor cores (runs on a CPU:
+    the GPU calls are stood in for)."""
+    import types
     from amp_lessons import env as E
-    if not torch.cuda.is_available():
-        monkeypatch.setenv(E.SIMULATE_VARIABLE, "t4")
-        assert L.fp8_support("cpu").capability is None  # a CPU is never simulated
-        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(name="NVIDIA H200"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv(E.SIMULATE_VARIABLE, raising=False)
+    real = L.fp8_support("cuda")
+    assert real.capability == (9, 0) and real.tensor_cores and real.device_name == "NVIDIA H200"
     monkeypatch.setenv(E.SIMULATE_VARIABLE, "t4")
     support = L.fp8_support("cuda")
     assert support.capability == (7, 5) and not support.tensor_cores and not support.available
-    assert "Tesla T4 (simulated on" in support.device_name
+    assert support.device_name == "Tesla T4 (simulated on NVIDIA H200)"
+    assert "7.5 is below 8.9" in support.reason

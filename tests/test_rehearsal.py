@@ -34,13 +34,17 @@ def test_not_run_rows_reads_published_statuses():
     payload = {"key": "lesson04.resnet", "rows": [
         {"configuration": "fp16", "status": "ok"},
         {"configuration": "bf16", "status": "skipped: bf16 needs compute capability 8.0+"},
-        {"configuration": "no status"}, {"batch": None, "technique": "AMP", "status": "error: x"}]}
+        {"configuration": "no status"}, {"batch": None, "technique": "AMP", "status": "error: x"},
+        {"width": 4096, "recipe": "tensorwise", "status": "measured"},
+        {"width": 1024, "recipe": "rowwise", "status": "not measured: capability 7.5"}]}
     cell = new_code_cell("x")
     cell.outputs = [new_output("display_data", data={RESULT_MIME: payload, "text/plain": "t"})]
     rows = rehearsal.not_run_rows(new_notebook(cells=[cell]))
     assert rows == [{"table": "lesson04.resnet", "row": "bf16",
                      "status": "skipped: bf16 needs compute capability 8.0+"},
-                    {"table": "lesson04.resnet", "row": "AMP", "status": "error: x"}]
+                    {"table": "lesson04.resnet", "row": "AMP", "status": "error: x"},
+                    {"table": "lesson04.resnet", "row": "1024 rowwise",
+                     "status": "not measured: capability 7.5"}]
 
 
 def test_slowdown_and_estimate_follow_the_published_ratios():
@@ -51,8 +55,9 @@ def test_slowdown_and_estimate_follow_the_published_ratios():
     assert rehearsal.estimated_seconds(100.0, None, "t4") is None
     with pytest.raises(ValueError, match="card"):
         rehearsal.slowdown("a100")
-    with pytest.raises(ValueError, match="seconds"):
+    with pytest.raises(ValueError, match="seconds must be a number >= 0"):
         rehearsal.estimated_seconds(-1.0, 0.0, "t4")
+    assert rehearsal.estimated_seconds(0.0, 0.0, "t4") == 0.0  # a lesson that failed at once
 
 
 def test_sampler_without_nvidia_smi_says_not_measured(monkeypatch):
@@ -62,15 +67,60 @@ def test_sampler_without_nvidia_smi_says_not_measured(monkeypatch):
     with rehearsal.GpuSampler(os.getpid(), interval_s=0.01) as s:
         pass
     assert s.available is False and s.peak_mib is None and "not measured" in s.source
+    assert s._thread is None  # no thread is started when the first sample fails
     with pytest.raises(ValueError, match="interval_s"):
         rehearsal.GpuSampler(os.getpid(), interval_s=0)
 
 
-def test_visible_gpu_index(monkeypatch):
+def test_visible_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
-    assert rehearsal.visible_gpu_index() == 1
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
-    assert rehearsal.visible_gpu_index() == 0
+    assert rehearsal.visible_gpu() == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc,GPU-def")
+    assert rehearsal.visible_gpu() == "GPU-abc"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert rehearsal.visible_gpu() == "0"
+
+
+class _FakeSmi:
+    """Answers the two nvidia-smi queries the sampler makes, from a script of readings."""
+
+    def __init__(self, readings, apps):
+        self.readings, self.apps, self.calls = list(readings), apps, 0
+
+    def __call__(self, args):
+        if any(a.startswith("--query-gpu") for a in args):
+            reading = self.readings[min(self.calls, len(self.readings) - 1)]
+            self.calls += 1
+            if isinstance(reading, Exception):
+                raise reading
+            return [reading]
+        return self.apps
+
+
+def test_sampler_counts_only_the_lessons_processes_on_its_gpu(monkeypatch):
+    me, other = os.getpid(), 999999
+    apps = [[str(me), "GPU-a", "700"], [str(other), "GPU-a", "5000"],  # another process
+            [str(me), "GPU-b", "9000"],                                  # another GPU
+            [str(me), "GPU-a", "[N/A]"], ["x"]]                          # unreadable rows
+    smi = _FakeSmi([["GPU-a", "1000", "0"], ["GPU-a", "3000", "100"],
+                    subprocess.TimeoutExpired("nvidia-smi", 20), ["GPU-a", "[N/A]", "50"]], apps)
+    monkeypatch.setattr(rehearsal, "_query", smi)
+    s = rehearsal.GpuSampler(me, gpu="0", interval_s=1.0)
+    assert s.sample() and s.sample()
+    assert s.sample() is False and s.available  # a later failure is counted, not fatal
+    assert s.sample()
+    assert s.peak_mib == 700 and s.device_peak_mib == 2000
+    assert s.busy_measured and s.busy_s > 0
+    assert "the lesson's processes" in s.source and "1 of 4 samples failed" in s.source
+
+
+def test_sampler_falls_back_to_the_gpus_growth(monkeypatch):
+    smi = _FakeSmi([["GPU-a", "1000", "0"], ["GPU-a", "4500", "0"]], apps=[])
+    monkeypatch.setattr(rehearsal, "_query", smi)
+    s = rehearsal.GpuSampler(os.getpid())
+    s.sample()
+    s.sample()
+    assert s.peak_mib == 3500 and "process ids not visible" in s.source
 
 
 def test_rehearse_runs_each_lesson_under_the_simulation_and_keeps_going(tmp_path, monkeypatch):
@@ -182,3 +232,25 @@ def test_cli_rehearse_update_merges_into_the_record(tmp_path, capsys, monkeypatc
     assert len(doc["parts"]) == 2
     record.write_text("not json")
     assert cli.main(["rehearse", "--out", str(tmp_path / "o"), "--update", str(record), str(nb)]) == 2
+
+
+def test_cli_rehearse_checks_the_record_before_running(tmp_path, capsys):
+    nb = _notebook(tmp_path / "01_x.ipynb", "1")
+    record = tmp_path / "r.json"
+    for bad in ("[]", "{}", json.dumps({"card": "a100", "lessons": []})):
+        record.write_text(bad)
+        assert cli.main(["rehearse", "--out", str(tmp_path / "o"), "--update", str(record),
+                         str(nb)]) == 2
+        assert "is not a rehearsal record of card t4" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # nothing ran
+
+
+def test_readme_command_writes_both_blocks_or_nothing(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")  # no rehearsal markers
+    from amp_lessons import report
+    readme.write_text(f"{report.START}\nold\n{report.END}\n")
+    before = readme.read_text()
+    assert cli.main(["readme", "--readme", str(readme)]) == 2
+    assert "rehearsal markers" in capsys.readouterr().err
+    assert readme.read_text() == before  # the results block was not written alone

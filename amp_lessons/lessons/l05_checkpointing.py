@@ -472,7 +472,7 @@ def claim_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     if c.get("gpu_idle_fraction") is not None:
         measured += f" (GPU idle at most {c['gpu_idle_fraction']:.0%} of a step)"
     reason = _timing_reason(pair_rows(c), idle=True)
-    if reason and _timing_reason(pair_rows(c)) is not None:
+    if reason and any(r.get("device_type") == "cpu" for r in pair_rows(c)):
         reason += "; memory on a CPU is counted, not a GPU's peak"
     return claims.decide("R8", LESSON, measured, mem_ok and time_ok,
                          f"{c['memory_verdict']}; {c['time_verdict']}",

@@ -73,21 +73,27 @@ def _add_run_notebooks(sub) -> None:
     p.set_defaults(func=_cmd_run_notebooks)
 
 
+def check_notebooks(paths, out: Optional[Path] = None) -> None:
+    """ValueError (``runner.NotANotebookError`` is one) unless every path is a readable notebook
+    and ``out``, when given, is not a file: checked before the first notebook runs."""
+    from .runner import read_notebook
+
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if missing:
+        raise ValueError(f"no such notebook: {', '.join(missing)}")
+    for p in paths:
+        read_notebook(Path(p))
+    if out is not None and out.exists() and not out.is_dir():
+        raise ValueError(f"out must be a folder; got the file '{out}'")
+
+
 def _cmd_run_notebooks(args) -> int:
     from .runner import NotebookRunError, course_notebooks, run_notebooks
 
-    from .runner import NotANotebookError, read_notebook
-
     paths = args.notebooks or course_notebooks()
-    missing = [str(p) for p in paths if not Path(p).is_file()]
-    if missing:
-        return fail("run-notebooks", f"no such notebook: {', '.join(missing)}")
     try:
-        for p in paths:  # every file is a notebook before the first one runs
-            read_notebook(Path(p))
-        if args.out is not None and args.out.exists() and not args.out.is_dir():
-            raise ValueError(f"out must be a folder; got the file '{args.out}'")
-    except (NotANotebookError, ValueError) as exc:
+        check_notebooks(paths, args.out)
+    except ValueError as exc:
         return fail("run-notebooks", str(exc))
     try:
         written = run_notebooks(paths, profile=args.profile, out=args.out, timeout=args.timeout,
@@ -127,19 +133,13 @@ def _add_rehearse(sub) -> None:
 def _cmd_rehearse(args) -> int:
     from .env import SIMULATED_CARDS
     from .rehearsal import rehearse
-    from .runner import NotANotebookError, course_notebooks, read_notebook
+    from .runner import course_notebooks
 
     paths = args.notebooks or course_notebooks()
     try:
         if args.card not in SIMULATED_CARDS:
             raise ValueError(f"card must be one of {', '.join(SIMULATED_CARDS)}; got {args.card!r}")
-        missing = [str(p) for p in paths if not Path(p).is_file()]
-        if missing:
-            raise ValueError(f"no such notebook: {', '.join(missing)}")
-        for p in paths:
-            read_notebook(Path(p))
-        if args.out.exists() and not args.out.is_dir():
-            raise ValueError(f"out must be a folder; got the file '{args.out}'")
+        check_notebooks(paths, args.out)
         check_writable(args.out / f"rehearsal_{args.card}.json", "out")
         earlier = None
         if args.update is not None:
@@ -150,7 +150,7 @@ def _cmd_rehearse(args) -> int:
                         and isinstance(earlier.get("lessons"), list)):
                     raise ValueError(f"update: '{args.update}' is not a rehearsal record of "
                                      f"card {args.card} (a JSON object with 'card' and 'lessons')")
-    except (NotANotebookError, ValueError, OSError) as exc:  # JSONDecodeError is a ValueError
+    except (ValueError, OSError) as exc:  # NotANotebookError, JSONDecodeError are ValueErrors
         return fail("rehearse", str(exc))
     try:
         doc = rehearse(paths, card=args.card, out=args.out, profile=args.profile,

@@ -16,14 +16,14 @@ import os
 import subprocess
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from ._validate import check_choice, check_positive
 from .env import CARD_FACTS, SIMULATE_VARIABLE, SIMULATED_CARDS
-from .report import RESULT_MIME
-from .runner import NotebookRunError, read_notebook, run_notebook, run_record
+from .report import RESULT_MIME, replace_block
+from .runner import (NotebookRunError, environment_variable, read_notebook, run_notebook,
+                     run_record)
 from .tables import json_safe
 
 MIB = 2**20
@@ -207,19 +207,6 @@ _LABEL_KEYS = ("width", "technique", "configuration", "label", "recipe", "precis
 NOT_RUN = ("skipped", "error", "not measured", "not run", "out of memory", "failed")
 
 
-@contextmanager
-def _simulating(card: str) -> Iterator[None]:
-    old = os.environ.get(SIMULATE_VARIABLE)
-    os.environ[SIMULATE_VARIABLE] = card
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(SIMULATE_VARIABLE, None)
-        else:
-            os.environ[SIMULATE_VARIABLE] = old
-
-
 def rehearse_notebook(path: Path, card: str, out: Path, profile: str = "full",
                       timeout: int = 1800) -> Dict[str, object]:
     """Run one notebook under the simulated ``card`` and return its record: ``notebook``,
@@ -231,7 +218,7 @@ def rehearse_notebook(path: Path, card: str, out: Path, profile: str = "full",
     path, out = Path(path), Path(out)
     record: Dict[str, object] = {"notebook": path.name, "completed": False, "error": None}
     started = time.perf_counter()
-    with _simulating(card), GpuSampler(os.getpid(), gpu=visible_gpu()) as memory:
+    with environment_variable(SIMULATE_VARIABLE, card), GpuSampler(os.getpid(), gpu=visible_gpu()) as memory:
         try:
             run_notebook(path, profile=profile, out=out, timeout=timeout, progress=False)
             record["completed"] = True
@@ -397,11 +384,8 @@ def with_rehearsal(text: str, doc: Dict[str, object], name: str = "the README") 
     """``text`` (a README) with its rehearsal block (between ``README_START`` and
     ``README_END``) rebuilt from ``doc``. ValueError naming ``name`` when the markers are
     missing."""
-    if README_START not in text or README_END not in text:
-        raise ValueError(f"{name} lacks the rehearsal markers {README_START!r} ... {README_END!r}")
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    return head + README_START + "\n" + markdown(doc) + "\n" + README_END + tail
+    block = README_START + "\n" + markdown(doc) + "\n" + README_END
+    return replace_block(text, README_START, README_END, block, "rehearsal", name)
 
 
 def update_readme(readme: Path, doc: Dict[str, object]) -> bool:

@@ -152,14 +152,22 @@ def results_section(notebooks: Iterable[Path]) -> str:
     return "\n".join(parts)
 
 
+def replace_block(text: str, start: str, end: str, block: str, what: str,
+                  name: str = "the README") -> str:
+    """``text`` with everything from the marker ``start`` to the marker ``end`` replaced by
+    ``block`` (which carries the markers itself). ValueError naming ``name`` and ``what`` (the
+    block's kind) when a marker is missing."""
+    if start not in text or end not in text:
+        raise ValueError(f"{name} lacks the {what} markers {start!r} ... {end!r}")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + block + tail
+
+
 def with_results(text: str, notebooks: Iterable[Path], name: str = "the README") -> str:
     """``text`` (a README) with the section between the markers rebuilt from ``notebooks``.
     ValueError naming ``name`` when the markers are missing."""
-    if START not in text or END not in text:
-        raise ValueError(f"{name} lacks the results markers {START!r} ... {END!r}")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return head + results_section(notebooks) + tail
+    return replace_block(text, START, END, results_section(notebooks), "results", name)
 
 
 def update_readme(readme: Path, notebooks: Iterable[Path]) -> bool:

@@ -82,16 +82,18 @@ def _device_count() -> int:
 
 
 @contextmanager
-def _profile_environment(profile: str) -> Iterator[None]:
-    old = os.environ.get(PROFILE_VARIABLE)
-    os.environ[PROFILE_VARIABLE] = profile
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """Set the environment variable ``name`` to ``value`` inside the block (kernels started there
+    inherit it) and restore its previous value, or its absence, afterwards."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(PROFILE_VARIABLE, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[PROFILE_VARIABLE] = old
+            os.environ[name] = old
 
 
 def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] = None,
@@ -125,7 +127,7 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
                             store_widget_state=False,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     started = time.perf_counter()
-    with _profile_environment(profile), client.setup_kernel():
+    with environment_variable(PROFILE_VARIABLE, profile), client.setup_kernel():
         cells = tqdm(list(enumerate(nb.cells)), desc=path.stem, unit="cell", disable=not progress,
                      leave=True)
         for index, cell in cells:

@@ -214,3 +214,21 @@ def test_figure_images_refuses_a_non_notebook_in_one_line(tmp_path, capsys):
     assert main(["figure-images", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "is not a notebook file" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_check_notebooks_names_what_is_wrong(tmp_path):
+    from amp_lessons.cli import check_notebooks
+    with pytest.raises(ValueError, match="no such notebook"):
+        check_notebooks([tmp_path / "missing.ipynb"])
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="not a readable Jupyter notebook"):
+        check_notebooks([bad])
+    import nbformat
+    good = tmp_path / "good.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), good)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="out must be a folder"):
+        check_notebooks([good], a_file)
+    check_notebooks([good], tmp_path)  # fine

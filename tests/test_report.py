@@ -121,3 +121,10 @@ def test_committed_readme_lists_each_claim_at_most_once():
     for cid in claims.CLAIMS:
         rows = [line for line in section.splitlines() if line.startswith(f"| {cid} |")]
         assert len(rows) <= 1, f"claim {cid} appears {len(rows)} times in the README results"
+
+
+def test_replace_block_swaps_what_lies_between_the_markers():
+    text = "a\n<s>\nold\n<e>\nb\n"
+    assert report.replace_block(text, "<s>", "<e>", "<s>new<e>", "demo") == "a\n<s>new<e>\nb\n"
+    with pytest.raises(ValueError, match="the README lacks the demo markers"):
+        report.replace_block("no markers", "<s>", "<e>", "x", "demo")

@@ -1,4 +1,6 @@
 """`run-notebooks`: executes a notebook, records the run, names the failing cell."""
+import os
+
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
@@ -95,3 +97,14 @@ def test_widget_outputs_get_a_short_stand_in(tmp_path):
     data = nb.cells[1].outputs[0]["data"]
     assert runner.WIDGET_MIME in data and data["text/plain"] == runner.WIDGET_NOTE
     assert "widgets" not in nb.metadata, "widget state must not be saved"
+
+
+def test_environment_variable_sets_and_restores(monkeypatch):
+    from amp_lessons.runner import environment_variable
+    monkeypatch.delenv("AMP_LESSONS_TEST_VAR", raising=False)
+    with environment_variable("AMP_LESSONS_TEST_VAR", "a"):
+        assert os.environ["AMP_LESSONS_TEST_VAR"] == "a"
+        with environment_variable("AMP_LESSONS_TEST_VAR", "b"):
+            assert os.environ["AMP_LESSONS_TEST_VAR"] == "b"
+        assert os.environ["AMP_LESSONS_TEST_VAR"] == "a"
+    assert "AMP_LESSONS_TEST_VAR" not in os.environ

@@ -563,6 +563,18 @@ def test_loss_figure():
         L.loss_figure(runs[3:])
 
 
+def test_loss_figure_names_an_fp32_baseline():
+    """On a GPU without bf16 (a T4) the baseline trains in fp32, and the figure says so."""
+    runs = [dict(_run("bf16", s, 1.5 + s / 100), label=f"fp32, seed {s}",
+                 losses=[3.0, 2.0, 1.5 + s / 100]) for s in range(2)]
+    runs.append(dict(_run("tensorwise", 0, 1.51), losses=[3.0, 2.1, 1.51]))
+    fig = L.loss_figure(runs, smooth=1)
+    assert "fp32 against FP8" in fig.layout.title.text and "bf16" not in fig.layout.title.text
+    names = [t.name for t in fig.data]
+    assert any(n.endswith("minus fp32") for n in names)
+    assert not any("bf16" in (n or "") for n in names)
+
+
 def test_fp8_support_follows_the_simulated_card(monkeypatch):
     """An H200 simulated as a T4 reports capability 7.5: no FP8 tensor cores (runs on a CPU:
     the GPU calls are stood in for)."""

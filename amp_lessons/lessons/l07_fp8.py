@@ -1186,10 +1186,10 @@ def _smooth(values: Sequence[float], window: int) -> List[float]:
     return out
 
 
-def loss_figure(runs: Sequence[Mapping], title: str = "A small GPT on the standard library: bf16 against FP8",
-                smooth: Optional[int] = None):
-    """Training loss curves (left) and each FP8 run's gap to bf16 with the same seed against the
-    band that bf16's seeds span (right); curves smoothed over ``smooth`` steps (default: 2%)."""
+def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Optional[int] = None):
+    """Training loss curves (left) and each FP8 run's gap to the baseline with the same seed against
+    the band that the baseline's seeds span (right); curves smoothed over ``smooth`` steps (default:
+    2%). The baseline is named as it ran: bf16, or fp32 on a GPU without bf16 (a T4)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -1201,14 +1201,16 @@ def loss_figure(runs: Sequence[Mapping], title: str = "A small GPT on the standa
     check_int("smooth", window, 1)
     curves = {r["label"]: _smooth(r["losses"][:steps], window) for r in trained}
     x = list(range(1, steps + 1))
+    base = [r for r in trained if r["recipe"] == "bf16"]
+    name = "fp32" if any(r["label"].startswith("fp32") for r in base) else "bf16"
+    title = title or f"A small GPT on the standard library: {name} against FP8"
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
-        "training loss", "FP8 minus bf16 (same seed), and the bf16 seed band"))
+        "training loss", f"FP8 minus {name} (same seed), and the {name} seed band"))
     for r in trained:
         fp8 = r["recipe"] != "bf16"
         fig.add_trace(go.Scatter(x=x, y=curves[r["label"]], name=r["label"], mode="lines",
                                  line=dict(width=2 if fp8 else 1, dash=None if fp8 else "dot")),
                       row=1, col=1)
-    base = [r for r in trained if r["recipe"] == "bf16"]
     if base:
         ref = {r["seed"]: curves[r["label"]] for r in base}
         first = curves[base[0]["label"]]
@@ -1217,12 +1219,12 @@ def loss_figure(runs: Sequence[Mapping], title: str = "A small GPT on the standa
             hi = [max(curves[b["label"]][i] for b in base) - first[i] for i in range(steps)]
             fig.add_trace(go.Scatter(x=x + x[::-1], y=hi + lo[::-1], fill="toself",
                                      fillcolor="rgba(128,128,128,0.25)", line=dict(width=0),
-                                     name="bf16 seeds (min to max) minus bf16 seed "
+                                     name=f"{name} seeds (min to max) minus {name} seed "
                                           f"{base[0]['seed']}", hoverinfo="skip"), row=1, col=2)
         for r in trained:
             if r["recipe"] != "bf16" and r["seed"] in ref:
                 gap = [a - b for a, b in zip(curves[r["label"]], ref[r["seed"]])]
-                fig.add_trace(go.Scatter(x=x, y=gap, mode="lines", name=f"{r['label']} minus bf16",
+                fig.add_trace(go.Scatter(x=x, y=gap, mode="lines", name=f"{r['label']} minus {name}",
                                          line=dict(width=2)), row=1, col=2)
     fig.add_hline(y=0, line_color="gray", line_dash="dash", row=1, col=2)
     fig.update_xaxes(title_text="step")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence
 
+from ._validate import check_int, is_real
+
 ARTICLES = {
     "R": ("PyTorch 2.0 混合精度训练实战：ResNet-50 显存节省 40% 的 3 个关键配置 (\"Mixed precision "
           "training with PyTorch 2.0: 3 key settings that save 40% of ResNet-50's GPU memory\")"),
@@ -209,9 +211,15 @@ def timing_gate(device_type: str, steps: int, warmup: int = 1,
     GPU busy: the share of step time the GPU sat idle (host and launch overhead) at most
     ``max_idle`` when it was measured.
     """
+    check_int("steps", steps, 0)
+    check_int("warmup", warmup, 0)
     if device_type != "cuda":
         return (f"timed on {device_type}, not on the GPU the claim is about: CPU speed says "
                 f"nothing about tensor cores")
+    if gpu_idle_fraction is not None and not (is_real(gpu_idle_fraction)
+                                              and 0.0 <= gpu_idle_fraction <= 1.0):
+        return (f"the GPU's idle share of each step was not measured as a fraction in [0, 1] "
+                f"(got {gpu_idle_fraction!r}), so whether the GPU was busy is unknown")
     if warmup < 1:
         return "timed without a warm-up step: the first steps include one-time setup"
     if steps < min_steps:
@@ -225,8 +233,12 @@ def timing_gate(device_type: str, steps: int, warmup: int = 1,
 def accuracy_gate(accuracy: Optional[float], classes: int, margin: float = 0.2) -> Optional[str]:
     """Why an accuracy comparison cannot decide a claim, or None: the runs must train well above
     chance (accuracy at least chance + ``margin``, as fractions)."""
+    check_int("classes", classes, 2)
     if accuracy is None:
         return "no accuracy was measured"
+    if not (is_real(accuracy) and 0.0 <= accuracy <= 1.0):
+        return (f"the accuracy is not a fraction in [0, 1] (got {accuracy!r}): the run diverged "
+                f"or was not measured")
     chance = 1.0 / classes
     if accuracy < chance + margin:
         return (f"trained to {accuracy:.1%} accuracy, near chance ({chance:.0%}) for {classes} "

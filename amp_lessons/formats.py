@@ -182,9 +182,37 @@ def _pow2(value: float) -> str:
     return f"2^{exponent - 1}" if mantissa == 0.5 else ""
 
 
+def format_infos(names=None, setting: str = "names") -> List[FormatInfo]:
+    """The formats ``names`` asks for: None for all of them, one name (``"fp16"``, a dtype) or a
+    sequence of names; ValueError naming ``setting`` for an empty sequence or an unknown name."""
+    if names is None:
+        return [get_format(n) for n in FORMAT_NAMES]
+    if isinstance(names, (str, FormatInfo, torch.dtype)):
+        names = [names]
+    names = list(names)
+    if not names:
+        raise ValueError(f"{setting} must name at least one format of "
+                         f"{', '.join(FORMAT_NAMES)} (None for all of them); got an empty list")
+    return [get_format(n) for n in names]
+
+
+# 2**k is a finite, nonzero float64 for k in this range (scales and scale sweeps)
+SCALE_EXPONENT_RANGE = (-1074, 1023)
+
+
+def check_scale_exponent(k, setting: str = "exponents") -> int:
+    """``k`` as an int when ``2**k`` is a finite, nonzero float64 (``SCALE_EXPONENT_RANGE``);
+    ValueError naming ``setting`` otherwise (3.5 is refused, not truncated)."""
+    lo, hi = SCALE_EXPONENT_RANGE
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not lo <= k <= hi:
+        raise ValueError(f"{setting} must be integers in [{lo}, {hi}] (2**k a finite, nonzero "
+                         f"float64); got {k!r}")
+    return int(k)
+
+
 def format_facts(names: Optional[Sequence[str]] = None) -> List[dict]:
     """One row (a dict) per format: layout, limits, epsilon, decimal digits, infinity."""
-    infos = [get_format(n) for n in (names or FORMAT_NAMES)]
+    infos = format_infos(names)
     return [dict(format=f.name, bits=f.bits, layout=f.layout, exponent_bits=f.exponent_bits,
                  mantissa_bits=f.mantissa_bits, bias=f.bias, max=f.max,
                  smallest_normal=f.smallest_normal, smallest_subnormal=f.smallest_subnormal,
@@ -239,7 +267,14 @@ def _as_float64(x) -> torch.Tensor:
         if t.dtype.is_floating_point and t.element_size() == 1:  # fp8: no direct float64 cast
             t = t.float()
         return t.to(device="cpu", dtype=torch.float64)
-    return torch.as_tensor(np.asarray(x, dtype=np.float64))
+    try:
+        return torch.as_tensor(np.asarray(x, dtype=np.float64))
+    except OverflowError:
+        raise ValueError("x must hold numbers within float64's range (magnitude at most about "
+                         "1.8e308); got an integer beyond it") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"x must be a number, a sequence of numbers or a tensor; got "
+                         f"{type(x).__name__} ({exc})") from None
 
 
 def _round_f64(x: torch.Tensor, info: FormatInfo) -> torch.Tensor:
@@ -388,7 +423,11 @@ def decode(value: Number, fmt: Union[str, FormatInfo, torch.dtype]) -> Decoded:
         value = float(value.detach().float().cpu())
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ValueError(f"value must be a real number; got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"value must be within float64's range (magnitude at most about "
+                         f"1.8e308); got an integer of {len(str(abs(int(value))))} digits") from None
     rounded = float(_round_f64(torch.tensor([value], dtype=torch.float64), info)[0])
     e_bits, m_bits = info.exponent_bits, info.mantissa_bits
     all_ones = 2 ** e_bits - 1
@@ -424,9 +463,10 @@ def decode(value: Number, fmt: Union[str, FormatInfo, torch.dtype]) -> Decoded:
 def bits_table_text(values: Sequence[Number], names: Sequence[str] = ("fp32", "fp16", "bf16")) -> str:
     """Fixed-width text: each value's bits, stored value and kind in each format."""
     lines = []
+    infos = format_infos(names)
     for v in values:
         lines.append(f"value {v!r}")
-        for n in names:
+        for n in infos:
             d = decode(v, n)
             kind = f"{d.kind} (overflow)" if d.overflow else d.kind
             lines.append(f"  {d.fmt:<11} {d.bits:<36} {d.rounded!r:<24} {kind}")
@@ -570,9 +610,8 @@ def scale_sweep(grads, exponents: Iterable[int] = range(0, 33),
     normal_from = info.smallest_normal - info.smallest_subnormal / 2
     rows = []
     for k in exponents:
-        if not isinstance(k, (int, np.integer)):
-            raise ValueError(f"exponents must be integers; got {k!r}")
-        s = 2.0 ** int(k)  # a power of two: x * s and t / s are exact, so x * s <= t iff x <= t / s
+        k = check_scale_exponent(k)
+        s = 2.0 ** k  # a power of two: x * s and t / s are exact, so x * s <= t iff x <= t / s
         cut = torch.tensor([limits["flushed_max"] / s, normal_from / s,
                             limits["overflow_from"] / s], dtype=torch.float64)
         flushed = int(torch.searchsorted(x, cut[0:1], right=True))
@@ -800,6 +839,9 @@ def scale_report(grads_by_layer: Mapping[str, TensorLike], exponents: Sequence[i
     if not grads_by_layer:
         raise ValueError("grads_by_layer must name at least one layer")
     info = get_format(fmt)
+    exponents = [check_scale_exponent(k) for k in exponents]
+    if not exponents:
+        raise ValueError("exponents must hold at least one integer")
     rows = []
     for name, g in list(grads_by_layer.items()) + [("all", list(grads_by_layer.values()))]:
         x = _flatten(g)

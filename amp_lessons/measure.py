@@ -3,7 +3,7 @@
 ``measure`` times one ``BenchConfig``'s step (CUDA events after a warm-up, median img/s; on a CPU
 ``time.perf_counter``), reads peak memory after ``torch.cuda.reset_peak_memory_stats()``, breaks
 it into parameters, gradients, optimizer state and saved activations (counted, not estimated),
-and measures the share of the step the GPU sat idle (``device_busy_ms``). ``run_configs`` measures
+and measures the share of the step the GPU sat idle (``timing.device_busy_ms``). ``run_configs`` measures
 many in one process (an out-of-memory error becomes a row, never a dead kernel);
 ``compare_loops`` times the trainer against a hand-written loop; ``largest_batch`` searches the
 largest batch under a memory cap (``memory_cap``). ``STANDARD``: the settings every lesson uses.
@@ -14,9 +14,7 @@ import datetime
 import gc
 import math
 import platform
-import statistics
 import time
-import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
@@ -24,13 +22,15 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from . import models as _models
 from . import trainer as _trainer
-from ._validate import check_choice, check_int
+from ._validate import check_bool, check_choice, check_int, check_real
 from .data import synthetic_images
 from .tables import json_safe, percent
+# the step timers live in ``timing``; lessons and learners know them as measure.time_steps etc.
+from .timing import (device_busy_ms, idle_fraction, interval_union,  # noqa: F401 (re-exported)
+                     summarize_times, time_steps)
 from .env import allocatable_bytes, device_capability
 from .precision import PRECISIONS, as_device, autocast_for, native_bf16, precision_settings
 
@@ -110,13 +110,18 @@ class BenchConfig:
                               ("compile", COMPILE_MODES), ("loop", LOOPS),
                               ("checkpoint", _models.CHECKPOINT_MODES)):
             check_choice(name, getattr(self, name), choices)
-        check_int("batch_size", self.batch_size, 1)
-        check_int("image_size", self.image_size, 8)
-        check_int("num_classes", self.num_classes, 2)
-        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a finite number > 0; got {self.lr!r}")
-        if not (0 < self.eps < 1):
-            raise ValueError(f"eps must be in (0, 1); got {self.eps!r}")
+        if not isinstance(self.label, str):
+            raise ValueError(f"label must be a string; got {self.label!r}")
+        fixed = {"batch_size": check_int("batch_size", self.batch_size, 1),
+                 "image_size": check_int("image_size", self.image_size, 8),
+                 "num_classes": check_int("num_classes", self.num_classes, 2)}
+        for name in ("channels_last", "amsgrad", "cuda_graph", "cudnn_benchmark"):
+            fixed[name] = check_bool(name, getattr(self, name))
+        if self.lr is not None:
+            fixed["lr"] = check_real("lr", self.lr, 0.0, low_open=True)
+        fixed["eps"] = check_real("eps", self.eps, 0.0, 1.0, low_open=True, high_open=True)
+        for name, value in fixed.items():  # NumPy scalars kept as plain Python values
+            object.__setattr__(self, name, value)
         if not self.label:
             object.__setattr__(self, "label", self.describe())
 
@@ -422,109 +427,6 @@ def cuda_graph_step(step: Step, x: torch.Tensor, y: torch.Tensor, warmup: int = 
     return replay
 
 
-# --- timing -------------------------------------------------------------------------------------
-def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5,
-               steps: int = 15, device=None, reset_peak: bool = True) -> Dict[str, object]:
-    """Run ``warmup`` untimed steps, then time ``steps`` steps one by one.
-
-    On a GPU each step is bracketed by CUDA events (device time, no host sync inside the loop);
-    on a CPU by ``time.perf_counter``. Returns ``times_ms`` (per step), ``loss`` (last, float)
-    and ``timer``. With ``reset_peak`` the GPU's peak-memory counter is reset after the warm-up
-    (leave it off to count memory set aside during the warm-up, such as a CUDA graph's pool).
-    """
-    check_int("warmup", warmup, 0)
-    check_int("steps", steps, 1)
-    if not isinstance(reset_peak, bool):
-        raise ValueError(f"reset_peak must be True or False; got {reset_peak!r}")
-    device = torch.device(device) if device is not None else x.device
-    loss = None
-    for _ in range(warmup):
-        loss = step(x, y)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        if reset_peak:
-            torch.cuda.reset_peak_memory_stats(device)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
-        for i in range(steps):
-            starts[i].record()
-            loss = step(x, y)
-            ends[i].record()
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        timer = "CUDA events"
-    else:
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            loss = step(x, y)
-            times.append((time.perf_counter() - t0) * 1e3)
-        timer = "perf_counter"
-    return {"times_ms": times, "loss": float(loss) if loss is not None else float("nan"),
-            "timer": timer}
-
-
-def interval_union(intervals: Iterable[Sequence[float]]) -> float:
-    """Total length covered by ``(start, end)`` intervals, overlaps counted once (kernels on
-    several streams, or nested events, must not count their shared time twice)."""
-    total, reach = 0.0, -math.inf  # reach: the end of everything counted so far
-    for start, end in sorted((float(a), float(b)) for a, b in intervals):
-        if end < start:
-            raise ValueError(f"intervals must have end >= start; got ({start}, {end})")
-        total += max(0.0, end - max(start, reach))
-        reach = max(reach, end)
-    return total
-
-
-def device_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device=None,
-                   steps: int = 3, activity: str = "cuda") -> Optional[float]:
-    """Milliseconds per step during which the device ran something (kernels, copies, memsets).
-
-    ``steps`` steps run under ``torch.profiler`` (device activity only, to keep its own cost
-    small); the union of the device events' intervals, divided by ``steps``, is the busy time.
-    Against the timed median step this gives the share of the step the GPU sat idle waiting for
-    the host (``gpu_idle_fraction``). None where ``device`` is not a GPU (``activity="cpu"``
-    measures CPU operator time instead, for tests).
-    """
-    check_int("steps", steps, 1)
-    check_choice("activity", activity, ("cuda", "cpu"))
-    device = torch.device(device) if device is not None else x.device
-    if activity == "cuda" and device.type != "cuda":
-        return None
-    kind = {"cuda": ProfilerActivity.CUDA, "cpu": ProfilerActivity.CPU}[activity]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d: None)
-    sync(device)
-    with warnings.catch_warnings():  # one profiling cycle: its "clears events" notice is moot
-        warnings.filterwarnings("ignore", message=".*Profiler clears events")
-        with profile(activities=[kind]) as prof:
-            for _ in range(steps):
-                step(x, y)
-            sync(device)
-    wanted = "CUDA" if activity == "cuda" else "CPU"
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if getattr(e.device_type, "name", str(e.device_type)).upper().endswith(wanted)]
-    return interval_union(spans) / 1e3 / steps
-
-
-def idle_fraction(busy_ms: Optional[float], step_ms: Optional[float]) -> Optional[float]:
-    """The share of a step the device was idle: ``1 - busy / step``, clipped to [0, 1]; None when
-    either is unknown."""
-    if busy_ms is None or not step_ms:
-        return None
-    return min(1.0, max(0.0, 1.0 - busy_ms / step_ms))
-
-
-def summarize_times(times_ms: Sequence[float], batch_size: int) -> Dict[str, float]:
-    """Median step time, img/s from it, and the spread (quartiles) of the step times."""
-    if not times_ms:
-        raise ValueError("times_ms must hold at least one step time")
-    median = statistics.median(times_ms)
-    q1, q3 = (statistics.quantiles(times_ms, n=4)[i] for i in (0, 2)) if len(times_ms) > 1 \
-        else (median, median)
-    return {"step_ms": median, "step_ms_q1": q1, "step_ms_q3": q3,
-            "img_per_s": batch_size / (median / 1e3)}
-
-
 # --- one configuration, many configurations -----------------------------------------------------
 ROW_KEYS = ("label", "status", "reason", "img_per_s", "step_ms", "step_ms_q1", "step_ms_q3",
             "peak_allocated_gib", "peak_reserved_gib", "params_gib", "grads_gib",
@@ -601,6 +503,12 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
     ``status`` is ``"ok"``, ``"skipped"`` (``reason`` says why: no bf16, no GPU for compile...),
     ``"out of memory"`` or ``"error"``. Memory is freed before returning, also after a failure.
     """
+    if not isinstance(config, BenchConfig):
+        raise ValueError(f"config must be a BenchConfig; got {type(config).__name__}")
+    # bad arguments are the caller's mistake, not the configuration's result: raise, no row
+    warmup, steps = check_int("warmup", warmup, 0), check_int("steps", steps, 1)
+    check_bool("breakdown", breakdown)
+    check_bool("idle", idle)
     device = torch.device(device)
     reason = skip_reason(config, device)
     if reason:
@@ -632,6 +540,11 @@ def run_configs(configs: Sequence[BenchConfig], device, warmup: int = 5, steps: 
                 on_row: Optional[Callable[[Dict[str, object]], None]] = None
                 ) -> List[Dict[str, object]]:
     """Measure every configuration in turn, in this process, freeing memory between them."""
+    configs = list(configs)
+    if not configs or not all(isinstance(c, BenchConfig) for c in configs):
+        raise ValueError("configs must hold at least one BenchConfig, and nothing else")
+    check_int("warmup", warmup, 0)
+    check_int("steps", steps, 1)
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
         raise ValueError("configuration labels must be unique")

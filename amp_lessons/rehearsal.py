@@ -333,13 +333,28 @@ README_END = "<!-- rehearsal:end -->"
 
 
 def _grouped(rows: Sequence[Dict[str, str]]) -> str:
-    """Rows not run, grouped by their status: "a, b: skipped: why; c: error: ..." ("none")."""
+    """Rows not run, grouped by their status: "`a`, `b`: skipped: why; `c`: error: ..." ("none")."""
     by_status: Dict[str, List[str]] = {}
     for x in rows:
         names = by_status.setdefault(x["status"], [])
         if x["row"] not in names:
             names.append(x["row"])
-    return "; ".join(f"{', '.join(names)}: {status}" for status, names in by_status.items()) or "none"
+    def code(name: str) -> str:  # row labels hold commas: each one in its own code span
+        return "`" + name.replace("`", "'") + "`"
+
+    return "; ".join(f"{', '.join(map(code, names))}: {status}"
+                     for status, names in by_status.items()) or "none"
+
+
+def _sources(lessons: Sequence[Dict[str, object]]) -> str:
+    """Where the peak memory came from; with more than one source, which lessons used which."""
+    by_source: Dict[str, List[str]] = {}
+    for r in lessons:
+        by_source.setdefault(r.get("memory_source", "?"), []).append(r["notebook"].split("_")[0])
+    if len(by_source) == 1:
+        return next(iter(by_source))
+    return "; ".join(f"{source} (lesson{'s' if len(n) > 1 else ''} {', '.join(n)})"
+                     for source, n in by_source.items())
 
 
 def markdown(doc: Dict[str, object]) -> str:
@@ -374,8 +389,7 @@ def markdown(doc: Dict[str, object]) -> str:
         f"against {card['fp16_tensor_tflops']:g} TFLOPS and memory bandwidth "
         f"{host['memory_gb_s']:g} against {card['memory_gb_s']:g} GB/s ({host['card']} against "
         f"{card['card']}). Colab's and Kaggle's CPUs are slower than the rehearsal host's, so the "
-        f"host-bound lessons take longer there. Peak memory: "
-        f"{'; '.join(dict.fromkeys(r.get('memory_source', '?') for r in doc['lessons']))}; "
+        f"host-bound lessons take longer there. Peak memory: {_sources(doc['lessons'])}; "
         f"the allocator was capped at {facts['memory_gib']:g} GiB.")
     return "\n".join(lines)
 

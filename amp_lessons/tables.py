@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
+from ._validate import is_int, is_real
+
 Column = Union[str, Tuple[str, str], Tuple[str, str, Union[str, Callable[[Any], str]]]]
 
 
@@ -32,23 +34,26 @@ def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) ->
     """``part`` of ``whole`` as a percentage that never shows a nonzero share as zero.
 
     ``digits`` significant digits; below ``floor`` percent it reads ``"< 0.001% (3 of 2,000,000)"``
-    with the count, and exactly zero reads ``"0%"``.
+    with the count, above ``100 - floor`` it reads ``"> 99.999% (9,999,999 of 10,000,000)"``,
+    and exactly zero and all of them read ``"0%"`` and ``"100%"``.
     """
-    if not isinstance(whole, (int, float)) or isinstance(whole, bool) or whole <= 0:
+    if not is_real(whole) or whole <= 0:
         raise ValueError(f"whole must be a number > 0; got {whole!r}")
-    if not isinstance(part, (int, float)) or isinstance(part, bool) or not 0 <= part <= whole:
+    if not is_real(part) or not 0 <= part <= whole:
         raise ValueError(f"part must be a number in [0, whole={whole}]; got {part!r}")
     if part == 0:
         return "0%"
+    if part == whole:
+        return "100%"
+    count = f"{int(part):,}" if is_int(part) else f"{float(part):g}"
+    total = f"{int(whole):,}" if is_int(whole) else f"{float(whole):g}"
     share = 100.0 * part / whole
     if share < floor:
-        count = f"{part:,}" if isinstance(part, int) else f"{part:g}"
-        total = f"{whole:,}" if isinstance(whole, int) else f"{whole:g}"
         return f"< {floor:g}% ({count} of {total})"
-    if share >= 100.0 or part == whole:
-        return "100%"
+    if share > 100.0 - floor:  # all but a few: must not read as all of them
+        return f"> {100.0 - floor:g}% ({count} of {total})"
     text = f"{share:.{digits}g}"
-    if float(text) == 100.0:  # 99.9996 must not read as all of them
+    if float(text) >= 100.0:  # 99.9996 must not read as all of them
         text = f"{share:.{digits + 3}g}"
     return f"{text}%"
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._skipsafe import BatchNormGuard, UpdateGuard, fused_sgd_groups, prime_momentum_buffers
-from ._validate import check_bool, check_choice, check_int, check_positive, is_real
+from ._validate import check_bool, check_choice, check_int, check_positive, check_real, is_real
 from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_training_state,
                          read_verified, rng_state, set_rng_state)
 from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
@@ -74,26 +74,25 @@ class ScalerSettings:
     enabled: bool = True
 
     def __post_init__(self):
-        if not is_real(self.init_scale) or self.init_scale <= 0:
-            raise ValueError(f"init_scale must be a finite number > 0; got {self.init_scale!r}")
-        if not is_real(self.growth_factor) or self.growth_factor <= 1:
-            raise ValueError(f"growth_factor must be a finite number > 1; got {self.growth_factor!r}")
+        v = self.init_scale
+        if not is_real(v) or not 2.0 ** -126 <= v <= 2.0 ** 127:
+            raise ValueError(f"init_scale must be a finite number > 0 in float32's normal range "
+                             f"[2**-126, 2**127] (the scale is a float32 tensor); got {v!r}")
+        growth = check_real("growth_factor", self.growth_factor, 1.0, low_open=True)
         if not is_real(self.backoff_factor) or not 0 < self.backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in the open interval (0, 1); "
                              f"got {self.backoff_factor!r}")
-        if (not isinstance(self.growth_interval, int) or isinstance(self.growth_interval, bool)
-                or self.growth_interval < 1):
-            raise ValueError(f"growth_interval must be a whole number >= 1; "
-                             f"got {self.growth_interval!r}")
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"enabled must be True or False; got {self.enabled!r}")
+        interval = check_int("growth_interval", self.growth_interval, 1)
+        # NumPy scalars (a sweep over np.arange) are kept as plain Python numbers
+        for name, value in (("init_scale", float(v)), ("growth_factor", growth),
+                            ("backoff_factor", float(self.backoff_factor)),
+                            ("growth_interval", interval),
+                            ("enabled", check_bool("enabled", self.enabled))):
+            object.__setattr__(self, name, value)
 
     def make(self, device_type: str) -> "torch.amp.GradScaler":
         """A ``torch.amp.GradScaler(device_type, ...)`` with these settings."""
-        return torch.amp.GradScaler(device_type, init_scale=float(self.init_scale),
-                                    growth_factor=float(self.growth_factor),
-                                    backoff_factor=float(self.backoff_factor),
-                                    growth_interval=self.growth_interval, enabled=self.enabled)
+        return torch.amp.GradScaler(device_type, **self.as_dict())
 
     def apply_to(self, scaler: "torch.amp.GradScaler") -> None:
         """Change a live scaler's knobs between steps. A changed ``init_scale`` resets the current
@@ -119,9 +118,7 @@ class ScalerSettings:
 
     def as_dict(self) -> dict:
         """Plain data (for checkpoints and JSON)."""
-        return dict(init_scale=float(self.init_scale), growth_factor=float(self.growth_factor),
-                    backoff_factor=float(self.backoff_factor),
-                    growth_interval=self.growth_interval, enabled=self.enabled)
+        return asdict(self)  # plain Python numbers: __post_init__ converted them
 
 
 # --- configuration -------------------------------------------------------------------------------

@@ -244,6 +244,28 @@ def test_decide_b4_one_verdict_for_both_readings(monkeypatch):
     assert "different scales" in L.decide_b4(a, c, base, worse, "cpu").measured
 
 
+
+def test_decide_b4_different_is_not_better(monkeypatch):
+    """Runs that merely behave differently decide nothing; short runs decide nothing."""
+    monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
+    a, c = _fake_run("a", [False] * 12), _fake_run("c", [True] + [False] * 11)
+    calm_base, calm = _fake_run("2", [False] * 12), _fake_run("4", [False] * 12, growth=4.0)
+    v = L.decide_b4(a, c, calm_base, calm, "cpu")   # different, and no wobble to steady
+    assert v.held is None and not v.decided
+    short = [_fake_run(n, [False, False]) for n in "ab"]
+    wobbly = _fake_run("2", [True, False, False])
+    steady = _fake_run("4", [False, False, False], growth=4.0)
+    v = L.decide_b4(short[0], _fake_run("c", [True, False, False]), wobbly, steady, "cpu")
+    assert not v.decided and "steps per run" in v.why
+
+
+def test_steadier_with_a_non_finite_loss_decides_nothing():
+    base = _fake_run("2", [True] * 2 + [False] * 10, losses=[float("nan")] * 12)
+    larger = _fake_run("4", [False] * 12, losses=[1.0] * 12, growth=4.0)
+    held, _, why = L.steadier(base, larger)
+    assert held is None and "not finite" in why
+
+
 # ---- the notebook's panels on real runs ------------------------------------------------------------
 
 def test_scaler_panel_trains_through_the_trainer():

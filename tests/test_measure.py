@@ -488,7 +488,8 @@ def test_device_busy_ms_keeps_the_profilers_notice_out_of_the_output(monkeypatch
         def events(self):
             return [Event()]
 
-    monkeypatch.setattr(M, "profile", FakeProfile)
+    from amp_lessons import timing
+    monkeypatch.setattr(timing, "profile", FakeProfile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         busy = M.device_busy_ms(lambda x, y: None, torch.zeros(1), None, "cpu", steps=2,

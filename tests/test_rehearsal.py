@@ -174,7 +174,7 @@ def test_merge_orders_lessons_and_refuses_overlaps():
 def test_markdown_and_readme_block(tmp_path):
     doc = _doc(("01_a.ipynb", True), ("02_b.ipynb", False))
     text = rehearsal.markdown(doc)
-    assert "| 01 | yes | 2.0 min | 0.5 min | about 9 min | 8.8 GiB | bf16: skipped: no bf16 |" in text
+    assert "| 01 | yes | 2.0 min | 0.5 min | about 9 min | 8.8 GiB | `bf16`: skipped: no bf16 |" in text
     assert "no: cell 3 failed" in text and "x 15.0" in text
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{rehearsal.README_START}\nold\n{rehearsal.README_END}\nend\n")
@@ -192,8 +192,20 @@ def test_rows_not_run_are_grouped_by_status():
             {"table": "t", "row": "bf16 + ckpt", "status": "skipped: no bf16"},
             {"table": "u", "row": "bf16", "status": "skipped: no bf16"},
             {"table": "t", "row": "fp8", "status": "not measured: 7.5"}]
-    assert rehearsal._grouped(rows) == "bf16, bf16 + ckpt: skipped: no bf16; fp8: not measured: 7.5"
+    assert rehearsal._grouped(rows) == \
+        "`bf16`, `bf16 + ckpt`: skipped: no bf16; `fp8`: not measured: 7.5"
     assert rehearsal._grouped([]) == "none"
+    # labels that hold commas stay readable: each is its own code span
+    assert rehearsal._grouped([{"row": "fp32, TF32 on", "status": "skipped"}]) == \
+        "`fp32, TF32 on`: skipped"
+
+
+def test_memory_sources_say_which_lessons_used_which():
+    one = [{"notebook": "01_a.ipynb", "memory_source": "smi"},
+           {"notebook": "02_b.ipynb", "memory_source": "smi"}]
+    assert rehearsal._sources(one) == "smi"
+    two = one + [{"notebook": "04_c.ipynb", "memory_source": "smi on this GPU"}]
+    assert rehearsal._sources(two) == "smi (lessons 01, 02); smi on this GPU (lesson 04)"
 
 
 def test_committed_rehearsal_covers_every_lesson_and_the_readme_shows_it():

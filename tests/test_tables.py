@@ -12,13 +12,18 @@ from amp_lessons import tables
 @pytest.mark.parametrize("part, whole, text", [
     (0, 10, "0%"), (5, 10, "50%"), (10, 10, "100%"), (1, 3, "33.3%"),
     (431, 100_000_000, "< 0.001% (431 of 100,000,000)"),
-    (4, 232_000, "0.00172%"), (999_999, 1_000_000, "99.9999%"),
+    (4, 232_000, "0.00172%"), (999_999, 1_000_000, "> 99.999% (999,999 of 1,000,000)"),
+    (9_999_999, 10_000_000, "> 99.999% (9,999,999 of 10,000,000)"),
+    (25_557_031, 25_557_032, "> 99.999% (25,557,031 of 25,557,032)"),
+    (99_995, 100_000, "99.995%"), (np.int64(3), np.int64(10), "30%"), (np.float32(0.5), 1, "50%"),
 ])
 def test_percent_never_rounds_a_nonzero_share_to_zero(part, whole, text):
+    """Nor all but a few to 100%; NumPy scalars count as numbers."""
     assert tables.percent(part, whole) == text
 
 
-@pytest.mark.parametrize("part, whole", [(-1, 10), (11, 10), (1, 0), (True, 3), (1, "3")])
+@pytest.mark.parametrize("part, whole", [(-1, 10), (11, 10), (1, 0), (True, 3), (1, "3"),
+                                          (float("nan"), 3), (1, float("inf"))])
 def test_percent_rejects_bad_input(part, whole):
     with pytest.raises(ValueError, match="must be"):
         tables.percent(part, whole)

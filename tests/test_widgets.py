@@ -149,7 +149,7 @@ def test_bit_explorer_settings():
     assert "overflow-x:auto" in W.bit_explorer_html(1.0, ["fp16"])       # scrolls when narrow
     with pytest.raises(ValueError, match="fmt must be one of"):
         W.BitExplorer(1.0, formats_shown=["fp12"])
-    with pytest.raises(ValueError, match="formats must name at least one"):
+    with pytest.raises(ValueError, match="formats_shown must name at least one"):
         W.BitExplorer(1.0, formats_shown=[])
     with pytest.raises(ValueError, match="log2_range must be"):
         W.BitExplorer(1.0, log2_range=(5, -5))

@@ -10,6 +10,8 @@ The lesson's own experiments, built on ``amp_lessons.formats``:
 """
 from __future__ import annotations
 
+import decimal
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Sequence, Union
@@ -29,14 +31,15 @@ def matches_written(claimed: str, actual: float) -> bool:
     """Does ``actual`` round to the number written in ``claimed``, at its written precision?
     (``"5.96e-8"`` matches 2**-24 = 5.9605e-08.) ValueError for anything but a plain decimal."""
     text = str(claimed).strip().lower()
-    m = re.fullmatch(r"([+-]?)(\d+)(?:\.(\d*))?(?:e([+-]?\d+))?", text)
+    m = re.fullmatch(r"[+-]?(\d+\.?(\d*)|\.(\d+))(?:e[+-]?\d+)?", text)
     if not m:
         raise ValueError(f"claimed values must be plain decimal numbers such as 5.96e-8; "
                          f"got {claimed!r}")
-    decimals = len(m.group(3) or "")
-    exponent = int(m.group(4) or 0)
-    unit = 10.0 ** (exponent - decimals)
-    return abs(float(text) - actual) <= unit / 2
+    if not math.isfinite(actual):
+        return False
+    written = decimal.Decimal(text)        # exact: no float overflow at 1e400, no rounding
+    unit = decimal.Decimal(1).scaleb(written.as_tuple().exponent)   # one unit of the last digit
+    return abs(written - decimal.Decimal(actual)) <= unit / 2
 
 
 @dataclass(frozen=True)

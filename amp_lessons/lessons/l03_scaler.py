@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .. import claims
+from .._validate import is_int, is_real
 from ..data import digits_loaders
 from ..formats import gradient_summary, scale_sweep
 from ..models import DIGITS_MODELS, build_digits_model
@@ -89,7 +90,7 @@ def steps_to_settle(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> Opt
     scale that starts low and climbs without ever overflowing has settled at step 0.
     Raises ``ValueError`` for ``window < 1``.
     """
-    if not isinstance(window, int) or window < 1:
+    if not is_int(window) or window < 1:
         raise ValueError(f"window must be an integer >= 1; got {window!r}")
     streak = 0
     for i, skip in enumerate(skipped):
@@ -102,7 +103,7 @@ def steps_to_settle(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> Opt
 def final_loss(losses: Sequence[float], last: int = FINAL_LOSS_WINDOW) -> float:
     """The run's final loss: the mean training loss over its last ``last`` steps (fewer if the
     run is shorter), which is steadier than one step's loss. ``nan`` for an empty run."""
-    if not isinstance(last, int) or last < 1:
+    if not is_int(last) or last < 1:
         raise ValueError(f"last must be an integer >= 1; got {last!r}")
     tail = [float(v) for v in list(losses)[-last:]]
     return float(np.mean(tail)) if tail else float("nan")
@@ -208,14 +209,17 @@ class RunSetup:
                              f"got {self.model!r}")
         for name, low in (("width", 1), ("image_size", 8), ("batch_size", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-        if not (isinstance(self.lr, (int, float)) and 0 < self.lr <= 10):
+            object.__setattr__(self, name, int(value))
+        if not (is_real(self.lr) and 0 < self.lr <= 10):
             raise ValueError(f"lr must be in (0, 10]; got {self.lr!r}")
-        if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
+        if not (is_real(self.momentum) and 0 <= self.momentum < 1):
             raise ValueError(f"momentum must be in [0, 1); got {self.momentum!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer; got {self.seed!r}")
+        for name, kind in (("lr", float), ("momentum", float), ("seed", int)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
 
     @property
     def torch_device(self) -> torch.device:
@@ -269,7 +273,7 @@ class OverflowInjector(Hooks):
 
     @rate.setter
     def rate(self, value: float) -> None:
-        if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        if not is_real(value) or not 0.0 <= float(value) <= 1.0:
             raise ValueError(f"overflow injection rate must be in [0, 1]; got {value!r}")
         self._rate = float(value)
 
@@ -300,7 +304,7 @@ def train_with_scaler(settings: ScalerSettings, steps: int, setup: RunSetup = Ru
     trainer). Raises ``ValueError`` for ``steps < 1`` and the trainer's documented errors for
     bad settings.
     """
-    if not isinstance(steps, int) or steps < 1:
+    if not is_int(steps) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
     injector = injector or OverflowInjector(injection_rate, seed=setup.seed)
     trainer, train, test = setup.build(settings, hooks=[injector])
@@ -333,7 +337,7 @@ class GradientCapture(Hooks):
     """
 
     def __init__(self, start_at: int = 0):
-        if not isinstance(start_at, int) or start_at < 0:
+        if not is_int(start_at) or start_at < 0:
             raise ValueError(f"start_at must be an integer >= 0; got {start_at!r}")
         self.start_at = start_at
         self.magnitudes: Dict[str, np.ndarray] = {}
@@ -367,7 +371,7 @@ def capture_gradients(steps: int = 20, setup: RunSetup = RunSetup(model="cnn", i
     """Train ``setup``'s model for ``steps`` fp16 steps and return ``(magnitudes, step)``: the
     per-layer true gradient magnitudes (``GradientCapture``) of the latest finite step among the
     last ``last`` steps. ``settings`` default to PyTorch's (measured)."""
-    if not isinstance(steps, int) or steps < 1:
+    if not is_int(steps) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
     settings = settings or measured_defaults(setup.torch_device.type)
     capture = GradientCapture(start_at=max(0, steps - last))
@@ -429,7 +433,7 @@ def step_table_text(run: ScalerRun, first: int = 20) -> str:
     """The first ``first`` steps of a run as text: the scale each step used, whether it was
     skipped (and whether an overflow was injected), and what ``update()`` then did to the scale
     (backed off, grew, or kept it)."""
-    if not isinstance(first, int) or first < 1:
+    if not is_int(first) or first < 1:
         raise ValueError(f"first must be an integer >= 1; got {first!r}")
     nxt = run.scales[1:] + [run.final_scale]
     lines = [f"{'step':>4}  {'scale used':>16}  {'skipped':>7}  {'loss':>8}  update() then"]
@@ -553,7 +557,8 @@ def steadier(base: ScalerRun, larger: ScalerRun,
     """B4 read generously ("raise growth_factor" steadies a wobbling run) on two runs of the same
     seed and data whose settings differ only in growth_factor: ``(held, measured, why)``. Held
     when the larger factor skipped fewer steps and its final loss is no more than ``tolerance``
-    (relative) above the base run's; None when the base run never skipped (no wobble)."""
+    (relative) above the base run's; None when the base run never skipped (no wobble) or a
+    final loss is not finite."""
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1); got {tolerance!r}")
     gb, gl = base.settings.growth_factor, larger.settings.growth_factor
@@ -566,6 +571,9 @@ def steadier(base: ScalerRun, larger: ScalerRun,
                 f"growth_interval {base.settings.growth_interval})")
     if sb == 0:
         return None, measured, "the base run never skipped a step: no wobble to steady"
+    if not (np.isfinite(lb) and np.isfinite(ll)):
+        return None, measured, ("a final loss is not finite (the run diverged or holds no "
+                                "steps), so the runs cannot be compared")
     if sl > sb:
         return False, measured, (f"the larger growth factor skipped more steps ({sb} -> {sl}): "
                                  f"each growth overshoots further, so more steps hit an overflow")
@@ -582,14 +590,17 @@ def decide_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger
     for step (same scales and skips; losses may differ in the last bits where kernels are not
     deterministic, so their largest difference is reported). Generously: a larger growth factor
     (``larger`` against ``base``, ``steadier``) steadies a wobbling run. Held when either reading
-    changes the run for the better; not decided when neither can (no knob, no wobble)."""
+    changes the run for the better. Runs that merely differ are not better: the literal reading
+    can only show that the advice changes nothing (no knob, and growth_factor=2.0 repeats the
+    default run), which does not hold; otherwise the generous reading decides, and neither
+    decides from runs shorter than ``MIN_DECIDING_STEPS``."""
     error = scale_factor_error(device_type)
     default_growth = measured_defaults(device_type).growth_factor
     same = default_run.scales == b4_run.scales and default_run.skipped == b4_run.skipped
     n = min(len(default_run.losses), len(b4_run.losses))
     diff = max((abs(a - b) for a, b in zip(default_run.losses[:n], b4_run.losses[:n])),
                default=0.0)
-    literal = bool(not error or not same)
+    changes_nothing = bool(error) and same
     generous, g_measured, g_why = steadier(base, larger)
     measured = (f"{error or 'scale_factor accepted'}; the default growth_factor measures "
                 f"{default_growth:g}; over {n} steps the run with growth_factor=2.0 had "
@@ -601,9 +612,8 @@ def decide_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger
     effect = (f"growth_factor=2.0 {'is' if default_growth == 2.0 else 'is not'} the default, and "
               f"the scaler {behaved}{', so the advice changes nothing' if same else ''}")
     why = f"{no_knob}; read as growth_factor, {effect}. Raising growth_factor: {g_why}"
-    held = bool(literal or generous)
-    # The literal reading is a fact of the API; the generous one needs runs long enough to settle.
-    short = None if literal else _too_short([base, larger], "steadying a wobbling run")
+    held = generous if generous is not None else (False if changes_nothing else None)
+    short = _too_short([default_run, b4_run, base, larger], "steadying a wobbling run")
     return claims.decide("B4", LESSON, measured, held, why,
                          numbers={"scale_factor_accepted": not error, "same_as_default": same,
                                   "largest_loss_difference": diff}, cannot_decide=short)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import claims, models
-from .._validate import check_choice, check_int
+from .._validate import check_choice, check_int, is_int, is_real
 from ..data import digits, digits_loaders, synthetic_images
 from ..env import allocatable_bytes
 from ..measure import (GIB, MODELS, BenchConfig, LargestBatch, SavedActivations, build_model,
@@ -520,11 +520,12 @@ def card_advice(rows: Sequence[Dict[str, object]], card_gib: float,
     and time per image stays as measured. One row per batch: ``batch``, ``pick`` (None when
     nothing fits: accumulate micro-batches), ``predicted GiB``, ``predicted img/s`` and
     ``slower choices that fit``."""
-    if not (isinstance(card_gib, (int, float)) and not isinstance(card_gib, bool) and card_gib > 0):
+    if not (is_real(card_gib) and card_gib > 0):
         raise ValueError(f"card_gib must be a number > 0 (GiB); got {card_gib!r}")
     batches = list(batches)
-    if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
+    if not batches or any(not is_int(b) or b < 1 for b in batches):
         raise ValueError(f"batches must hold whole numbers >= 1; got {batches!r}")
+    batches = [int(b) for b in batches]
     ok = [(name, r) for name, r in _by_technique(rows).items()
           if r.get("state_gib") is not None and r.get("memory_gib") is not None]
     if not ok:
@@ -628,12 +629,11 @@ def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
     """
     techniques = _check_techniques(techniques)
     cards = list(card_sizes_gb)
-    if not cards or any(not isinstance(c, (int, float)) or isinstance(c, bool) or c <= 0
-                        for c in cards):
+    if not cards or any(not is_real(c) or c <= 0 for c in cards):
         raise ValueError(f"card_sizes_gb must hold numbers > 0 (GB); got {card_sizes_gb!r}")
     check_int("resolution_parts", resolution_parts, 1)
     check_int("max_batch", max_batch, 1)
-    if time_budget_s is not None and not time_budget_s > 0:
+    if time_budget_s is not None and not (is_real(time_budget_s) and time_budget_s > 0):
         raise ValueError(f"time_budget_s must be None or > 0 seconds; got {time_budget_s!r}")
     cards = sorted(cards)
     device = as_device(device)
@@ -828,7 +828,7 @@ def claim_r10(card_rows: Sequence[Dict[str, object]],
     here". R10c and R10d need several GPUs: lesson 06 decides R10c, the course does not measure
     R10d. Where AMP (fp16) did not run but bf16 did, bf16 stands in for it and says so.
     """
-    if not (isinstance(small_card_gb, (int, float)) and small_card_gb > 0):
+    if not (is_real(small_card_gb) and small_card_gb > 0):
         raise ValueError(f"small_card_gb must be a number > 0 (GB); got {small_card_gb!r}")
     ok = _by_technique(technique_rows)
     fp32 = ok.get("fp32")
@@ -957,8 +957,9 @@ def accumulation_memory(micro_batch: int = 32, counts: Sequence[int] = (1, 2, 4,
     """
     check_int("micro_batch", micro_batch, 1)
     counts = list(counts)
-    if not counts or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts):
+    if not counts or any(not is_int(n) or n < 1 for n in counts):
         raise ValueError(f"counts must hold whole numbers >= 1; got {counts!r}")
+    counts = [int(n) for n in counts]
     check_choice("model", model, ("resnet18", "resnet50"))
     device = as_device(device)
     precision = check_precision(precision, device)

@@ -16,6 +16,8 @@ import ipywidgets as w
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from .._validate import is_real
+
 FIGURE_MODES = ("auto", "widget", "output")
 ERROR_COLOR = "#d62728"
 
@@ -141,7 +143,8 @@ _NAMES = {"inf": math.inf, "nan": math.nan, "infinity": math.inf}
 
 def parse_number(text: str) -> float:
     """Read a number as a learner types it: ``0.1``, ``-1e-8``, ``65504``, ``2**-24``, ``2^-24``,
-    ``1/3``, ``inf``, ``nan``. Only numbers, + - * / ** (or ^) and parentheses are allowed, at
+    ``1/3``, ``inf``, ``nan``. A finite input whose value is beyond float64 (``1e400``,
+    ``1e308*10``) is refused, not turned into inf. Only numbers, + - * / ** (or ^) and parentheses are allowed, at
     most ``MAX_EXPRESSION_CHARS`` characters nested at most ``MAX_EXPRESSION_DEPTH`` deep;
     anything else raises ``ValueError``."""
     source = str(text).strip().lower().replace("^", "**")
@@ -157,7 +160,11 @@ def parse_number(text: str) -> float:
             return ev(node.body, depth + 1)
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
                 and not isinstance(node.value, bool):
-            return float(node.value)
+            value = float(node.value)  # OverflowError for a too long integer literal
+            if math.isinf(value):
+                raise OverflowError(f"{source[:20]} is beyond float64's largest value, about "
+                                    f"1.8e308 (type inf for infinity)")
+            return value
         if isinstance(node, ast.Name) and node.id in _NAMES:
             return _NAMES[node.id]
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -167,7 +174,14 @@ def parse_number(text: str) -> float:
             left, right = ev(node.left, depth + 1), ev(node.right, depth + 1)
             if isinstance(node.op, ast.Pow) and abs(right) > 4096:
                 raise ValueError("exponent too large")
-            return float(_BINARY[type(node.op)](left, right))
+            try:
+                value = float(_BINARY[type(node.op)](left, right))
+            except OverflowError:
+                value = math.inf
+            if math.isinf(value) and math.isfinite(left) and math.isfinite(right):
+                raise OverflowError("the result is beyond float64's largest value, about 1.8e308 "
+                                    "(type inf for infinity)")
+            return value
         raise ValueError("unsupported expression")
 
     try:
@@ -192,6 +206,12 @@ class NumberField:
                  high: Optional[float] = None, integer: bool = False,
                  description: Optional[str] = None, css_class: str = "", width: str = "220px"):
         self.name, self.low, self.high, self.integer = name, low, high, integer
+        for bound, v in (("low", low), ("high", high)):
+            if v is not None and not is_real(v):
+                raise ValueError(f"{name}: {bound} must be None or a finite number; got {v!r}")
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"{name}: low must be <= high; got low={low!r}, high={high!r}")
+        value = self.check(value)  # a panel never starts from a value its field would refuse
         self.text = w.Text(value=self._show(value),
                            description=name if description is None else description,
                            continuous_update=True, style=DESCRIPTION_STYLE,
@@ -215,7 +235,20 @@ class NumberField:
             return f"{kind} in [{self.low:g}, {self.high:g}]"
         if self.low is not None:
             return f"{kind} >= {self.low:g}"
+        if self.high is not None:
+            return f"{kind} <= {self.high:g}"
         return kind
+
+    def check(self, value):
+        """``value`` (a number, or text as typed) as this field's number; ValueError naming the
+        setting and its range when the field would refuse it."""
+        if isinstance(value, str):
+            return self.parse(value)
+        if not is_real(value) or (self.integer and value != int(value)) \
+                or (self.low is not None and value < self.low) \
+                or (self.high is not None and value > self.high):
+            raise ValueError(f"{self.name} must be {self._range()}; got {value!r}")
+        return int(value) if self.integer else float(value)
 
     def parse(self, text: str):
         """``text`` as this field's number; ValueError naming the setting and its range."""
@@ -259,18 +292,24 @@ class NumberField:
 
 class SliderField:
     """A slider with a ``NumberField`` beside it in place of its readout: drag, or type a value
-    (checked, refused with a message, never clamped). They stay in step. ``value`` is the
+    (checked, refused with a message, never clamped). They stay in step; a ``start`` value
+    outside the slider's range is refused when the panel is built. ``value`` is the
     slider's value; ``slider``, ``field`` and ``widget`` are the parts; the css class goes on
     the slider (and ``<class>-field`` on the text)."""
 
-    def __init__(self, slider: w.Widget, name: str, integer: bool = False, css_class: str = ""):
+    def __init__(self, slider: w.Widget, name: str, integer: bool = False, css_class: str = "",
+                 start=None):
         slider.readout = False
         slider.layout = w.Layout(width="auto", flex="1 1 200px", min_width="140px")
         slider.style = DESCRIPTION_STYLE
         self.slider = slider
-        self.field = NumberField(name, slider.value, slider.min, slider.max, integer,
-                                 description="", css_class=f"{css_class}-field" if css_class else "",
-                                 width="110px")
+        # ``start`` is checked against the slider's range before the slider sees it (a slider
+        # would clamp it without a word): ValueError naming the setting and the range
+        self.field = NumberField(name, slider.value if start is None else start, slider.min,
+                                 slider.max, integer, description="",
+                                 css_class=f"{css_class}-field" if css_class else "", width="110px")
+        if start is not None:
+            slider.value = self.field.value
         self._syncing = False
         slider.observe(self._from_slider, names="value")
         self.field.text.observe(self._from_field, names="value")

@@ -7,6 +7,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 import plotly.graph_objects as go
 
+from .._validate import is_real
 from .plots import preset_comparison, styled
 
 
@@ -110,7 +111,7 @@ def _l05_color(name: str, i: int) -> str:
 def _l05_check_lines(name: str, lines: Optional[Mapping[str, float]]) -> Dict[str, float]:
     lines = dict(lines or {})
     for label, value in lines.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        if not is_real(value) or not value > 0:
             raise ValueError(f"{name} must map labels to numbers > 0; got {label!r}: {value!r}")
     return lines
 

@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .. import formats
+from .._validate import is_int
 from ..tables import percent
 
 TEMPLATE = "plotly_white"
@@ -467,7 +468,7 @@ def accumulation_figure(trajectories: Mapping[str, Sequence[float]],
     drawn with at most ``max_points`` points per line (every n-th addition, the last kept)."""
     if not trajectories:
         raise ValueError("trajectories must hold at least one line")
-    if not isinstance(max_points, int) or max_points < 2:
+    if not is_int(max_points) or max_points < 2:
         raise ValueError(f"max_points must be an integer >= 2; got {max_points!r}")
     fig = go.Figure()
     for name, ys in trajectories.items():

@@ -13,7 +13,9 @@ browser tests find them by; the unit tests drive the panels headless by setting 
 """
 from __future__ import annotations
 
+import ast
 import math
+import re
 import threading
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
@@ -53,6 +55,30 @@ def slider_text(magnitude: float, negative: bool, step: float) -> str:
     return f"-{text}" if negative else text
 
 
+def _exponent_range(setting: str, pair) -> tuple:
+    """``(low, high)`` powers of two for a slider: whole numbers, low < high, each in
+    ``formats.SCALE_EXPONENT_RANGE``; ValueError naming ``setting`` otherwise."""
+    lo_k, hi_k = formats.SCALE_EXPONENT_RANGE
+    try:
+        lo, hi = pair
+    except (TypeError, ValueError):
+        lo = hi = None
+    if not (isinstance(lo, int) and isinstance(hi, int) and not isinstance(lo, bool)
+            and not isinstance(hi, bool) and lo_k <= lo < hi <= hi_k):
+        raise ValueError(f"{setting} must be two integers (low, high) with low < high, both in "
+                         f"[{lo_k}, {hi_k}]; got {pair!r}")
+    return lo, hi
+
+
+def _log2_of_power(value) -> float:
+    """log2 of a loss scale, for the panel's log2 slider: an ``init_scale`` that is not a power of
+    two gives a fractional exponent, which the slider's field refuses with the setting's name."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"init_scale must be a power of two > 0 (the panel's slider is log2); "
+                         f"got {value!r}")
+    return math.log2(value)
+
+
 class BitExplorer(w.VBox):
     """Lesson 01: type a value (``0.1``, ``2**-24``, ``70000``, ``nan``) or slide its magnitude,
     and see its sign, exponent and mantissa bits and the value each format stores.
@@ -64,15 +90,14 @@ class BitExplorer(w.VBox):
 
     def __init__(self, value: float = 0.1, formats_shown: Sequence[str] = EXPLORER_FORMATS,
                  log2_range: tuple = (-30, 20)):
-        self.formats = tuple(formats.get_format(f).name for f in formats_shown)
-        if not self.formats:
-            raise ValueError("formats must name at least one format")
-        lo, hi = log2_range
-        if not (isinstance(lo, int) and isinstance(hi, int) and lo < hi):
-            raise ValueError(f"log2_range must be two integers (low, high) with low < high; "
-                             f"got {log2_range!r}")
+        self.formats = tuple(f.name for f in formats.format_infos(formats_shown, "formats_shown"))
+        lo, hi = _exponent_range("log2_range", log2_range)
         self._syncing = False
-        self.value = parse_number(value) if isinstance(value, str) else float(value)
+        try:
+            self.value = parse_number(value) if isinstance(value, str) else float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"value must be a number within float64's range, or text such as "
+                             f"'2**-24'; got {value!r}"[:200]) from None
         self.text = w.Text(value=repr(self.value), description="x =", continuous_update=False,
                            placeholder="0.1, 1e-8, 2**-24, 70000, nan",
                            layout=w.Layout(width="auto", flex="1 1 240px", min_width="160px"))
@@ -88,7 +113,7 @@ class BitExplorer(w.VBox):
         self.table = w.HTML(bit_explorer_html(self.value, self.formats))
         self.text.observe(self._on_text, names="value")
         self.slider.observe(self._on_slider, names="value")
-        self.negative.observe(self._on_slider, names="value")
+        self.negative.observe(self._on_sign, names="value")
         super().__init__([w.HBox([self.text, self.negative], layout=w.Layout(**WRAP)),
                           self.slider, self.message, self.table],
                          layout=w.Layout(width="100%"))
@@ -139,6 +164,15 @@ class BitExplorer(w.VBox):
         target = self._slider_value(a, int(self.slider.min), int(self.slider.max))
         return abs(math.log2(new) - math.log2(target)) <= self.slider.step / 2 * 1.001
 
+    def _on_sign(self, change) -> None:
+        """The checkbox flips the sign of the value as typed (0 -> -0, inf -> -inf, NaN's sign
+        bit), never replacing it with the slider's magnitude."""
+        if self._syncing:
+            return
+        if (math.copysign(1.0, self.value) < 0) == bool(change["new"]):
+            return
+        self.text.value = negated_text(self.text.value)
+
     def _on_slider(self, change) -> None:
         if self._syncing or self._is_echo(change):
             return
@@ -148,6 +182,25 @@ class BitExplorer(w.VBox):
                                           self.slider.step)
         finally:
             self._syncing = False
+
+
+_PLAIN_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*(e[+-]?\d+)?|\.\d+(e[+-]?\d+)?|inf|nan)$", re.I)
+
+
+def negated_text(text: str) -> str:
+    """``text`` (a number as typed into the bit explorer) with its sign flipped, kept readable:
+    ``0.1`` -> ``-0.1``, ``-inf`` -> ``inf``, ``2**-40`` -> ``-(2**-40)`` and back."""
+    t = str(text).strip()
+    if _PLAIN_NUMBER.match(t):
+        return t[1:] if t[0] == "-" else "-" + t.lstrip("+")
+    if t.startswith("-(") and t.endswith(")"):
+        inner = t[2:-1]
+        try:  # only when the parentheses wrap the whole rest, as this function writes them
+            ast.parse(inner, mode="eval")
+            return inner
+        except SyntaxError:
+            pass
+    return f"-({t})"
 
 
 def bit_explorer(value: float = 0.1,
@@ -184,10 +237,7 @@ class LossScaleExplorer(w.VBox):
                  fmt: str = "fp16", k_range: tuple = (0, 32), log_y: bool = True,
                  figure_mode: str = "auto"):
         mode = resolve_figure_mode(figure_mode)
-        lo, hi = k_range
-        if not (isinstance(lo, int) and isinstance(hi, int) and lo < hi):
-            raise ValueError(f"k_range must be two integers (low, high) with low < high; "
-                             f"got {k_range!r}")
+        lo, hi = _exponent_range("k_range", k_range)
         if not isinstance(k, int) or not lo <= k <= hi:
             raise ValueError(f"k must be an integer in [{lo}, {hi}]; got {k!r}")
         if not magnitudes_by_layer:
@@ -277,26 +327,28 @@ class ScalerPanel(BackgroundRun):
         self.background = background
         start = settings or defaults
         self._initial = (start, injection_rate, steps)
+        # every starting value is checked against its control's range (never clamped)
         self.init_scale = SliderField(w.IntSlider(
-            value=round(math.log2(start.init_scale)), min=-10, max=32, step=1,
+            value=0, min=-10, max=32, step=1,
             description="init_scale (log2)", continuous_update=False), "init_scale (log2)",
-            integer=True, css_class="amp-init-scale")
+            integer=True, css_class="amp-init-scale", start=_log2_of_power(start.init_scale))
         # written by the kernel's observer, so it shows the value the kernel has
         self.init_scale_value = set_class(w.HTML(layout=w.Layout(min_width="120px")),
                                            "amp-init-scale-value")
         self.growth_factor = SliderField(w.FloatSlider(
-            value=start.growth_factor, min=1.05, max=8.0, step=0.05, description="growth_factor",
-            continuous_update=False), "growth_factor", css_class="amp-growth-factor")
+            value=2.0, min=1.05, max=8.0, step=0.05, description="growth_factor",
+            continuous_update=False), "growth_factor", css_class="amp-growth-factor",
+            start=start.growth_factor)
         self.backoff_factor = SliderField(w.FloatSlider(
-            value=start.backoff_factor, min=0.05, max=0.95, step=0.05,
+            value=0.5, min=0.05, max=0.95, step=0.05,
             description="backoff_factor", continuous_update=False), "backoff_factor",
-            css_class="amp-backoff-factor")
+            css_class="amp-backoff-factor", start=start.backoff_factor)
         self.growth_interval = NumberField("growth_interval", start.growth_interval, 1,
                                            1_000_000, integer=True, css_class="amp-growth-interval")
         self.overflow_rate = SliderField(w.FloatSlider(
-            value=injection_rate, min=0.0, max=1.0, step=0.01,
+            value=0.0, min=0.0, max=1.0, step=0.01,
             description="injected overflow rate", continuous_update=False),
-            "injected overflow rate", css_class="amp-overflow-rate")
+            "injected overflow rate", css_class="amp-overflow-rate", start=injection_rate)
         self.steps = NumberField("steps", steps, 1, 100_000, integer=True, css_class="amp-steps")
         button = w.Layout(width="auto", min_width="90px")
         self.run_button = set_class(w.Button(description="Run", button_style="primary",
@@ -312,7 +364,7 @@ class ScalerPanel(BackgroundRun):
         self.runs = 0
         self._lock = threading.Lock()
         self._pending = None
-        self._rate = float(injection_rate)
+        self._rate = float(self.overflow_rate.value)
         self._running = False
         self._stop = False
         self._thread: Optional[threading.Thread] = None
@@ -638,9 +690,9 @@ class PresetComparison(BackgroundRun):
         self.steps = NumberField("steps", steps, 1, 100_000, integer=True,
                                  css_class="amp-presets-steps")
         self.overflow_rate = SliderField(w.FloatSlider(
-            value=injection_rate, min=0.0, max=1.0, step=0.01, description="injected overflow rate",
+            value=0.0, min=0.0, max=1.0, step=0.01, description="injected overflow rate",
             continuous_update=False), "injected overflow rate",
-            css_class="amp-presets-overflow-rate")
+            css_class="amp-presets-overflow-rate", start=injection_rate)
         self.run_button = set_class(w.Button(description="Run presets", button_style="primary",
                                               icon="play",
                                               layout=w.Layout(width="auto", min_width="120px")),

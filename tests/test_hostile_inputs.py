@@ -1,0 +1,205 @@
+"""Inputs a learner or a sweep hands over that once slipped through: NumPy scalars, NaN, values a
+control would clamp, a format name as a plain string, numbers beyond float64. Each either works
+or raises a ValueError that names the setting and its range; a measurement fed NaN never decides."""
+import math
+
+import numpy as np
+import pytest
+
+from amp_lessons import claims, formats, measure
+from amp_lessons._validate import check_bool, check_int, check_real, is_int, is_real
+from amp_lessons.lessons import l01_ranges as L01
+from amp_lessons.lessons import l03_scaler as L03
+from amp_lessons.lessons import l04_resnet50 as L04
+from amp_lessons.trainer import ScalerSettings
+from amp_lessons.ui import widgets
+from amp_lessons.ui.controls import NumberField, parse_number
+
+
+# ---- the one set of checks ----------------------------------------------------------------------
+
+def test_numpy_scalars_count_as_numbers_bools_do_not():
+    assert is_int(np.int64(3)) and is_int(7) and not is_int(True) and not is_int(3.0)
+    assert is_real(np.float32(0.5)) and not is_real(np.bool_(True)) and not is_real(math.nan)
+    assert check_int("n", np.int32(4), 1) == 4 and type(check_int("n", np.int32(4), 1)) is int
+    assert check_bool("flag", np.bool_(True)) is True
+    assert check_real("x", np.float64(0.25), 0.0, 1.0) == 0.25
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(value=0.0, low=0.0, low_open=True), r"x must be a finite number > 0; got 0.0"),
+    (dict(value=1.0, low=0.0, high=1.0, high_open=True), r"in \[0, 1\)"),
+    (dict(value=5, high=4), r"<= 4"),
+    (dict(value=math.nan), r"x must be a finite number; got nan"),
+    (dict(value="1"), r"got '1'"),
+])
+def test_check_real_names_the_range(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        check_real("x", **kwargs)
+
+
+def test_scaler_settings_take_numpy_and_refuse_what_float32_cannot_hold():
+    s = ScalerSettings(init_scale=np.float32(1024), growth_interval=np.int64(5),
+                       enabled=np.bool_(True))
+    assert s.init_scale == 1024.0 and type(s.growth_interval) is int and s.enabled is True
+    for bad in (1e39, 1e-46, 2.0 ** 128):
+        with pytest.raises(ValueError, match=r"init_scale must be .*\[2\*\*-126, 2\*\*127\]"):
+            ScalerSettings(init_scale=bad)
+
+
+def test_bench_config_checks_every_flag_and_number():
+    cfg = measure.BenchConfig(batch_size=np.int64(32), lr=np.float32(0.5), channels_last=True)
+    assert type(cfg.batch_size) is int and cfg.batch_size == 32 and type(cfg.lr) is float
+    for kwargs, match in ((dict(channels_last="yes"), "channels_last must be True or False"),
+                          (dict(cuda_graph=1), "cuda_graph must be True or False"),
+                          (dict(amsgrad="False"), "amsgrad must be True or False"),
+                          (dict(lr=True), "lr must be a finite number > 0"),
+                          (dict(lr="0.1"), "lr must be a finite number > 0"),
+                          (dict(eps=None), r"eps must be a finite number in \(0, 1\)"),
+                          (dict(label=3), "label must be a string")):
+        with pytest.raises(ValueError, match=match):
+            measure.BenchConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(steps=0), "steps must be a whole number >= 1"),
+                                          (dict(steps=2.0), "steps must be a whole number"),
+                                          (dict(warmup=-1), "warmup must be a whole number >= 0")])
+def test_measure_raises_on_bad_arguments_instead_of_an_error_row(kwargs, match):
+    cfg = measure.BenchConfig(model="resnet18", batch_size=2, image_size=32, num_classes=10)
+    with pytest.raises(ValueError, match=match):
+        measure.measure(cfg, "cpu", **kwargs)
+    with pytest.raises(ValueError, match=match):
+        measure.run_configs([cfg], "cpu", progress=False, **kwargs)
+
+
+# ---- gates: NaN and out-of-range numbers never decide -------------------------------------------
+
+def test_gates_never_let_nan_decide():
+    assert "not a fraction" in claims.accuracy_gate(math.nan, 10)
+    assert "not a fraction" in claims.accuracy_gate(5.0, 10)
+    assert claims.accuracy_gate(0.9, 10) is None
+    with pytest.raises(ValueError, match="classes must be a whole number >= 2"):
+        claims.accuracy_gate(0.9, 0)
+    assert "idle share" in claims.timing_gate("cuda", 15, 1, math.nan)
+    assert claims.timing_gate("cuda", 15, 1, 0.1) is None
+    with pytest.raises(ValueError, match="steps must be a whole number"):
+        claims.timing_gate("cuda", math.nan, 1)
+    assert measure.idle_fraction(5.0, math.nan) is None
+    assert measure.idle_fraction(math.nan, 5.0) is None
+    assert measure.idle_fraction(1.0, 4.0) == 0.75
+    reason = L04.accuracy_reason({"accuracy": 0.95}, {"accuracy": math.nan})
+    assert reason is not None and "not a fraction" in reason
+
+
+# ---- panels: nothing is clamped or silently changed ----------------------------------------------
+
+def test_bit_explorer_sign_flips_the_typed_value():
+    b = widgets.BitExplorer(0.1)
+    for typed, negated in (("0", -0.0), ("inf", -math.inf), ("1e10", -1e10),
+                           ("2**-40", -(2.0 ** -40))):
+        b.text.value = typed
+        b.negative.value = True
+        assert b.value == negated and math.copysign(1.0, b.value) < 0, typed
+        b.negative.value = False
+        assert b.value == -negated and parse_number(b.text.value) == -negated, typed
+    b.text.value = "nan"
+    b.negative.value = True
+    assert math.isnan(b.value) and math.copysign(1.0, b.value) < 0
+
+
+@pytest.mark.parametrize("text,flipped", [("0.1", "-0.1"), ("-inf", "inf"), ("+3", "-3"),
+                                          ("2**-40", "-(2**-40)"), ("-(2**-40)", "2**-40"),
+                                          ("2-3", "-(2-3)"), ("-(1)-(2)", "-(-(1)-(2))")])
+def test_negated_text(text, flipped):
+    assert widgets.negated_text(text) == flipped
+    assert parse_number(flipped) == -parse_number(text)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(settings=ScalerSettings(init_scale=40000)), r"init_scale \(log2\) must be a whole number"),
+    (dict(settings=ScalerSettings(init_scale=2.0 ** 40)), r"init_scale \(log2\) .*\[-10, 32\]"),
+    (dict(settings=ScalerSettings(growth_factor=10)), r"growth_factor must be a number in \[1.05, 8\]"),
+    (dict(settings=ScalerSettings(growth_factor=1.01)), r"growth_factor must be"),
+    (dict(settings=ScalerSettings(backoff_factor=0.99)), r"backoff_factor must be .*0.95"),
+    (dict(injection_rate=2.0), r"injected overflow rate must be a number in \[0, 1\]"),
+    (dict(injection_rate=-0.5), r"injected overflow rate"),
+    (dict(injection_rate="x"), r"injected overflow rate"),
+    (dict(steps=math.nan), r"steps must be a whole number in \[1, 100000\]; got nan"),
+    (dict(steps=math.inf), r"steps must be"),
+    (dict(steps="abc"), r"steps must be"),
+    (dict(steps=True), r"steps must be"),
+])
+def test_scaler_panel_refuses_starting_values_its_controls_would_clamp(kwargs, match):
+    kwargs.setdefault("steps", 5)
+    with pytest.raises(ValueError, match=match):
+        L03.scaler_panel(figure_mode="output", background=False, **kwargs)
+
+
+def test_scaler_panel_keeps_starting_values_in_range():
+    p = L03.scaler_panel(steps=7, settings=ScalerSettings(init_scale=2.0 ** 20, growth_factor=3.0,
+                                                          backoff_factor=0.25),
+                         injection_rate=0.3, figure_mode="output", background=False)
+    s = p.settings()
+    assert (s.init_scale, s.growth_factor, s.backoff_factor) == (2.0 ** 20, 3.0, 0.25)
+    assert p._rate == 0.3 and p.steps.value == 7
+
+
+def test_preset_comparison_refuses_a_rate_outside_0_1():
+    with pytest.raises(ValueError, match="injected overflow rate must be a number in"):
+        widgets.PresetComparison({"a": ScalerSettings()}, lambda *a: None, injection_rate=5.0,
+                                 figure_mode="output")
+
+
+def test_number_field_names_an_upper_bound_and_refuses_a_bad_start():
+    f = NumberField("limit", 5, None, 10)
+    f.text.value = "11"
+    assert "limit must be a number &lt;= 10" in f.message.value
+    with pytest.raises(ValueError, match=r"steps must be a whole number in \[1, 9\]; got nan"):
+        NumberField("steps", math.nan, 1, 9, integer=True)
+    with pytest.raises(ValueError, match="low must be <= high"):
+        NumberField("x", 1, 5, 2)
+
+
+# ---- formats: one name, exponents, numbers beyond float64 -----------------------------------------
+
+def test_a_single_format_name_is_one_format():
+    assert [r["format"] for r in formats.format_facts("fp16")] == ["fp16"]
+    assert "fp16" in formats.bits_table_text([1.0], names="fp16")
+    assert widgets.BitExplorer(1.0, formats_shown="bf16").formats == ("bf16",)
+    with pytest.raises(ValueError, match="names must name at least one format"):
+        formats.format_facts([])
+
+
+@pytest.mark.parametrize("k", [1100, -1100, 3.5, True])
+def test_scale_exponents_outside_float64_are_refused(k):
+    g = [1e-3, 2e-5]
+    with pytest.raises(ValueError, match=r"exponents must be integers in \[-1074, 1023\]"):
+        formats.scale_sweep(g, [k])
+    with pytest.raises(ValueError, match=r"exponents must be integers in \[-1074, 1023\]"):
+        formats.scale_report({"a": g}, [k])
+
+
+def test_slider_ranges_stay_inside_float64():
+    with pytest.raises(ValueError, match=r"k_range must be two integers .*\[-1074, 1023\]"):
+        widgets.LossScaleExplorer({"a": [1e-3]}, k_range=(0, 2000), figure_mode="output")
+    with pytest.raises(ValueError, match="log2_range must be two integers"):
+        widgets.BitExplorer(1.0, log2_range=(5, 2))
+
+
+def test_numbers_beyond_float64_are_refused_the_same_way():
+    for text in ("1e400", "1e308*10", "10**400", "-1e400"):
+        with pytest.raises(ValueError, match="beyond float64's largest value"):
+            parse_number(text)
+    assert parse_number("inf") == math.inf and parse_number("-inf*2") == -math.inf
+    with pytest.raises(ValueError, match="value must be within float64's range"):
+        formats.decode(10 ** 400, "fp16")
+    with pytest.raises(ValueError, match="x must hold numbers within float64's range"):
+        formats.round_trip(10 ** 400, "fp16")
+    with pytest.raises(ValueError, match="value must be a number within float64's range"):
+        widgets.BitExplorer(10 ** 400)
+
+
+def test_matches_written_reads_any_plain_decimal():
+    assert L01.matches_written(".5", 0.5) and L01.matches_written("6.55e4", 65504.0)
+    assert not L01.matches_written("1e400", 1.0) and not L01.matches_written("5.96e-8", math.nan)
+    assert L01.matches_written("5.96e-8", 2.0 ** -24) and not L01.matches_written("5.97e-8", 2.0 ** -24)

@@ -50,6 +50,21 @@ def check_real(name: str, value, low: Optional[float] = None, high: Optional[flo
     return float(value)
 
 
+MAX_SEED = 2**63 - 1  # what torch.manual_seed and torch.Generator accept
+
+
+def check_seed(name: str, value, optional: bool = False) -> Optional[int]:
+    """``value`` must be a whole number in ``[0, MAX_SEED]`` (or None when ``optional``): a seed
+    that torch takes; returns it as a Python ``int``."""
+    if optional and value is None:
+        return None
+    if not is_int(value) or not 0 <= value <= MAX_SEED:
+        prefix = "None or " if optional else ""
+        raise ValueError(f"{name} must be {prefix}a whole number >= 0 (at most 2**63 - 1, what "
+                         f"torch.manual_seed takes); got {value!r}")
+    return int(value)
+
+
 def check_choice(name: str, value, allowed: Sequence) -> None:
     """``value`` must be one of ``allowed``."""
     try:

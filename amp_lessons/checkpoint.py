@@ -136,7 +136,11 @@ def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"{path}: is a folder; a checkpoint path must name a file")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CheckpointError(f"{path}: a part of its folder is a file; a checkpoint path must "
+                              f"lie in a folder") from None
     remove_stale_temp_files(path)
     tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
@@ -317,9 +321,13 @@ def check_training_state(state, model, optimizer, scaler, scheduler, formats) ->
             raise CheckpointError(f"{key}: must be a whole number >= 0; got {value!r}")
     try:
         history = state["history"]
-        steps = history["steps"]
-        if len({len(v) for v in steps.values()}) > 1 or not isinstance(history["epochs"], list):
+        steps, epochs = history["steps"], history["epochs"]
+        if not isinstance(steps, dict) or not all(isinstance(v, list) for v in steps.values()):
+            raise ValueError("history steps must be a dict of lists (one per column)")
+        if len({len(v) for v in steps.values()}) > 1:
             raise ValueError("columns of different lengths")
+        if not isinstance(epochs, list) or not all(isinstance(e, dict) for e in epochs):
+            raise ValueError("history epochs must be a list of per-epoch dicts")
         check_rng_state(state["rng"])
     except (KeyError, TypeError, IndexError, ValueError) as exc:
         raise CheckpointError(f"history or rng: damaged ({exc})") from None
@@ -345,7 +353,8 @@ def rng_state() -> dict:
 
 
 def check_rng_state(state) -> None:
-    """Raise ValueError unless ``state`` has the shape ``rng_state()`` returns."""
+    """Raise ValueError unless ``state`` has the shape ``rng_state()`` returns and restores
+    (tried, then this process's own state is put back: checking changes nothing)."""
     try:
         ok = (isinstance(state["torch"], torch.Tensor) and state["torch"].dtype == torch.uint8
               and len(state["python"]["state"]) == 625
@@ -354,6 +363,14 @@ def check_rng_state(state) -> None:
         ok = False
     if not ok:
         raise ValueError("rng: not the random-generator state rng_state() writes")
+    saved = rng_state()  # the real test: restore it, then put this process's state back
+    try:
+        set_rng_state(state)
+    except Exception as exc:  # noqa: BLE001 - any failure means the state cannot be restored
+        raise ValueError(f"rng: the state cannot be restored ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    finally:
+        set_rng_state(saved)
 
 
 def set_rng_state(state: dict) -> None:

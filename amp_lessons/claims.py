@@ -11,6 +11,8 @@ of the repository is whole.
 """
 from __future__ import annotations
 
+import math
+import numbers as numbers_
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence
 
@@ -169,7 +171,8 @@ def decide(claim_id: str, lesson: str, measured: str, held: Optional[bool], why:
     """A ``Verdict`` for ``claim_id`` from ``lesson``'s measurement.
 
     ``cannot_decide``: the reason this run cannot rule (see ``timing_gate``/``accuracy_gate``);
-    when given, the verdict is "not decided here" whatever ``held`` was. A ruling (``held`` True
+    when given, the verdict is "not decided here" whatever ``held`` was; so it is when a number
+    in ``numbers`` (top level) is NaN or infinite. A ruling (``held`` True
     or False) from a lesson other than the claim's own deciding lesson raises ValueError: one
     claim, one deciding measurement.
     """
@@ -182,6 +185,12 @@ def decide(claim_id: str, lesson: str, measured: str, held: Optional[bool], why:
         raise ValueError("measured must say what ran, with numbers; got an empty value")
     if cannot_decide:
         held, why = None, cannot_decide
+    broken = [f"{k}={v!r}" for k, v in (numbers or {}).items()
+              if isinstance(v, numbers_.Real) and not isinstance(v, bool)
+              and not math.isfinite(float(v))]
+    if held is not None and broken:  # a ruling on NaN or inf is a ruling on noise
+        held, why = None, (f"a measured number is not finite ({', '.join(broken)}): the run "
+                           f"diverged or was not measured, so it cannot rule")
     if held is not None and claim.lesson != lesson:
         raise ValueError(f"claim {claim_id} is decided by lesson {claim.lesson}'s measurement; "
                          f"lesson {lesson} may show related numbers but not rule on it")

@@ -145,11 +145,13 @@ def _cmd_rehearse(args) -> int:
         if args.update is not None:
             check_writable(args.update, "update")
             if args.update.exists():
+                from .rehearsal import check_record
+
                 earlier = json.loads(args.update.read_text())
-                if not (isinstance(earlier, dict) and earlier.get("card") == args.card
-                        and isinstance(earlier.get("lessons"), list)):
-                    raise ValueError(f"update: '{args.update}' is not a rehearsal record of "
-                                     f"card {args.card} (a JSON object with 'card' and 'lessons')")
+                check_record(earlier, f"update: '{args.update}'")
+                if earlier["card"] != args.card:
+                    raise ValueError(f"update: '{args.update}' is a rehearsal record of card "
+                                     f"{earlier['card']}, not {args.card}")
     except (ValueError, OSError) as exc:  # NotANotebookError, JSONDecodeError are ValueErrors
         return fail("rehearse", str(exc))
     try:
@@ -440,9 +442,14 @@ def _cmd_train(args) -> int:
               f"test accuracy {100 * e['test_accuracy']:.1f}%, skipped steps {e['skipped']}",
               flush=True)
 
+    env_doc = None
     try:
         if args.seed < 0:
             raise ValueError(f"seed must be a whole number >= 0; got {args.seed}")
+        if args.json is not None:  # probed before training: a failure costs no training run
+            from .env import probe
+
+            env_doc = probe().as_dict()
         if args.resume is not None and not args.resume.is_file():
             raise ValueError(f"resume must name an existing checkpoint file; got '{args.resume}'")
         if args.checkpoint is not None:
@@ -474,12 +481,10 @@ def _cmd_train(args) -> int:
     print(f"  test accuracy  : {100 * s['accuracy']:.1f}%")
     print(f"  skipped steps  : {s['skipped_steps']}")
     if args.json is not None:
-        from .env import probe
-
         doc = {"command": "train",
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                         if k not in ("func", "parser")},
-               "env": probe().as_dict(), "summary": s, "epochs": run.epochs,
+               "env": env_doc, "summary": s, "epochs": run.epochs,
                "history": run.history.columns()}
         try:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -510,4 +515,11 @@ _COMMANDS = [_add_run_notebooks, _add_rehearse, _add_readme, _add_claims, _add_f
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the exit status."""
     args = build_parser().parse_args(argv)
+    from .env import get_profile, simulated_card
+
+    try:  # a junk AMP_LESSONS_PROFILE or AMP_LESSONS_SIMULATE: one line, before any work
+        get_profile()
+        simulated_card()
+    except ValueError as exc:
+        return fail(args.command, str(exc))
     return args.func(args)

@@ -22,6 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._validate import check_bool, check_seed, is_int
+from .precision import as_device
+
 DIGITS_CLASSES = 10
 DIGITS_TEST_FRACTION = 0.25
 DIGITS_SPLIT_SEED = 0
@@ -49,7 +52,7 @@ def digits(split: str = "train", image_size: Optional[int] = None,
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test'; got {split!r}")
-    if image_size is not None and (not isinstance(image_size, int) or image_size < 8):
+    if image_size is not None and (not is_int(image_size) or image_size < 8):
         raise ValueError(f"image_size must be None or an integer >= 8; got {image_size!r}")
     x_train, x_test, y_train, y_test = _digits_split()
     mean, std = float(x_train.mean()), float(x_train.std())
@@ -62,6 +65,7 @@ def digits(split: str = "train", image_size: Optional[int] = None,
         if image_size != 8:
             x = F.interpolate(x, size=(image_size, image_size), mode="bilinear",
                               align_corners=False)
+    device = as_device(device) if device is not None else torch.device("cpu")
     return x.contiguous().to(device), y.to(device)
 
 
@@ -84,8 +88,12 @@ class TensorBatches:
     def __post_init__(self):
         if len(self.x) != len(self.y):
             raise ValueError(f"x and y must have the same length; got {len(self.x)} and {len(self.y)}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+        if not is_int(self.batch_size) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1; got {self.batch_size!r}")
+        self.batch_size = int(self.batch_size)
+        self.seed = check_seed("seed", self.seed)
+        check_bool("shuffle", self.shuffle)
+        check_bool("drop_last", self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose shuffle the next iteration uses."""
@@ -126,8 +134,11 @@ def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 
     """
     for name, value, low in (("batch_size", batch_size, 1), ("image_size", image_size, 8),
                              ("num_classes", num_classes, 2)):
-        if not isinstance(value, int) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    seed = check_seed("seed", seed)
+    check_bool("channels_last", channels_last)
+    device = as_device(device) if device is not None else None
     g = torch.Generator(device=device).manual_seed(seed) if device is not None else \
         torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, 3, image_size, image_size, device=device, generator=g)
@@ -219,7 +230,7 @@ TORCHVISION_SETS = ("CIFAR10", "CIFAR100", "MNIST", "FashionMNIST")
 def _check_loader_args(image_size, batch_size, num_workers) -> None:
     for name, value, low in (("image_size", image_size, 8), ("batch_size", batch_size, 1),
                              ("num_workers", num_workers, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
 
 
@@ -228,8 +239,9 @@ def image_transforms(image_size: int, train: bool = True, channels: int = 3):
     evaluation; then a tensor normalised with ImageNet's statistics (``channels=1``: grayscale)."""
     from torchvision import transforms as T
 
-    if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 8:
+    if not is_int(image_size) or image_size < 8:
         raise ValueError(f"image_size must be an integer >= 8; got {image_size!r}")
+    check_bool("train", train)
     if channels not in (1, 3):
         raise ValueError(f"channels must be 1 or 3; got {channels!r}")
     if train:
@@ -257,6 +269,8 @@ def image_folder_loader(root: Union[str, Path], image_size: int = 224, batch_siz
     from torchvision.datasets import ImageFolder
 
     _check_loader_args(image_size, batch_size, num_workers)
+    check_bool("train", train)
+    seed = check_seed("seed", seed)
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"root must be an existing folder of class subfolders; got {str(root)!r}")

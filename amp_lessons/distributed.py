@@ -55,7 +55,7 @@ from ._launch import (BACKENDS, WORLD_SIZES, RankContext, available_world_sizes,
                       check_backend, check_same_settings, check_world_size, cpu_count,
                       default_backend, describe_world, device_slots, free_port, init_rank, launch,
                       leave_now)
-from ._validate import check_bool, check_choice, check_int
+from ._validate import check_bool, check_choice, check_int, check_seed, is_real
 from .data import synthetic_images
 from .precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision
 from .tables import text_table
@@ -134,16 +134,23 @@ class RunConfig:
         check_int("image_size", self.image_size, 8)
         check_int("steps", self.steps, 1)
         check_int("warmup", self.warmup, 0)
-        check_int("seed", self.seed, 0)
+        check_seed("seed", self.seed)
         check_choice("fsdp_wrap", self.fsdp_wrap, tuple(FSDP_WRAPS))
         check_bool("reshard_after_forward", self.reshard_after_forward)
         check_bool("keep_params", self.keep_params)
         if not isinstance(self.model_kwargs, dict):
             raise ValueError(f"model_kwargs must be a dict; got {self.model_kwargs!r}")
-        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 10):
+        try:  # the workers would fail on kwargs the model does not take: build it here, on meta
+            with torch.device("meta"):
+                build_model(self)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"model_kwargs {self.model_kwargs!r} do not build a {self.model}: "
+                             f"{exc}") from None
+        if not (is_real(self.lr) and 0 < self.lr < 10):
             raise ValueError(f"lr must be a number in (0, 10); got {self.lr!r}")
-        if not (isinstance(self.init_scale, (int, float)) and self.init_scale > 0):
-            raise ValueError(f"init_scale must be a number > 0; got {self.init_scale!r}")
+        if not (is_real(self.init_scale) and 2.0 ** -126 <= self.init_scale <= 2.0 ** 127):
+            raise ValueError(f"init_scale must be a number > 0 in float32's normal range "
+                             f"[2**-126, 2**127]; got {self.init_scale!r}")
 
     @property
     def name(self) -> str:
@@ -735,6 +742,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             result = SweepResult(rows=out["rows"], backend=backend, launched=world,
                                  skipped=out["skipped"], warnings=out["warnings"])
         else:
+            if args.nproc is not None and args.nproc < 1:
+                raise ValueError(f"--nproc must be a whole number >= 1 (or left out for every "
+                                 f"device); got {args.nproc}")
             n = args.nproc or device_slots(backend)
             result = run_experiments([(config, n)], backend=backend)
     except ValueError as exc:

@@ -16,6 +16,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from ._validate import check_seed
+
 PROFILES = ("quick", "full")
 PROFILE_VARIABLE = "AMP_LESSONS_PROFILE"
 
@@ -38,6 +40,8 @@ def get_profile(value: Optional[str] = None) -> str:
         value = os.environ.get(PROFILE_VARIABLE) or None
     if value is None:
         return "full" if torch.cuda.is_available() else "quick"
+    if not isinstance(value, str):
+        raise ValueError(f"profile must be one of {', '.join(PROFILES)}; got {value!r}")
     value = value.strip().lower()
     if value not in PROFILES:
         raise ValueError(
@@ -122,8 +126,7 @@ def default_device() -> torch.device:
 
 def seed_everything(seed: int = 0) -> None:
     """Seed Python's, NumPy's and torch's generators (every device) so a lesson repeats."""
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer; got {seed!r}")
+    seed = check_seed("seed", seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -11,9 +11,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ._validate import check_bool, is_int
+
 
 def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
 
 
@@ -38,6 +40,9 @@ class MLP(nn.Module):
         super().__init__()
         _check_positive("in_features", in_features)
         _check_positive("num_classes", num_classes)
+        if isinstance(hidden, (str, bytes)) or not hasattr(hidden, "__iter__"):
+            raise ValueError(f"hidden must be a sequence of layer widths such as (256, 128); "
+                             f"got {hidden!r}")
         layers, width = [], in_features
         for h in hidden:
             _check_positive("hidden width", h)
@@ -244,6 +249,7 @@ def _resnet(builder, num_classes: int, checkpoint, in_channels: int, small_input
     _check_positive("num_classes", num_classes)
     _check_positive("in_channels", in_channels)
     _check_checkpoint(checkpoint)
+    check_bool("small_input", small_input)
     model = builder(weights=None, num_classes=num_classes)
     if in_channels != 3 or small_input:
         # Small images (digits at 32x32): a 3x3 stride-1 stem and no max-pool, as for CIFAR,
@@ -419,6 +425,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_digits_model(name: str = "cnn", width: int = 32) -> "tuple[nn.Module, int | None]":
     """A fresh digits model and the input it wants: ``("simplenet" | "mlp" | "cnn")`` ->
     ``(model, image_size)`` where image_size None means flat 64-vectors."""
+    _check_positive("width", width)
     if name == "simplenet":
         return SimpleNet(), None
     if name == "mlp":

@@ -13,7 +13,7 @@ from .data import digits_loaders
 from .models import build_digits_model
 from .precision import Device, as_device, check_precision
 from .records import History
-from ._validate import is_real
+from ._validate import check_int, is_real
 from .trainer import Hooks, ScalerSettings, TrainConfig, Trainer
 
 
@@ -82,8 +82,7 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
     ``nonfinite``: the trainer's policy for inf/NaN without a GradScaler (``TrainConfig``).
     """
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("width", width)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
+        check_int(name, value, 1)
     if not is_real(lr) or lr <= 0:
         raise ValueError(f"lr must be a finite number > 0; got {lr!r}")
     if lr_schedule not in ("constant", "cosine"):

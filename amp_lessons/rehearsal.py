@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ._validate import check_choice, check_positive
+from ._validate import check_choice, check_positive, is_real
 from .env import CARD_FACTS, SIMULATE_VARIABLE, SIMULATED_CARDS
 from .report import RESULT_MIME, replace_block
 from .runner import (NotebookRunError, environment_variable, read_notebook, run_notebook,
@@ -261,7 +261,7 @@ def estimated_seconds(seconds: float, gpu_busy_s: Optional[float], card: str) ->
     (``seconds - gpu_busy_s``) plus the GPU-busy share times ``slowdown(card)``. None where the
     busy time was not measured. Colab's and Kaggle's CPUs are slower than the rehearsal host's,
     so treat it as a lower bound for host-bound lessons."""
-    if not (isinstance(seconds, (int, float)) and seconds >= 0):
+    if not (is_real(seconds) and seconds >= 0):
         raise ValueError(f"seconds must be a number >= 0; got {seconds!r}")
     if gpu_busy_s is None:
         return None
@@ -302,6 +302,8 @@ def merge(docs: Sequence[Dict[str, object]], replace: bool = False) -> Dict[str,
     parts simulated different cards."""
     if not docs:
         raise ValueError("docs must hold at least one rehearsal document")
+    for i, d in enumerate(docs):
+        check_record(d, f"docs[{i}]")
     cards = {(d["card"], json.dumps({k: (d.get("card_facts") or {}).get(k) for k in _SIMULATED},
                                     sort_keys=True)) for d in docs}
     if len(cards) != 1:
@@ -323,6 +325,42 @@ def merge(docs: Sequence[Dict[str, object]], replace: bool = False) -> Dict[str,
             "published": first.get("published", PUBLISHED), "slowdown": first.get("slowdown"),
             "parts": parts,
             "lessons": sorted(lessons, key=lambda r: r["notebook"])}
+
+
+def check_record(doc, name: str = "the document") -> None:
+    """ValueError naming ``name`` and the first field that is wrong, unless ``doc`` has the shape
+    ``rehearse`` writes: a simulated ``card`` with its ``card_facts``, and ``lessons``, each a
+    dict with its ``notebook``, ``completed``, ``seconds`` (a number >= 0) and optional numbers
+    ``gpu_busy_s``, ``estimated_seconds_on_card``, ``peak_gpu_mib`` and a ``not_run`` list."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{name} is not a rehearsal record: {what}")
+
+    if not isinstance(doc, dict):
+        raise bad(f"a JSON object is needed; got {type(doc).__name__}")
+    if doc.get("card") not in SIMULATED_CARDS:
+        raise bad(f"card must be one of {', '.join(SIMULATED_CARDS)}; got {doc.get('card')!r}")
+    facts = doc.get("card_facts")
+    if not isinstance(facts, dict) or not isinstance(facts.get("name"), str) \
+            or not is_real(facts.get("memory_gib")):
+        raise bad("card_facts must hold the card's name and memory_gib")
+    lessons = doc.get("lessons")
+    if not isinstance(lessons, list):
+        raise bad("lessons must be a list")
+    for i, r in enumerate(lessons):
+        where = f"lessons[{i}]"
+        if not isinstance(r, dict) or not isinstance(r.get("notebook"), str):
+            raise bad(f"{where} must be an object with a notebook name")
+        if not isinstance(r.get("completed"), bool):
+            raise bad(f"{where}.completed must be true or false")
+        if not (is_real(r.get("seconds")) and r["seconds"] >= 0):
+            raise bad(f"{where}.seconds must be a number >= 0; got {r.get('seconds')!r}")
+        for key in ("gpu_busy_s", "estimated_seconds_on_card", "peak_gpu_mib"):
+            if r.get(key) is not None and not (is_real(r[key]) and r[key] >= 0):
+                raise bad(f"{where}.{key} must be null or a number >= 0; got {r[key]!r}")
+        rows = r.get("not_run", [])
+        if not isinstance(rows, list) or not all(isinstance(x, dict) and isinstance(
+                x.get("row"), str) and isinstance(x.get("status"), str) for x in rows):
+            raise bad(f"{where}.not_run must be a list of rows with 'row' and 'status'")
 
 
 # The facts of a card that change what a rehearsal does: parts must agree on them to be merged.
@@ -361,6 +399,7 @@ def markdown(doc: Dict[str, object]) -> str:
     """The rehearsal as a README table: per lesson, whether it completed on the simulated card,
     its time there, its GPU-busy time, the estimated time on the real card, its peak memory, and
     the rows it could not run; then where the estimate comes from."""
+    check_record(doc)
     facts = doc["card_facts"]
     if not doc.get("lessons"):
         raise ValueError("the rehearsal record holds no lessons")

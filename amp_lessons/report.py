@@ -156,9 +156,15 @@ def replace_block(text: str, start: str, end: str, block: str, what: str,
                   name: str = "the README") -> str:
     """``text`` with everything from the marker ``start`` to the marker ``end`` replaced by
     ``block`` (which carries the markers itself). ValueError naming ``name`` and ``what`` (the
-    block's kind) when a marker is missing."""
+    block's kind) when a marker is missing, repeated, or the end comes first."""
     if start not in text or end not in text:
         raise ValueError(f"{name} lacks the {what} markers {start!r} ... {end!r}")
+    if text.count(start) > 1 or text.count(end) > 1:
+        raise ValueError(f"{name} holds the {what} markers more than once; keep one "
+                         f"{start!r} ... {end!r} pair")
+    if text.index(end) < text.index(start):
+        raise ValueError(f"{name} has its {what} end marker {end!r} before its start marker "
+                         f"{start!r}")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return head + block + tail

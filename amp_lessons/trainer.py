@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._skipsafe import BatchNormGuard, UpdateGuard, fused_sgd_groups, prime_momentum_buffers
-from ._validate import check_bool, check_choice, check_int, check_positive, check_real, is_real
+from ._validate import (check_bool, check_choice, check_int, check_positive, check_real,
+                        check_seed, is_int, is_real)
 from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_training_state,
                          read_verified, rng_state, set_rng_state)
 from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
@@ -176,9 +177,7 @@ class TrainConfig:
         check_positive("clip_value", self.clip_value, optional=True)
         if self.clip_norm is not None and self.clip_value is not None:
             raise ValueError("clip_norm and clip_value: set at most one of them; got both")
-        if (not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool)
-                or self.accumulate < 1):
-            raise ValueError(f"accumulate must be a whole number >= 1; got {self.accumulate!r}")
+        object.__setattr__(self, "accumulate", check_int("accumulate", self.accumulate, 1))
         name = self.eval_precision.strip().lower() if isinstance(self.eval_precision, str) else None
         name = PRECISION_ALIASES.get(name, name)
         if name not in EVAL_PRECISIONS:
@@ -188,9 +187,7 @@ class TrainConfig:
         for flag in ("skip_safe_batchnorm", "channels_last", "progress", "track_grad_norm",
                      "track_memory"):
             check_bool(flag, getattr(self, flag))
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or self.seed < 0):
-            raise ValueError(f"seed must be None or a whole number >= 0; got {self.seed!r}")
+        object.__setattr__(self, "seed", check_seed("seed", self.seed, optional=True))
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
 
     def as_dict(self) -> dict:
@@ -687,10 +684,8 @@ class Trainer:
         Returns ``self.history``; ``history.epochs`` gets one summary per finished epoch
         (``records.epoch_summary``: marked ``partial`` when it covers only a resumed part).
         """
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ValueError(f"epochs must be a whole number >= 1; got {epochs!r}")
-        if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool)
-                                      or max_steps < 1):
+        epochs = check_int("epochs", epochs, 1)
+        if max_steps is not None and (not is_int(max_steps) or max_steps < 1):
             raise ValueError(f"max_steps must be None or a whole number >= 1; got {max_steps!r}")
         from tqdm.auto import tqdm
 
@@ -831,6 +826,7 @@ class Trainer:
         history; RNG) before anything live changes. Any problem raises ``CheckpointError`` (a
         ValueError) naming the file and what is wrong, and leaves the trainer untouched.
         """
+        check_bool("load_scaler", load_scaler)
         path = Path(path)
         state = read_verified(path)
         try:

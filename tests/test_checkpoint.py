@@ -268,6 +268,32 @@ def test_loads_are_all_or_nothing(tmp_path):
     assert_same_tensors(live_tensors(other), before) and cosine.state_dict() == sched_state
 
 
+@pytest.mark.parametrize("damage,message", [
+    (lambda st: st["rng"].update(torch=torch.zeros(3, dtype=torch.uint8)), "rng: the state cannot"),
+    (lambda st: st["rng"]["numpy"].pop("pos"), "rng: the state cannot"),
+    (lambda st: st["history"].update(epochs=[5]), "history epochs must be a list"),
+    (lambda st: st["history"].update(steps="abc"), "history steps must be a dict"),
+])
+def test_a_damaged_rng_or_history_changes_nothing(tmp_path, monkeypatch, damage, message):
+    """Saved with a consistent checksum but a state that cannot be restored: refused before the
+    model, optimizer or step counter change (the load is all or nothing)."""
+    source = trained("fp16")
+    real_save = C.atomic_save
+
+    def save_damaged(state, path, *args, **kwargs):
+        damage(state)
+        return real_save(state, path, *args, **kwargs)
+
+    monkeypatch.setattr(T, "atomic_save", save_damaged)
+    source.save_checkpoint(tmp_path / "damaged.pt")
+    monkeypatch.undo()
+    target = trained("fp16")
+    before, step = live_tensors(target), target.step
+    with pytest.raises(C.CheckpointError, match=message):
+        target.load_checkpoint(tmp_path / "damaged.pt")
+    assert_same_tensors(live_tensors(target), before) and target.step == step
+
+
 def test_load_checkpoint_errors(tmp_path):
     trainer = T.Trainer(*fresh(), T.TrainConfig(progress=False))
     with pytest.raises(C.CheckpointError, match="missing.pt: no such checkpoint file"):

@@ -94,3 +94,14 @@ def test_get_claim():
     assert claims.get_claim("R8").lesson == "05"
     with pytest.raises(ValueError, match="claim must be one of"):
         claims.get_claim(None)
+
+
+def test_a_ruling_on_a_nan_or_inf_number_is_not_decided():
+    """The class behind every verdict: a number that is NaN or inf in ``numbers`` never rules."""
+    import numpy as np
+    for bad in (float("nan"), float("inf"), -float("inf"), np.float32("nan")):
+        v = claims.decide("R8", "05", "ran", True, "rule", numbers={"memory_saved_pct": bad})
+        assert v.held is None and v.outcome == "not decided here" and "not finite" in v.why
+    ok = claims.decide("R8", "05", "ran", False, "rule", numbers={"memory_saved_pct": 12.0,
+                                                                  "note": "nan"})
+    assert ok.held is False

@@ -59,7 +59,7 @@ def test_detect_platform(monkeypatch, variables, expected):
 
 
 def test_seed_rejects_bad_values():
-    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+    with pytest.raises(ValueError, match="seed must be a whole number >= 0"):
         al.seed_everything(-1)
 
 

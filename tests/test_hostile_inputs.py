@@ -203,3 +203,78 @@ def test_matches_written_reads_any_plain_decimal():
     assert L01.matches_written(".5", 0.5) and L01.matches_written("6.55e4", 65504.0)
     assert not L01.matches_written("1e400", 1.0) and not L01.matches_written("5.96e-8", math.nan)
     assert L01.matches_written("5.96e-8", 2.0 ** -24) and not L01.matches_written("5.97e-8", 2.0 ** -24)
+
+
+# ---- the rest of the package: NumPy counts, seeds, flags, devices, env variables -----------------
+
+def test_numpy_counts_and_seeds_work_everywhere():
+    import torch
+    from amp_lessons import data, env, models
+    from amp_lessons.trainer import TrainConfig
+    from amp_lessons.distributed import RunConfig
+    cfg = TrainConfig(accumulate=np.int64(2), seed=np.int64(3), progress=False)
+    assert type(cfg.accumulate) is int and type(cfg.seed) is int
+    x, y = data.synthetic_images(np.int64(2), 8, seed=np.int64(1))
+    assert x.shape == (2, 3, 8, 8)
+    train, _ = data.digits_loaders(np.int64(16), seed=np.int64(2))
+    assert train.batch_size == 16 and len(next(iter(train))[0]) == 16
+    assert isinstance(models.SimpleNet(np.int64(64)), torch.nn.Module)
+    env.seed_everything(np.int64(3))
+    RunConfig(lr=np.float32(1e-3), init_scale=np.float32(1024), seed=np.int64(1))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: __import__("amp_lessons.data").data.digits_loaders(True), "batch_size must be"),
+    (lambda: __import__("amp_lessons.data").data.synthetic_images(True, 8), "batch_size must be"),
+    (lambda: __import__("amp_lessons.data").data.synthetic_images(2, 8, seed=1.5), "seed must be"),
+    (lambda: __import__("amp_lessons.data").data.synthetic_images(2, 8, seed=2**70), "2\\*\\*63"),
+    (lambda: __import__("amp_lessons.data").data.synthetic_images(2, 8, channels_last="yes"),
+     "channels_last must be True or False"),
+    (lambda: __import__("amp_lessons.data").data.synthetic_images(2, 8, device="gpu"),
+     "device must be"),
+    (lambda: __import__("amp_lessons.data").data.digits("train", None, "gpu"), "device must be"),
+    (lambda: __import__("amp_lessons.data").data.digits_loaders(64, seed=1.5), "seed must be"),
+    (lambda: __import__("amp_lessons.env").env.seed_everything(2**70), "seed must be"),
+    (lambda: __import__("amp_lessons.env").env.get_profile(5), "profile must be one of"),
+    (lambda: ScalerSettings(growth_interval=np.float64(3.0)), "growth_interval must be"),
+    (lambda: __import__("amp_lessons.trainer").trainer.TrainConfig(seed=2**70), "seed must be"),
+    (lambda: __import__("amp_lessons.models").models.MLP(hidden=128), "hidden must be a sequence"),
+    (lambda: __import__("amp_lessons.models").models.build_digits_model("simplenet", "x"),
+     "width must be"),
+    (lambda: __import__("amp_lessons.models").models.resnet18(small_input="no"),
+     "small_input must be True or False"),
+    (lambda: __import__("amp_lessons.distributed").distributed.RunConfig(model_kwargs={"foo": 1}),
+     "model_kwargs .* do not build"),
+    (lambda: __import__("amp_lessons.distributed").distributed.RunConfig(init_scale=1e300),
+     "init_scale must be"),
+    (lambda: __import__("amp_lessons.lessons.l02_amp_loop").lessons.l02_amp_loop.b6_verdict([1]),
+     "caught must hold"),
+    (lambda: __import__("amp_lessons.lessons.l02_amp_loop").lessons.l02_amp_loop
+     .clip_order_experiment(None), "max_norm must be a finite number > 0"),
+])
+def test_bad_values_name_the_setting(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_a_checkpoint_path_under_a_file_says_so(tmp_path):
+    from amp_lessons import checkpoint as C
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(C.CheckpointError, match="a part of its folder is a file"):
+        C.atomic_save({"a": 1}, tmp_path / "file" / "ck.pt")
+
+
+@pytest.mark.parametrize("variable", ["AMP_LESSONS_PROFILE", "AMP_LESSONS_SIMULATE"])
+def test_cli_names_a_junk_environment_variable_in_one_line(variable, monkeypatch, capsys):
+    from amp_lessons import cli
+    monkeypatch.setenv(variable, "junk")
+    assert cli.main(["bench", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{variable} must be one of" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_distributed_cli_refuses_nproc_0(capsys):
+    from amp_lessons import distributed
+    with pytest.raises(SystemExit):
+        distributed.main(["--nproc", "0"])
+    assert "--nproc must be a whole number >= 1" in capsys.readouterr().err

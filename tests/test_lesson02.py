@@ -267,7 +267,22 @@ def test_b7_holds_when_the_unchanged_function_runs_correctly():
     verdict = L.b7_verdict(unchanged, unchanged)
     assert verdict.held is True
     wrong = dict(unchanged, grad_error=0.5)  # ran, but with wrong gradients
-    assert L.b7_verdict(wrong, wrong).held is False
+    assert L.b7_verdict(wrong, unchanged).held is False   # the control (custom_fwd) was right
+    # the control failed too, or a gradient error is NaN: the experiment cannot rule
+    assert L.b7_verdict(wrong, wrong).held is None
+    nan = dict(unchanged, grad_error=float("nan"))
+    assert L.b7_verdict(nan, nan).held is None and L.b7_verdict(nan, unchanged).held is False
+
+
+def test_b3_with_a_non_finite_number_decides_nothing():
+    row = {"scale": 65536.0, "threshold_applied": 1 / 65536, "true_grad_norm": 2.0,
+           "grad_norm_used": 1.0, "accuracy_pct": 10.0}
+    right = dict(row, threshold_applied=1.0, accuracy_pct=90.0)
+    assert L.b3_verdict([row, right]).held is False
+    for key in ("threshold_applied", "scale", "accuracy_pct"):
+        v = L.b3_verdict([dict(row, **{key: float("nan")}), right])
+        assert v.held is None and "not finite" in v.why, key
+    assert L.b3_verdict([row, dict(right, scale=None)]).held is None
 
 
 def test_custom_function_bad_arguments():
@@ -293,7 +308,7 @@ def test_clip_before_unscale_applies_max_norm_over_scale_and_b3_did_not_hold():
     verdict = L.b3_verdict(rows, 1.0)
     assert verdict.claim == "B3" and verdict.held is False
     assert "max_norm / scale = 1.53e-05" in verdict.why
-    with pytest.raises(ValueError, match="max_norm must be None or a finite number > 0"):
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
         L.ClipBeforeUnscale(-1.0)
 
 

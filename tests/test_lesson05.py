@@ -244,6 +244,15 @@ def test_claim_r8_verdicts_are_computed():
     assert cpu.held is None and "counted" in cpu.why
 
 
+def test_claim_r8_never_rules_on_a_missing_or_nan_time():
+    for bad in (float("nan"), 0.0, None):
+        v = L.claim_r8([_row("AMP", 10.0, 100.0), dict(_row("AMP + checkpointing", 7.5, 130.0),
+                                                       step_ms=bad)])
+        assert v.held is None and "not finite" in v.why, bad
+    v = L.claim_r8([_row("AMP", float("nan"), 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
+    assert v.held is None
+
+
 def test_claim_r10_verdicts():
     techniques = [_row("fp32", 20.0, 100.0, 1000.0), _row("AMP", 11.0, 40.0, 3000.0),
                   _row("AMP + checkpointing", 4.5, 55.0, 2300.0)]
@@ -394,6 +403,12 @@ def test_accumulation_memory_and_claim_r9():
         L.accumulation_memory(counts=(0,))
     with pytest.raises(ValueError, match="rows"):
         L.claim_r9([])
+    # one micro-batch count, a memory that was not measured, a NaN step comparison: not decided
+    assert L.claim_r9(rows[:1], eq).held is None and "two or more" in L.claim_r9(rows[:1]).why
+    assert L.claim_r9([rows[0], dict(rows[0])]).held is None       # the same count twice
+    zero = [dict(r, accumulated_saved_gib=0.0) for r in rows]
+    assert L.claim_r9(zero).held is None and "not measured" in L.claim_r9(zero).why
+    assert L.claim_r9(rows, dict(eq, grad_rel_diff=float("nan"))).held is None
     with pytest.raises(ValueError, match="tolerance"):
         L.claim_r9(rows, tolerance=1.5)
 

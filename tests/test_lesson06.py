@@ -104,6 +104,12 @@ def test_r10c_verdict_follows_the_measurement():
     assert rows[1]["optimizer state saved per rank (%)"] == pytest.approx(50.0)
 
 
+def test_r10c_is_not_decided_on_a_nan_saving():
+    for bad in (float("nan"), -float("inf")):
+        v = lesson.verdict_r10c(dict(_savings(10.0, 3.5), saved=bad))
+        assert v.outcome == "not decided here" and "not finite" in v.why
+
+
 def test_r10c_is_not_decided_on_one_process_or_a_cpu():
     one = lesson.verdict_r10c(_savings(10.0, 3.5, n=1))
     assert one.outcome == "not decided here" and "1 process" in one.why

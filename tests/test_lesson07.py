@@ -548,6 +548,22 @@ def test_speed_figure_measured_and_not():
         L.speed_figure([])
 
 
+def test_loss_comparison_never_decides_on_a_diverged_or_unpaired_run():
+    nan = float("nan")
+    runs = [_run("bf16", 0, 1.50), _run("bf16", 1, nan), _run("bf16", 2, 1.49),
+            _run("tensorwise", 0, 1.55)]
+    cmp = L.loss_comparison(runs)
+    assert not cmp["decided"] and "not finite" in cmp["reason"] and cmp["bf16_final"] == [1.50, 1.49]
+    unpaired = [_run("bf16", 1, 1.50), _run("bf16", 2, 1.52), _run("tensorwise", 0, 1.51)]
+    cmp = L.loss_comparison(unpaired)
+    assert not cmp["decided"] and "same seed" in cmp["reason"]
+    short_fp8 = [_run("bf16", 0, 1.50), _run("bf16", 1, 1.52), _run("tensorwise", 0, 1.51, steps=3)]
+    cmp = L.loss_comparison(short_fp8)
+    assert not cmp["decided"] and "3 steps" in cmp["reason"]
+    fp8_nan = [_run("bf16", 0, 1.50), _run("bf16", 1, 1.52), _run("tensorwise", 0, nan)]
+    assert not L.loss_comparison(fp8_nan)["decided"]
+
+
 def test_loss_figure():
     runs = [dict(_run("bf16", s, 1.5 + s / 100), losses=[3.0, 2.0, 1.5 + s / 100]) for s in range(2)]
     runs.append(dict(_run("tensorwise", 0, 1.51), losses=[3.0, 2.1, 1.51]))

@@ -227,8 +227,29 @@ def test_merge_with_replace_keeps_the_newer_record_and_all_parts():
     assert [(r["notebook"], r["completed"]) for r in merged["lessons"]] == \
         [("01_a.ipynb", True), ("04_b.ipynb", True)]
     assert len(merged["parts"]) == 3
+    other = _doc()
+    other["card_facts"] = dict(other["card_facts"], memory_gib=15.0)
     with pytest.raises(ValueError, match="different cards"):
-        rehearsal.merge([_doc(("01_a.ipynb", True)), dict(_doc(), card="a100")])
+        rehearsal.merge([_doc(("01_a.ipynb", True)), other])
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: None, "a JSON object is needed"),
+    (lambda d: dict(d, card="a100"), "card must be one of t4"),
+    (lambda d: {k: v for k, v in d.items() if k != "card_facts"}, "card_facts must hold"),
+    (lambda d: dict(d, lessons="x"), "lessons must be a list"),
+    (lambda d: dict(d, lessons=["x"]), r"lessons\[0\] must be an object"),
+    (lambda d: dict(d, lessons=[dict(d["lessons"][0], seconds=None)]), r"lessons\[0\].seconds"),
+    (lambda d: dict(d, lessons=[dict(d["lessons"][0], completed="yes")]), "completed must be"),
+    (lambda d: dict(d, lessons=[dict(d["lessons"][0], peak_gpu_mib=-1)]), "peak_gpu_mib"),
+    (lambda d: dict(d, lessons=[dict(d["lessons"][0], not_run=[1])]), "not_run must be"),
+])
+def test_malformed_records_are_named_not_crashed_on(damage, message):
+    bad = damage(_doc(("01_a.ipynb", True)))
+    with pytest.raises(ValueError, match=message):
+        rehearsal.merge([_doc(("02_b.ipynb", True)), bad])
+    with pytest.raises(ValueError, match="is not a rehearsal record: .*" + message):
+        rehearsal.markdown(bad)
 
 
 def test_cli_rehearse_update_merges_into_the_record(tmp_path, capsys, monkeypatch):
@@ -253,7 +274,7 @@ def test_cli_rehearse_checks_the_record_before_running(tmp_path, capsys):
         record.write_text(bad)
         assert cli.main(["rehearse", "--out", str(tmp_path / "o"), "--update", str(record),
                          str(nb)]) == 2
-        assert "is not a rehearsal record of card t4" in capsys.readouterr().err
+        assert "is not a rehearsal record" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # nothing ran
 
 

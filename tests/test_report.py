@@ -128,3 +128,7 @@ def test_replace_block_swaps_what_lies_between_the_markers():
     assert report.replace_block(text, "<s>", "<e>", "<s>new<e>", "demo") == "a\n<s>new<e>\nb\n"
     with pytest.raises(ValueError, match="the README lacks the demo markers"):
         report.replace_block("no markers", "<s>", "<e>", "x", "demo")
+    with pytest.raises(ValueError, match="end marker '<e>' before its start marker"):
+        report.replace_block("a<e>b<s>c", "<s>", "<e>", "x", "demo")
+    with pytest.raises(ValueError, match="more than once"):
+        report.replace_block("<s>1<e><s>2<e>", "<s>", "<e>", "x", "demo")

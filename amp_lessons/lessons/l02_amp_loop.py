@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import claims
 from .. import measure
-from .._validate import check_int, check_positive
+from .._validate import check_int, check_positive, is_real
 from ..data import digits_loaders
 from ..models import build_digits_model
 from ..precision import Device, as_device, check_precision, normalize_precision, precision_settings
@@ -45,6 +45,10 @@ def compare_precisions(precisions: Sequence[str] = ("fp32", "fp16"), device: Dev
     trainer dropped so that its model and optimizer state free their memory; None if not run).
     """
     dev = as_device(device)
+    if isinstance(precisions, str):  # one precision, not its characters
+        precisions = (precisions,)
+    if not precisions:
+        raise ValueError("precisions must name at least one precision")
     rows = []
     for p in precisions:
         row = {"precision": normalize_precision(p), "ran": False, "reason": "",
@@ -251,8 +255,12 @@ def b1_b2_context(precision_rows: Sequence[Mapping], overhead_rows: Sequence[Map
     if "fp32" not in by or "fp16" not in by:
         raise ValueError("precision_rows must hold an fp32 and an fp16 row that ran")
     fp32, amp = by["fp32"], by["fp16"]
+    for r in (fp32, amp):
+        if not (is_real(r.get("epoch_time_s")) and r["epoch_time_s"] > 0):
+            raise ValueError(f"precision_rows: the {r['precision']} row's epoch_time_s must be a "
+                             f"number > 0 seconds; got {r.get('epoch_time_s')!r}")
     speedup = fp32["epoch_time_s"] / amp["epoch_time_s"]
-    mem = (None if fp32["peak_memory_mib"] is None or amp["peak_memory_mib"] is None
+    mem = (None if not fp32["peak_memory_mib"] or amp["peak_memory_mib"] is None
            else 1 - amp["peak_memory_mib"] / fp32["peak_memory_mib"])
     idle = {r["precision"]: r["gpu_idle"] for r in overhead_rows
             if r["loop"] == LOOPS["trainer"] and r["gpu_idle"] is not None}
@@ -471,17 +479,20 @@ def b7_verdict(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
             return f"failed in backward ({row['error']})"
         return f"ran, gradients {row['grad']} within {row['grad_error']:.2g} of float32's"
 
-    ok = lambda r: r["ran"] and r["grad_error"] <= B7_GRAD_TOLERANCE  # noqa: E731
+    ok = lambda r: bool(r["ran"]) and is_real(r["grad_error"]) \
+        and r["grad_error"] <= B7_GRAD_TOLERANCE  # noqa: E731
     measured = (f"a custom autograd Function under autocast: unchanged {outcome(unchanged)}; "
                 f"with torch.amp.custom_fwd/custom_bwd {outcome(with_custom_fwd)}")
+    held = True if ok(unchanged) else False if ok(with_custom_fwd) else None
     if ok(unchanged):
         why = "the unchanged custom Function ran under autocast with correct gradients"
     elif ok(with_custom_fwd):
         why = ("a layer written as a custom autograd Function must change: its backward gets a "
                "16-bit gradient but float32 saved tensors; torch.amp.custom_fwd/custom_bwd fix it")
-    else:
-        why = "the custom Function did not run correctly under autocast even with custom_fwd"
-    return claims.decide("B7", LESSON, measured, ok(unchanged), why,
+    else:  # the control failed too: the experiment, not the claim, is what broke
+        why = ("the custom Function did not run correctly under autocast even with custom_fwd, "
+               "so this experiment cannot tell whether the unchanged code is at fault")
+    return claims.decide("B7", LESSON, measured, held, why,
                          numbers={"unchanged": dict(unchanged),
                                   "with_custom_fwd": dict(with_custom_fwd)})
 
@@ -496,7 +507,7 @@ class ClipBeforeUnscale(Hooks):
     """
 
     def __init__(self, max_norm: float = 1.0):
-        check_positive("max_norm", max_norm, optional=True)
+        check_positive("max_norm", max_norm)
         self.max_norm = float(max_norm)
         self.scaled_norms: List[float] = []
         self.scales: List[float] = []
@@ -512,7 +523,7 @@ def clip_order_experiment(max_norm: float = 1.0, device: Device = None, **train_
     and after it (PyTorch's order). One row each: the scale, the true gradient norm, the
     threshold really applied to the true gradient, the norm of the gradient the optimizer used,
     and the final test accuracy (medians over steps)."""
-    check_positive("max_norm", max_norm, optional=True)
+    check_positive("max_norm", max_norm)
     rows = []
     for wrong in (True, False):
         hook = ClipBeforeUnscale(max_norm) if wrong else None
@@ -547,6 +558,15 @@ def b3_verdict(rows: Sequence[Mapping], max_norm: float = 1.0) -> claims.Verdict
     if len(rows) != 2 or not all("threshold_applied" in r for r in rows):
         raise ValueError("rows must be the two rows of clip_order_experiment")
     wrong, right = rows
+    broken = [f"{name} {k}={r.get(k)!r}" for name, r in (("clip first", wrong),
+                                                          ("unscale_ first", right))
+              for k in ("scale", "threshold_applied", "true_grad_norm", "grad_norm_used",
+                        "accuracy_pct") if not is_real(r.get(k))]
+    if broken:
+        return claims.not_decided(
+            "B3", LESSON, f"clip_grad_norm_(max_norm={max_norm:g}) before and after unscale_: "
+            f"{', '.join(broken)}", f"a measured number is not finite ({', '.join(broken)}): the "
+            f"run diverged or skipped every step, so it cannot rule")
     held = math.isclose(wrong["threshold_applied"], max_norm, rel_tol=0.01)
     measured = (f"clip_grad_norm_(max_norm={max_norm:g}) before unscale_ at scale "
                 f"{wrong['scale']:g}: true gradients clipped to {wrong['threshold_applied']:.3g} "
@@ -572,6 +592,10 @@ def b6_verdict(caught: Sequence, import_error: Optional[BaseException] = None) -
     if isinstance(caught, (str, bytes)) or not isinstance(caught, Sequence):
         raise ValueError(f"caught must be the list of warnings.catch_warnings(record=True); "
                          f"got {caught!r}")
+    if not all(isinstance(getattr(w, "category", None), type) and hasattr(w, "message")
+               for w in caught):
+        raise ValueError(f"caught must hold warnings.WarningMessage records (with category and "
+                         f"message); got {list(caught)[:3]!r}")
     deprecations = [w for w in caught
                     if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     messages = [str(w.message) for w in deprecations]

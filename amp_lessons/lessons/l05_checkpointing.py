@@ -398,6 +398,8 @@ def technique_caption(rows: Sequence[Dict[str, object]]) -> str:
 
 
 def _range_verdict(measured: float, low: float, high: float, what: str) -> str:
+    if not is_real(measured):
+        return f"{what} {measured}: not a finite number, so not set against the claimed range"
     if measured < low:
         return f"{what} {measured:.0f}%: less than the claimed {low:.0f}-{high:.0f}%"
     if measured > high:
@@ -421,7 +423,10 @@ def checkpointing_costs(rows: Sequence[Dict[str, object]]) -> List[Dict[str, obj
         if plain is None or ckpt is None or not plain.get("memory_gib"):
             continue
         saved = 100 * (1 - ckpt["memory_gib"] / plain["memory_gib"])
-        added = 100 * (ckpt["step_ms"] / plain["step_ms"] - 1)
+        times = (plain.get("step_ms"), ckpt.get("step_ms"))
+        # a missing, zero or NaN step time gives NaN: claims.decide then rules nothing
+        added = (100 * (times[1] / times[0] - 1) if all(is_real(t) and t > 0 for t in times)
+                 else math.nan)
         idle = [r.get("gpu_idle_fraction") for r in (plain, ckpt)]
         out.append({"pair": f"{base} -> {ckpt_name}",
                     "gpu_idle_fraction": max((v for v in idle if v is not None), default=None),
@@ -1082,6 +1087,12 @@ def claim_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str, 
     key = "peak_gib" if gpu else "saved_gib"
     what = "peak allocated" if gpu else "saved for backward (counted)"
     acc = [r[f"accumulated_{key}"] for r in rows]
+    counts = sorted({r.get("micro_batches", r.get("effective_batch")) for r in rows})
+    if len(counts) < 2 or not all(is_real(a) and a > 0 for a in acc):
+        return claims.not_decided(
+            "R9", LESSON, f"{what}: {acc} GiB at micro-batch counts {counts}",
+            "needs memory measured at two or more micro-batch counts" if len(counts) < 2 else
+            "a run's memory was not measured (out of memory, or not a number > 0)")
     one = [(r["effective_batch"], r[f"one_batch_{key}"]) for r in rows
            if r[f"one_batch_{key}"] is not None]
     spread = max(acc) / min(acc) - 1
@@ -1108,8 +1119,10 @@ def claim_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str, 
                 f"batch's (at most {step_tolerance:.0e} relative counts as equal)")
     else:
         why += "; the step itself was not compared here"
-    return claims.decide("R9", LESSON, measured, flat and same_step, why,
-                         numbers={"spread": spread, "memory": what})
+    numbers = {"spread": spread, "memory": what}
+    if equivalence is not None:
+        numbers["grad_rel_diff"] = diff  # a NaN here leaves R9 undecided (claims.decide)
+    return claims.decide("R9", LESSON, measured, flat and same_step, why, numbers=numbers)
 
 
 # --- training checkpoints: exact resume, and resume without the scaler's state --------------------

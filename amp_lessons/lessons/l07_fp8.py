@@ -43,7 +43,7 @@ from torch import nn
 
 from .. import data as _data
 from .. import models as _models
-from .._validate import check_choice, check_int, check_positive
+from .._validate import check_choice, check_int, check_positive, is_real
 from ..env import CARD_FACTS, device_capability, simulated_card
 from ..tables import text_table
 
@@ -842,11 +842,14 @@ def loss_comparison(runs: Sequence[Mapping], min_steps: int = 1000) -> dict:
     """FP8's final loss against bf16's with the same seed, next to the spread of bf16 seeds.
 
     ``within`` says whether ``|FP8 - bf16|`` is at most the spread (max - min over bf16 seeds);
-    ``decided`` is False, with the reason, when the run cannot tell: fewer than ``min_steps`` steps,
-    fewer than two bf16 seeds, or no FP8 run.
+    ``decided`` is False, with the reason, when the run cannot tell: fewer than ``min_steps`` steps
+    (bf16 or FP8), fewer than two bf16 seeds, no FP8 run with a bf16 partner of the same seed,
+    or a loss that is not finite.
     """
     check_int("min_steps", min_steps, 1)
-    base = [r for r in runs if r["recipe"] == "bf16" and r.get("status") == "trained"]
+    trained_bf16 = [r for r in runs if r["recipe"] == "bf16" and r.get("status") == "trained"]
+    # a diverged seed (NaN or inf loss) has no place in a spread: it would hide in max()/min()
+    base = [r for r in trained_bf16 if is_real(r.get("final_loss"))]
     finals = [r["final_loss"] for r in base]
     spread = (max(finals) - min(finals)) if len(finals) >= 2 else None
     rows = []
@@ -854,18 +857,28 @@ def loss_comparison(runs: Sequence[Mapping], min_steps: int = 1000) -> dict:
         if r["recipe"] == "bf16":
             continue
         same = next((b for b in base if b["seed"] == r["seed"]), None)
-        trained = r.get("status") == "trained" and same is not None
+        trained = r.get("status") == "trained" and same is not None \
+            and is_real(r.get("final_loss"))
         diff = r["final_loss"] - same["final_loss"] if trained else None
         rows.append({"run": r["label"], "final_loss": r.get("final_loss"),
                      "bf16_same_seed": same["final_loss"] if same else None, "difference": diff,
                      "spread": spread,
                      "within": (abs(diff) <= spread) if diff is not None and spread is not None
                      else None, "status": r.get("status")})
-    steps = min((r["steps"] for r in base), default=0)
+    compared = [r for r in rows if r["difference"] is not None]
+    fp8_runs = [r for r in runs if r["recipe"] != "bf16"]
+    steps = min((r["steps"] for r in base + [r for r in fp8_runs if r.get("status") == "trained"]),
+                default=0)
     reasons = []
+    diverged = [r["label"] for r in trained_bf16 + fp8_runs
+                if r.get("status") == "trained" and not is_real(r.get("final_loss"))]
+    if diverged:
+        reasons.append(f"{', '.join(diverged)} ended with a loss that is not finite (diverged)")
     if not any(r["status"] == "trained" for r in rows):
         why = next((r["status"] for r in rows), "not run: no FP8 recipe was asked for")
         reasons.append(f"FP8 {why}")
+    elif not compared:
+        reasons.append("no FP8 run has a bf16 run with the same seed to compare with")
     if len(finals) < 2:
         reasons.append("fewer than two bf16 seeds, so no seed-to-seed spread")
     if steps < min_steps:

@@ -70,6 +70,9 @@ def _add_run_notebooks(sub) -> None:
     p.add_argument("--timeout", type=_positive_int, default=1800,
                    help="seconds one cell may run (default 1800)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument("--allow-busy-gpu", action="store_true",
+                   help="run even when another process uses the GPU (its measurements would "
+                        "time both; by default each notebook waits up to 60 s, then stops)")
     p.set_defaults(func=_cmd_run_notebooks)
 
 
@@ -95,9 +98,17 @@ def _cmd_run_notebooks(args) -> int:
         check_notebooks(paths, args.out)
     except ValueError as exc:
         return fail("run-notebooks", str(exc))
+    from .rehearsal import busy_gpu_text, wait_for_idle_gpu
+
+    written = []
     try:
-        written = run_notebooks(paths, profile=args.profile, out=args.out, timeout=args.timeout,
-                                progress=not args.no_progress)
+        for path in paths:
+            busy = [] if args.allow_busy_gpu else wait_for_idle_gpu()
+            if busy:  # a timing taken beside another process measures both
+                return fail("run-notebooks", f"{path.name}: not run: {busy_gpu_text(busy)}; wait "
+                            f"for it or stop it (--allow-busy-gpu runs anyway)", 1)
+            written += run_notebooks([path], profile=args.profile, out=args.out,
+                                     timeout=args.timeout, progress=not args.no_progress)
     except NotebookRunError as exc:
         return fail("run-notebooks", exc.summary, 1)
     except (OSError, RuntimeError, ValueError) as exc:  # kernel would not start, disk, ...

@@ -77,6 +77,49 @@ def _number(text: str) -> Optional[float]:
         return None
 
 
+def gpu_in_use(root_pid: Optional[int] = None) -> Optional[List[Dict[str, object]]]:
+    """Compute processes on the GPUs this process may use (``CUDA_VISIBLE_DEVICES``' indices or
+    UUIDs, else every GPU) that are not under ``root_pid`` (default: this process): one dict per
+    process with ``gpu`` (index), ``pid`` and ``used_mib``. A measurement on a GPU that another
+    process also uses times both. None where ``nvidia-smi`` cannot tell (none, no GPU)."""
+    try:
+        gpus = _query(["--query-gpu=index,uuid"])
+        apps = _query(["--query-compute-apps=pid,gpu_uuid,used_memory"])
+    except Exception:  # noqa: BLE001 - no nvidia-smi, no driver, odd output
+        return None
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    index_of = {row[1]: row[0] for row in gpus if len(row) >= 2}
+    chosen = {uuid for uuid, index in index_of.items()
+              if not visible or index in visible or any(uuid.startswith(v) for v in visible
+                                                         if v.startswith("GPU-"))}
+    mine = set(descendants(os.getpid() if root_pid is None else int(root_pid)))
+    return [{"gpu": index_of[app[1]], "pid": int(app[0]), "used_mib": _number(app[2])}
+            for app in apps if len(app) >= 3 and app[1] in chosen and app[0].isdigit()
+            and int(app[0]) not in mine]
+
+
+def busy_gpu_text(busy: Sequence[Dict[str, object]]) -> str:
+    """``gpu_in_use`` rows in one line: "GPU 0 is in use by pid 123 (2,048 MiB)"."""
+    return "; ".join(f"GPU {b['gpu']} is in use by pid {b['pid']}"
+                     + (f" ({b['used_mib']:,.0f} MiB)" if b.get("used_mib") is not None else "")
+                     for b in busy)
+
+
+def wait_for_idle_gpu(wait_s: float = 60.0, poll_s: float = 2.0) -> List[Dict[str, object]]:
+    """``gpu_in_use()`` after waiting up to ``wait_s`` seconds for it to clear (a kernel that
+    just finished may still be shutting its workers down); ``[]`` when the GPUs are free or
+    ``nvidia-smi`` cannot tell."""
+    check_positive("poll_s", poll_s)
+    if not (is_real(wait_s) and wait_s >= 0):
+        raise ValueError(f"wait_s must be a number of seconds >= 0; got {wait_s!r}")
+    deadline = time.perf_counter() + wait_s
+    while True:
+        busy = gpu_in_use() or []
+        if not busy or time.perf_counter() >= deadline:
+            return busy
+        time.sleep(poll_s)
+
+
 class GpuSampler:
     """Samples, every ``interval_s`` seconds in a thread, GPU ``gpu`` (an ``nvidia-smi -i`` index
     or UUID): the memory used on it by the processes under ``root_pid`` (``nvidia-smi
@@ -218,6 +261,12 @@ def rehearse_notebook(path: Path, card: str, out: Path, profile: str = "full",
     path, out = Path(path), Path(out)
     record: Dict[str, object] = {"notebook": path.name, "completed": False, "error": None}
     started = time.perf_counter()
+    busy = wait_for_idle_gpu()
+    if busy:  # its times and memory would be another process's too
+        record.update(error=f"not run: {busy_gpu_text(busy)}",
+                      seconds=round(time.perf_counter() - started, 1), gpu_busy_s=None,
+                      estimated_seconds_on_card=None, peak_gpu_mib=None, not_run=[])
+        return record
     with environment_variable(SIMULATE_VARIABLE, card), GpuSampler(os.getpid(), gpu=visible_gpu()) as memory:
         try:
             run_notebook(path, profile=profile, out=out, timeout=timeout, progress=False)

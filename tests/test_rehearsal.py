@@ -287,3 +287,47 @@ def test_readme_command_writes_both_blocks_or_nothing(tmp_path, capsys):
     assert cli.main(["readme", "--readme", str(readme)]) == 2
     assert "rehearsal markers" in capsys.readouterr().err
     assert readme.read_text() == before  # the results block was not written alone
+
+
+def _smi_with(apps):
+    """A stand-in for nvidia-smi on a machine with two GPUs."""
+    def query(args):
+        if args[0] == "--query-gpu=index,uuid":
+            return [["0", "GPU-aaa"], ["1", "GPU-bbb"]]
+        return apps
+    return query
+
+
+def test_gpu_in_use_names_other_processes_on_the_visible_gpus(monkeypatch):
+    me = os.getpid()
+    apps = [[str(me), "GPU-aaa", "700"], ["999999", "GPU-aaa", "5000"],
+            ["999998", "GPU-bbb", "[N/A]"], ["x"]]
+    monkeypatch.setattr(rehearsal, "_query", _smi_with(apps))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    busy = rehearsal.gpu_in_use()
+    assert busy == [{"gpu": "0", "pid": 999999, "used_mib": 5000.0},
+                    {"gpu": "1", "pid": 999998, "used_mib": None}]   # not this process itself
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert [b["pid"] for b in rehearsal.gpu_in_use()] == [999998]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaa")
+    assert [b["pid"] for b in rehearsal.gpu_in_use()] == [999999]
+    assert rehearsal.busy_gpu_text(rehearsal.gpu_in_use()) == \
+        "GPU 0 is in use by pid 999999 (5,000 MiB)"
+    monkeypatch.setattr(rehearsal, "_query", lambda args: (_ for _ in ()).throw(OSError("no smi")))
+    assert rehearsal.gpu_in_use() is None and rehearsal.wait_for_idle_gpu(0) == []
+    with pytest.raises(ValueError, match="wait_s must be"):
+        rehearsal.wait_for_idle_gpu(-1)
+
+
+def test_a_busy_gpu_stops_a_run_and_a_rehearsal_before_they_measure(tmp_path, monkeypatch, capsys):
+    busy = [{"gpu": "0", "pid": 4242, "used_mib": 1024.0}]
+    monkeypatch.setattr(rehearsal, "wait_for_idle_gpu", lambda *a, **k: busy)
+    nb = _notebook(tmp_path / "01_x.ipynb", "1 + 1")
+    assert cli.main(["run-notebooks", "--out", str(tmp_path / "o"), str(nb)]) == 1
+    err = capsys.readouterr().err
+    assert "01_x.ipynb: not run: GPU 0 is in use by pid 4242 (1,024 MiB)" in err
+    assert not (tmp_path / "o" / "01_x.ipynb").exists()
+    record = rehearsal.rehearse_notebook(nb, "t4", tmp_path / "r")
+    assert record["completed"] is False and "pid 4242" in record["error"]
+    rehearsal.check_record({"card": "t4", "card_facts": {"name": "Tesla T4", "memory_gib": 14.4},
+                            "lessons": [record]})

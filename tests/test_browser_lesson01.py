@@ -36,6 +36,18 @@ def test_lesson01_widgets_in_jupyterlab(chromium, lab):
         page.wait_for_function("el => /0x7C00/.test(el.textContent)",
                                arg=table.element_handle(), timeout=20_000)
         assert "x = 65520.0" in table.inner_text()
+        # the sign box flips the typed value (never the slider's magnitude): 2**-40 -> -(2**-40)
+        box.fill("2**-40")
+        box.press("Enter")
+        page.wait_for_function("el => /x = 9\\.094947017729282e-13/.test(el.textContent)",
+                               arg=table.element_handle(), timeout=20_000)
+        explorer.locator("input[type=checkbox]").first.check()
+        page.wait_for_function("el => /x = -9\\.094947017729282e-13/.test(el.textContent)",
+                               arg=table.element_handle(), timeout=20_000)
+        assert box.input_value() == "-(2**-40)"
+        explorer.locator("input[type=checkbox]").first.uncheck()
+        page.wait_for_function("el => /x = 9\\.094947017729282e-13/.test(el.textContent)",
+                               arg=table.element_handle(), timeout=20_000)
         # the slider's top end is exactly 2^20: no stray mantissa bit
         slider = explorer.locator(".amp-bit-slider .noUi-handle").first
         slider.focus()

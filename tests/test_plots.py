@@ -210,6 +210,23 @@ def test_preset_comparison_figure_one_legend_entry_per_preset():
         P.preset_comparison({})
 
 
+def test_preset_scale_line_keeps_only_its_change_points():
+    """A long preset's scale line is stored at its change points (drawn "hv": the same steps),
+    so lesson 03's notebook stays small; the loss line keeps every step."""
+    n = 1500
+    scales = [2.0 ** 16 if i < 400 else 2.0 ** 15 if i < 900 else 2.0 ** 17 for i in range(n)]
+    cols = {"steps": list(range(n)), "scales": scales, "skipped": [i == 400 for i in range(n)],
+            "losses": [1.0] * n}
+    scale, _, loss = P.preset_comparison({"x": cols}).data
+    assert list(scale.x) == [0, 400, 900, n - 1] and list(scale.customdata) == \
+        [2.0 ** 16, 2.0 ** 15, 2.0 ** 17, 2.0 ** 17]
+    assert scale.line.shape == "hv" and len(loss.x) == n
+    assert P.change_points([0, 1], [5, 5]) == ([0, 1], [5, 5])
+    assert P.change_points([], []) == ([], [])
+    with pytest.raises(ValueError, match="same length"):
+        P.change_points([0], [])
+
+
 def test_pow2_text():
     assert P.pow2_text(65536.0) == "2^16 = 65,536"
     assert P.pow2_text(2.0**-3, html=True) == "2<sup>-3</sup> = 0.125"

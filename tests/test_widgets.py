@@ -426,7 +426,7 @@ def test_preset_panel_draws_every_ticked_preset(mode):
     assert list(p.runs) == ["a", "b"]
     fig = p.live.figure
     assert [t.name for t in fig.data if t.showlegend is not False] == ["a", "b"]
-    assert len(fig.data[0].x) == 4
+    assert len(fig.data[2].x) == 4 and fig.data[0].x[-1] == 3  # loss: every step; scale: changes
     assert "<table" in p.table.value and p.table.value.count("<tr>") == 3
     p.checks["a"].value = p.checks["b"].value = False
     with pytest.raises(ValueError, match="tick"):

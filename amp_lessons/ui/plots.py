@@ -62,6 +62,15 @@ def _log2(values: Sequence[float]) -> list:
     return [math.log2(v) if v and v > 0 and math.isfinite(v) else None for v in values]
 
 
+def change_points(xs: Sequence, ys: Sequence) -> tuple:
+    """``(xs, ys)`` kept only where ``ys`` changes, plus the first and last point: the same line
+    when drawn with ``shape="hv"`` (a step function), in far fewer points."""
+    if len(xs) != len(ys):
+        raise ValueError(f"xs and ys must have the same length; got {len(xs)} and {len(ys)}")
+    keep = [i for i in range(len(ys)) if i in (0, len(ys) - 1) or ys[i] != ys[i - 1]]
+    return [xs[i] for i in keep], [ys[i] for i in keep]
+
+
 def _skipped_points(steps, scales, skipped):
     pts = [(s, math.log2(v), v) for s, v, k in zip(steps, scales, skipped)
            if k and v and v > 0 and math.isfinite(v)]
@@ -209,10 +218,13 @@ def preset_comparison(runs: Mapping[str, Mapping[str, Sequence]],
             raise ValueError(f"columns of preset {name!r} differ in length")
         color = _PRESET_COLORS[i % len(_PRESET_COLORS)]
         all_scales += scales
-        fig.add_trace(go.Scatter(x=steps, y=_log2(scales), customdata=scales, mode="lines",
+        # the scale is a step function: its change points, drawn "hv", are the same line in a
+        # fraction of the stored data (a 1500-step preset keeps a few dozen points)
+        cx, cs = change_points(steps, scales)
+        fig.add_trace(go.Scatter(x=cx, y=_log2(cs), customdata=cs, mode="lines",
                                  name=name, legendgroup=name, line=dict(color=color, shape="hv"),
-                                 hovertemplate=f"{name}<br>step %{{x}}<br>scale %{{customdata:.6g}}"
-                                               "<extra></extra>"), row=1, col=1)
+                                 hovertemplate=f"{name}<br>from step %{{x}}<br>scale "
+                                               "%{customdata:.6g}<extra></extra>"), row=1, col=1)
         sx, sy, sv = _skipped_points(steps, scales, skipped)
         fig.add_trace(go.Scatter(x=sx, y=sy, customdata=sv, mode="markers",
                                  name=f"{name}: skipped", legendgroup=name, showlegend=False,

@@ -91,7 +91,7 @@ def check_notebooks(paths, out: Optional[Path] = None) -> None:
 
 
 def _cmd_run_notebooks(args) -> int:
-    from .runner import NotebookRunError, course_notebooks, run_notebooks
+    from .runner import NotebookRunError, course_notebooks, run_notebook
 
     paths = args.notebooks or course_notebooks()
     try:
@@ -107,8 +107,8 @@ def _cmd_run_notebooks(args) -> int:
             if busy:  # a timing taken beside another process measures both
                 return fail("run-notebooks", f"{path.name}: not run: {busy_gpu_text(busy)}; wait "
                             f"for it or stop it (--allow-busy-gpu runs anyway)", 1)
-            written += run_notebooks([path], profile=args.profile, out=args.out,
-                                     timeout=args.timeout, progress=not args.no_progress)
+            written.append(run_notebook(path, profile=args.profile, out=args.out,
+                                        timeout=args.timeout, progress=not args.no_progress))
     except NotebookRunError as exc:
         return fail("run-notebooks", exc.summary, 1)
     except (OSError, RuntimeError, ValueError) as exc:  # kernel would not start, disk, ...

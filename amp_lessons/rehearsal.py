@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ._validate import check_choice, check_positive, is_real
+from ._validate import check_choice, check_positive, check_real, is_real
 from .env import CARD_FACTS, SIMULATE_VARIABLE, SIMULATED_CARDS
 from .report import RESULT_MIME, replace_block
 from .runner import (NotebookRunError, environment_variable, read_notebook, run_notebook,
@@ -110,8 +110,7 @@ def wait_for_idle_gpu(wait_s: float = 60.0, poll_s: float = 2.0) -> List[Dict[st
     just finished may still be shutting its workers down); ``[]`` when the GPUs are free or
     ``nvidia-smi`` cannot tell."""
     check_positive("poll_s", poll_s)
-    if not (is_real(wait_s) and wait_s >= 0):
-        raise ValueError(f"wait_s must be a number of seconds >= 0; got {wait_s!r}")
+    check_real("wait_s", wait_s, 0.0)
     deadline = time.perf_counter() + wait_s
     while True:
         busy = gpu_in_use() or []

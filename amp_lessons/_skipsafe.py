@@ -47,6 +47,12 @@ class Snapshot:
         for ts, _, _, saved_views, _ in self._groups:
             torch._foreach_copy_(saved_views, ts)
 
+    def restore(self) -> None:
+        """Put every copy back, whatever happened since ``take`` (a step that raised)."""
+        with torch.no_grad():
+            for ts, _, _, saved_views, _ in self._groups:
+                torch._foreach_copy_(ts, saved_views)
+
     def restore_if(self, skipped: torch.Tensor) -> None:
         """Where ``skipped`` (a 0-dim tensor, nonzero = skipped) is set, put the copies back."""
         if not self._groups:

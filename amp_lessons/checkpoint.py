@@ -7,33 +7,33 @@ and ``zipfile`` ignore the trailer, so a checkpoint is still a plain PyTorch fil
 recomputes the digest, so any byte changed since the save (a flipped bit, a truncated copy) is
 found before anything is unpickled.
 
-Temporary files of a save are named ``.<name>.tmp-<host>-<pid>-<random>`` next to the target. A
-save killed with ``kill -9`` cannot remove its own, so every later save or load of that path
-removes the ones left by processes of this host that no longer run (never one of a live process).
+Saves go through the package's one atomic writer (``files.atomic_file``): a temporary file
+``.<name>.tmp-<host>-<pid>-<random>`` next to the target (the name shortened to fit the folder's
+limit), fsynced, then renamed over it. A save killed with ``kill -9`` cannot remove its own, so
+every later save or load of that path removes the ones left by processes of this host that no
+longer run (never one of a live process).
 """
 from __future__ import annotations
 
 import copy
-import errno
 import hashlib
-import os
 import random
 import re
-import secrets
-import socket
 import zipfile
 from pathlib import Path
-from typing import Any, List, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
 
 from ._validate import is_real
+from .files import (DISK_FULL_ERRNOS, DiskFullError, FileTooLargeError, _host, _pid_alive,  # noqa: F401 - re-exported
+                    atomic_file, remove_stale_temp_files, temp_name, write_error)
 
 TRAILER_PREFIX = b"\n#amp-lessons sha256="
 TRAILER_SIZE = len(TRAILER_PREFIX) + 64 + 1
 CHECKSUM_KEY = "checksum_trailer"  # a saved dict with this key set must come with its trailer
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FORMAT_NAME = "amp-lessons-trainer"
 
 
 class CheckpointError(ValueError):
@@ -41,56 +41,19 @@ class CheckpointError(ValueError):
     and what is wrong with it), or a checkpoint that does not fit the live trainer."""
 
 
-class DiskFullError(OSError):
-    """A save ran out of disk space (ENOSPC/EDQUOT); the previous file at the path is intact."""
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint file at the path: both ``except CheckpointError`` (a ValueError) and
+    ``except FileNotFoundError`` catch it."""
 
 
-# --- temporary files -----------------------------------------------------------------------------
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
-
-
-def temp_name(path: Union[str, Path]) -> Path:
-    """A fresh temporary name next to ``path``: ``.<name>.tmp-<host>-<pid>-<random>``."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+class CheckpointIsAFolderError(CheckpointError, IsADirectoryError):
+    """The checkpoint path is a folder: both ``except CheckpointError`` and
+    ``except IsADirectoryError`` catch it."""
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def remove_stale_temp_files(path: Union[str, Path]) -> List[Path]:
-    """Remove the temporary files that interrupted saves of ``path`` left behind; return them.
-
-    Only names of the form ``.<name>.tmp-<this host>-<pid>-<hex>`` whose process is gone are
-    removed: a save in progress in another live process keeps its file (a reused pid errs on the
-    side of keeping), and files of other hosts sharing the folder are left to those hosts.
-    """
-    path = Path(path)
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.tmp-{re.escape(_host())}-(\d+)-[0-9a-f]+$")
-    removed = []
-    try:
-        entries = list(os.scandir(path.parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        match = pattern.match(entry.name)
-        if match is None or int(match.group(1)) == os.getpid() or _pid_alive(int(match.group(1))):
-            continue
-        try:
-            os.unlink(entry.path)
-            removed.append(Path(entry.path))
-        except FileNotFoundError:  # another process cleaned it first
-            pass
-    return removed
+class CheckpointFromNewerRelease(CheckpointError):
+    """A checkpoint written in a newer format than this release reads: the message says which
+    format it holds and which ones this release reads."""
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -115,57 +78,37 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _disk_full(exc: BaseException, writer: _HashingWriter) -> bool:
-    for e in (writer.error, exc, exc.__cause__, exc.__context__):
-        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
-            return True
-    return False
-
-
 def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
-    """``torch.save`` + checksum trailer to a temporary file next to ``path``, fsync, then rename
-    over ``path``. A dict saved with ``obj[CHECKSUM_KEY] = True`` is refused by ``read_verified``
-    when its trailer is damaged.
+    """``torch.save`` + checksum trailer written atomically over ``path`` with the package's
+    writer (``files.atomic_file``: temporary file next to ``path``, fsync, rename). A dict saved
+    with ``obj[CHECKSUM_KEY] = True`` is refused by ``read_verified`` when its trailer is
+    damaged.
 
     A failure at any point (an exception, a full disk, ``kill -9``) leaves the previous file at
     ``path`` untouched. An exception removes the temporary file at once; a killed process cannot,
     so this and every later save or ``read_verified`` of ``path`` remove temporary files left by
     dead processes (``remove_stale_temp_files``). The file gets the mode ``torch.save`` would give
-    it (0666 less the umask). A full disk raises ``DiskFullError`` saying so.
+    it (0666 less the umask). A full disk raises ``DiskFullError`` and a file-size limit
+    ``FileTooLargeError``, each saying so and naming the file.
     """
     path = Path(path)
     if path.is_dir():
-        raise CheckpointError(f"{path}: is a folder; a checkpoint path must name a file")
+        raise CheckpointIsAFolderError(f"{path}: is a folder; a checkpoint path must name a file")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise CheckpointError(f"{path}: a part of its folder is a file; a checkpoint path must "
                               f"lie in a folder") from None
-    remove_stale_temp_files(path)
-    tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
-    writer = None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(obj, writer)
-            digest = writer.sha.hexdigest().encode()
-            writer.write(TRAILER_PREFIX + digest + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
+    with atomic_file(path, "checkpoint") as f:
+        writer = _HashingWriter(f)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(exc, Exception) and writer is not None and _disk_full(exc, writer):
-            raise DiskFullError(errno.ENOSPC, f"disk full: could not write checkpoint {path} "
-                                f"(the previous file there, if any, is intact)") from exc
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            raise DiskFullError(errno.ENOSPC, f"disk full: could not write checkpoint {path} "
-                                f"(the previous file there, if any, is intact)") from exc
-        raise
+            torch.save(obj, writer)
+            writer.write(TRAILER_PREFIX + writer.sha.hexdigest().encode() + b"\n")
+        except Exception as exc:  # torch reports a failed write as "unexpected pos ..."
+            better = write_error(exc, path, "checkpoint", writer)
+            if better is not None:
+                raise better from exc
+            raise
     return path
 
 
@@ -222,9 +165,9 @@ def read_verified(path: Union[str, Path], map_location="cpu") -> Any:
     path = Path(path)
     remove_stale_temp_files(path)
     if path.is_dir():
-        raise CheckpointError(f"{path}: is a folder, not a checkpoint file")
+        raise CheckpointIsAFolderError(f"{path}: is a folder, not a checkpoint file")
     if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file")
+        raise CheckpointNotFoundError(f"{path}: no such checkpoint file")
     verified = _check_bytes(path)
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
@@ -278,11 +221,33 @@ def check_optimizer_state(saved, optimizer: torch.optim.Optimizer) -> None:
                                       f"parameter of shape {tuple(p.shape)}")
 
 
+def _newer_format(found, formats) -> bool:
+    """Whether ``found`` names a later version of the format family of ``formats``
+    (``amp-lessons-trainer/<n>``) than any of them."""
+    def version(name):
+        match = re.fullmatch(rf"{re.escape(FORMAT_NAME)}/(\d+)", name) if isinstance(
+            name, str) else None
+        return int(match.group(1)) if match else None
+
+    known = [v for v in map(version, formats) if v is not None]
+    got = version(found)
+    return got is not None and bool(known) and got > max(known)
+
+
 def check_training_state(state, model, optimizer, scaler, scheduler, formats) -> None:
     """CheckpointError unless ``state`` (``Trainer.state_dict()``, one of ``formats``) can be
     loaded whole into these live objects (``scaler`` None: the scaler is not loaded). Nothing
     live is changed: the optimizer state is tried on a shallow copy."""
-    if not isinstance(state, dict) or state.get("format") not in formats:
+    found = state.get("format") if isinstance(state, dict) else None
+    newer = _newer_format(found, formats)
+    if newer:
+        from . import __version__
+
+        raise CheckpointFromNewerRelease(
+            f"written by a newer release of amp-lessons (checkpoint format {found}); this "
+            f"release ({__version__}) reads format{'s' if len(formats) > 1 else ''} "
+            f"{', '.join(formats)}: upgrade amp-lessons to load it")
+    if not isinstance(state, dict) or found not in formats:
         if isinstance(state, dict) and state and all(
                 isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError("holds a plain state dict (torch.save(model.state_dict())?), "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from . import __version__
+from .files import check_writable, write_atomic, write_failure, write_json  # noqa: F401 - check_writable: this module's API too
 
 PROG = "python -m amp_lessons"
 
@@ -26,22 +27,6 @@ def fail(command: str, message: str, status: int = 2) -> int:
     return status
 
 
-def check_writable(path: Path, what: str) -> None:
-    """ValueError unless a file can be written at ``path`` (checked before the work starts):
-    not a folder, and its folder exists (or can be made) and is writable."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{what} must name a file, not a folder; got '{path}'")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"{what}: '{path}' exists and cannot be written")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{what}: '{parent}' is not a folder, so '{path}' cannot be written")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what}: the folder '{parent}' is not writable, so '{path}' cannot "
-                         f"be written")
 
 
 def _positive_int(text: str) -> int:
@@ -77,17 +62,18 @@ def _add_run_notebooks(sub) -> None:
 
 
 def check_notebooks(paths, out: Optional[Path] = None) -> None:
-    """ValueError (``runner.NotANotebookError`` is one) unless every path is a readable notebook
-    and ``out``, when given, is not a file: checked before the first notebook runs."""
-    from .runner import read_notebook
+    """ValueError (``runner.NotANotebookError`` is one) unless every path is a valid notebook
+    and its executed copy can be written (in place, or in ``out``, a folder that exists or can
+    be made in a writable place): checked before the first notebook runs."""
+    from .runner import output_path, read_notebook
 
     missing = [str(p) for p in paths if not Path(p).is_file()]
     if missing:
         raise ValueError(f"no such notebook: {', '.join(missing)}")
     for p in paths:
         read_notebook(Path(p))
-    if out is not None and out.exists() and not out.is_dir():
-        raise ValueError(f"out must be a folder; got the file '{out}'")
+    for p in paths:
+        output_path(Path(p), out)
 
 
 def _cmd_run_notebooks(args) -> int:
@@ -156,10 +142,9 @@ def _cmd_rehearse(args) -> int:
         if args.update is not None:
             check_writable(args.update, "update")
             if args.update.exists():
-                from .rehearsal import check_record
+                from .rehearsal import read_record
 
-                earlier = json.loads(args.update.read_text())
-                check_record(earlier, f"update: '{args.update}'")
+                earlier = read_record(args.update, "update")
                 if earlier["card"] != args.card:
                     raise ValueError(f"update: '{args.update}' is a rehearsal record of card "
                                      f"{earlier['card']}, not {args.card}")
@@ -176,7 +161,7 @@ def _cmd_rehearse(args) -> int:
 
         try:
             merged = merge([earlier, doc], replace=True) if earlier else doc
-            args.update.write_text(json.dumps(json_safe(merged), indent=1))
+            write_json(args.update, json_safe(merged), "rehearsal record")
         except (KeyError, ValueError, OSError) as exc:
             return fail("rehearse", f"could not merge into {args.update}: {exc}", 1)
         print(f"updated {args.update}")
@@ -202,6 +187,7 @@ def _add_readme(sub) -> None:
 
 def _cmd_readme(args) -> int:
     from . import rehearsal
+    from .files import read_text
     from .report import with_results
     from .runner import NOTEBOOK_DIR, course_notebooks
 
@@ -210,10 +196,10 @@ def _cmd_readme(args) -> int:
         return fail("readme", f"no README at '{readme}'")
     rehearsal_file = NOTEBOOK_DIR.parent / "docs" / "rehearsal_t4.json"
     try:  # both generated blocks are built before anything is written
-        current = readme.read_text()
+        current = read_text(readme, "README")
         new = with_results(current, course_notebooks(), str(readme))
         if rehearsal_file.is_file():  # the T4 rehearsal's block, from its committed record
-            new = rehearsal.with_rehearsal(new, json.loads(rehearsal_file.read_text()), str(readme))
+            new = rehearsal.with_rehearsal(new, rehearsal.read_record(rehearsal_file), str(readme))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail("readme", str(exc))
     if args.check:
@@ -225,9 +211,9 @@ def _cmd_readme(args) -> int:
         return 0
     if new != current:
         try:
-            readme.write_text(new)
+            write_atomic(readme, new, "README")
         except OSError as exc:
-            return fail("readme", f"could not write {readme}: {exc}", 1)
+            return fail("readme", write_failure(readme, exc), 1)
     print(f"{readme}: {'updated' if new != current else 'already current'}")
     return 0
 
@@ -257,10 +243,9 @@ def _cmd_claims(args) -> int:
         print(f"{path}: current")
         return 0
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_atomic(path, text, "claims page")
     except OSError as exc:
-        return fail("claims", f"cannot write '{path}': {exc.strerror or exc}")
+        return fail("claims", write_failure(path, exc))
     print(f"wrote {path}")
     return 0
 
@@ -361,10 +346,9 @@ def _cmd_bench(args) -> int:
     if args.json is not None:
         doc = results_document(rows, env.device, profile=env.profile)
         try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(doc, indent=1))
+            write_atomic(args.json, json.dumps(doc, indent=1), "results")
         except OSError as exc:
-            return fail("bench", f"could not write {args.json}: {exc}", 1)
+            return fail("bench", write_failure(args.json, exc), 1)
         print(f"wrote {args.json}")
     return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
 
@@ -498,10 +482,9 @@ def _cmd_train(args) -> int:
                "env": env_doc, "summary": s, "epochs": run.epochs,
                "history": run.history.columns()}
         try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(json_safe(doc), indent=1))
+            write_json(args.json, json_safe(doc), "results")
         except OSError as exc:
-            return fail("train", f"could not write {args.json}: {exc}", 1)
+            return fail("train", write_failure(args.json, exc), 1)
         print(f"wrote {args.json}")
     return 0
 

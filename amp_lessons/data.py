@@ -196,19 +196,24 @@ class EpochDataLoader(torch.utils.data.DataLoader):
 
 
 class UnreadableImageError(ValueError):
-    """An image file that cannot be decoded (truncated, damaged); the message names the file."""
+    """An image file that cannot be decoded (truncated, damaged, or too many pixels for PIL's
+    decompression-bomb guard); the message names the file."""
 
 
 def read_image(path: str):
     """Open an image file as RGB with PIL, reading all of it now, so a truncated or damaged
     file raises ``UnreadableImageError`` naming it (PIL alone says "image file is truncated"
-    without the file's name)."""
+    without the file's name). So does an image whose header claims more pixels than PIL's guard
+    allows (``PIL.Image.MAX_IMAGE_PIXELS``, twice over: a decompression bomb)."""
     from PIL import Image
 
     try:
         with open(path, "rb") as f:
             image = Image.open(f)
             return image.convert("RGB")  # convert() decodes the whole file
+    except Image.DecompressionBombError as exc:
+        raise UnreadableImageError(f"cannot read image {path}: too many pixels for PIL's "
+                                   f"decompression-bomb guard ({exc})") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise UnreadableImageError(f"cannot read image {path}: {exc}") from None
 

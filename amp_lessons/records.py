@@ -12,6 +12,7 @@ from typing import Dict, Iterable, List, Optional, Union
 import numpy as np
 import torch
 
+from .files import write_atomic
 from .tables import json_safe
 
 # --- history -------------------------------------------------------------------------------------
@@ -154,11 +155,11 @@ class History(list):
 
     def to_json(self, path: Union[str, Path, None] = None, indent: Optional[int] = None) -> str:
         """Steps and epochs as strict JSON (non-finite numbers become null); written to ``path``
-        when given."""
+        when given, atomically (``files.write_atomic``: a failed write leaves the earlier file)."""
         text = json.dumps(json_safe({"steps": self.columns(), "epochs": self.epochs}),
                           indent=indent)
         if path is not None:
-            Path(path).write_text(text)
+            write_atomic(path, text, "history")
         return text
 
     @classmethod

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ._validate import check_choice, check_positive, check_real, is_real
 from .env import CARD_FACTS, SIMULATE_VARIABLE, SIMULATED_CARDS
+from .files import read_json, read_text, write_atomic, write_json
 from .report import RESULT_MIME, replace_block
 from .runner import (NotebookRunError, environment_variable, read_notebook, run_notebook,
                      run_record)
@@ -338,7 +339,7 @@ def rehearse(paths: Sequence[Path], card: str = "t4", out: Path = Path("rehearsa
     target = out / f"rehearsal_{card}.json"
     for path in paths:
         doc["lessons"].append(rehearse_notebook(Path(path), card, out, profile, timeout))
-        target.write_text(json.dumps(json_safe(doc), indent=1))  # kept after every lesson
+        write_json(target, json_safe(doc), "rehearsal record")  # kept after every lesson
     return doc
 
 
@@ -373,6 +374,15 @@ def merge(docs: Sequence[Dict[str, object]], replace: bool = False) -> Dict[str,
             "published": first.get("published", PUBLISHED), "slowdown": first.get("slowdown"),
             "parts": parts,
             "lessons": sorted(lessons, key=lambda r: r["notebook"])}
+
+
+def read_record(path: Path, name: str = "") -> Dict[str, object]:
+    """The rehearsal record in ``path``, checked with ``check_record``. ValueError naming the
+    file (or ``name``) when it is empty, truncated, not UTF-8, not JSON or not a rehearsal
+    record."""
+    doc = read_json(path, name or "rehearsal record")
+    check_record(doc, f"{name + ': ' if name else ''}'{path}'")
+    return doc
 
 
 def check_record(doc, name: str = "the document") -> None:
@@ -490,10 +500,11 @@ def with_rehearsal(text: str, doc: Dict[str, object], name: str = "the README") 
 
 
 def update_readme(readme: Path, doc: Dict[str, object]) -> bool:
-    """Rewrite the README's rehearsal block from ``doc`` (``with_rehearsal``); True when the
-    file changed. ValueError when the markers are missing."""
-    text = Path(readme).read_text()
+    """Rewrite the README's rehearsal block from ``doc`` (``with_rehearsal``), atomically; True
+    when the file changed. ValueError naming the file when it is not UTF-8 or the markers are
+    missing."""
+    text = read_text(readme, "README")
     new = with_rehearsal(text, doc, str(readme))
     if new != text:
-        Path(readme).write_text(new)
+        write_atomic(readme, new, "README")
     return new != text

@@ -115,11 +115,11 @@ def claims_table(results: Sequence[dict]) -> List[dict]:
 
 def collect(notebooks: Iterable[Path]) -> List[dict]:
     """Every published result in the given executed notebooks, in order, with its run record."""
-    import nbformat
+    from .files import read_notebook
 
     found = []
     for path in notebooks:
-        nb = nbformat.read(path, as_version=4)
+        nb = read_notebook(path)
         run = nb.metadata.get("amp_lessons", {}).get("run", {})
         for cell in nb.cells:
             for out in cell.get("outputs", []):
@@ -177,9 +177,13 @@ def with_results(text: str, notebooks: Iterable[Path], name: str = "the README")
 
 
 def update_readme(readme: Path, notebooks: Iterable[Path]) -> bool:
-    """Rewrite the section between the markers; return True when the file changed."""
-    text = Path(readme).read_text()
+    """Rewrite the section between the markers (atomically: a failed write leaves the README as
+    it was); return True when the file changed. ValueError naming the file when it is not UTF-8
+    or lacks the markers."""
+    from .files import read_text, write_atomic
+
+    text = read_text(readme, "README")
     new = with_results(text, notebooks, str(readme))
     if new != text:
-        Path(readme).write_text(new)
+        write_atomic(readme, new, "README")
     return new != text

@@ -10,14 +10,16 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Sequence
 
-import nbformat
 
 from .env import PROFILE_VARIABLE, get_profile, probe
+from .files import NotANotebookError, check_folder_writable, check_writable, read_notebook  # noqa: F401 - re-exported
+from .files import write_notebook
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 GPU_TAG = "requires-gpu"
@@ -36,24 +38,7 @@ class NotebookRunError(RuntimeError):
         super().__init__(f"{notebook.name}: cell {cell_index} ({first[:70]!r}) failed:\n{error}")
 
 
-class NotANotebookError(ValueError):
-    """A file that cannot be read as a Jupyter notebook; the message names it."""
-
-
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def read_notebook(path: Path):
-    """``nbformat.read`` a notebook, or raise ``NotANotebookError`` naming the file and what is
-    wrong (not JSON, not a notebook's structure, unreadable)."""
-    try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception as exc:  # noqa: BLE001 - nbformat raises JSON, validation and OS errors
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise NotANotebookError(f"{path}: not a readable Jupyter notebook ({first[:160]})") from None
-    if not isinstance(nb, dict) or "cells" not in nb:
-        raise NotANotebookError(f"{path}: not a Jupyter notebook (no cells)")
-    return nb
 
 
 def course_notebooks(directory: Path = NOTEBOOK_DIR) -> List[Path]:
@@ -106,7 +91,8 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
     Raises ``NotebookRunError`` naming the cell that failed, timed out (``timeout`` seconds) or
     killed the kernel (a partial copy is still written to ``out`` when one was given and it is
     not the notebook itself, so the failure can be read), ``NotANotebookError`` for a file that
-    is not a notebook. The original notebook is never left half-written.
+    is not a notebook, ValueError for an output path that cannot be written (before any cell
+    runs). The original notebook is never left half-written (``files.write_atomic``).
     """
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -120,14 +106,18 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
     profile = get_profile(profile)
     has_gpu = _device_count() > 0
     nb = read_notebook(path)
-    target = Path(out) / path.name if out is not None else path
+    target = output_path(path, out)
     keep_partial = out is not None and target.resolve() != path.resolve()
     # Widget state is not saved: anywidget-based FigureWidgets would embed plotly.js (5 MB) each.
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
                             store_widget_state=False,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     started = time.perf_counter()
-    with environment_variable(PROFILE_VARIABLE, profile), client.setup_kernel():
+    # the kernel's own stderr (its log, and the zmq traceback of a kernel stopped mid-cell after
+    # a timeout) goes to a file, not the terminal: a failure is reported in one line below
+    with tempfile.TemporaryFile() as kernel_log, \
+            environment_variable(PROFILE_VARIABLE, profile), \
+            client.setup_kernel(stderr=kernel_log):
         cells = tqdm(list(enumerate(nb.cells)), desc=path.stem, unit="cell", disable=not progress,
                      leave=True)
         for index, cell in cells:
@@ -142,7 +132,7 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
                 if isinstance(exc, CellTimeoutError):
                     error = f"timed out after {timeout} s (--timeout)"
                 elif isinstance(exc, DeadKernelError):
-                    error = f"the kernel died ({exc})"
+                    error = f"the kernel died ({exc}){_last_words(kernel_log)}"
                 else:
                     error = str(exc)
                 if keep_partial:
@@ -154,6 +144,18 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
     nb.metadata.setdefault("amp_lessons", {})["run"] = record
     _write(nb, target)
     return target
+
+
+def _last_words(log) -> str:
+    """The last line a dead kernel wrote to its stderr that is not the kernel app's own log
+    (a C-level abort, a CUDA assert), as "; its last message: ..."; "" when there is none."""
+    try:
+        log.seek(0)
+        lines = [line.strip() for line in log.read().decode("utf-8", "replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [line for line in lines if line and not line.startswith("[IPKernelApp]")]
+    return f"; its last message: {lines[-1][:200]}" if lines else ""
 
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -175,9 +177,26 @@ def _tidy_widget_outputs(nb) -> None:
 
 def _write(nb, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".ipynb.tmp")
-    nbformat.write(nb, tmp)
-    os.replace(tmp, target)
+    write_notebook(nb, target)
+
+
+def output_path(path: Path, out: Optional[Path] = None) -> Path:
+    """Where ``run_notebook`` writes the executed copy of ``path``: ``out/<name>``, or ``path``
+    itself. ValueError naming the path unless it can be written there (``out`` is a folder, or
+    can be made as one, in a writable place; a notebook rewritten in place is in a writable
+    folder): checked before the first cell runs."""
+    path = Path(path)
+    if out is None:
+        check_writable(path, "notebook")
+        return path
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out must be a folder; got the file '{out}'")
+    target = out / path.name
+    check_folder_writable(out, "out", f"'{target}'")
+    if target.is_dir() or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"out: '{target}' exists and cannot be written")
+    return target
 
 
 def run_notebooks(paths: Optional[Sequence[Path]] = None, profile: Optional[str] = None,

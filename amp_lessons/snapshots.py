@@ -20,7 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, List, Tuple
 
-import nbformat
+from ._validate import is_real
+from .files import read_notebook, write_notebook
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 IMAGE_MIME = "image/png"
@@ -62,7 +63,7 @@ def render_png(figure: dict, scale: float = 1.0) -> bytes:
 
     if not isinstance(figure, dict) or "data" not in figure:
         raise ValueError("figure must be a plotly figure dict with a 'data' entry")
-    if not (isinstance(scale, (int, float)) and 0.25 <= scale <= 4):
+    if not (is_real(scale) and 0.25 <= scale <= 4):
         raise ValueError(f"scale must be a number in [0.25, 4]; got {scale!r}")
     os.environ.setdefault("BROWSER_PATH", find_chromium())
     fig = pio.from_json(json.dumps({"data": figure["data"], "layout": figure.get("layout", {})}),
@@ -147,12 +148,13 @@ def add_images(path: Path, scale: float = 1.0, force: bool = False) -> int:
     pack its long numeric arrays (``pack_figure``).
 
     Only outputs without an image are rendered unless ``force``. Writes the notebook only when it
-    changed; returns the number of images added.
+    changed, atomically (``files.write_notebook``); returns the number of images added.
+    ``NotANotebookError`` (a ValueError) names a file that is not a valid notebook.
     """
     path = Path(path)
     if not path.is_file() or path.suffix != ".ipynb":
         raise ValueError(f"path must be an existing .ipynb file; got '{path}'")
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     added = 0
     changed = False
     for _, out in figure_outputs(nb):
@@ -168,13 +170,18 @@ def add_images(path: Path, scale: float = 1.0, force: bool = False) -> int:
         if pack_figure(data[PLOTLY_MIME]):
             changed = True
     if changed:
-        tmp = path.with_name(f".{path.name}.images-tmp")
-        nbformat.write(nb, tmp)
-        os.replace(tmp, path)
+        write_notebook(nb, path)
     return added
 
 
 def add_images_to(paths: Iterable[Path], scale: float = 1.0, force: bool = False) -> dict:
-    """``add_images`` for each notebook; returns ``{path: images added}``."""
+    """``add_images`` for each notebook; returns ``{path: images added}``. Every path is checked
+    first (an existing, valid notebook: ValueError naming the file otherwise), before Chromium
+    is looked for or started."""
+    paths = [Path(p) for p in paths]
+    for p in paths:
+        if not p.is_file() or p.suffix != ".ipynb":
+            raise ValueError(f"path must be an existing .ipynb file; got '{p}'")
+        read_notebook(p)
     with _browser():
         return {str(p): add_images(Path(p), scale=scale, force=force) for p in paths}

@@ -33,7 +33,7 @@ import contextlib
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +221,8 @@ def _overrides(hooks: Sequence[Hooks], name: str) -> list:
 # --- the trainer ---------------------------------------------------------------------------------
 
 _NO_CONTEXT = contextlib.nullcontext()
+# how far a step got, for undoing one that raised (Trainer._undo_failed_step)
+_STARTED, _SNAPSHOT_TAKEN, _STEPPED = 0, 1, 2
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -311,6 +313,8 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self._batches_done = 0  # micro-batches consumed in the current epoch (for exact resume)
+        self._open_iterator = None  # a one-shot iterator whose epoch a max_steps stop left open
+        self._phase = _STARTED
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
@@ -536,11 +540,32 @@ class Trainer:
 
     def _kernels(self, micro_batches, cache_enabled: bool = True):
         """The step's device work: forward, backward, unscale, clip, step, update, zero_grad.
-        Returns (loss, grad_norm, skipped flag, scale used, skip cause), tensors not read."""
-        if self._half is not None:  # fp16/bf16 leave the TF32 switches alone: nothing to enter
-            return self._kernels_in(micro_batches, cache_enabled)
-        with precision_settings(self._config.precision, self.device):
-            return self._kernels_in(micro_batches, cache_enabled)
+        Returns (loss, grad_norm, skipped flag, scale used, skip cause), tensors not read.
+        A step that raises (a bad micro-batch, a hook, Ctrl-C) is undone: ``_undo_failed_step``."""
+        self._phase = _STARTED
+        try:
+            if self._half is not None:  # fp16/bf16 leave the TF32 switches alone
+                return self._kernels_in(micro_batches, cache_enabled)
+            with precision_settings(self._config.precision, self.device):
+                return self._kernels_in(micro_batches, cache_enabled)
+        except BaseException:
+            self._undo_failed_step()
+            raise
+
+    def _undo_failed_step(self) -> None:
+        """Leave the trainer as it was before a step that raised: no gradients (the trainer holds
+        none between steps), BatchNorm statistics put back from the step's snapshot (where the
+        trainer takes one: see ``docs/reliability.md``), GradScaler's record of this step
+        forgotten (``unscale_`` already called, or ``step`` without ``update``), so the next
+        step runs normally. Only on failure: the happy path pays nothing for it. An interrupt that
+        lands after the optimizer stepped (the few microseconds before the step is recorded)
+        keeps that update in the model and BatchNorm, as a finished step would."""
+        if self._phase == _SNAPSHOT_TAKEN:
+            self._guard.restore()
+        self.optimizer.zero_grad(set_to_none=True)
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        if isinstance(states, dict):  # a defaultdict: the next step gets a fresh state
+            states.pop(id(self.optimizer), None)
 
     def _kernels_in(self, micro_batches, cache_enabled: bool):
         n = len(micro_batches)
@@ -549,6 +574,7 @@ class Trainer:
         half = self._half
         if guard is not None:
             guard.snapshot()
+            self._phase = _SNAPSHOT_TAKEN
         loss_sum = None
         for i, (x, y) in enumerate(micro_batches):
             x, y = self._to_device(x, y)
@@ -598,6 +624,7 @@ class Trainer:
                 found_inf = self._skip_flag(grad_norm)
                 guard.restore_if(found_inf)
             scaler.step(opt)  # unscales here if not done above; skips on inf/NaN
+            self._phase = _STEPPED
             if found_inf is None:
                 found_inf = self._skip_flag(grad_norm)  # set by unscale_/step, reset by update
             scaler.update()
@@ -605,6 +632,7 @@ class Trainer:
                 guard.restore_if(found_inf)
         elif policy == "ignore":
             opt.step()
+            self._phase = _STEPPED
         else:
             flag = self._nonfinite_flag(loss_sum, grad_norm)
             if policy == "raise":
@@ -622,6 +650,7 @@ class Trainer:
                 if guard is not None:
                     guard.restore_if(flag)
                 self._step_unless(flag)
+            self._phase = _STEPPED
         opt.zero_grad(set_to_none=True)
 
         return loss_sum, grad_norm, found_inf, scale, cause
@@ -683,16 +712,33 @@ class Trainer:
         its loss divided by its own size. With ``eval_loader``, each finished epoch is evaluated.
         Returns ``self.history``; ``history.epochs`` gets one summary per finished epoch
         (``records.epoch_summary``: marked ``partial`` when it covers only a resumed part).
+
+        Every batch taken from ``loader`` is trained: the step budget is checked before the next
+        batch is drawn. ``loader`` is iterated once per epoch (a list, ``TensorBatches``, a
+        DataLoader). A one-shot iterator (a generator) holds one epoch: ``epochs > 1`` without
+        ``max_steps`` is refused before training, and after a ``max_steps`` stop, ``fit`` on the
+        same iterator continues where it stopped. An epoch that gets no batch at all (an empty
+        loader, an exhausted generator) raises ValueError, as ``evaluate`` does, and is not
+        counted.
         """
         epochs = check_int("epochs", epochs, 1)
         if max_steps is not None and (not is_int(max_steps) or max_steps < 1):
             raise ValueError(f"max_steps must be None or a whole number >= 1; got {max_steps!r}")
+        one_shot = isinstance(loader, Iterator)
+        if one_shot and epochs > 1 and max_steps is None:
+            raise ValueError(f"epochs must be 1 for a one-shot iterator (a generator yields its "
+                             f"batches once); got epochs={epochs}: pass a re-iterable loader (a "
+                             f"list, TensorBatches, a DataLoader) to train more epochs")
         from tqdm.auto import tqdm
 
         acc, taken = self._config.accumulate, 0
         for _ in range(epochs):
             set_loader_epoch(loader, self.epoch)
             skip = self._batches_done
+            # a one-shot iterator that a max_steps stop left open goes on where it stopped: the
+            # batches it already gave were trained, and drawing them again would drop new ones
+            to_skip = 0 if one_shot and loader is self._open_iterator else skip
+            self._open_iterator = None
             try:
                 remaining = max(0, len(loader) - skip)
                 total = -(-remaining // acc)
@@ -703,31 +749,41 @@ class Trainer:
             bar = tqdm(total=total, desc=f"epoch {self.epoch + 1}", leave=False,
                        disable=not self._config.progress)
             every = max(1, (total or 50) // 10)
-            group, stopped = [], False
-            iterator = iter(loader)
-            if skip:  # batches a resumed epoch already used: drawn again (a loader may not
-                # support seeking), with the random generators put back afterwards, since
-                # drawing them ran augmentations the checkpoint's RNG state already counted
-                generators = rng_state()
-                for _ in range(skip):
-                    if next(iterator, None) is None:
+            group, stopped, drawn = [], False, 0
+            try:
+                iterator = iter(loader)
+                if to_skip:  # batches a resumed epoch already used: drawn again (a loader may
+                    # not support seeking), with the random generators put back afterwards,
+                    # since drawing them ran augmentations the checkpoint's RNG state counted
+                    generators = rng_state()
+                    for _ in range(to_skip):
+                        if next(iterator, None) is None:
+                            break
+                        drawn += 1
+                    set_rng_state(generators)
+                for batch in iterator:
+                    drawn += 1
+                    group.append(batch)
+                    if len(group) < acc:
+                        continue
+                    self._run(group, bar, every)
+                    group, taken = [], taken + 1
+                    if max_steps is not None and taken >= max_steps:
+                        stopped = total is None or self._batches_done < len(loader)
                         break
-                set_rng_state(generators)
-            for batch in iterator:
-                group.append(batch)
-                if len(group) < acc:
-                    continue
-                self._run(group, bar, every)
-                group, taken = [], taken + 1
-                if max_steps is not None and taken >= max_steps:
-                    stopped = total is None or self._batches_done < len(loader)
-                    break
-            if group and not stopped:
-                self._run(group, bar, every)
-                taken += 1
-            bar.close()
+                if group and not stopped:
+                    self._run(group, bar, every)
+                    taken += 1
+            finally:
+                bar.close()
             if stopped:
+                if one_shot:
+                    self._open_iterator = loader
                 return self.history
+            if drawn == 0 and to_skip == skip:
+                raise ValueError(f"loader must yield at least one batch per epoch; epoch "
+                                 f"{self.epoch + 1} got none (an empty loader, or an iterator "
+                                 f"or generator already used up); nothing was trained")
             self._end_epoch(first, t0, eval_loader, skip)
             if max_steps is not None and taken >= max_steps:
                 break
@@ -834,7 +890,7 @@ class Trainer:
                                  self.scaler if load_scaler else None, self.scheduler,
                                  formats=READABLE_FORMATS)
         except CheckpointError as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
+            raise type(exc)(f"{path}: {exc}") from None
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._prime_fused_sgd()  # a checkpoint saved before the first step holds no buffers
@@ -844,6 +900,7 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self._batches_done = int(state["batches_done"])
+        self._open_iterator = None
         self.history = History.from_columns(state["history"]["steps"], state["history"]["epochs"])
         set_rng_state(state["rng"])
         return state

@@ -955,3 +955,133 @@ def test_trainer_host_calls_per_step_stay_few():
     defaults = _python_calls_per_step(trainer())
     assert lean - base <= 25, (base, lean)
     assert defaults - base <= 30, (base, defaults)
+
+
+# --- a step that raises leaves the trainer as it was (issue 23) ---------------------------------
+
+def _snapshot(trainer):
+    return (copy.deepcopy(trainer.model.state_dict()), copy.deepcopy(optimizer_tensors(
+        trainer.optimizer)), trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None,
+        trainer.step, len(trainer.history))
+
+
+def _assert_unchanged(trainer, before):
+    model, opt, scale, step, records = before
+    assert_same_tensors(trainer.model.state_dict(), model)  # weights and BatchNorm statistics
+    assert_same_tensors(optimizer_tensors(trainer.optimizer), opt)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert (trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None) == scale
+    assert (trainer.step, len(trainer.history)) == (step, records)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("bad_at", [0, 1])
+def test_a_bad_micro_batch_leaves_the_trainer_as_it_was(precision, bad_at):
+    """A 9x9 image passes the convolution and BatchNorm, then fails in the Linear layer: the
+    micro-batches before it (gradients, BatchNorm statistics) must not leak into the next step."""
+    data = batches(3)
+    bad = (torch.randn(16, 1, 9, 9), data[1][1])
+    cfg = T.TrainConfig(precision=precision, accumulate=2, progress=False)
+    trainer = T.Trainer(*fresh(), cfg)
+    reference = T.Trainer(*fresh(), cfg)
+    for t in (trainer, reference):
+        t.train_step([data[0], data[1]])  # momentum exists: the failed step must not touch it
+    before = _snapshot(trainer)
+    group = [data[1], data[2]]
+    group[bad_at] = bad
+    with pytest.raises(RuntimeError):
+        trainer.train_step(group)
+    _assert_unchanged(trainer, before)
+    for t in (trainer, reference):
+        t.train_step([data[2], data[0]])
+    assert_same_tensors(trainer.model.state_dict(), reference.model.state_dict())
+    assert trainer.history.columns()["loss"] == reference.history.columns()["loss"]
+
+
+class _Interrupt(T.Hooks):
+    """Presses Stop (KeyboardInterrupt) once, at the given point of the next step."""
+
+    def __init__(self, where):
+        self.where, self.armed = where, False
+
+    def _maybe(self, where):
+        if self.armed and where == self.where:
+            self.armed = False
+            raise KeyboardInterrupt
+
+    def after_backward(self, trainer, micro_step):
+        self._maybe("backward")
+
+    def after_unscale(self, trainer):
+        self._maybe("unscale")
+
+
+@pytest.mark.parametrize("where", ["backward", "unscale"])
+def test_an_interrupted_fp16_step_leaves_the_trainer_able_to_step(where):
+    """Stop pressed after unscale_: torch's GradScaler would then refuse every later step
+    ("unscale_() has already been called"); the trainer forgets the step instead."""
+    data = batches(3)
+    cfg = T.TrainConfig(precision="fp16", progress=False, clip_norm=1.0)
+    hook, quiet = _Interrupt(where), _Interrupt(where)
+    trainer = T.Trainer(*fresh(), cfg, hooks=[hook])
+    reference = T.Trainer(*fresh(), cfg, hooks=[quiet])
+    for t in (trainer, reference):
+        t.train_step([data[0]])
+    before = _snapshot(trainer)
+    hook.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_step([data[1]])
+    _assert_unchanged(trainer, before)
+    for t in (trainer, reference):
+        t.train_step([data[1]])
+        t.train_step([data[2]])
+    assert_same_tensors(trainer.model.state_dict(), reference.model.state_dict())
+    assert trainer.scaler.get_scale() == reference.scaler.get_scale()
+
+
+# --- loops over data neither lose nor invent work (issue 23) ------------------------------------
+
+class _Counted:
+    """A one-shot generator of ``batches`` that counts what was drawn from it."""
+
+    def __init__(self, data):
+        self.drawn = 0
+        self.gen = self._gen(data)
+
+    def _gen(self, data):
+        for b in data:
+            self.drawn += 1
+            yield b
+
+
+def test_fit_refuses_an_epoch_without_batches():
+    trainer = T.Trainer(*fresh(), T.TrainConfig(progress=False))
+    with pytest.raises(ValueError, match="loader must yield at least one batch per epoch"):
+        trainer.fit([])
+    assert trainer.epoch == 0 and trainer.history.epochs == [] and trainer.step == 0
+    gen = (b for b in batches(2))
+    trainer.fit(gen)
+    assert trainer.epoch == 1
+    with pytest.raises(ValueError, match="epoch 2 got none"):
+        trainer.fit(gen)  # used up: no empty epoch is counted
+    assert trainer.epoch == 1 and len(trainer.history.epochs) == 1
+    with pytest.raises(ValueError, match="epochs must be 1 for a one-shot iterator"):
+        trainer.fit((b for b in batches(2)), epochs=2)  # refused before any training
+    assert trainer.step == 2
+
+
+@pytest.mark.parametrize("accumulate,max_steps", [(1, 3), (2, 2), (3, 1)])
+def test_fit_trains_every_batch_it_takes_from_an_iterator(accumulate, max_steps):
+    """fit(gen, max_steps) then fit(gen): every batch of the generator trained exactly once, in
+    order, as one uninterrupted fit over the same batches; none is drawn and dropped."""
+    data = batches(10)
+    cfg = T.TrainConfig(progress=False, accumulate=accumulate)
+    trainer, reference = T.Trainer(*fresh(), cfg), T.Trainer(*fresh(), cfg)
+    counted = _Counted(data)
+    trainer.fit(counted.gen, max_steps=max_steps)
+    assert counted.drawn == accumulate * max_steps  # the budget is checked before drawing
+    trainer.fit(counted.gen)
+    reference.fit(data)
+    assert counted.drawn == 10 and trainer.step == reference.step == -(-10 // accumulate)
+    assert_same_tensors(trainer.model.state_dict(), reference.model.state_dict())
+    assert trainer.epoch == 1 and trainer.history.epochs[0]["partial"] is True

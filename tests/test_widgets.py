@@ -458,3 +458,36 @@ def test_ui_modules_have_one_import_block_and_know_no_lesson(module):
     assert "lessons" not in re.findall(r"^from \.\.(\w+)", src, re.M)
     assert not re.search(r"\b(claim_|[RB]\d+[a-d]?\b)", src)
     assert "_l01_" not in src
+
+
+# ---- NumPy numbers and signed zeros (issue 23) ------------------------------------------------------
+
+def test_widgets_take_numpy_integers_as_the_engine_does():
+    """A sweep over np.arange hands out np.int64: every explorer and panel takes it, through
+    _validate's checks, and still refuses np.float64(1.5) and bools."""
+    k = W.LossScaleExplorer(_mags(), k=np.int64(3), k_range=(np.int64(0), np.int64(32)),
+                            figure_mode="output")
+    assert k.slider.value == 3 and type(k.slider.value) is int
+    h = W.HistogramPanel(_mags(), scale_log2=np.int32(4), figure_mode="output",
+                         log2_range=(np.int64(-8), np.int64(40)))
+    assert h.loss_scale == 16.0
+    b = W.BitExplorer(np.float32(0.5), log2_range=(np.int64(-30), np.int64(20)))
+    assert b.value == 0.5 and b.slider.min == -30
+    p = panel("output")
+    result = p.run(steps=np.int64(3))
+    assert len(result.steps) == 3 and "Run failed" not in p.summary.value
+    for bad in (np.float64(1.5), True):
+        with pytest.raises(ValueError, match="k must be an integer in"):
+            W.LossScaleExplorer(_mags(), k=bad, figure_mode="output")
+        with pytest.raises(ValueError, match="scale_log2 must be an integer"):
+            W.HistogramPanel(_mags(), scale_log2=bad, figure_mode="output")
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1"):
+        panel("output").run(steps=np.float64(3.0))
+
+
+@pytest.mark.parametrize("value", [-0.0, "-0", "-0.0", float("-nan")])
+def test_bit_explorer_ticks_negative_for_a_set_sign_bit(value):
+    ex = W.BitExplorer(value, formats_shown=["fp16"])
+    assert ex.negative.value is True
+    assert math.copysign(1.0, ex.value) < 0
+    assert W.BitExplorer(0.0, formats_shown=["fp16"]).negative.value is False

@@ -25,6 +25,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from .. import formats
+from .._validate import is_int, is_real
 from ..tables import percent
 from . import plots
 from .controls import (WRAP, BackgroundRun, LiveFigure, NumberField,
@@ -63,17 +64,16 @@ def _exponent_range(setting: str, pair) -> tuple:
         lo, hi = pair
     except (TypeError, ValueError):
         lo = hi = None
-    if not (isinstance(lo, int) and isinstance(hi, int) and not isinstance(lo, bool)
-            and not isinstance(hi, bool) and lo_k <= lo < hi <= hi_k):
+    if not (is_int(lo) and is_int(hi) and lo_k <= lo < hi <= hi_k):
         raise ValueError(f"{setting} must be two integers (low, high) with low < high, both in "
                          f"[{lo_k}, {hi_k}]; got {pair!r}")
-    return lo, hi
+    return int(lo), int(hi)
 
 
 def _log2_of_power(value) -> float:
     """log2 of a loss scale, for the panel's log2 slider: an ``init_scale`` that is not a power of
     two gives a fractional exponent, which the slider's field refuses with the setting's name."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    if not (is_real(value) and value > 0):
         raise ValueError(f"init_scale must be a power of two > 0 (the panel's slider is log2); "
                          f"got {value!r}")
     return math.log2(value)
@@ -107,7 +107,9 @@ class BitExplorer(w.VBox):
                                        readout=False, continuous_update=True,
                                        layout=w.Layout(width="100%", max_width="640px",
                                                        min_width="200px"))
-        self.negative = w.Checkbox(value=self.value < 0, description="negative", indent=False,
+        # the sign bit, as typing the value does: -0.0 (and -nan) are negative too
+        self.negative = w.Checkbox(value=math.copysign(1.0, self.value) < 0,
+                                   description="negative", indent=False,
                                    layout=w.Layout(width="auto"))
         self.message = w.HTML()
         self.table = w.HTML(bit_explorer_html(self.value, self.formats))
@@ -238,8 +240,9 @@ class LossScaleExplorer(w.VBox):
                  figure_mode: str = "auto"):
         mode = resolve_figure_mode(figure_mode)
         lo, hi = _exponent_range("k_range", k_range)
-        if not isinstance(k, int) or not lo <= k <= hi:
+        if not is_int(k) or not lo <= k <= hi:
             raise ValueError(f"k must be an integer in [{lo}, {hi}]; got {k!r}")
+        k = int(k)
         if not magnitudes_by_layer:
             raise ValueError("magnitudes_by_layer must name at least one layer")
         self.fmt = formats.get_format(fmt).name
@@ -317,7 +320,7 @@ class ScalerPanel(BackgroundRun):
         if not callable(run):
             raise ValueError("run must be a callable run(settings, steps, injection_rate, "
                              "on_step)")
-        if not (isinstance(redraw_every_s, (int, float)) and 0 <= redraw_every_s <= 60):
+        if not (is_real(redraw_every_s) and 0 <= redraw_every_s <= 60):
             raise ValueError(f"redraw_every_s must be a number of seconds in [0, 60]; "
                              f"got {redraw_every_s!r}")
         self._run_fn = run
@@ -443,8 +446,9 @@ class ScalerPanel(BackgroundRun):
         try:
             if steps is None:
                 steps = self.steps.value
-            elif not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            elif not is_int(steps) or steps < 1:
                 raise ValueError(f"steps must be a whole number >= 1; got {steps!r}")
+            steps = int(steps)
             settings = self.settings()
             with self._lock:
                 self._pending = None
@@ -561,12 +565,17 @@ class HistogramPanel:
 
     def __init__(self, magnitudes_by_layer: Mapping[str, np.ndarray], scale_log2: int = 0,
                  fmt: str = "fp16", figure_mode: str = "auto", log2_range: tuple = (-8, 40)):
-        lo, hi = log2_range
-        if not (isinstance(lo, int) and isinstance(hi, int) and lo < hi):
+        try:
+            lo, hi = log2_range
+        except (TypeError, ValueError):
+            lo = hi = None
+        if not (is_int(lo) and is_int(hi) and lo < hi):
             raise ValueError(f"log2_range must be two integers (low, high), low < high; "
                              f"got {log2_range!r}")
-        if not isinstance(scale_log2, int) or not lo <= scale_log2 <= hi:
+        lo, hi = int(lo), int(hi)
+        if not is_int(scale_log2) or not lo <= scale_log2 <= hi:
             raise ValueError(f"scale_log2 must be an integer in [{lo}, {hi}]; got {scale_log2!r}")
+        scale_log2 = int(scale_log2)
         if not magnitudes_by_layer:
             raise ValueError("magnitudes_by_layer must name at least one layer")
         self.magnitudes = dict(magnitudes_by_layer)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import numbers as numbers_
+import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ._validate import check_int, is_real
 
@@ -27,6 +28,9 @@ ARTICLES = {
 LESSONS = ("01", "02", "03", "04", "05", "06", "07")
 
 HELD, NOT_HELD, UNDECIDED = "held", "did not hold", "not decided here"
+UNDERSTATED, DEPRECATED, PARTLY = "held, understated", "held, deprecated", "partly held"
+#: Every outcome a verdict can have (``Verdict.outcome``; a stand-in adds ", on a stand-in").
+OUTCOMES = (HELD, UNDERSTATED, DEPRECATED, PARTLY, NOT_HELD, UNDECIDED)
 
 
 @dataclass(frozen=True)
@@ -128,12 +132,39 @@ def get_claim(claim_id: str) -> Claim:
 
 
 @dataclass(frozen=True)
+class Part:
+    """One measurable part of a compound claim: what it ``says``, whether it ``held`` (True,
+    False, or None: this run could not decide that part) and ``why``."""
+
+    says: str
+    held: Optional[bool]
+    why: str
+
+    def __post_init__(self):
+        if not isinstance(self.says, str) or not self.says.strip():
+            raise ValueError("a part must say which part of the claim it is; got an empty value")
+        if self.held not in (True, False, None):
+            raise ValueError(f"a part's held must be True, False or None; got {self.held!r}")
+        if not isinstance(self.why, str) or not self.why.strip():
+            raise ValueError(f"part {self.says!r} must say why it held or not; got {self.why!r}")
+
+    @property
+    def outcome(self) -> str:
+        """``"held"``, ``"did not hold"`` or ``"not decided here"``."""
+        return {True: HELD, False: NOT_HELD, None: UNDECIDED}[self.held]
+
+
+@dataclass(frozen=True)
 class Verdict:
     """A claim beside its measurement, as every lesson returns it.
 
-    ``held`` is True, False, or None (this measurement could not decide the claim: ``why`` says
-    why). ``measured`` states what ran, with numbers; ``numbers`` keeps them as data. Computed
-    from the measurement, never typed in.
+    ``held`` is True (the whole claim held), False (it did not, or only part of it did), or None
+    (this measurement could not decide the claim: ``why`` says why). ``qualifier`` refines a
+    decided verdict: ``"understated"`` (held, and the benefit is larger or the cost smaller than
+    claimed), ``"deprecated"`` (held: the code runs and only warns), ``"partly"`` (a compound
+    claim of which some ``parts`` held and some did not). ``stand_in`` names what stood in for
+    the claim's own setting (another model or card); ``measured`` states what ran, with numbers;
+    ``numbers`` keeps them as data. Built by ``decide``, from the measurement, never typed in.
     """
 
     claim: str
@@ -142,15 +173,25 @@ class Verdict:
     held: Optional[bool]
     why: str
     numbers: Mapping[str, Any] = field(default_factory=dict)
+    qualifier: str = ""
+    parts: Tuple[Part, ...] = ()
+    stand_in: str = ""
 
     @property
     def outcome(self) -> str:
-        """``"held"``, ``"did not hold"`` or ``"not decided here"``."""
-        return {True: HELD, False: NOT_HELD, None: UNDECIDED}[self.held]
+        """One of ``OUTCOMES`` (``"held"``, ``"held, understated"``, ``"held, deprecated"``,
+        ``"partly held"``, ``"did not hold"``, ``"not decided here"``), with ", on a stand-in"
+        when a stand-in decided it."""
+        if self.held is None:
+            return UNDECIDED
+        base = (PARTLY if self.qualifier == "partly" else NOT_HELD if self.held is False
+                else {"understated": UNDERSTATED, "deprecated": DEPRECATED}.get(self.qualifier,
+                                                                                 HELD))
+        return base + (", on a stand-in" if self.stand_in else "")
 
     @property
     def decided(self) -> bool:
-        """True when the measurement ruled (held or not)."""
+        """True when the measurement ruled (any outcome but "not decided here")."""
         return self.held is not None
 
     def row(self) -> Dict[str, Any]:
@@ -165,9 +206,25 @@ class Verdict:
                 f"  verdict : {self.outcome.upper()}: {self.why}")
 
 
+def _parts_outcome(parts: Sequence[Part]) -> Tuple[Optional[bool], str]:
+    """``(held, qualifier)`` of a compound claim from its parts: held when every part held, not
+    held when every decided part did not, partly held when some held and some did not (or were
+    not decided), not decided when no part was."""
+    decided = [p.held for p in parts if p.held is not None]
+    if not decided:
+        return None, ""
+    if all(decided) and len(decided) == len(parts):
+        return True, ""
+    if not any(decided):
+        return False, ""
+    return False, "partly"
+
+
 def decide(claim_id: str, lesson: str, measured: str, held: Optional[bool], why: str,
            numbers: Optional[Mapping[str, Any]] = None,
-           cannot_decide: Optional[str] = None) -> Verdict:
+           cannot_decide: Optional[str] = None, *, parts: Sequence[Part] = (),
+           understated: Optional[str] = None, deprecated: Optional[str] = None,
+           stand_in: Optional[str] = None) -> Verdict:
     """A ``Verdict`` for ``claim_id`` from ``lesson``'s measurement.
 
     ``cannot_decide``: the reason this run cannot rule (see ``timing_gate``/``accuracy_gate``);
@@ -175,6 +232,12 @@ def decide(claim_id: str, lesson: str, measured: str, held: Optional[bool], why:
     in ``numbers`` (top level) is NaN or infinite. A ruling (``held`` True
     or False) from a lesson other than the claim's own deciding lesson raises ValueError: one
     claim, one deciding measurement.
+
+    The finer outcomes: ``parts`` (``Part``s of a compound claim; ``held`` must then be None, it
+    is derived: all held, none held, or "partly held", and ``why`` gains one clause per part);
+    ``understated`` (held, and this says by how much the claim undersold the benefit or
+    overstated the cost); ``deprecated`` (held: the code runs and only warns; this names the
+    current API); ``stand_in`` (what stood in for the claim's setting: the outcome says so).
     """
     claim = get_claim(claim_id)
     if lesson not in LESSONS:
@@ -183,26 +246,144 @@ def decide(claim_id: str, lesson: str, measured: str, held: Optional[bool], why:
         raise ValueError(f"held must be True, False or None; got {held!r}")
     if not isinstance(measured, str) or not measured.strip():
         raise ValueError("measured must say what ran, with numbers; got an empty value")
+    parts = tuple(parts)
+    if not all(isinstance(p, Part) for p in parts):
+        raise ValueError(f"parts must be claims.Part objects; got {parts!r}")
+    if parts and held is not None:
+        raise ValueError("held must be None when parts are given: the parts decide it")
+    for name, text in (("understated", understated), ("deprecated", deprecated),
+                       ("stand_in", stand_in)):
+        if text is not None and (not isinstance(text, str) or not text.strip()):
+            raise ValueError(f"{name} must say what it qualifies (a non-empty string); "
+                             f"got {text!r}")
+    if understated and deprecated:
+        raise ValueError("a verdict is either understated or deprecated, not both")
+    qualifier = ""
+    if parts:
+        held, qualifier = _parts_outcome(parts)
+        clauses = "; ".join(f"{p.says}: {p.outcome} ({p.why})" for p in parts)
+        why = f"{why.strip()}. {clauses}" if isinstance(why, str) and why.strip() else clauses
+    if held is True and understated:
+        qualifier, why = "understated", f"{why}; understated: {understated}"
+    if held is True and deprecated:
+        qualifier, why = "deprecated", f"{why}; deprecated: {deprecated}"
     if cannot_decide:
-        held, why = None, cannot_decide
+        held, why, qualifier = None, cannot_decide, ""
     broken = [f"{k}={v!r}" for k, v in (numbers or {}).items()
               if isinstance(v, numbers_.Real) and not isinstance(v, bool)
               and not math.isfinite(float(v))]
     if held is not None and broken:  # a ruling on NaN or inf is a ruling on noise
-        held, why = None, (f"a measured number is not finite ({', '.join(broken)}): the run "
-                           f"diverged or was not measured, so it cannot rule")
+        held, qualifier, why = None, "", (f"a measured number is not finite "
+                                          f"({', '.join(broken)}): the run diverged or was not "
+                                          f"measured, so it cannot rule")
     if held is not None and claim.lesson != lesson:
         raise ValueError(f"claim {claim_id} is decided by lesson {claim.lesson}'s measurement; "
                          f"lesson {lesson} may show related numbers but not rule on it")
     if not isinstance(why, str) or not why.strip():
         raise ValueError("why must say how the rule decided, or why it could not")
-    return Verdict(claim_id, lesson, measured, held, why, dict(numbers or {}))
+    if stand_in and held is not None:
+        why = f"on a stand-in ({stand_in}): {why}"
+    return Verdict(claim_id, lesson, measured, held, why, dict(numbers or {}), qualifier, parts,
+                   stand_in or "")
 
 
 def not_decided(claim_id: str, lesson: str, measured: str, because: str,
                 numbers: Optional[Mapping[str, Any]] = None) -> Verdict:
     """A "not decided here" verdict: what ran, and why it cannot rule on the claim."""
     return decide(claim_id, lesson, measured, None, because, numbers)
+
+
+def one_sided(measured: float, claimed_low: float, claimed_high: float, unit: str,
+              larger_is_better: bool = True) -> Tuple[bool, Optional[str]]:
+    """A one-sided rule on a claimed range ("saves 20-30%", "costs about 30%"): ``(held,
+    understated)``. Where more is better (a saving), it holds at ``claimed_low`` or more, and
+    above ``claimed_high`` the claim undersold it; where less is better (a cost), it holds at
+    ``claimed_high`` or less, and below ``claimed_low`` the claim overstated it. ``understated``
+    says by how much (None when the number lies in the claimed range or the rule failed)."""
+    for name, v in (("measured", measured), ("claimed_low", claimed_low),
+                    ("claimed_high", claimed_high)):
+        if not is_real(v) or not math.isfinite(float(v)):
+            raise ValueError(f"{name} must be a finite number; got {v!r}")
+    if claimed_low > claimed_high:
+        raise ValueError(f"claimed_low must be <= claimed_high; got {claimed_low} > {claimed_high}")
+    if larger_is_better:
+        held = measured >= claimed_low
+        beyond = measured - claimed_high if measured > claimed_high else None
+        word = "more than the claimed"
+    else:
+        held = measured <= claimed_high
+        beyond = claimed_low - measured if measured < claimed_low else None
+        word = "less than the claimed"
+    if not held or beyond is None:
+        return held, None
+    return True, (f"{measured:.0f}{unit} is {beyond:.0f}{unit} {word} "
+                  f"{claimed_low:g}-{claimed_high:g}{unit}")
+
+
+# --- which function decides which claim ---------------------------------------------------------
+
+_DECIDERS: Dict[str, str] = {}
+
+
+def verdict_name(claim_ids: Sequence[str]) -> str:
+    """The one name a function deciding ``claim_ids`` may have: ``verdict_`` + the ids' common
+    stem, lower case (``verdict_b1`` for B1, ``verdict_r10`` for R10a and R10b)."""
+    ids = [c.lower() for c in claim_ids]
+    stem = ids[0] if len(ids) == 1 else re.match(r"[a-z]\d+", ids[0]).group(0)
+    if any(not c.startswith(stem) for c in ids):
+        raise ValueError(f"claims {', '.join(claim_ids)} share no stem: decide them in separate "
+                         f"functions")
+    return f"verdict_{stem}"
+
+
+def decides(*claim_ids: str):
+    """Declare that the decorated function decides ``claim_ids``: the one way a lesson says so.
+
+    Checked when the lesson module is imported: each id is a registered claim whose deciding
+    lesson is the module's ``LESSON``, the function is named ``verdict_name(claim_ids)``, and
+    no other function decides the same claim. ``deciders()`` and ``decided_in()`` are derived
+    from these declarations (a lesson's ``DECIDES`` is ``decided_in(__name__)``).
+    """
+    if not claim_ids:
+        raise ValueError("decides needs at least one claim id")
+    claimed = [get_claim(c) for c in claim_ids]
+
+    def register(function):
+        name = verdict_name(claim_ids)
+        if function.__name__ != name:
+            raise ValueError(f"a function deciding {', '.join(claim_ids)} must be named {name}; "
+                             f"got {function.__name__}")
+        lesson = function.__globals__.get("LESSON")
+        for c in claimed:
+            if c.lesson != lesson:
+                raise ValueError(f"claim {c.id} is decided by lesson {c.lesson}; "
+                                 f"{function.__module__} is lesson {lesson}")
+            where = f"{function.__module__}.{function.__name__}"
+            if _DECIDERS.get(c.id, where) != where:
+                raise ValueError(f"claim {c.id} is already decided by {_DECIDERS[c.id]}")
+            _DECIDERS[c.id] = where
+        function.decides = tuple(claim_ids)
+        return function
+    return register
+
+
+def deciders() -> Dict[str, str]:
+    """Claim id -> the ``module.function`` declared (``decides``) to decide it, in registry
+    order, after importing every lesson module."""
+    import importlib
+    import pkgutil
+
+    from . import lessons
+    for m in pkgutil.iter_modules(lessons.__path__):
+        if re.match(r"l\d\d_", m.name):
+            importlib.import_module(f"{lessons.__name__}.{m.name}")
+    return {cid: _DECIDERS[cid] for cid in CLAIMS if cid in _DECIDERS}
+
+
+def decided_in(module: str) -> Tuple[str, ...]:
+    """The claims the functions of ``module`` (a module's ``__name__``) declare they decide, in
+    registry order: a lesson's ``DECIDES``, derived from its ``decides`` declarations."""
+    return tuple(cid for cid in CLAIMS if _DECIDERS.get(cid, "").rsplit(".", 1)[0] == module)
 
 
 # --- when can a measurement decide? -------------------------------------------------------------
@@ -237,6 +418,37 @@ def timing_gate(device_type: str, steps: int, warmup: int = 1,
         return (f"the GPU was idle {gpu_idle_fraction:.0%} of each step (host and launch "
                 f"overhead), so the step time does not measure the arithmetic the claim is about")
     return None
+
+
+def rows_timing_gate(*rows: Mapping[str, Any], busy: bool = True) -> Optional[str]:
+    """``timing_gate`` applied to measured rows (``measure.run_configs`` rows or a lesson's table
+    rows): why a speed comparison of them cannot decide a claim, or None when it can. The one
+    helper every timing verdict uses.
+
+    Every row must have run (``status`` "ok"); the device is a GPU only when every row ran on one
+    (``device_type`` "cuda", or timed with "CUDA events"); the fewest timed steps and the least
+    warm-up among them count; with ``busy`` (the default) the idlest GPU's share counts too, and
+    a GPU row whose idle share was not measured cannot show that the GPU was busy.
+    """
+    if not rows:
+        raise ValueError("rows must hold at least one measured row")
+    for r in rows:
+        if not isinstance(r, Mapping):
+            raise ValueError(f"rows must be measured rows (dicts); got {r!r}"[:200])
+        if r.get("status") != "ok":
+            return (f"{r.get('label', r.get('technique', '?'))} did not run "
+                    f"({r.get('status')}: {r.get('reason')})")
+    on_gpu = all((r.get("device_type") or ("cuda" if r.get("timer") == "CUDA events"
+                                           else "cpu")) == "cuda" for r in rows)
+    device = "cuda" if on_gpu else next(
+        (r.get("device_type") for r in rows if r.get("device_type") not in (None, "cuda")),
+        "cpu")
+    idle = [r.get("gpu_idle_fraction") for r in rows]
+    if on_gpu and busy and any(v is None for v in idle):
+        return "the GPU's idle share was not measured, so a busy GPU cannot be shown"
+    return timing_gate(device, min(int(r.get("steps") or 0) for r in rows),
+                       min(int(r.get("warmup") or 0) for r in rows),
+                       max(idle) if on_gpu and busy else None)
 
 
 def accuracy_gate(accuracy: Optional[float], classes: int, margin: float = 0.2) -> Optional[str]:

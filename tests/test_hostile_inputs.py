@@ -247,7 +247,7 @@ def test_numpy_counts_and_seeds_work_everywhere():
      "model_kwargs .* do not build"),
     (lambda: __import__("amp_lessons.distributed").distributed.RunConfig(init_scale=1e300),
      "init_scale must be"),
-    (lambda: __import__("amp_lessons.lessons.l02_amp_loop").lessons.l02_amp_loop.b6_verdict([1]),
+    (lambda: __import__("amp_lessons.lessons.l02_amp_loop").lessons.l02_amp_loop.verdict_b6([1]),
      "caught must hold"),
     (lambda: __import__("amp_lessons.lessons.l02_amp_loop").lessons.l02_amp_loop
      .clip_order_experiment(None), "max_norm must be a finite number > 0"),

@@ -41,14 +41,14 @@ def test_matches_written_uses_the_written_precision(written, actual, ok):
 def test_decide_r1_is_a_verdict_from_the_measurement():
     checks = L.check_r1()
     assert [c.fmt for c in checks] == ["fp16", "fp32"]
-    v = L.decide_r1(checks, "cpu")
+    v = L.verdict_r1(checks, "cpu")
     assert isinstance(v, claims.Verdict) and v.claim == "R1" and v.lesson == "01"
     assert v.held is True and v.outcome == "held"
     assert v.numbers["fp16"]["max"] == 65504.0
-    bad = L.decide_r1(L.check_r1(claimed={"fp16": ("1e-8", "65504")}), "cpu")
+    bad = L.verdict_r1(L.check_r1(claimed={"fp16": ("1e-8", "65504")}), "cpu")
     assert bad.held is False and "1e-8 is no limit" in bad.why
     with pytest.raises(ValueError, match="at least one"):
-        L.decide_r1([])
+        L.verdict_r1([])
     with pytest.raises(ValueError, match="at least one format"):
         L.check_r1(claimed={})
 

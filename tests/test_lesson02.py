@@ -183,7 +183,7 @@ def test_autocast_report_table_is_device_agnostic_and_b5_did_not_hold():
         assert [p["measured"] for p in parts] == [
             "loss float32", "gradients into layer outputs: 16-bit",
             "parameters float32, their gradients float32"]
-        verdict = L.b5_verdict(report)
+        verdict = L.verdict_b5(report)
         assert verdict.claim == "B5" and verdict.lesson == "02" and verdict.held is False
         assert "cross_entropy is on autocast's float32 list" in verdict.why
         assert verdict.numbers["parts"] == parts
@@ -202,7 +202,7 @@ def test_b5_verdict_holds_when_the_loss_and_backward_are_16_bit():
     report = L.AutocastReport(layers=[("fc", "Linear", low, low)], loss=low,
                               parameters={torch.float32}, gradients={torch.float32}, low=low,
                               input=torch.float32)
-    verdict = L.b5_verdict(report)
+    verdict = L.verdict_b5(report)
     assert verdict.held is True and verdict.measured.startswith("loss 16-bit")
     assert [r["what"] for r in report.rows()] == ["input batch", "fc", "loss", "every parameter"]
 
@@ -256,7 +256,7 @@ def test_custom_function_needs_custom_fwd_and_b7_did_not_hold(dtype):
     assert "dtype" in plain["error"] and plain["grad_error"] is None
     assert fixed["ran"] is True and fixed["output"] == "16-bit"
     assert fixed["grad"] == "float32, float32" and fixed["grad_error"] < L.B7_GRAD_TOLERANCE
-    verdict = L.b7_verdict(plain, fixed)
+    verdict = L.verdict_b7(plain, fixed)
     assert verdict.claim == "B7" and verdict.held is False and "custom_fwd" in verdict.why
     assert "failed in backward" in verdict.measured
 
@@ -264,25 +264,25 @@ def test_custom_function_needs_custom_fwd_and_b7_did_not_hold(dtype):
 def test_b7_holds_when_the_unchanged_function_runs_correctly():
     unchanged = L.custom_function_under_autocast(MatmulCasting, "cpu", torch.bfloat16)
     assert unchanged["ran"] and unchanged["grad_error"] < L.B7_GRAD_TOLERANCE
-    verdict = L.b7_verdict(unchanged, unchanged)
+    verdict = L.verdict_b7(unchanged, unchanged)
     assert verdict.held is True
     wrong = dict(unchanged, grad_error=0.5)  # ran, but with wrong gradients
-    assert L.b7_verdict(wrong, unchanged).held is False   # the control (custom_fwd) was right
+    assert L.verdict_b7(wrong, unchanged).held is False   # the control (custom_fwd) was right
     # the control failed too, or a gradient error is NaN: the experiment cannot rule
-    assert L.b7_verdict(wrong, wrong).held is None
+    assert L.verdict_b7(wrong, wrong).held is None
     nan = dict(unchanged, grad_error=float("nan"))
-    assert L.b7_verdict(nan, nan).held is None and L.b7_verdict(nan, unchanged).held is False
+    assert L.verdict_b7(nan, nan).held is None and L.verdict_b7(nan, unchanged).held is False
 
 
 def test_b3_with_a_non_finite_number_decides_nothing():
     row = {"scale": 65536.0, "threshold_applied": 1 / 65536, "true_grad_norm": 2.0,
            "grad_norm_used": 1.0, "accuracy_pct": 10.0}
     right = dict(row, threshold_applied=1.0, accuracy_pct=90.0)
-    assert L.b3_verdict([row, right]).held is False
+    assert L.verdict_b3([row, right]).held is False
     for key in ("threshold_applied", "scale", "accuracy_pct"):
-        v = L.b3_verdict([dict(row, **{key: float("nan")}), right])
+        v = L.verdict_b3([dict(row, **{key: float("nan")}), right])
         assert v.held is None and "not finite" in v.why, key
-    assert L.b3_verdict([row, dict(right, scale=None)]).held is None
+    assert L.verdict_b3([row, dict(right, scale=None)]).held is None
 
 
 def test_custom_function_bad_arguments():
@@ -291,7 +291,7 @@ def test_custom_function_bad_arguments():
     with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
         L.custom_function_under_autocast(Matmul, "cpu", torch.float32)
     with pytest.raises(ValueError, match="unchanged must be a custom_function_under_autocast row"):
-        L.b7_verdict({}, {"ran": True})
+        L.verdict_b7({}, {"ran": True})
 
 
 # --- B3: clipping before unscale_ ----------------------------------------------------------------
@@ -305,7 +305,7 @@ def test_clip_before_unscale_applies_max_norm_over_scale_and_b3_did_not_hold():
     assert right["threshold_applied"] == 1.0
     assert right["grad_norm_used"] <= 1.0 + 1e-6
     assert right["accuracy_pct"] > wrong["accuracy_pct"]
-    verdict = L.b3_verdict(rows, 1.0)
+    verdict = L.verdict_b3(rows, 1.0)
     assert verdict.claim == "B3" and verdict.held is False
     assert "max_norm / scale = 1.53e-05" in verdict.why
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
@@ -315,11 +315,11 @@ def test_clip_before_unscale_applies_max_norm_over_scale_and_b3_did_not_hold():
 def test_b3_verdict_follows_the_threshold():
     row = {"scale": 1.0, "true_grad_norm": 3.0, "threshold_applied": 1.0, "grad_norm_used": 1.0,
            "accuracy_pct": 90.0}
-    assert L.b3_verdict([row, row], 1.0).held is True  # a scale of 1 clips at the stated norm
+    assert L.verdict_b3([row, row], 1.0).held is True  # a scale of 1 clips at the stated norm
     with pytest.raises(ValueError, match="two rows of clip_order_experiment"):
-        L.b3_verdict([row], 1.0)
+        L.verdict_b3([row], 1.0)
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
-        L.b3_verdict([row, row], 0)
+        L.verdict_b3([row, row], 0)
 
 
 # --- B6: the deprecated import -------------------------------------------------------------------
@@ -333,15 +333,15 @@ def _caught(*categories):
 
 
 def test_b6_verdict_from_the_caught_warnings():
-    deprecated = L.b6_verdict(_caught(FutureWarning, UserWarning))
+    deprecated = L.verdict_b6(_caught(FutureWarning, UserWarning))
     assert deprecated.claim == "B6" and deprecated.held is False
     assert deprecated.numbers["warnings"] == ["`torch.cuda.amp.X` is deprecated (FutureWarning)"]
     assert "1 deprecation warning(s)" in deprecated.measured
-    assert L.b6_verdict(_caught(UserWarning)).held is True  # "CUDA not available" is no deprecation
-    gone = L.b6_verdict([], ImportError("cannot import name 'GradScaler'"))
+    assert L.verdict_b6(_caught(UserWarning)).held is True  # "CUDA not available" is no deprecation
+    gone = L.verdict_b6([], ImportError("cannot import name 'GradScaler'"))
     assert gone.held is False and "import failed" in gone.measured
     with pytest.raises(ValueError, match="caught must be the list"):
-        L.b6_verdict("FutureWarning")
+        L.verdict_b6("FutureWarning")
 
 
 # --- the published claims --------------------------------------------------------------------------

@@ -191,28 +191,28 @@ def test_compare_presets_same_seed_and_data():
 # ---- the claims, as claims.Verdict ----------------------------------------------------------------
 
 def test_decide_r2_compares_against_measurement(monkeypatch):
-    v = L.decide_r2("cpu")
+    v = L.verdict_r2("cpu")
     assert isinstance(v, claims.Verdict) and v.claim == "R2" and v.lesson == "03" and v.held
     monkeypatch.setitem(L.ARTICLE_R_DEFAULTS, "growth_interval", 1000)
-    v = L.decide_r2("cpu")
+    v = L.verdict_r2("cpu")
     assert v.held is False and "growth_interval (claimed 1000, measured 2000)" in v.why
 
 
 def test_decide_r3_over_pairs(monkeypatch):
     monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
     calm = _fake_run("d", [False] * 20)
-    assert L.decide_r3([(calm, _fake_run("t", [False] * 20))]).held is None
+    assert L.verdict_r3([(calm, _fake_run("t", [False] * 20))]).held is None
     wobbly = _fake_run("d", [True] * 4 + [False] * 20)
     better = _fake_run("t", [True] * 2 + [False] * 20)
-    v = L.decide_r3([(wobbly, better)])
+    v = L.verdict_r3([(wobbly, better)])
     assert v.held is True and v.claim == "R3" and "2 early skips" in v.measured
-    assert L.decide_r3([(better, wobbly)]).held is False
+    assert L.verdict_r3([(better, wobbly)]).held is False
     # one undecided pair and one that held: held; one that did not: not held
-    assert L.decide_r3([(calm, calm), (wobbly, better)]).held is True
-    assert L.decide_r3([(wobbly, better), (better, wobbly)]).held is False
-    assert L.decide_r3([(calm, calm), (wobbly, better)]).numbers == {"pairs": 2, "decided": 1}
+    assert L.verdict_r3([(calm, calm), (wobbly, better)]).held is True
+    assert L.verdict_r3([(wobbly, better), (better, wobbly)]).held is False
+    assert L.verdict_r3([(calm, calm), (wobbly, better)]).numbers == {"pairs": 2, "decided": 1}
     with pytest.raises(ValueError, match="at least one"):
-        L.decide_r3([])
+        L.verdict_r3([])
 
 
 def test_steadier_reads_b4_generously():
@@ -234,14 +234,14 @@ def test_decide_b4_one_verdict_for_both_readings(monkeypatch):
     a, b = _fake_run("a", [False] * 12), _fake_run("b", [False] * 12)
     base = _fake_run("2", [True] * 2 + [False] * 10)
     worse = _fake_run("4", [True] * 5 + [False] * 7, growth=4.0)
-    v = L.decide_b4(a, b, base, worse, "cpu")
+    v = L.verdict_b4(a, b, base, worse, "cpu")
     assert isinstance(v, claims.Verdict) and v.claim == "B4" and v.held is False
     assert "changes nothing" in v.why and "no scale_factor argument" in v.why
     assert v.numbers["scale_factor_accepted"] is False and v.numbers["same_as_default"] is True
     calm = _fake_run("4", [False] * 12, growth=4.0)
-    assert L.decide_b4(a, b, base, calm, "cpu").held is True     # raising growth steadied it
+    assert L.verdict_b4(a, b, base, calm, "cpu").held is True     # raising growth steadied it
     c = _fake_run("c", [True] + [False] * 11)
-    assert "different scales" in L.decide_b4(a, c, base, worse, "cpu").measured
+    assert "different scales" in L.verdict_b4(a, c, base, worse, "cpu").measured
 
 
 
@@ -250,12 +250,12 @@ def test_decide_b4_different_is_not_better(monkeypatch):
     monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
     a, c = _fake_run("a", [False] * 12), _fake_run("c", [True] + [False] * 11)
     calm_base, calm = _fake_run("2", [False] * 12), _fake_run("4", [False] * 12, growth=4.0)
-    v = L.decide_b4(a, c, calm_base, calm, "cpu")   # different, and no wobble to steady
+    v = L.verdict_b4(a, c, calm_base, calm, "cpu")   # different, and no wobble to steady
     assert v.held is None and not v.decided
     short = [_fake_run(n, [False, False]) for n in "ab"]
     wobbly = _fake_run("2", [True, False, False])
     steady = _fake_run("4", [False, False, False], growth=4.0)
-    v = L.decide_b4(short[0], _fake_run("c", [True, False, False]), wobbly, steady, "cpu")
+    v = L.verdict_b4(short[0], _fake_run("c", [True, False, False]), wobbly, steady, "cpu")
     assert not v.decided and "steps per run" in v.why
 
 
@@ -376,5 +376,5 @@ def test_overflow_on_every_step_takes_a_real_scaler_to_zero_and_the_table_says_s
 def test_short_runs_decide_neither_r3_nor_the_generous_b4():
     wobbly = _fake_run("d", [True] * 4 + [False] * 20)
     better = _fake_run("t", [True] * 2 + [False] * 20)
-    v = L.decide_r3([(wobbly, better)])
+    v = L.verdict_r3([(wobbly, better)])
     assert v.held is None and "only 22 steps" in v.why and v.outcome == "not decided here"

@@ -207,7 +207,7 @@ def test_technique_table_and_claim_r8_on_the_cpu():
     assert "channels_last" in caption and "cuDNN autotuning on" in caption and "counted" in caption
     costs = L.checkpointing_costs(rows)
     assert [c["pair"] for c in costs] == ["fp32 -> fp32 + checkpointing"]
-    verdict = L.claim_r8(rows)
+    verdict = L.verdict_r8(rows)
     assert isinstance(verdict, claims.Verdict) and verdict.claim == "R8" and verdict.lesson == "05"
     assert verdict.held is None and verdict.outcome == "not decided here"
     assert "timed on cpu" in verdict.why and costs[0]["pair"] in verdict.measured
@@ -227,29 +227,29 @@ def _row(technique, memory, step_ms, img_per_s=None, device_type="cuda", state=0
 
 
 def test_claim_r8_verdicts_are_computed():
-    held = L.claim_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
+    held = L.verdict_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
     assert held.held is True and "within" in held.why
     assert "25% saved" in held.measured and "+30%" in held.measured
-    more = L.claim_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 4.0, 160.0)])
+    more = L.verdict_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 4.0, 160.0)])
     assert more.held is False
     assert "more than the claimed 20-30%" in more.why
     assert "more than the claimed 20-40%" in more.why
-    none = L.claim_r8([_row("AMP", 10.0, 100.0)])
+    none = L.verdict_r8([_row("AMP", 10.0, 100.0)])
     assert none.held is None and none.outcome == "not decided here"
-    few = L.claim_r8([dict(r, steps=2) for r in (_row("AMP", 10.0, 100.0),
+    few = L.verdict_r8([dict(r, steps=2) for r in (_row("AMP", 10.0, 100.0),
                                                   _row("AMP + checkpointing", 7.5, 130.0))])
     assert few.held is None and "only 2 timed steps" in few.why
-    cpu = L.claim_r8([_row("AMP", 10.0, 100.0, device_type="cpu"),
+    cpu = L.verdict_r8([_row("AMP", 10.0, 100.0, device_type="cpu"),
                       _row("AMP + checkpointing", 7.5, 130.0, device_type="cpu")])
     assert cpu.held is None and "counted" in cpu.why
 
 
 def test_claim_r8_never_rules_on_a_missing_or_nan_time():
     for bad in (float("nan"), 0.0, None):
-        v = L.claim_r8([_row("AMP", 10.0, 100.0), dict(_row("AMP + checkpointing", 7.5, 130.0),
+        v = L.verdict_r8([_row("AMP", 10.0, 100.0), dict(_row("AMP + checkpointing", 7.5, 130.0),
                                                        step_ms=bad)])
         assert v.held is None and "not finite" in v.why, bad
-    v = L.claim_r8([_row("AMP", float("nan"), 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
+    v = L.verdict_r8([_row("AMP", float("nan"), 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
     assert v.held is None
 
 
@@ -262,7 +262,7 @@ def test_claim_r10_verdicts():
                              (16, "AMP + checkpointing", 870)]]
     cards.append({"card_gb": 24, "technique": "fp32", "largest_batch": None,
                   "status": "skipped"})
-    rows = L.claim_r10(cards, techniques)
+    rows = L.verdict_r10(cards, techniques)
     assert [r.claim for r in rows] == ["R10a", "R10b", "R10c", "R10d"]
     assert all(isinstance(r, claims.Verdict) and r.lesson == "05" for r in rows)
     assert rows[0].held is True
@@ -270,10 +270,10 @@ def test_claim_r10_verdicts():
     # a cheaper checkpointing that fits the same batch is a tie, not a loss (seen on an H200)
     tie = cards + [{"card_gb": 8, "technique": "AMP + checkpointing stem+layer1-2",
                     "largest_batch": 430, "status": "ok"}]
-    assert L.claim_r10(tie, techniques)[0].held is True
+    assert L.verdict_r10(tie, techniques)[0].held is True
     bigger = cards + [{"card_gb": 8, "technique": "AMP + checkpointing stem+layer1-2",
                        "largest_batch": 450, "status": "ok"}]
-    lost = L.claim_r10(bigger, techniques)[0]
+    lost = L.verdict_r10(bigger, techniques)[0]
     assert lost.held is False and "0 of 1" in lost.why and "stem+layer1-2 larger" in lost.why
     assert "8 GB: fp32 90" in rows[0].measured
     assert rows[1].held is True
@@ -281,20 +281,20 @@ def test_claim_r10_verdicts():
     assert "the faster way" in rows[1].why and "24 GB" not in rows[1].measured
     assert all(r.held is None for r in rows[2:]) and "lesson 06" in rows[2].why
     # only small cards measured: R10b cannot be decided
-    only_small = L.claim_r10([c for c in cards if c["card_gb"] == 8], techniques)
+    only_small = L.verdict_r10([c for c in cards if c["card_gb"] == 8], techniques)
     assert only_small[1].held is None
     # bf16 stands in where AMP did not run
     bf = [dict(r, technique=r["technique"].replace("AMP", "bf16")) for r in techniques]
     bf_cards = [dict(c, technique=c["technique"].replace("AMP", "bf16")) for c in cards]
-    assert "standing in for AMP" in L.claim_r10(bf_cards, bf)[0].measured
+    assert "standing in for AMP" in L.verdict_r10(bf_cards, bf)[0].measured
     # checkpointing faster than plain AMP: accumulation is not the faster way, R10b fails
     slow_amp = [techniques[0], _row("AMP", 11.0, 80.0, 1000.0), techniques[2]]
-    assert L.claim_r10(cards, slow_amp)[1].held is False
+    assert L.verdict_r10(cards, slow_amp)[1].held is False
     # a CPU run (counted memory) decides neither
     cpu = [dict(r, device_type="cpu") for r in techniques]
-    assert [v.held for v in L.claim_r10(cards, cpu)] == [None, None, None, None]
+    assert [v.held for v in L.verdict_r10(cards, cpu)] == [None, None, None, None]
     with pytest.raises(ValueError, match="small_card_gb"):
-        L.claim_r10(cards, techniques, small_card_gb=0)
+        L.verdict_r10(cards, techniques, small_card_gb=0)
 
 
 def test_lesson_decides_exactly_its_claims():
@@ -392,25 +392,25 @@ def test_accumulation_memory_and_claim_r9():
     assert all(r["accumulated_peak_gib"] is None for r in rows)  # no peak counter on a CPU
     # counted memory and the step comparison are arithmetic: a CPU run decides R9
     eq = L.accumulation_equivalence("mlp", "fp32", micro_batch=4, micro_batches=4, device="cpu")
-    verdict = L.claim_r9(rows, eq)
+    verdict = L.verdict_r9(rows, eq)
     assert isinstance(verdict, claims.Verdict) and verdict.held is True
     assert "saved for backward" in verdict.measured and "gradients differ" in verdict.measured
     grown = [dict(r, accumulated_saved_gib=r["one_batch_saved_gib"]) for r in rows]
-    assert L.claim_r9(grown, eq).held is False
-    assert L.claim_r9(rows, dict(eq, grad_rel_diff=0.1)).held is False  # not the same step
-    assert "not compared" in L.claim_r9(rows).why
+    assert L.verdict_r9(grown, eq).held is False
+    assert L.verdict_r9(rows, dict(eq, grad_rel_diff=0.1)).held is False  # not the same step
+    assert "not compared" in L.verdict_r9(rows).why
     with pytest.raises(ValueError, match="counts"):
         L.accumulation_memory(counts=(0,))
     with pytest.raises(ValueError, match="rows"):
-        L.claim_r9([])
+        L.verdict_r9([])
     # one micro-batch count, a memory that was not measured, a NaN step comparison: not decided
-    assert L.claim_r9(rows[:1], eq).held is None and "two or more" in L.claim_r9(rows[:1]).why
-    assert L.claim_r9([rows[0], dict(rows[0])]).held is None       # the same count twice
+    assert L.verdict_r9(rows[:1], eq).held is None and "two or more" in L.verdict_r9(rows[:1]).why
+    assert L.verdict_r9([rows[0], dict(rows[0])]).held is None       # the same count twice
     zero = [dict(r, accumulated_saved_gib=0.0) for r in rows]
-    assert L.claim_r9(zero).held is None and "not measured" in L.claim_r9(zero).why
-    assert L.claim_r9(rows, dict(eq, grad_rel_diff=float("nan"))).held is None
+    assert L.verdict_r9(zero).held is None and "not measured" in L.verdict_r9(zero).why
+    assert L.verdict_r9(rows, dict(eq, grad_rel_diff=float("nan"))).held is None
     with pytest.raises(ValueError, match="tolerance"):
-        L.claim_r9(rows, tolerance=1.5)
+        L.verdict_r9(rows, tolerance=1.5)
 
 
 # --- training checkpoints ------------------------------------------------------------------------
@@ -615,11 +615,11 @@ def test_claim_r8_is_decided_on_a_pair_that_kept_the_gpu_busy():
     eager = [idle(_row("AMP", 10.0, 100.0), 0.05), idle(_row("AMP + checkpointing", 4.0, 190.0), 0.35)]
     graph = [idle(_row("AMP + CUDA graph", 10.0, 95.0), 0.01),
              idle(_row("AMP + checkpointing + CUDA graph", 7.5, 125.0), 0.02)]
-    verdict = L.claim_r8(eager + graph)
+    verdict = L.verdict_r8(eager + graph)
     assert verdict.held is True  # the graphed pair: 25% saved, +32% time
     assert "AMP + CUDA graph -> AMP + checkpointing + CUDA graph" in verdict.measured
     assert "GPU idle at most 2%" in verdict.measured
-    host_bound = L.claim_r8(eager)
+    host_bound = L.verdict_r8(eager)
     assert host_bound.held is None and "idle 35%" in host_bound.why
     costs = L.checkpointing_costs(eager + graph)
     assert [c["gpu_idle_fraction"] for c in costs] == [0.35, 0.02]

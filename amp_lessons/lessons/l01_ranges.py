@@ -2,7 +2,7 @@
 
 The lesson's own experiments, built on ``amp_lessons.formats``:
 
-- ``check_range`` / ``range_checks_text`` / ``decide_r1``: claim R1 (FP16 spans 5.96e-8 to
+- ``check_range`` / ``range_checks_text`` / ``verdict_r1``: claim R1 (FP16 spans 5.96e-8 to
   65504, FP32 1.4e-45 to 3.4e38) against the limits measured by arithmetic on this device
   (``formats.measure_limits``); the verdict is a ``claims.Verdict``.
 - ``dtypes_under_autocast``: the dtypes one forward and backward under autocast gives the logits,
@@ -21,7 +21,6 @@ import torch
 from .. import claims, formats
 
 LESSON = "01"
-DECIDES = ("R1",)
 
 #: Claim R1 as the article writes it: format -> (lowest, highest) magnitude, as written.
 R1_CLAIMED = {"fp16": ("5.96e-8", "65504"), "fp32": ("1.4e-45", "3.4e38")}
@@ -118,7 +117,8 @@ def range_checks_text(checks: Sequence[RangeCheck]) -> str:
     return "\n".join(lines)
 
 
-def decide_r1(checks: Sequence[RangeCheck], device_type: str = "cpu") -> claims.Verdict:
+@claims.decides("R1")
+def verdict_r1(checks: Sequence[RangeCheck], device_type: str = "cpu") -> claims.Verdict:
     """Claim R1's verdict: held when every claimed range names real limits of its format, as
     measured by arithmetic on ``device_type`` (a format fact: any device decides it)."""
     if not checks:
@@ -157,3 +157,7 @@ def dtypes_under_autocast(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
     param = next(p for p in model.parameters() if p.grad is not None)
     return {"logits": logits.dtype, "loss": loss.dtype, "grad of logits": seen["grad of logits"],
             "parameter .grad": param.grad.dtype, "parameter": param.dtype}
+
+
+#: The claims this lesson decides, derived from its ``claims.decides`` declarations.
+DECIDES = claims.decided_in(__name__)

@@ -30,7 +30,6 @@ from ..tables import percent, text_table
 from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
 
 LESSON = "02"
-DECIDES = ("B3", "B5", "B6", "B7")
 OTHERS_SHOWN = ("B1", "B2")  # shown beside this lesson's numbers, decided by lesson 04
 
 
@@ -373,7 +372,7 @@ def autocast_report(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_t
 
 def b5_parts(report: AutocastReport) -> List[dict]:
     """Claim B5's three statements beside what ``report`` recorded: one row each with the part,
-    what was measured and what it means (data for a table; the ruling is ``b5_verdict``)."""
+    what was measured and what it means (data for a table; the ruling is ``verdict_b5``)."""
     low = report.low
     layer_grads = {g for _, _, _, g in report.layers if g is not None}
     lab = lambda ds: ", ".join(sorted(dtype_label(d, low) for d in ds)) or "none"  # noqa: E731
@@ -393,7 +392,8 @@ def b5_parts(report: AutocastReport) -> List[dict]:
     ]
 
 
-def b5_verdict(report: AutocastReport) -> claims.Verdict:
+@claims.decides("B5")
+def verdict_b5(report: AutocastReport) -> claims.Verdict:
     """Claim B5 against an ``autocast_report``: it holds only if the loss is 16-bit, gradients
     flow back through the layers in 16 bits, and the parameter gradients are float32."""
     parts = b5_parts(report)
@@ -465,7 +465,8 @@ def custom_function_under_autocast(function: type, device: Device = None,
 B7_GRAD_TOLERANCE = 0.05  # 16-bit rounding of a 32-wide dot product stays well below this
 
 
-def b7_verdict(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
+@claims.decides("B7")
+def verdict_b7(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
     """Claim B7 ("AMP needs no change to any layer's code") from two
     ``custom_function_under_autocast`` rows: the same custom Function as written for float32,
     and with ``torch.amp.custom_fwd``/``custom_bwd``. Holds if the unchanged one runs under
@@ -550,7 +551,8 @@ def clip_order_experiment(max_norm: float = 1.0, device: Device = None, **train_
     return rows
 
 
-def b3_verdict(rows: Sequence[Mapping], max_norm: float = 1.0) -> claims.Verdict:
+@claims.decides("B3")
+def verdict_b3(rows: Sequence[Mapping], max_norm: float = 1.0) -> claims.Verdict:
     """Claim B3 from ``clip_order_experiment`` rows (the article's order first, PyTorch's
     second): it holds if the article's order clips the true gradients at the stated
     ``max_norm`` (within 1%). Accuracy is reported beside it, not used to rule."""
@@ -584,7 +586,8 @@ def b3_verdict(rows: Sequence[Mapping], max_norm: float = 1.0) -> claims.Verdict
 
 # --- the deprecated import (claim B6) ------------------------------------------------------------
 
-def b6_verdict(caught: Sequence, import_error: Optional[BaseException] = None) -> claims.Verdict:
+@claims.decides("B6")
+def verdict_b6(caught: Sequence, import_error: Optional[BaseException] = None) -> claims.Verdict:
     """Claim B6 from what ``from torch.cuda.amp import autocast, GradScaler`` (and using them)
     raised and warned, caught in the notebook's warning cell: ``caught`` is the list from
     ``warnings.catch_warnings(record=True)``. Holds if the import worked with no deprecation
@@ -723,3 +726,7 @@ def half_model_errors(device: Device = None, model: str = "mlp") -> Dict[str, st
     except ValueError as exc:
         out["trainer"] = f"ValueError: {exc}"
     return out
+
+
+#: The claims this lesson decides, derived from its ``claims.decides`` declarations.
+DECIDES = claims.decided_in(__name__)

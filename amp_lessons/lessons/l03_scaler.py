@@ -10,7 +10,7 @@ shown with ``ui.plots``/``ui.widgets``:
   article R's tuned set and NVIDIA's ResNet-50 settings on the same run.
 - ``GradientCapture`` / ``capture_gradients`` / ``fraction_rows`` / ``scale_window``: real
   per-layer gradients against fp16's range.
-- ``decide_r2``, ``decide_r3``, ``decide_b4``: the claims this lesson decides, as
+- ``verdict_r2``, ``verdict_r3``, ``verdict_b4``: the claims this lesson decides, as
   ``claims.Verdict``.
 - ``scaler_panel`` / ``preset_panel`` / ``histogram_panel``: the notebook's live panels
   (``ui.widgets``), wired to this lesson's runs.
@@ -34,7 +34,6 @@ from ..ui import widgets
 from ..ui.plots import lost_shares, pow2_text
 
 LESSON = "03"
-DECIDES = ("R2", "R3", "B4")
 
 #: Claim R3 (article R): "for ResNet-50 these work best".
 ARTICLE_R_TUNED = dict(init_scale=32768.0, growth_factor=1.5, backoff_factor=0.4,
@@ -477,7 +476,8 @@ def fraction_rows(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float,
 
 # ---- the claims lesson 03 decides ------------------------------------------------------------------
 
-def decide_r2(device_type: str = "cpu") -> claims.Verdict:
+@claims.decides("R2")
+def verdict_r2(device_type: str = "cpu") -> claims.Verdict:
     """Claim R2 (PyTorch's GradScaler defaults) against a fresh scaler's getters on this torch."""
     measured = measured_defaults(device_type)
     got = {k: getattr(measured, k) for k in ARTICLE_R_DEFAULTS}
@@ -529,7 +529,8 @@ def _too_short(runs: Sequence[ScalerRun], what: str) -> Optional[str]:
     return None
 
 
-def decide_r3(pairs: Sequence[Tuple[ScalerRun, ScalerRun]],
+@claims.decides("R3")
+def verdict_r3(pairs: Sequence[Tuple[ScalerRun, ScalerRun]],
               window: int = SETTLE_WINDOW) -> claims.Verdict:
     """Claim R3 (the tuned settings settle faster with less early wobble) on one or more
     ``(defaults run, tuned run)`` pairs, each of the same seed and data: held when every pair
@@ -582,7 +583,8 @@ def steadier(base: ScalerRun, larger: ScalerRun,
                             f" steps ({sb} -> {sl}); final loss {lb:.4f} -> {ll:.4f}")
 
 
-def decide_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger: ScalerRun,
+@claims.decides("B4")
+def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger: ScalerRun,
               device_type: str = "cpu") -> claims.Verdict:
     """Claim B4 ("if convergence wobbles, increase scale_factor=2.0"), read as written and
     generously. As written: GradScaler has no ``scale_factor``; read as ``growth_factor=2.0`` it
@@ -680,3 +682,7 @@ def lost_line(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float, fmt: 
     chosen = {layer: magnitudes_by_layer[layer]} if layer is not None else magnitudes_by_layer
     s = lost_shares(chosen, scale, fmt)
     return f"{s['flushed']} flushed, {s['subnormal']} subnormal, {s['overflow']} overflow"
+
+
+#: The claims this lesson decides, derived from its ``claims.decides`` declarations.
+DECIDES = claims.decided_in(__name__)

@@ -28,7 +28,6 @@ from ..precision import HALF_DTYPES, PRECISIONS, as_device, native_bf16
 from ..tables import percent
 
 LESSON = "04"
-DECIDES = ("B1", "B2", "R4", "R5", "R6", "R7", "R12")
 
 
 # --- the lesson's table of configurations -------------------------------------------------------
@@ -360,6 +359,7 @@ def _check_pair(fp32, fp16) -> None:
             raise ValueError(f"{name} must be a measured row (a dict); got {r!r}")
 
 
+@claims.decides("B1")
 def verdict_b1(fp32: Dict[str, object], fp16: Dict[str, object]) -> claims.Verdict:
     """Claim B1 (fp16 saves about 50% of memory and trains 1.5-2x faster on tensor cores) from
     two rows of the same run. Holds when the speed-up is at least 1.5x and the memory saved at
@@ -382,6 +382,7 @@ def verdict_b1(fp32: Dict[str, object], fp16: Dict[str, object]) -> claims.Verdi
                          {"speedup": speedup, "memory_saving_pct": saving}, cannot_decide=reason)
 
 
+@claims.decides("B2")
 def verdict_b2(fp32: Dict[str, object], fp16: Dict[str, object]) -> claims.Verdict:
     """Claim B2 (article B's RTX 3090 run: AMP over 40% less memory and about 39% less time than
     fp32) from two rows of the same run: holds when memory saved >= 40% and the step time is at
@@ -444,6 +445,7 @@ def compare_r6(fp32: Dict[str, object], amp: Dict[str, object],
     return out
 
 
+@claims.decides("R6")
 def verdict_r6(r6_rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     """Claim R6 from ``compare_r6``'s rows: holds when plain AMP and "optimized" each save at
     least the claimed memory and reach the claimed speed-up against fp32, and "optimized" beats
@@ -496,6 +498,7 @@ R6_COLUMNS = (("configuration", "R6 row"), ("measured_label", "measured as"),
 
 # --- claims R4, R5, R7 (accuracy) and R12 (op error) --------------------------------------------
 
+@claims.decides("R4")
 def verdict_r4(amp: Dict[str, object], selective: Dict[str, object], amp_run: Dict[str, object],
                selective_run: Dict[str, object], tolerance: float = 0.01) -> claims.Verdict:
     """Claim R4 (layer3/4 + fc in fp32 keep accuracy): accuracy of the selective-autocast model
@@ -529,6 +532,7 @@ def verdict_r4(amp: Dict[str, object], selective: Dict[str, object], amp_run: Di
                          cannot_decide=accuracy_reason(amp_run, selective_run))
 
 
+@claims.decides("R7")
 def verdict_r7(runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> claims.Verdict:
     """Claim R7 (validate with autocast off if accuracy drops): the largest accuracy difference
     between evaluating under autocast and in fp32 over the half-precision runs. Holds where fp32
@@ -591,6 +595,7 @@ def multi_tensor_status() -> Dict[str, object]:
     return out
 
 
+@claims.decides("R5")
 def verdict_r5(facts: Dict[str, object], multi_tensor: Dict[str, object],
                runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> claims.Verdict:
     """Claim R5 (raise Adam's eps "against fp16 division by zero", amsgrad "for stability",
@@ -626,6 +631,7 @@ def verdict_r5(facts: Dict[str, object], multi_tensor: Dict[str, object],
                           "best_variant_gain": best}, cannot_decide=reason)
 
 
+@claims.decides("R12")
 def verdict_r12(op_rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     """Claim R12 (attention is more precision-sensitive than convolutions) from
     ``autocast_error_by_op`` rows: holds when attention's worst error is over 1.5x the
@@ -695,3 +701,7 @@ def fastest_against_published(row: Dict[str, object], fp32: Dict[str, object]) -
     return {"img_per_s": row["img_per_s"], "share_of_published": share,
             "beats_published": None if share is None else share > 1, "comparable": not reason,
             "text": text}
+
+
+#: The claims this lesson decides, derived from its ``claims.decides`` declarations.
+DECIDES = claims.decided_in(__name__)

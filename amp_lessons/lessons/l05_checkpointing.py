@@ -32,7 +32,6 @@ from ..tables import format_value
 from ..trainer import Hooks, ScalerSettings, Trainer, TrainConfig
 
 LESSON = "05"
-DECIDES = ("R8", "R9", "R10a", "R10b")
 
 # --- the techniques ------------------------------------------------------------------------------
 # fp32 runs with TF32 tensor-core math where the GPU has it (cuDNN's default for convolutions);
@@ -68,7 +67,7 @@ CARD_TECHNIQUES = ("fp32", "AMP", "AMP + checkpointing stem+layer1-2", "AMP + ch
 CARD_SIZES_GB = (8, 12, 16, 24, 40, 80)
 
 R8_MEMORY_PCT, R8_TIME_PCT = (20.0, 30.0), (20.0, 40.0)  # "about 30%": 20-40% counts as held
-# The pairs R8 can be decided on, in order of preference (see ``claim_r8``).
+# The pairs R8 can be decided on, in order of preference (see ``verdict_r8``).
 R8_PAIRS = (("AMP", "AMP + checkpointing"),
             ("AMP + CUDA graph", "AMP + checkpointing + CUDA graph"),
             ("bf16", "bf16 + checkpointing"), ("fp32", "fp32 + checkpointing"))
@@ -452,7 +451,8 @@ def _timing_reason(rows: Sequence[Dict[str, object]], idle: bool = False) -> Opt
                               gpu_idle_fraction=max(shares) if idle and shares else None)
 
 
-def claim_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
+@claims.decides("R8")
+def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     """Claim R8 ("another 20-30% of memory for about 30% more compute time") against the first
     pair of ``R8_PAIRS`` in ``technique_table`` rows whose steps kept the GPU busy (GPU idle at
     most ``claims.MAX_IDLE_FRACTION``): AMP eager, else AMP in a CUDA graph (no launch overhead,
@@ -819,7 +819,8 @@ def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> D
                     f"fewest that reach {target_batch} images with micro-batches that fit."}
 
 
-def claim_r10(card_rows: Sequence[Dict[str, object]],
+@claims.decides("R10a", "R10b")
+def verdict_r10(card_rows: Sequence[Dict[str, object]],
               technique_rows: Sequence[Dict[str, object]],
               small_card_gb: float = 12.0) -> List[claims.Verdict]:
     """Claim R10's recommendations (R10a-R10d) beside what was measured, as ``claims.Verdict``s.
@@ -1068,7 +1069,8 @@ def accumulation_equivalence(model: str = "mlp", precision: str = "fp32", micro_
             "scale": (sa, sb), "skipped": (ka, kb)}
 
 
-def claim_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str, object]] = None,
+@claims.decides("R9")
+def verdict_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str, object]] = None,
              tolerance: float = 0.15, step_tolerance: float = 1e-4) -> claims.Verdict:
     """Claim R9 against ``accumulation_memory`` rows and, if given, an
     ``accumulation_equivalence`` result (fp32, a model without BatchNorm): held when the
@@ -1211,3 +1213,7 @@ def resume_experiment(precision: str = "fp16", model: str = "mlp", total_steps: 
             "init_scale": float(init_scale), "precision": precision, "summary": summary,
             "expected_burst": max(0, round(math.log2(float(init_scale) / saved_scale)))
             if saved_scale > 0 else None}
+
+
+#: The claims this lesson decides, derived from its ``claims.decides`` declarations.
+DECIDES = claims.decided_in(__name__)

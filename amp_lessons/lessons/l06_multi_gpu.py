@@ -28,7 +28,6 @@ from .. import distributed as multi
 from ..precision import HALF_DTYPES, as_device, autocast_for
 
 LESSON = "06"
-DECIDES = ("R10c", "R11")
 
 # --- 1. how FSDP2 wraps a CNN ------------------------------------------------------------------
 
@@ -192,6 +191,7 @@ def zero_savings(result: multi.SweepResult, baseline: str, zero: str,
     return out
 
 
+@claims.decides("R10c")
 def verdict_r10c(savings: Mapping[str, Any]) -> claims.Verdict:
     """Claim R10c beside ``zero_savings``: held when the saving per rank is within 60-70%.
 
@@ -293,6 +293,7 @@ def native_support() -> Dict[str, Any]:
             "deepspeed installed": _importable("deepspeed"), "apex installed": _importable("apex")}
 
 
+@claims.decides("R11")
 def verdict_r11(support: Mapping[str, Any]) -> claims.Verdict:
     """Claim R11: the ``"amp"`` key is NVIDIA Apex's AMP handed through DeepSpeed, not DeepSpeed's
     or PyTorch's mixed precision, and DeepSpeed refuses it with ZeRO: as the way to enable mixed
@@ -319,3 +320,7 @@ def verdicts(savings: Mapping[str, Any],
              support: Optional[Mapping[str, Any]] = None) -> List[claims.Verdict]:
     """This lesson's verdicts, one per claim of ``DECIDES``."""
     return [verdict_r10c(savings), verdict_r11(support or native_support())]
+
+
+#: The claims this lesson decides, derived from its ``claims.decides`` declarations.
+DECIDES = claims.decided_in(__name__)

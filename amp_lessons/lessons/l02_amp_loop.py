@@ -285,6 +285,21 @@ def b1_b2_context(precision_rows: Sequence[Mapping], overhead_rows: Sequence[Map
             for cid in OTHERS_SHOWN]
 
 
+# --- the dtype claims B5 and B7 are about ------------------------------------------------------
+
+def claim_dtype(device: Device = None) -> torch.dtype:
+    """The autocast dtype claims B5 and B7 are decided in: ``torch.float16`` (article B's FP16)
+    wherever autocast runs it on ``device`` (every CUDA GPU; a CPU on recent torch), else the
+    device's bf16, whose verdicts then say they cannot decide an FP16 claim."""
+    dev = as_device(device)
+    try:
+        with torch.autocast(device_type=dev.type, dtype=torch.float16):
+            ok = (torch.ones(2, 2, device=dev) @ torch.ones(2, 2, device=dev)).dtype
+    except (RuntimeError, AssertionError):
+        return torch.bfloat16
+    return torch.float16 if ok == torch.float16 else torch.bfloat16
+
+
 # --- what autocast does (claim B5) ---------------------------------------------------------------
 
 def dtype_label(dtype: torch.dtype, low: torch.dtype) -> str:
@@ -373,48 +388,54 @@ def autocast_report(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_t
 def b5_parts(report: AutocastReport) -> List[dict]:
     """Claim B5's three statements beside what ``report`` recorded: one row each with the part,
     what was measured and what it means (data for a table; the ruling is ``verdict_b5``)."""
+    return [{"part": p.says, "measured": m, "finding": f"{p.outcome}: {p.why}"}
+            for p, m in _b5_parts(report)]
+
+
+def _b5_parts(report: AutocastReport) -> List[Tuple[claims.Part, str]]:
     low = report.low
     layer_grads = {g for _, _, _, g in report.layers if g is not None}
+    half_layers = [k for _, k, d, _ in report.layers if d == low]
     lab = lambda ds: ", ".join(sorted(dtype_label(d, low) for d in ds)) or "none"  # noqa: E731
-    return [
-        {"part": "the loss is computed in FP16", "measured": f"loss {dtype_label(report.loss, low)}",
-         "finding": "yes" if report.loss == low else
-         "no: cross_entropy is on autocast's float32 list"},
-        {"part": "backward runs in FP16",
-         "measured": f"gradients into layer outputs: {lab(layer_grads)}",
-         "finding": ("only through the 16-bit ops" if low in layer_grads else "no")
-         + ("; the loss's backward is float32" if report.loss != low else "")},
-        {"part": "gradients are restored to FP32",
-         "measured": f"parameters {lab(report.parameters)}, their gradients {lab(report.gradients)}",
-         "finding": "float32, but nothing is restored: the parameters never left float32 and "
-                    "autograd's backward of autocast's cast returns float32"
-         if report.gradients == {torch.float32} else "no"},
-    ]
+    loss = claims.Part(
+        "the loss is computed in FP16", report.loss == low,
+        "the loss is 16-bit" if report.loss == low else
+        "the loss is float32: cross_entropy is on autocast's float32 list")
+    back = claims.Part(
+        "backward runs in FP16", (low in layer_grads) if layer_grads else None,
+        ("the gradients flowing back through the 16-bit ops are 16-bit"
+         + ("; the loss's own backward starts in float32" if report.loss != low else ""))
+        if low in layer_grads else "no gradient flowed back in 16 bits" if layer_grads else
+        "no layer gradient was recorded")
+    weights_16 = bool(half_layers) and report.parameters == {torch.float32}
+    restored = claims.Part(
+        "gradients are restored to FP32",
+        (report.gradients == {torch.float32}) if weights_16 else None,
+        ("the weights of the 16-bit ops were used as 16-bit copies (autocast's cast), and the "
+         "backward of that cast returns their gradients in float32, the parameters' dtype"
+         if report.gradients == {torch.float32} else
+         f"the parameter gradients are {lab(report.gradients)}, not float32") if weights_16 else
+        "no layer ran in 16 bits with float32 parameters, so nothing needed restoring")
+    return [(loss, f"loss {dtype_label(report.loss, low)}"),
+            (back, f"gradients into layer outputs: {lab(layer_grads)}"),
+            (restored, f"parameters {lab(report.parameters)}, their gradients "
+                       f"{lab(report.gradients)}")]
 
 
 @claims.decides("B5")
 def verdict_b5(report: AutocastReport) -> claims.Verdict:
-    """Claim B5 against an ``autocast_report``: it holds only if the loss is 16-bit, gradients
-    flow back through the layers in 16 bits, and the parameter gradients are float32."""
-    parts = b5_parts(report)
-    low = report.low
-    layer_grads = {g for _, _, _, g in report.layers if g is not None}
-    loss_low, back_low = report.loss == low, low in layer_grads
-    fp32_grads = report.gradients == {torch.float32}
-    held = loss_low and back_low and fp32_grads
-    if held:
-        why = "the loss and the backward ran in 16 bits and the parameter gradients are float32"
-    else:
-        why = "; ".join(filter(None, (
-            None if loss_low else "the loss is float32 (cross_entropy is on autocast's float32 "
-                                  "list), so its backward starts in float32",
-            "backward runs in 16 bits only through the 16-bit ops" if back_low
-            else "no gradient flowed back in 16 bits",
-            "the parameter gradients are float32 because the parameters never left float32: "
-            "nothing is restored" if fp32_grads else "the parameter gradients are not float32")))
-    measured = "; ".join(p["measured"] for p in parts)
-    return claims.decide("B5", LESSON, measured, held, why,
-                         numbers={"loss": str(report.loss), "parts": parts})
+    """Claim B5 against an ``autocast_report`` of a float16 run, split into its three parts
+    (``claims.Part``): the loss in FP16, backward in FP16 (through the 16-bit ops), gradients
+    restored to FP32 (the backward of autocast's weight cast returns float32 gradients). The
+    claim is about FP16: a bf16 report decides nothing."""
+    parts = _b5_parts(report)
+    measured = "; ".join(m for _, m in parts) + f" (autocast dtype {dtype_label(report.low, None)})"
+    cannot = (None if report.low == torch.float16 else
+              f"autocast ran in {dtype_label(report.low, None)}; the claim is about FP16, so run "
+              f"the report with dtype=torch.float16")
+    return claims.decide("B5", LESSON, measured, None, "", parts=[p for p, _ in parts],
+                         numbers={"loss": str(report.loss), "parts": b5_parts(report)},
+                         cannot_decide=cannot)
 
 
 # --- custom autograd Functions under autocast (claim B7) ---------------------------------------
@@ -426,8 +447,9 @@ def custom_function_under_autocast(function: type, device: Device = None,
     gradients with a float32 run of the same function.
 
     Returns: function (its name), ran, error ("" or ``"Type: first line"``), output (dtype
-    label), grad (dtype labels of the input and weight gradients) and grad_error (largest
-    relative difference from the float32 gradients; None if it did not run).
+    label), grad (dtype labels of the input and weight gradients), grad_error (largest
+    relative difference from the float32 gradients; None if it did not run) and dtype (the
+    autocast dtype, e.g. "float16").
     """
     dev = as_device(device)
     low = dtype or (torch.bfloat16 if dev.type == "cpu" else torch.float16)
@@ -448,7 +470,7 @@ def custom_function_under_autocast(function: type, device: Device = None,
         return out.dtype, x.grad, w.grad
 
     row = {"function": function.__name__, "ran": False, "error": "", "output": "-",
-           "grad": "-", "grad_error": None}
+           "grad": "-", "grad_error": None, "dtype": str(low).replace("torch.", "")}
     _, ref_x, ref_w = grads(False)
     try:
         out_dtype, gx, gw = grads(True)
@@ -470,7 +492,8 @@ def verdict_b7(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
     """Claim B7 ("AMP needs no change to any layer's code") from two
     ``custom_function_under_autocast`` rows: the same custom Function as written for float32,
     and with ``torch.amp.custom_fwd``/``custom_bwd``. Holds if the unchanged one runs under
-    autocast with gradients within ``B7_GRAD_TOLERANCE`` of float32's."""
+    autocast with gradients within ``B7_GRAD_TOLERANCE`` of float32's. Decided only on float16
+    rows (the claim is about FP16; ``claim_dtype``)."""
     for name, row in (("unchanged", unchanged), ("with_custom_fwd", with_custom_fwd)):
         if not isinstance(row, Mapping) or "ran" not in row:
             raise ValueError(f"{name} must be a custom_function_under_autocast row; got {row!r}")
@@ -485,6 +508,10 @@ def verdict_b7(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
     measured = (f"a custom autograd Function under autocast: unchanged {outcome(unchanged)}; "
                 f"with torch.amp.custom_fwd/custom_bwd {outcome(with_custom_fwd)}")
     held = True if ok(unchanged) else False if ok(with_custom_fwd) else None
+    dtypes = {r.get("dtype", "float16") for r in (unchanged, with_custom_fwd)}
+    cannot = (None if dtypes == {"float16"} else
+              f"autocast ran in {', '.join(sorted(dtypes))}; the claim is about FP16, so run "
+              f"both functions with dtype=torch.float16")
     if ok(unchanged):
         why = "the unchanged custom Function ran under autocast with correct gradients"
     elif ok(with_custom_fwd):
@@ -493,9 +520,10 @@ def verdict_b7(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
     else:  # the control failed too: the experiment, not the claim, is what broke
         why = ("the custom Function did not run correctly under autocast even with custom_fwd, "
                "so this experiment cannot tell whether the unchanged code is at fault")
-    return claims.decide("B7", LESSON, measured, held, why,
-                         numbers={"unchanged": dict(unchanged),
-                                  "with_custom_fwd": dict(with_custom_fwd)})
+    return claims.decide("B7", LESSON, measured + f" (autocast {', '.join(sorted(dtypes))})",
+                         held, why, numbers={"unchanged": dict(unchanged),
+                                             "with_custom_fwd": dict(with_custom_fwd)},
+                         cannot_decide=cannot)
 
 
 # --- clipping before unscale_ (claim B3) ---------------------------------------------------------
@@ -590,8 +618,9 @@ def verdict_b3(rows: Sequence[Mapping], max_norm: float = 1.0) -> claims.Verdict
 def verdict_b6(caught: Sequence, import_error: Optional[BaseException] = None) -> claims.Verdict:
     """Claim B6 from what ``from torch.cuda.amp import autocast, GradScaler`` (and using them)
     raised and warned, caught in the notebook's warning cell: ``caught`` is the list from
-    ``warnings.catch_warnings(record=True)``. Holds if the import worked with no deprecation
-    warning."""
+    ``warnings.catch_warnings(record=True)``. Holds if the import and the calls work; where they
+    only warn (FutureWarning since torch 2.4, raised by the calls), "held, deprecated", naming the
+    ``torch.amp`` replacement; does not hold where the import fails."""
     if isinstance(caught, (str, bytes)) or not isinstance(caught, Sequence):
         raise ValueError(f"caught must be the list of warnings.catch_warnings(record=True); "
                          f"got {caught!r}")
@@ -602,6 +631,7 @@ def verdict_b6(caught: Sequence, import_error: Optional[BaseException] = None) -
     deprecations = [w for w in caught
                     if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     messages = [str(w.message) for w in deprecations]
+    deprecated = None
     if import_error is not None:
         measured = f"the import failed on torch {torch.__version__}: {import_error}"
         held, why = False, "this torch no longer has torch.cuda.amp's autocast/GradScaler"
@@ -609,11 +639,14 @@ def verdict_b6(caught: Sequence, import_error: Optional[BaseException] = None) -
         measured = (f"the import works on torch {torch.__version__} with "
                     f"{len(messages)} deprecation warning(s)"
                     + (": " + " | ".join(messages) if messages else ""))
-        held = not messages
-        why = ("it works without a deprecation warning" if held else
-               "that API is deprecated; use torch.amp.GradScaler(device_type) and "
-               "torch.autocast(device_type, dtype)")
-    return claims.decide("B6", LESSON, measured, held, why, numbers={"warnings": messages})
+        held = True
+        why = ("the import and the calls run" + (", and only warn" if messages else
+                                                 " without a deprecation warning"))
+        if messages:
+            deprecated = ("use torch.amp.GradScaler(device_type) and "
+                          "torch.autocast(device_type, dtype) (torch.amp)")
+    return claims.decide("B6", LESSON, measured, held, why, numbers={"warnings": messages},
+                         deprecated=deprecated)
 
 
 # --- the published claims table ------------------------------------------------------------------

@@ -198,21 +198,32 @@ def test_decide_r2_compares_against_measurement(monkeypatch):
     assert v.held is False and "growth_interval (claimed 1000, measured 2000)" in v.why
 
 
-def test_decide_r3_over_pairs(monkeypatch):
+def test_verdict_r3_is_decided_on_resnet50_only(monkeypatch):
     monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
     calm = _fake_run("d", [False] * 20)
-    assert L.verdict_r3([(calm, _fake_run("t", [False] * 20))]).held is None
     wobbly = _fake_run("d", [True] * 4 + [False] * 20)
     better = _fake_run("t", [True] * 2 + [False] * 20)
-    v = L.verdict_r3([(wobbly, better)])
+    # the digits pairs never rule: without ResNet-50, not decided, and the reason says why
+    v = L.verdict_r3(None, [(wobbly, better)], "cpu")
+    assert v.held is None and "ResNet-50" in v.why and "here: cpu" in v.why
+    assert "digits model" in v.measured and "2 early skips" in v.measured
+    # on the ResNet-50 pair: sooner with fewer early skips holds, the reverse does not
+    v = L.verdict_r3((wobbly, better))
     assert v.held is True and v.claim == "R3" and "2 early skips" in v.measured
-    assert L.verdict_r3([(better, wobbly)]).held is False
-    # one undecided pair and one that held: held; one that did not: not held
-    assert L.verdict_r3([(calm, calm), (wobbly, better)]).held is True
-    assert L.verdict_r3([(wobbly, better), (better, wobbly)]).held is False
-    assert L.verdict_r3([(calm, calm), (wobbly, better)]).numbers == {"pairs": 2, "decided": 1}
-    with pytest.raises(ValueError, match="at least one"):
-        L.verdict_r3([])
+    assert L.verdict_r3((better, wobbly)).held is False
+    # settling one step sooner is strictly sooner (held); the same step with no wobble decides nothing
+    one_sooner = _fake_run("t", [True] * 3 + [False] * 21)
+    assert L.verdict_r3((wobbly, one_sooner)).held is True
+    assert L.verdict_r3((wobbly, _fake_run("t", [True] * 4 + [False] * 20))).held is False
+    assert L.verdict_r3((calm, _fake_run("t", [False] * 20))).held is None
+
+
+def test_resnet50_scaler_pair_runs_only_on_a_gpu_in_the_full_profile():
+    assert L.resnet50_scaler_pair("cpu", full=True) is None
+    assert L.resnet50_scaler_pair("cuda", full=False) is None
+    assert L.R3_RESNET50_SETUP.model == "resnet50" and L.R3_RESNET50_STEPS >= L.MIN_DECIDING_STEPS
+    with pytest.raises(ValueError, match="model must be one of"):
+        L.RunSetup(model="resnet51")
 
 
 def test_steadier_reads_b4_generously():
@@ -229,23 +240,48 @@ def test_steadier_reads_b4_generously():
         L.steadier(base, calm, tolerance=1.5)
 
 
-def test_decide_b4_one_verdict_for_both_readings(monkeypatch):
+def _start(name, skipped, init_scale):
+    run = _fake_run(name, skipped)
+    run.settings = ScalerSettings(init_scale=init_scale)
+    return run
+
+
+def test_verdict_b4_decides_its_two_halves(monkeypatch):
     monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
     a, b = _fake_run("a", [False] * 12), _fake_run("b", [False] * 12)
     base = _fake_run("2", [True] * 2 + [False] * 10)
     worse = _fake_run("4", [True] * 5 + [False] * 7, growth=4.0)
-    v = L.verdict_b4(a, b, base, worse, "cpu")
-    assert isinstance(v, claims.Verdict) and v.claim == "B4" and v.held is False
+    high = _start("2^24", [True] * 3 + [False] * 9, 2.0 ** 24)
+    low = _start("2^16", [False] * 12, 2.0 ** 16)
+    # the first half did not hold (no knob, growth 2.0 is the default, 4.0 skips more);
+    # the second held (a lower start skipped fewer early steps): partly held
+    v = L.verdict_b4(a, b, base, worse, "cpu", wobbly=high, lower_start=low)
+    assert isinstance(v, claims.Verdict) and v.claim == "B4" and v.outcome == "partly held"
+    assert [p.held for p in v.parts] == [False, True]
     assert "changes nothing" in v.why and "no scale_factor argument" in v.why
+    assert "early skipped steps 3 -> 0" in v.why
     assert v.numbers["scale_factor_accepted"] is False and v.numbers["same_as_default"] is True
+    # one skip fewer is fewer (held); as many is not
+    assert L.verdict_b4(a, b, base, worse, "cpu", wobbly=high,
+                       lower_start=_start("l", [True] * 2 + [False] * 10, 2.0 ** 16)
+                       ).parts[1].held is True
+    assert L.verdict_b4(a, b, base, worse, "cpu", wobbly=high,
+                       lower_start=_start("l", [True] * 3 + [False] * 9, 2.0 ** 16)
+                       ).outcome == "did not hold"
+    # without the second pair only the first half is decided: did not hold
+    v = L.verdict_b4(a, b, base, worse, "cpu")
+    assert v.held is False and v.outcome == "did not hold" and v.parts[1].held is None
     calm = _fake_run("4", [False] * 12, growth=4.0)
-    assert L.verdict_b4(a, b, base, calm, "cpu").held is True     # raising growth steadied it
+    v = L.verdict_b4(a, b, base, calm, "cpu", wobbly=high, lower_start=low)
+    assert v.held is True and v.outcome == "held"     # raising growth steadied it, and the start
     c = _fake_run("c", [True] + [False] * 11)
     assert "different scales" in L.verdict_b4(a, c, base, worse, "cpu").measured
+    with pytest.raises(ValueError, match="lower must start below"):
+        L.lower_start_steadies(low, high)
+    assert L.lower_start_steadies(_start("h", [False] * 12, 2.0 ** 24), low)[0] is None
 
 
-
-def test_decide_b4_different_is_not_better(monkeypatch):
+def test_verdict_b4_different_is_not_better(monkeypatch):
     """Runs that merely behave differently decide nothing; short runs decide nothing."""
     monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
     a, c = _fake_run("a", [False] * 12), _fake_run("c", [True] + [False] * 11)
@@ -376,5 +412,5 @@ def test_overflow_on_every_step_takes_a_real_scaler_to_zero_and_the_table_says_s
 def test_short_runs_decide_neither_r3_nor_the_generous_b4():
     wobbly = _fake_run("d", [True] * 4 + [False] * 20)
     better = _fake_run("t", [True] * 2 + [False] * 20)
-    v = L.verdict_r3([(wobbly, better)])
+    v = L.verdict_r3((wobbly, better))
     assert v.held is None and "only 22 steps" in v.why and v.outcome == "not decided here"

@@ -27,7 +27,7 @@ from .. import claims
 from .._validate import is_int, is_real
 from ..data import digits_loaders
 from ..formats import gradient_summary, scale_sweep
-from ..models import DIGITS_MODELS, build_digits_model
+from ..models import DIGITS_MODELS, build_digits_model, resnet50
 from ..precision import as_device
 from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer
 from ..ui import widgets
@@ -189,8 +189,9 @@ class RunSetup:
 
     ``model``: one of ``trainer.DIGITS_MODELS`` built by ``trainer.build_digits_model(model,
     width)``: ``"mlp"`` (flat 8x8 digits; fast on a CPU) or ``"cnn"`` (``SmallCNN`` on digits
-    upsampled to ``image_size``), as in lesson 02. SGD with momentum at ``lr``. Validated when
-    built.
+    upsampled to ``image_size``), as in lesson 02, or ``"resnet50"`` (torchvision's ResNet-50,
+    its stem adapted to 1-channel digits at ``image_size``: claim R3's model). SGD with momentum
+    at ``lr``. Validated when built.
     """
 
     model: str = "mlp"
@@ -203,8 +204,8 @@ class RunSetup:
     device: Optional[str] = None
 
     def __post_init__(self):
-        if self.model not in DIGITS_MODELS:
-            raise ValueError(f"model must be one of {', '.join(DIGITS_MODELS)}; "
+        if self.model not in DIGITS_MODELS + ("resnet50",):
+            raise ValueError(f"model must be one of {', '.join(DIGITS_MODELS + ('resnet50',))}; "
                              f"got {self.model!r}")
         for name, low in (("width", 1), ("image_size", 8), ("batch_size", 1)):
             value = getattr(self, name)
@@ -230,7 +231,10 @@ class RunSetup:
         ``(train_batches, test_batches)``: the same weights and batch order for every call."""
         device = self.torch_device
         torch.manual_seed(self.seed)
-        model, size = build_digits_model(self.model, self.width)
+        if self.model == "resnet50":  # claim R3's model, its stem adapted to the digits
+            model, size = resnet50(num_classes=10, in_channels=1, small_input=True), 0
+        else:
+            model, size = build_digits_model(self.model, self.width)
         if size is not None:
             size = self.image_size
         model = model.to(device)
@@ -529,23 +533,51 @@ def _too_short(runs: Sequence[ScalerRun], what: str) -> Optional[str]:
     return None
 
 
+#: Claim R3 is about ResNet-50: the full profile on a CUDA GPU trains it this many fp16 steps per
+#: setting (digits at 32x32, batch 64), enough for the early skips and the settling to show.
+R3_RESNET50_STEPS = 300
+R3_RESNET50_SETUP = RunSetup(model="resnet50", image_size=32, batch_size=64, lr=0.05)
+
+
+def resnet50_scaler_pair(device_type: str, full: bool, steps: int = R3_RESNET50_STEPS,
+                         setup: RunSetup = R3_RESNET50_SETUP
+                         ) -> Optional[Tuple[ScalerRun, ScalerRun]]:
+    """Claim R3's own comparison: ResNet-50 trained ``steps`` fp16 steps with PyTorch's
+    defaults and with article R's settings (``ARTICLE_R_TUNED``), same seed and batches, on a
+    CUDA GPU in the full profile; None elsewhere (a CPU or the quick profile: ``verdict_r3``
+    says why)."""
+    if device_type != "cuda" or not full:
+        return None
+    defaults = train_with_scaler(measured_defaults(device_type), steps, setup,
+                                 name="ResNet-50, PyTorch defaults", evaluate=False)
+    tuned = train_with_scaler(ScalerSettings(**ARTICLE_R_TUNED), steps, setup,
+                              name="ResNet-50, article R's settings", evaluate=False)
+    return defaults, tuned
+
+
 @claims.decides("R3")
-def verdict_r3(pairs: Sequence[Tuple[ScalerRun, ScalerRun]],
-              window: int = SETTLE_WINDOW) -> claims.Verdict:
-    """Claim R3 (the tuned settings settle faster with less early wobble) on one or more
-    ``(defaults run, tuned run)`` pairs, each of the same seed and data: held when every pair
-    that could decide held, not held when one of them did not, not decided when no pair had
-    any wobble to improve on."""
-    if not pairs:
-        raise ValueError("pairs must hold at least one (defaults, tuned) pair of runs")
-    results = [compare_settling(d, t, window) for d, t in pairs]
-    decided = [r for r in results if r[0] is not None]
-    measured = " | ".join(r[1] for r in results)
-    why = " | ".join(r[2] for r in results)
-    held = None if not decided else all(r[0] for r in decided)
-    return claims.decide("R3", LESSON, measured, held, why,
-                         numbers={"pairs": len(pairs), "decided": len(decided)},
-                         cannot_decide=_too_short([r for p in pairs for r in p], "settling"))
+def verdict_r3(resnet50_pair: Optional[Tuple[ScalerRun, ScalerRun]],
+               digits_pairs: Sequence[Tuple[ScalerRun, ScalerRun]] = (),
+               device_type: str = "cpu", window: int = SETTLE_WINDOW) -> claims.Verdict:
+    """Claim R3 ("for ResNet-50 these settings work best: the scale settles faster with less
+    early wobble") decided on its own model: ``resnet50_pair`` (``resnet50_scaler_pair``: the
+    defaults run, the article-settings run). Held when the article's settles strictly sooner
+    with no more early skipped steps (``compare_settling``); not decided when neither run
+    wobbled, or when ResNet-50 did not run here. ``digits_pairs`` (the digits model's pairs)
+    are shown beside it and never rule: the claim is about ResNet-50."""
+    shown = [compare_settling(d, t, window) for d, t in digits_pairs]
+    beside = ("; beside it, not ruling (digits model): " + " | ".join(r[1] for r in shown)
+              if shown else "")
+    if resnet50_pair is None:
+        return claims.not_decided(
+            "R3", LESSON, "ResNet-50 did not train here" + beside,
+            f"the claim is about ResNet-50, which this lesson trains only in its full profile on "
+            f"a CUDA GPU (here: {device_type}); the digits model is not the claim's workload")
+    defaults, tuned = resnet50_pair
+    held, measured, why = compare_settling(defaults, tuned, window)
+    return claims.decide("R3", LESSON, measured + beside, held, why,
+                         numbers={"steps": min(len(defaults.steps), len(tuned.steps))},
+                         cannot_decide=_too_short([defaults, tuned], "settling"))
 
 
 def scale_factor_accepted(device_type: str = "cpu") -> bool:
@@ -583,19 +615,43 @@ def steadier(base: ScalerRun, larger: ScalerRun,
                             f" steps ({sb} -> {sl}); final loss {lb:.4f} -> {ll:.4f}")
 
 
+def lower_start_steadies(wobbly: ScalerRun, lower: ScalerRun,
+                         window: int = SETTLE_WINDOW) -> Tuple[Optional[bool], str, str]:
+    """B4's second half ("or change the initial scale") on two runs of the same seed and data
+    that differ only in ``init_scale``: ``wobbly`` starts too high, ``lower`` lower.
+    ``(held, measured, why)``: held when the lower start skipped fewer steps early
+    (``early_skips``); None when the high start did not wobble (nothing to steady)."""
+    a, b = wobbly.settings.init_scale, lower.settings.init_scale
+    if not b < a:
+        raise ValueError(f"lower must start below wobbly; got init_scale {b:g} vs {a:g}")
+    ew, el = early_skips(wobbly, window), early_skips(lower, window)
+    measured = (f"init_scale {pow2_text(a)}: {ew} early skips; init_scale {pow2_text(b)}: "
+                f"{el} early skips")
+    if ew == 0:
+        return None, measured, "the high start did not wobble: nothing to steady"
+    return (el < ew), measured, (f"starting lower cut the early skipped steps {ew} -> {el}"
+                                 if el < ew else f"starting lower did not cut the early skipped "
+                                                 f"steps ({ew} -> {el})")
+
+
 @claims.decides("B4")
 def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger: ScalerRun,
-              device_type: str = "cpu") -> claims.Verdict:
-    """Claim B4 ("if convergence wobbles, increase scale_factor=2.0"), read as written and
-    generously. As written: GradScaler has no ``scale_factor``; read as ``growth_factor=2.0`` it
-    is PyTorch's default, so ``b4_run`` should repeat ``default_run``'s scaler behaviour step
-    for step (same scales and skips; losses may differ in the last bits where kernels are not
-    deterministic, so their largest difference is reported). Generously: a larger growth factor
-    (``larger`` against ``base``, ``steadier``) steadies a wobbling run. Held when either reading
-    changes the run for the better. Runs that merely differ are not better: the literal reading
-    can only show that the advice changes nothing (no knob, and growth_factor=2.0 repeats the
-    default run), which does not hold; otherwise the generous reading decides, and neither
-    decides from runs shorter than ``MIN_DECIDING_STEPS``."""
+               device_type: str = "cpu", wobbly: Optional[ScalerRun] = None,
+               lower_start: Optional[ScalerRun] = None) -> claims.Verdict:
+    """Claim B4 ("if convergence wobbles, increase scale_factor=2.0 or change the initial
+    scale"), decided in its two parts (``claims.Part``).
+
+    Part 1, "increase scale_factor=2.0", as written and generously. As written: GradScaler has
+    no ``scale_factor``; read as ``growth_factor=2.0`` it is PyTorch's default, so ``b4_run``
+    should repeat ``default_run``'s scaler behaviour step for step (same scales and skips;
+    losses may differ in the last bits where kernels are not deterministic, so their largest
+    difference is reported). Generously: a larger growth factor (``larger`` against ``base``,
+    ``steadier``) steadies a wobbling run. Held when either reading changes the run for the
+    better; runs that merely differ are not better. Part 2, "change the initial scale":
+    ``wobbly`` (a start too high, with early skips) against ``lower_start`` (the same run from a
+    lower ``init_scale``, ``lower_start_steadies``); not decided without them. Neither part is
+    decided from runs shorter than ``MIN_DECIDING_STEPS``.
+    """
     error = scale_factor_error(device_type)
     default_growth = measured_defaults(device_type).growth_factor
     same = default_run.scales == b4_run.scales and default_run.skipped == b4_run.skipped
@@ -613,10 +669,20 @@ def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, large
     behaved = "did exactly what it does by default" if same else "behaved differently"
     effect = (f"growth_factor=2.0 {'is' if default_growth == 2.0 else 'is not'} the default, and "
               f"the scaler {behaved}{', so the advice changes nothing' if same else ''}")
-    why = f"{no_knob}; read as growth_factor, {effect}. Raising growth_factor: {g_why}"
-    held = generous if generous is not None else (False if changes_nothing else None)
-    short = _too_short([default_run, b4_run, base, larger], "steadying a wobbling run")
-    return claims.decide("B4", LESSON, measured, held, why,
+    first = claims.Part("increase scale_factor=2.0",
+                        generous if generous is not None else (False if changes_nothing else None),
+                        f"{no_knob}; read as growth_factor, {effect}. Raising growth_factor: "
+                        f"{g_why}")
+    runs = [default_run, b4_run, base, larger]
+    if wobbly is not None and lower_start is not None:
+        held2, m2, why2 = lower_start_steadies(wobbly, lower_start)
+        measured += f"; {m2}"
+        runs += [wobbly, lower_start]
+    else:
+        held2, why2 = None, "no run from a too-high start was given to steady"
+    second = claims.Part("or change the initial scale", held2, why2)
+    short = _too_short(runs, "steadying a wobbling run")
+    return claims.decide("B4", LESSON, measured, None, "", parts=[first, second],
                          numbers={"scale_factor_accepted": not error, "same_as_default": same,
                                   "largest_loss_difference": diff}, cannot_decide=short)
 

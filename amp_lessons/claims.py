@@ -51,36 +51,43 @@ _CLAIMS = (
           "claim's written precision"),
     Claim("B5", "B", "in AMP \"the loss is computed in FP16\" and \"backward runs in FP16\", then "
           "gradients are \"restored to FP32\"", "02",
-          "the dtypes autocast actually gives the loss, the activations and the gradients of a "
-          "real model"),
+          "three parts, each from the dtypes fp16 autocast gives a real model: the loss in FP16; "
+          "the gradients flowing back through the layers in FP16; the parameter gradients in FP32 "
+          "(the backward of autocast's weight cast returns them in fp32)"),
     Claim("B6", "B", "the AMP API is `from torch.cuda.amp import autocast, GradScaler`", "02",
-          "whether that import still works on this torch without a deprecation warning"),
+          "the import and the calls on this torch: held if they run; held, deprecated if they "
+          "only warn (the `torch.amp` replacement named); did not hold if the import fails"),
     Claim("B7", "B", "AMP needs no change to any layer's code", "02",
-          "a model with a custom autograd function runs under autocast unchanged, or needs "
-          "`torch.amp.custom_fwd`"),
+          "in fp16: a model with a custom autograd function runs under autocast unchanged, or "
+          "needs `torch.amp.custom_fwd`"),
     Claim("B1", "B", "FP16 saves about 50% of memory and trains 1.5 to 2x faster on Tensor Core "
           "GPUs", "04",
-          "ResNet-50 on a Tensor Core GPU, fp16 against fp32 in the same run: speed-up >= 1.5x and "
-          "memory saved >= 40%; decided only when the GPU was busy (idle share of the step small)"),
+          "ResNet-50 on a Tensor Core GPU, fp16 + GradScaler against fp32 as PyTorch runs it by "
+          "default (TF32 convolutions), same memory format and run; two parts: memory saved >= 40% "
+          "and speed-up >= 1.5x (above 2x: held, understated); fp32 with TF32 off and "
+          "channels_last shown beside; decided only on a busy GPU"),
     Claim("B2", "B", "RTX 3090, `train.py --precision fp32` vs `--precision amp`: about 10.2 GB and "
           "18.7 s per epoch vs about 5.8 GB and 11.2 s (over 40% less memory, about 39% less time)",
           "04",
-          "ResNet-50 fp32 against fp16 in the same run: memory saved >= 40% and step time at least "
-          "30% shorter; decided only on a busy GPU"),
+          "on a named stand-in (ResNet-50 on this GPU for train.py on an RTX 3090): fp16 against "
+          "the default fp32 (TF32 convolutions) in the same run; two parts: memory saved >= 40% "
+          "and step time at least 30% shorter; decided only on a busy GPU"),
     Claim("B3", "B", "against exploding gradients or NaN, call `clip_grad_norm_(params, "
           "max_norm=1.0)` (shown without `unscale_`)", "02",
           "clipping scaled gradients against clipping after `unscale_` on the same run: does the "
           "article's order clip at the stated norm?"),
     Claim("B4", "B", "if convergence wobbles, \"increase scale_factor=2.0\" or change the initial "
           "scale", "03",
-          "whether `scale_factor` exists on GradScaler, and whether a larger growth factor "
-          "steadies a wobbling run (same seed and data)"),
+          "two parts, same seed and data: \"increase scale_factor=2.0\" (the argument exists, or "
+          "read as growth_factor a larger one steadies a wobbling run) and \"change the initial "
+          "scale\" (a run started too high skips fewer early steps from a lower start)"),
     Claim("R2", "R", "GradScaler defaults: init_scale 65536, growth_factor 2.0, backoff_factor 0.5, "
           "growth_interval 2000", "03", "a fresh GradScaler's getters on this torch"),
     Claim("R3", "R", "for ResNet-50, init_scale 32768, growth_factor 1.5, backoff_factor 0.4, "
           "growth_interval 1000 work best: the scale settles faster with less early wobble", "03",
-          "the tuned settings settle strictly sooner with no more early skipped steps than the "
-          "defaults, same seed and data"),
+          "on ResNet-50 (a few hundred fp16 steps, GPU only): the article's settings settle "
+          "strictly sooner with no more early skipped steps than the defaults, same seed and "
+          "data; not decided where neither wobbled or ResNet-50 did not run"),
     Claim("R4", "R", "keep layer1-2 in autocast but force layer3, layer4 and fc to FP32 \"to avoid "
           "vanishing gradients\" and \"guarantee classification accuracy\"", "04",
           "accuracy of the selective-autocast ResNet against plain AMP on real data (above "
@@ -93,32 +100,42 @@ _CLAIMS = (
     Claim("R6", "R", "ResNet-50 on ImageNet: FP32 15.2 GB, 320 img/s, 76.3% top-1; native AMP "
           "10.1 GB (-33%), 580 img/s (+81%), 76.1%; \"optimized\" (R3+R4+R5) 9.1 GB (-40%), "
           "620 img/s (+94%), 76.2%", "04",
-          "the same three configurations in one run: memory saved and speed-up against fp32, and "
-          "whether \"optimized\" beats plain AMP; decided only on a busy GPU"),
+          "the three configurations in one run, \"optimized\" built as the article does (R4's "
+          "model, R5's Adam): memory saved and speed-up against the default fp32 (TF32 "
+          "convolutions) at least the claimed, and \"optimized\" beats plain AMP; decided only on "
+          "a busy GPU"),
     Claim("R7", "R", "if validation accuracy drops, validate with autocast disabled", "04",
-          "accuracy with autocast on and off at evaluation, trained above chance"),
+          "conditional: decided only where a half-precision run's accuracy fell more than 1 point "
+          "below fp32's; there, held if evaluating with autocast off wins it back; trained above "
+          "chance"),
     Claim("R8", "R", "gradient checkpointing saves another 20-30% of memory for about 30% more "
           "compute time", "05",
-          "per-block checkpointing against AMP on ResNet-50, same settings: memory saved in "
-          "20-30% and step time +20-40%; decided only on a GPU"),
+          "per-block checkpointing against AMP on ResNet-50, same settings, busy GPU; one-sided: "
+          "memory saved >= 20 points of fp32's memory and step time added <= 40% (more saved "
+          "than 30 points, or less than 20% added: held, understated)"),
     Claim("R9", "R", "gradient accumulation gives a larger virtual batch at the same memory", "05",
           "peak memory at 1, 2, 4, 8 micro-batches stays within 15%, and the accumulated step "
           "equals the large-batch step"),
     Claim("R10a", "R", "one card under 12 GB: AMP + checkpointing saves 50-60% of memory", "05",
           "the largest batch per simulated card size with each technique, on a GPU"),
     Claim("R10b", "R", "one card of 12 GB or more: AMP + gradient accumulation saves 40-50% of "
-          "memory", "05", "the largest batch per simulated card size with each technique, on a GPU"),
+          "memory", "05", "the largest batch per simulated card size with each technique, on a "
+          "GPU; AMP saves >= 40% and trains faster than AMP + checkpointing (busy GPU)"),
     Claim("R10c", "R", "several 8 GB cards: AMP + ZeRO stage 1 saves 60-70% of memory", "06",
-          "optimizer-state and total memory per rank with and without ZeRO-1 at 2 or more ranks"),
+          "peak memory per rank, AMP + ZeRO-1 against fp32 DDP, from a memory model (peak = the "
+          "rest + optimizer state / N) validated at the rank counts that ran; the saving at the "
+          "claim's 8 ranks is the model's prediction unless 8 ranks ran, and the verdict says so"),
     Claim("R10d", "R", "AMP + model parallelism saves 40-50% of memory", None,
           "not measured by the course: it trains no model-parallel setup"),
     Claim("R11", "R", "a DeepSpeed config enables mixed precision with `\"amp\": {\"enabled\": "
           "true, \"opt_level\": \"O2\"}`", "06",
-          "what that key means to DeepSpeed (apex O2, not native AMP), beside PyTorch's native "
-          "equivalents"),
+          "read from DeepSpeed's installed code: the key enables mixed precision (it calls Apex's "
+          "amp.initialize) and DeepSpeed refuses it with ZeRO; not decided where DeepSpeed is not "
+          "installed"),
     Claim("R12", "R", "attention is more precision-sensitive than convolutions and may need a "
           "changed autocast op list", "04",
-          "the relative error of each op under fp16 and bf16 autocast against fp32, measured"),
+          "two parts: attention's fp16 relative error over 1.5x the convolution's (GPU), and "
+          "whether torch.autocast takes an op list to change (read from its signature)"),
 )
 CLAIMS: Dict[str, Claim] = {c.id: c for c in _CLAIMS}
 
@@ -476,7 +493,10 @@ def claims_markdown() -> str:
              "Each claim is decided by exactly one measurement, in the lesson named here; other",
              "lessons may show related numbers but never rule on it. A run that cannot decide (a",
              "CPU timing, too few steps, an idle GPU, accuracy near chance) says \"not decided",
-             "here\" and why.", ""]
+             "here\" and why. Outcomes: held; held, understated (the benefit larger or the cost",
+             "smaller than claimed); held, deprecated (the code runs and only warns); partly held (a",
+             "compound claim: the verdict names which part held); did not hold; not decided here.",
+             "A claim decided on a stand-in for its setting says \", on a stand-in\".", ""]
     for key, title in ARTICLES.items():
         lines.append(f"- **Article {key}**: {title}")
     lines += ["", "| id | article | claim | decided in | rule |", "|---|---|---|---|---|"]

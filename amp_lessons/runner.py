@@ -14,7 +14,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 
 from .env import PROFILE_VARIABLE, get_profile, probe
@@ -202,7 +202,11 @@ def output_path(path: Path, out: Optional[Path] = None) -> Path:
 def run_notebooks(paths: Optional[Sequence[Path]] = None, profile: Optional[str] = None,
                   out: Optional[Path] = None, timeout: int = 1800,
                   progress: bool = True) -> List[Path]:
-    """Execute notebooks in order (all lessons when ``paths`` is empty); stop at the first failure."""
-    chosen: Iterable[Path] = paths or course_notebooks()
-    return [run_notebook(Path(p), profile=profile, out=out, timeout=timeout, progress=progress)
+    """Execute notebooks in order (all lessons when ``paths`` is empty); stop at the first failure.
+    Every notebook is read and its output path checked before the first one runs."""
+    chosen: List[Path] = [Path(p) for p in (paths or course_notebooks())]
+    for p in chosen:
+        read_notebook(p)
+        output_path(p, out)
+    return [run_notebook(p, profile=profile, out=out, timeout=timeout, progress=progress)
             for p in chosen]

@@ -867,8 +867,9 @@ class Trainer:
     def save_checkpoint(self, path: Union[str, Path]) -> Path:
         """Write a training checkpoint atomically (temporary file + rename; see
         ``checkpoint.atomic_save``): a failed or killed save leaves the previous checkpoint
-        intact, temporary files of killed saves are removed by the next save or load, and a full
-        disk raises ``DiskFullError``."""
+        intact, temporary files of killed saves are removed by the next save or load, a full
+        disk raises ``DiskFullError`` and a file-size limit ``FileTooLargeError`` (both name the
+        file)."""
         return atomic_save(self.state_dict(), path)
 
     def load_checkpoint(self, path: Union[str, Path], load_scaler: bool = True) -> dict:
@@ -880,7 +881,10 @@ class Trainer:
         ``weights_only=True``, and every part is checked against this trainer (model keys,
         shapes and dtypes; optimizer kind, groups and state shapes; scaler; scheduler; counters;
         history; RNG) before anything live changes. Any problem raises ``CheckpointError`` (a
-        ValueError) naming the file and what is wrong, and leaves the trainer untouched.
+        ValueError) naming the file and what is wrong, and leaves the trainer untouched: a
+        missing file is also a ``FileNotFoundError``, a folder an ``IsADirectoryError``, and a
+        checkpoint of a newer format (``CheckpointFromNewerRelease``) says which formats this
+        release reads.
         """
         check_bool("load_scaler", load_scaler)
         path = Path(path)

@@ -389,3 +389,37 @@ def test_load_checkpoint_primes_fused_sgd_again(tmp_path):
     trainer.load_checkpoint(tmp_path / "before_any_step.pt")
     assert all(torch.count_nonzero(opt.state[p]["momentum_buffer"]) == 0
                for p in model.parameters())
+
+
+# --- errors that say what a handler expects (issue 23) -------------------------------------------
+
+def test_missing_and_folder_checkpoints_are_also_the_builtin_errors(tmp_path):
+    trainer = trained()
+    missing = tmp_path / "missing.pt"
+    with pytest.raises(FileNotFoundError, match="missing.pt: no such checkpoint file"):
+        trainer.load_checkpoint(missing)
+    with pytest.raises(C.CheckpointError):  # still a CheckpointError, a ValueError
+        trainer.load_checkpoint(missing)
+    for call in (trainer.load_checkpoint, trainer.save_checkpoint):
+        with pytest.raises(IsADirectoryError, match="is a folder"):
+            call(tmp_path)
+        with pytest.raises(ValueError, match="is a folder"):
+            call(tmp_path)
+
+
+def test_a_checkpoint_from_a_newer_release_says_so(tmp_path):
+    trainer = trained()
+    state = trainer.state_dict()
+    state["format"] = "amp-lessons-trainer/3"
+    C.atomic_save(state, tmp_path / "new.pt")
+    before = live_tensors(trainer)
+    with pytest.raises(C.CheckpointFromNewerRelease,
+                       match=r"new.pt: written by a newer release of amp-lessons \(checkpoint "
+                             r"format amp-lessons-trainer/3\); this release .* reads formats "
+                             r"amp-lessons-trainer/1, amp-lessons-trainer/2"):
+        trainer.load_checkpoint(tmp_path / "new.pt")
+    assert_same_tensors(live_tensors(trainer), before)
+    state["format"] = "someone-else/9"  # not our family: the usual message
+    C.atomic_save(state, tmp_path / "other.pt")
+    with pytest.raises(C.CheckpointError, match="not a checkpoint written by Trainer"):
+        trainer.load_checkpoint(tmp_path / "other.pt")

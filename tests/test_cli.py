@@ -1,10 +1,12 @@
 """`python -m amp_lessons ...`: train end to end in the quick sizes, and every command's user
 errors: one line, a non-zero exit, never a traceback, paths checked before training."""
+import errno
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -232,3 +234,102 @@ def test_check_notebooks_names_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="out must be a folder"):
         check_notebooks([good], a_file)
     check_notebooks([good], tmp_path)  # fine
+
+
+# --- inputs checked before the work, every error naming its file (issue 23) ----------------------
+
+def _marker_notebook(tmp_path, name="01_x.ipynb"):
+    """A notebook whose one cell leaves a file behind when it runs."""
+    ran = tmp_path / "ran.txt"
+    return _notebook(tmp_path / name, f"open({str(ran)!r}, 'w').close()"), ran
+
+
+def test_run_notebooks_refuses_an_unwritable_output_before_running(tmp_path, capsys,
+                                                                  monkeypatch):
+    path, ran = _marker_notebook(tmp_path)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    assert main(["run-notebooks", "--no-progress", "--out", str(a_file / "sub"), str(path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "run-notebooks",
+                          r"out: '.*file.txt' is not a folder, so .*01_x.ipynb' cannot be written")
+    # in place, in a folder this user cannot write (os.access stands in: the tests may run as root)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) in (tmp_path, path)
+                        else real_access(p, mode))
+    assert main(["run-notebooks", "--no-progress", str(path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "run-notebooks",
+                          r"01_x.ipynb' exists and cannot be written")
+    assert not ran.exists()  # no cell ran
+
+
+def test_an_invalid_notebook_is_one_line_naming_it_in_every_command(tmp_path, capsys):
+    """"source": 5 in a code cell was an AttributeError traceback; figure-images on a notebook
+    that is not JSON said "need Chromium"."""
+    bad = tmp_path / "01_bad.ipynb"
+    doc = json.loads(nbformat.writes(new_notebook(cells=[new_code_cell("1")])))
+    doc["cells"][0]["source"] = 5
+    bad.write_text(json.dumps(doc))
+    text = tmp_path / "02_text.ipynb"
+    text.write_text("not json")
+    for path, message in ((bad, "01_bad.ipynb: not a valid Jupyter notebook"),
+                          (text, "02_text.ipynb: not a readable Jupyter notebook")):
+        for argv in (["run-notebooks", "--no-progress", str(path)],
+                     ["rehearse", "--out", str(tmp_path / "r"), str(path)],
+                     ["figure-images", str(path)]):
+            assert main(argv) == 2
+            assert_one_line_error(capsys.readouterr().err, argv[0], message)
+
+
+@pytest.mark.parametrize("content", [b"", b'{"card": "t4", "lessons": [{"noteb', b"\xff\xfe"])
+def test_rehearse_update_with_a_damaged_record_names_it(tmp_path, capsys, content):
+    path, ran = _marker_notebook(tmp_path)
+    record = tmp_path / "rehearsal_t4.json"
+    record.write_bytes(content)
+    assert main(["rehearse", "--out", str(tmp_path / "r"), "--update", str(record),
+                 str(path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "rehearse",
+                          r"update '.*rehearsal_t4.json' is (empty|not valid JSON|not UTF-8)")
+    assert not ran.exists()
+
+
+def _readme(tmp_path):
+    from amp_lessons import rehearsal, report
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{report.START}\nold\n{report.END}\n{rehearsal.README_START}\nold\n"
+                      f"{rehearsal.README_END}\nThe hand-written tail.\n" + "t" * 20_000)
+    return readme
+
+
+def test_readme_errors_name_the_file_and_a_full_disk_keeps_it(tmp_path, capsys, monkeypatch):
+    """readme on a full disk cut the README at 16 KiB, losing its hand-written tail."""
+    from amp_lessons import files
+
+    latin = tmp_path / "latin.md"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    assert main(["readme", "--readme", str(latin)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "readme", r"README '.*latin.md' is not UTF-8")
+    readme = _readme(tmp_path)
+    before = readme.read_bytes()
+
+    def full(self, data):
+        self.error = OSError(errno.ENOSPC, "No space left on device")
+        raise self.error
+
+    monkeypatch.setattr(files._KeepingWriter, "write", full)
+    assert main(["readme", "--readme", str(readme)]) == 1
+    assert_one_line_error(capsys.readouterr().err, "readme",
+                          r"disk full: could not write README .*README.md")
+    assert readme.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "latin.md"]
+
+
+@pytest.mark.slow
+def test_a_cell_timeout_prints_no_kernel_traceback(tmp_path, capfd):
+    """The kernel, stopped mid-cell, printed a raw zmq traceback before the CLI's line."""
+    path = _notebook(tmp_path / "01_x.ipynb", "import time; time.sleep(30)")
+    assert main(["run-notebooks", "--no-progress", "--profile", "quick", "--timeout", "2",
+                 str(path)]) == 1
+    out = capfd.readouterr()
+    assert_one_line_error(out.err, "run-notebooks", "timed out after 2 s")
+    assert "Traceback" not in out.out + out.err and "zmq" not in out.out + out.err

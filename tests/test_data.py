@@ -194,3 +194,28 @@ def test_a_truncated_image_is_named_in_the_error(image_folder):
         list(loader)
     with pytest.raises(ValueError):  # a ValueError, as bad input is everywhere in the package
         data.read_image(str(bad))
+
+
+def _png_header(width, height):
+    """A PNG whose header claims ``width`` x ``height`` pixels (no pixel data follows)."""
+    import struct
+    import zlib
+
+    def chunk(kind, body):
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2,
+                                                              0, 0, 0)) + chunk(b"IEND", b""))
+
+
+def test_a_decompression_bomb_is_named_as_an_unreadable_image(image_folder):
+    """A header claiming 20000 x 20000 pixels raised PIL's DecompressionBombError unnamed."""
+    bomb = image_folder / "cat" / "bomb.png"
+    bomb.write_bytes(_png_header(20000, 20000))
+    with pytest.raises(data.UnreadableImageError,
+                       match=r"cannot read image .*cat/bomb\.png: too many pixels"):
+        data.read_image(str(bomb))
+    loader = data.image_folder_loader(image_folder, 16, batch_size=8, train=False)
+    with pytest.raises(data.UnreadableImageError, match=r"bomb\.png"):
+        list(loader)

@@ -1,0 +1,241 @@
+"""amp_lessons.files: one atomic writer for every file the package writes (temporary names that
+fit any legal target name, cleanup on failure, a full disk and a file-size limit said as such),
+and readers whose errors name the file (issue 23)."""
+import ast
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from amp_lessons import checkpoint as C
+from amp_lessons import files as F
+from amp_lessons import rehearsal, report, runner
+from amp_lessons.records import History
+
+PACKAGE = Path(F.__file__).resolve().parent
+REPO = PACKAGE.parent
+
+
+# --- every writer of the package is the atomic one ------------------------------------------------
+
+# the only places that may open a file for writing themselves, and why
+ALLOWED_WRITERS = {
+    "files.py": "the atomic writer itself",
+    "_launch.py": "results of distributed worker processes, in a private temporary folder",
+}
+
+
+def _direct_writes(path: Path, root: Path = REPO):
+    """Calls in ``path`` that write a file without the atomic writer."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        owner = getattr(f.value, "id", "") if isinstance(f, ast.Attribute) else ""
+        mode = next((a.value for a in node.args[1:2] if isinstance(a, ast.Constant)), None)
+        mode = next((k.value.value for k in node.keywords if k.arg == "mode"
+                     and isinstance(k.value, ast.Constant)), mode)
+        if name in ("write_text", "write_bytes", "savefig", "write_image", "write_html") \
+                or (owner == "nbformat" and name == "write") \
+                or (owner == "json" and name == "dump") \
+                or (owner == "torch" and name == "save" and path.name != "checkpoint.py") \
+                or (name in ("open", "fdopen") and isinstance(mode, str) and set(mode) & set("wax")):
+            found.append(f"{path.relative_to(root)}:{node.lineno} {owner + '.' if owner else ''}"
+                         f"{name}")
+    return found
+
+
+def test_every_file_the_package_writes_goes_through_the_atomic_writer():
+    found = [hit for p in sorted(PACKAGE.rglob("*.py")) if p.name not in ALLOWED_WRITERS
+             for hit in _direct_writes(p)]
+    assert found == []
+
+
+def test_the_scan_finds_a_direct_write(tmp_path):
+    """The control: the scan above catches README.write_text(...), open(..., "w") and
+    nbformat.write, the writes that left half-written files."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from pathlib import Path\nPath('x').write_text('y')\nopen('z', 'w')\n"
+                     "open('r')\nimport nbformat\nnbformat.write(None, 'n')\n")
+    hits = [h.split(" ", 1)[1] for h in _direct_writes(probe, tmp_path)]
+    assert hits == ["write_text", "open", "nbformat.write"]
+
+
+# --- temporary names ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["a", "c" * 243 + ".pt", "n" * 255, "é" * 127])
+def test_temporary_names_fit_any_legal_target_name(tmp_path, name):
+    """A 243-character checkpoint name made the old temporary name too long (ENAMETOOLONG)."""
+    path = tmp_path / name
+    tmp = F.temp_name(path)
+    assert len(os.fsencode(tmp.name)) <= os.pathconf(tmp_path, "PC_NAME_MAX")
+    assert tmp.parent == path.parent and F._host() in tmp.name
+    F.write_atomic(path, "text")
+    assert path.read_text() == "text"
+    C.atomic_save({"x": torch.ones(3)}, path)
+    assert torch.equal(C.read_verified(path)["x"], torch.ones(3))
+    # a dead process's temporary file of this long name is still found and removed
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = Path(str(F.temp_name(path)).replace(f"-{os.getpid()}-", f"-{dead}-"))
+    stale.write_bytes(b"left by kill -9")
+    assert F.remove_stale_temp_files(path) == [stale]
+    assert sorted(os.listdir(tmp_path)) == [name]
+
+
+def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_the_umask(tmp_path):
+    path = tmp_path / "r.json"
+    old = os.umask(0o022)
+    try:
+        F.write_atomic(path, "1")
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o600)
+        F.write_atomic(path, "2")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.read_text() == "2"
+
+
+# --- failures: nothing half-written, nothing left behind, the cause said -------------------------
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """A stand-in for a full disk: every write through the atomic writer fails with ENOSPC
+    once 1,000 bytes are written."""
+    real = F._KeepingWriter.write
+    written = []
+
+    def write(self, data):
+        if sum(written) + len(data) > 1000:
+            self.error = OSError(errno.ENOSPC, "No space left on device")
+            raise self.error
+        written.append(len(data))
+        return real(self, data)
+
+    monkeypatch.setattr(F._KeepingWriter, "write", write)
+    return written
+
+
+README = (f"# title\n\n{report.START}\nold results\n{report.END}\n\n{rehearsal.README_START}\n"
+          f"old rehearsal\n{rehearsal.README_END}\n\nA hand-written tail. " + "x" * 20_000 + "\n")
+
+
+def _writers(tmp_path):
+    """One call per kind of file the package writes, each writing ``tmp_path/<kind>``."""
+    record = rehearsal.read_record(REPO / "docs" / "rehearsal_t4.json")
+    big = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1\n" * 2000)])
+    history = History()
+    history.epochs = [{"epoch": i, "note": "y" * 100} for i in range(50)]
+    return {
+        "history.json": lambda p: history.to_json(p),
+        "results.json": lambda p: F.write_json(p, {"rows": list(range(2000))}),
+        "README.md": lambda p: report.update_readme(p, []),
+        "REHEARSAL.md": lambda p: rehearsal.update_readme(p, record),
+        "notebook.ipynb": lambda p: runner._write(big, p),
+        "checkpoint.pt": lambda p: C.atomic_save({"w": torch.randn(5000)}, p),
+    }
+
+
+@pytest.mark.parametrize("kind", ["history.json", "results.json", "README.md", "REHEARSAL.md",
+                                  "notebook.ipynb", "checkpoint.pt"])
+def test_a_full_disk_keeps_the_earlier_file_and_says_so(tmp_path, full_disk, kind):
+    """A full disk cut the README at 16 KiB and replaced JSON results with invalid JSON."""
+    path = tmp_path / kind
+    earlier = README.encode() if kind.endswith(".md") else b"the earlier file"
+    path.write_bytes(earlier)
+    with pytest.raises(F.DiskFullError, match=f"disk full: could not write .*{kind}"):
+        _writers(tmp_path)[kind](path)
+    assert path.read_bytes() == earlier
+    assert os.listdir(tmp_path) == [kind]  # no temporary file left
+
+
+FSIZE_SCRIPT = r"""
+import json, resource, sys
+from pathlib import Path
+import nbformat, torch
+from amp_lessons import checkpoint as C, files as F
+folder = Path(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+big = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1\n" * 2000)])
+calls = {"ckpt.pt": lambda p: C.atomic_save({"w": torch.randn(5000)}, p),
+         "text.md": lambda p: F.write_atomic(p, "y" * 10_000),
+         "nb.ipynb": lambda p: F.write_notebook(big, p)}
+out = {}
+for name, call in calls.items():
+    try:
+        call(folder / name)
+        out[name] = "written"
+    except Exception as exc:
+        out[name] = [type(exc).__name__, str(exc)]
+print(json.dumps(out))
+"""
+
+
+def test_a_file_size_limit_says_file_too_large_and_names_the_file(tmp_path):
+    """EFBIG made torch.save say "unexpected pos 2240 vs 2134"."""
+    names = ["ckpt.pt", "text.md", "nb.ipynb"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"earlier")
+    proc = subprocess.run([sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for name in names:
+        kind, message = out[name]
+        assert kind == "FileTooLargeError", out
+        assert message.startswith("file too large: could not write") and name in message
+        assert (tmp_path / name).read_bytes() == b"earlier"
+    assert sorted(os.listdir(tmp_path)) == sorted(names)
+
+
+# --- readers name the file ----------------------------------------------------------------------
+
+def test_readers_name_the_file(tmp_path):
+    empty, cut, latin = tmp_path / "empty.json", tmp_path / "cut.json", tmp_path / "latin.md"
+    empty.write_text("")
+    cut.write_text('{"card": "t4", "less')
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match="empty.json' is empty"):
+        F.read_json(empty)
+    with pytest.raises(ValueError, match="cut.json' is not valid JSON"):
+        F.read_json(cut)
+    with pytest.raises(ValueError, match="latin.md' is not UTF-8"):
+        F.read_text(latin, "README")
+    with pytest.raises(ValueError, match="latin.md' is not UTF-8"):
+        report.update_readme(latin, [])
+    for bad in (empty, cut):
+        with pytest.raises(ValueError, match=f"rehearsal record '.*{bad.name}'"):
+            rehearsal.read_record(bad)
+
+
+def _notebook_with(tmp_path, name, change):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])
+    doc = json.loads(nbformat.writes(nb))
+    change(doc)
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_an_invalid_notebook_is_one_error_naming_the_file(tmp_path):
+    """A code cell whose source is 5 gave an AttributeError traceback."""
+    number = _notebook_with(tmp_path, "01_number.ipynb",
+                            lambda d: d["cells"][0].__setitem__("source", 5))
+    no_cells = _notebook_with(tmp_path, "02_none.ipynb", lambda d: d.pop("cells"))
+    for path, message in ((number, "not a valid Jupyter notebook .*cells/0/source"),
+                          (no_cells, "not a Jupyter notebook")):
+        with pytest.raises(F.NotANotebookError, match=f"{path.name}: {message}"):
+            F.read_notebook(path)
+        with pytest.raises(ValueError, match=path.name):
+            report.collect([path])
+    for path in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        F.read_notebook(path)  # the course's own notebooks are valid

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from ._validate import is_real
-from .files import (DISK_FULL_ERRNOS, DiskFullError, FileTooLargeError, _host, _pid_alive,  # noqa: F401 - re-exported
-                    atomic_file, remove_stale_temp_files, temp_name, write_error)
+from .files import (DISK_FULL_ERRNOS, DiskFullError, FileTooLargeError, host_tag,  # noqa: F401 - re-exported
+                    pid_alive, atomic_file, remove_stale_temp_files, temp_name, write_error)
 
 TRAILER_PREFIX = b"\n#amp-lessons sha256="
 TRAILER_SIZE = len(TRAILER_PREFIX) + 64 + 1

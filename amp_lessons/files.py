@@ -69,7 +69,8 @@ class NotANotebookError(ValueError):
 
 # --- temporary names -----------------------------------------------------------------------------
 
-def _host() -> str:
+def host_tag() -> str:
+    """This host's name as temporary names carry it (letters, digits, ``_`` and ``.``)."""
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
 
 
@@ -84,7 +85,7 @@ def _temp_stem(path: Path) -> str:
     """The part of the target's name a temporary name keeps: shortened (at a character
     boundary, counted in bytes) so ``.<stem>.tmp-<host>-<pid>-<random>`` fits the folder's
     file-name limit."""
-    room = _name_max(path.parent) - len(f"..tmp-{_host()}--") - PID_DIGITS - RANDOM_HEX
+    room = _name_max(path.parent) - len(f"..tmp-{host_tag()}--") - PID_DIGITS - RANDOM_HEX
     name = path.name
     while len(os.fsencode(name)) > max(room, 0):
         name = name[:-1]
@@ -95,11 +96,12 @@ def temp_name(path: PathLike) -> Path:
     """A fresh temporary name next to ``path``: ``.<name>.tmp-<host>-<pid>-<random>``, the
     name shortened where needed so it fits the folder's file-name limit."""
     path = Path(path)
-    return path.with_name(f".{_temp_stem(path)}.tmp-{_host()}-{os.getpid()}-"
+    return path.with_name(f".{_temp_stem(path)}.tmp-{host_tag()}-{os.getpid()}-"
                           f"{secrets.token_hex(RANDOM_HEX // 2)}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (a pid of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -117,7 +119,7 @@ def remove_stale_temp_files(path: PathLike) -> List[Path]:
     on the side of keeping), and files of other hosts sharing the folder are left to those hosts.
     """
     path = Path(path)
-    pattern = re.compile(rf"^\.{re.escape(_temp_stem(path))}\.tmp-{re.escape(_host())}-(\d+)-"
+    pattern = re.compile(rf"^\.{re.escape(_temp_stem(path))}\.tmp-{re.escape(host_tag())}-(\d+)-"
                          rf"[0-9a-f]+$")
     removed = []
     try:
@@ -126,7 +128,7 @@ def remove_stale_temp_files(path: PathLike) -> List[Path]:
         return removed
     for entry in entries:
         match = pattern.match(entry.name)
-        if match is None or int(match.group(1)) == os.getpid() or _pid_alive(int(match.group(1))):
+        if match is None or int(match.group(1)) == os.getpid() or pid_alive(int(match.group(1))):
             continue
         try:
             os.unlink(entry.path)

@@ -26,12 +26,14 @@ Non-finite values without a GradScaler (fp32, tf32, bf16): ``TrainConfig(nonfini
 ``"skip"`` (the default) skips the step the way GradScaler does, on the device and without a host
 sync; ``"raise"`` stops with ``NonFiniteError`` naming the step (one host sync per step);
 ``"ignore"`` trains on. See ``TrainConfig`` and docs/reliability.md.
+
+A step that raises (a bad micro-batch, Stop pressed) is undone: the trainer is as it was before it.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -39,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._scaler import ScalerSettings
 from ._skipsafe import BatchNormGuard, UpdateGuard, fused_sgd_groups, prime_momentum_buffers
-from ._validate import (check_bool, check_choice, check_int, check_positive, check_real,
-                        check_seed, is_int, is_real)
+from ._validate import check_bool, check_choice, check_int, check_positive, check_seed, is_int
 from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_training_state,
                          read_verified, rng_state, set_rng_state)
 from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
@@ -56,70 +58,6 @@ READABLE_FORMATS = ("amp-lessons-trainer/1", CHECKPOINT_FORMAT)
 
 class NonFiniteError(FloatingPointError):
     """A non-finite loss or gradient under ``TrainConfig(nonfinite="raise")``; names the step."""
-
-
-# --- scaler settings -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ScalerSettings:
-    """GradScaler's four knobs (lesson 03) plus ``enabled``, validated when built.
-
-    ``init_scale`` > 0; ``growth_factor`` > 1; ``backoff_factor`` in (0, 1); ``growth_interval``
-    a whole number >= 1. Defaults are torch's.
-    """
-
-    init_scale: float = 2.0 ** 16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    enabled: bool = True
-
-    def __post_init__(self):
-        v = self.init_scale
-        if not is_real(v) or not 2.0 ** -126 <= v <= 2.0 ** 127:
-            raise ValueError(f"init_scale must be a finite number > 0 in float32's normal range "
-                             f"[2**-126, 2**127] (the scale is a float32 tensor); got {v!r}")
-        growth = check_real("growth_factor", self.growth_factor, 1.0, low_open=True)
-        if not is_real(self.backoff_factor) or not 0 < self.backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in the open interval (0, 1); "
-                             f"got {self.backoff_factor!r}")
-        interval = check_int("growth_interval", self.growth_interval, 1)
-        # NumPy scalars (a sweep over np.arange) are kept as plain Python numbers
-        for name, value in (("init_scale", float(v)), ("growth_factor", growth),
-                            ("backoff_factor", float(self.backoff_factor)),
-                            ("growth_interval", interval),
-                            ("enabled", check_bool("enabled", self.enabled))):
-            object.__setattr__(self, name, value)
-
-    def make(self, device_type: str) -> "torch.amp.GradScaler":
-        """A ``torch.amp.GradScaler(device_type, ...)`` with these settings."""
-        return torch.amp.GradScaler(device_type, **self.as_dict())
-
-    def apply_to(self, scaler: "torch.amp.GradScaler") -> None:
-        """Change a live scaler's knobs between steps. A changed ``init_scale`` resets the current
-        scale to it; an interval lowered below the good steps already counted makes the scale grow
-        at the next good step (torch alone would stall). ``enabled`` cannot change on a live
-        scaler (use ``Trainer.set_scaler``)."""
-        if scaler.is_enabled() != self.enabled:
-            raise ValueError(f"enabled cannot change on a live GradScaler (it is "
-                             f"{scaler.is_enabled()}); build a new one with make()")
-        scaler.set_growth_factor(float(self.growth_factor))
-        scaler.set_backoff_factor(float(self.backoff_factor))
-        scaler.set_growth_interval(self.growth_interval)
-        tracker = getattr(scaler, "_growth_tracker", None)
-        if tracker is not None:
-            # torch grows the scale when the count of good steps EQUALS the interval: lowering the
-            # interval below the count would stall growth until the next overflow. Cap the count
-            # (no sync), so the scale grows at the next good step instead.
-            tracker.clamp_(max=self.growth_interval - 1)
-        if float(self.init_scale) != float(scaler._init_scale):
-            scaler._init_scale = float(self.init_scale)  # used when the scale tensor is made
-            if self.enabled and scaler._get_scale_async() is not None:
-                scaler.update(new_scale=float(self.init_scale))
-
-    def as_dict(self) -> dict:
-        """Plain data (for checkpoints and JSON)."""
-        return asdict(self)  # plain Python numbers: __post_init__ converted them
 
 
 # --- configuration -------------------------------------------------------------------------------
@@ -553,13 +491,10 @@ class Trainer:
             raise
 
     def _undo_failed_step(self) -> None:
-        """Leave the trainer as it was before a step that raised: no gradients (the trainer holds
-        none between steps), BatchNorm statistics put back from the step's snapshot (where the
-        trainer takes one: see ``docs/reliability.md``), GradScaler's record of this step
-        forgotten (``unscale_`` already called, or ``step`` without ``update``), so the next
-        step runs normally. Only on failure: the happy path pays nothing for it. An interrupt that
-        lands after the optimizer stepped (the few microseconds before the step is recorded)
-        keeps that update in the model and BatchNorm, as a finished step would."""
+        """Leave the trainer as before a step that raised (docs/reliability.md): no gradients,
+        BatchNorm statistics back from the step's snapshot where one was taken, GradScaler's
+        record of the step forgotten (no "unscale_() has already been called" next time). Runs
+        only on failure. After the optimizer stepped, the update is kept, as a finished step's."""
         if self._phase == _SNAPSHOT_TAKEN:
             self._guard.restore()
         self.optimizer.zero_grad(set_to_none=True)

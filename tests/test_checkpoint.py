@@ -339,7 +339,7 @@ def test_stale_cleanup_never_touches_a_live_process_file(tmp_path):
     path = tmp_path / "c.pt"
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        live = tmp_path / f".c.pt.tmp-{C._host()}-{sleeper.pid}-abcd1234"
+        live = tmp_path / f".c.pt.tmp-{C.host_tag()}-{sleeper.pid}-abcd1234"
         live.write_bytes(b"being written")
         other_host = tmp_path / ".c.pt.tmp-otherhost-1-abcd1234"
         other_host.write_bytes(b"someone else's")

@@ -77,7 +77,7 @@ def test_temporary_names_fit_any_legal_target_name(tmp_path, name):
     path = tmp_path / name
     tmp = F.temp_name(path)
     assert len(os.fsencode(tmp.name)) <= os.pathconf(tmp_path, "PC_NAME_MAX")
-    assert tmp.parent == path.parent and F._host() in tmp.name
+    assert tmp.parent == path.parent and F.host_tag() in tmp.name
     F.write_atomic(path, "text")
     assert path.read_text() == "text"
     C.atomic_save({"x": torch.ones(3)}, path)

@@ -226,30 +226,45 @@ def _row(technique, memory, step_ms, img_per_s=None, device_type="cuda", state=0
             "device_type": device_type, "steps": 15, "warmup": 5, "state_gib": state}
 
 
+FP32 = _row("fp32", 20.0, 60.0)
+
+
 def test_claim_r8_verdicts_are_computed():
-    held = L.verdict_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
-    assert held.held is True and "within" in held.why
-    assert "25% saved" in held.measured and "+30%" in held.measured
-    more = L.verdict_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 4.0, 160.0)])
-    assert more.held is False
-    assert "more than the claimed 20-30%" in more.why
-    assert "more than the claimed 20-40%" in more.why
+    # one-sided, in points of fp32's memory (20 GiB here): 11 -> 5 GiB saves 30 points
+    held = L.verdict_r8([FP32, _row("AMP", 11.0, 100.0), _row("AMP + checkpointing", 5.0, 130.0)])
+    assert held.outcome == "held" and "30 points of fp32's" in held.measured
+    assert "+30%" in held.measured and held.numbers["points_of_fp32"] == pytest.approx(30.0)
+    # 20 points is the threshold: 21 holds, 19 does not
+    assert L.verdict_r8([FP32, _row("AMP", 11.0, 100.0),
+                         _row("AMP + checkpointing", 6.8, 130.0)]).held is True
+    low = L.verdict_r8([FP32, _row("AMP", 11.0, 100.0), _row("AMP + checkpointing", 7.2, 130.0)])
+    assert low.held is False and "19 points" in low.why
+    # saving more than claimed is not a refutation: held, understated, saying by how much
+    more = L.verdict_r8([FP32, _row("AMP", 11.0, 100.0), _row("AMP + checkpointing", 4.0, 133.0)])
+    assert more.outcome == "held, understated" and "35 points is 5 points more" in more.why
+    # time: at most 40% added holds; 41% does not; under 20% is understated too
+    assert L.verdict_r8([FP32, _row("AMP", 11.0, 100.0),
+                         _row("AMP + checkpointing", 5.0, 141.0)]).held is False
+    cheap = L.verdict_r8([FP32, _row("AMP", 11.0, 100.0), _row("AMP + checkpointing", 5.0, 115.0)])
+    assert cheap.outcome == "held, understated" and "15% is 5% less" in cheap.why
     none = L.verdict_r8([_row("AMP", 10.0, 100.0)])
     assert none.held is None and none.outcome == "not decided here"
-    few = L.verdict_r8([dict(r, steps=2) for r in (_row("AMP", 10.0, 100.0),
+    few = L.verdict_r8([dict(r, steps=2) for r in (FP32, _row("AMP", 10.0, 100.0),
                                                   _row("AMP + checkpointing", 7.5, 130.0))])
     assert few.held is None and "only 2 timed steps" in few.why
-    cpu = L.verdict_r8([_row("AMP", 10.0, 100.0, device_type="cpu"),
+    cpu = L.verdict_r8([dict(FP32, device_type="cpu"), _row("AMP", 10.0, 100.0, device_type="cpu"),
                       _row("AMP + checkpointing", 7.5, 130.0, device_type="cpu")])
     assert cpu.held is None and "counted" in cpu.why
+    no_fp32 = L.verdict_r8([_row("AMP", 10.0, 100.0), _row("AMP + checkpointing", 5.0, 130.0)])
+    assert no_fp32.held is None and "not finite" in no_fp32.why
 
 
 def test_claim_r8_never_rules_on_a_missing_or_nan_time():
     for bad in (float("nan"), 0.0, None):
-        v = L.verdict_r8([_row("AMP", 10.0, 100.0), dict(_row("AMP + checkpointing", 7.5, 130.0),
-                                                       step_ms=bad)])
+        v = L.verdict_r8([FP32, _row("AMP", 10.0, 100.0),
+                          dict(_row("AMP + checkpointing", 7.5, 130.0), step_ms=bad)])
         assert v.held is None and "not finite" in v.why, bad
-    v = L.verdict_r8([_row("AMP", float("nan"), 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
+    v = L.verdict_r8([FP32, _row("AMP", float("nan"), 100.0), _row("AMP + checkpointing", 7.5, 130.0)])
     assert v.held is None
 
 
@@ -614,9 +629,9 @@ def test_claim_r8_is_decided_on_a_pair_that_kept_the_gpu_busy():
         return dict(row, gpu_idle_fraction=share)
     eager = [idle(_row("AMP", 10.0, 100.0), 0.05), idle(_row("AMP + checkpointing", 4.0, 190.0), 0.35)]
     graph = [idle(_row("AMP + CUDA graph", 10.0, 95.0), 0.01),
-             idle(_row("AMP + checkpointing + CUDA graph", 7.5, 125.0), 0.02)]
-    verdict = L.verdict_r8(eager + graph)
-    assert verdict.held is True  # the graphed pair: 25% saved, +32% time
+             idle(_row("AMP + checkpointing + CUDA graph", 5.0, 125.0), 0.02)]
+    verdict = L.verdict_r8([FP32] + eager + graph)
+    assert verdict.held is True  # the graphed pair: 25 points of fp32's 20 GiB, +32% time
     assert "AMP + CUDA graph -> AMP + checkpointing + CUDA graph" in verdict.measured
     assert "GPU idle at most 2%" in verdict.measured
     host_bound = L.verdict_r8(eager)

@@ -427,7 +427,10 @@ def checkpointing_costs(rows: Sequence[Dict[str, object]]) -> List[Dict[str, obj
         added = (100 * (times[1] / times[0] - 1) if all(is_real(t) and t > 0 for t in times)
                  else math.nan)
         idle = [r.get("gpu_idle_fraction") for r in (plain, ckpt)]
-        out.append({"pair": f"{base} -> {ckpt_name}",
+        fp32 = ok.get("fp32")
+        points = (100 * (plain["memory_gib"] - ckpt["memory_gib"]) / fp32["memory_gib"]
+                  if fp32 and fp32.get("memory_gib") else math.nan)
+        out.append({"pair": f"{base} -> {ckpt_name}", "points_of_fp32": points,
                     "gpu_idle_fraction": max((v for v in idle if v is not None), default=None),
                     "memory_gib": plain["memory_gib"],
                     "memory_gib_checkpointed": ckpt["memory_gib"],
@@ -457,7 +460,9 @@ def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     pair of ``R8_PAIRS`` in ``technique_table`` rows whose steps kept the GPU busy (GPU idle at
     most ``claims.MAX_IDLE_FRACTION``): AMP eager, else AMP in a CUDA graph (no launch overhead,
     so the step time is the recomputation's compute time the claim is about), else bf16 or fp32.
-    Held when both the memory saved and the time added lie in the claim's ranges. A CPU run, too
+    One-sided, in points of fp32's memory: held when checkpointing saves at least 20 points of
+    the fp32 row's memory and adds at most 40% step time; more than 30 points saved, or under 20%
+    added, is "held, understated" (saying by how much). A CPU run, too
     few timed steps, or only host-bound pairs cannot decide: the verdict says so."""
     costs = checkpointing_costs(rows)
     if not costs:
@@ -470,19 +475,31 @@ def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
 
     busy = [c for c in costs if _timing_reason(pair_rows(c), idle=True) is None]
     c = busy[0] if busy else costs[0]
-    mem_ok = R8_MEMORY_PCT[0] <= c["memory_saved_pct"] <= R8_MEMORY_PCT[1]
-    time_ok = R8_TIME_PCT[0] <= c["time_added_pct"] <= R8_TIME_PCT[1]
+    points, added = c["points_of_fp32"], c["time_added_pct"]
     measured = (f"{c['pair']}: {c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
-                f"({c['memory_saved_pct']:.0f}% saved), step time {c['time_added_pct']:+.0f}%")
+                f"({c['memory_saved_pct']:.0f}% of AMP's memory, {points:.0f} points of fp32's), "
+                f"step time {added:+.0f}%")
     if c.get("gpu_idle_fraction") is not None:
         measured += f" (GPU idle at most {c['gpu_idle_fraction']:.0%} of a step)"
     reason = _timing_reason(pair_rows(c), idle=True)
     if reason and any(r.get("device_type") == "cpu" for r in pair_rows(c)):
         reason += "; memory on a CPU is counted, not a GPU's peak"
-    return claims.decide("R8", LESSON, measured, mem_ok and time_ok,
-                         f"{c['memory_verdict']}; {c['time_verdict']}",
-                         numbers={k: c[k] for k in ("memory_saved_pct", "time_added_pct")},
-                         cannot_decide=reason)
+    if not (is_real(points) and is_real(added) and math.isfinite(points)
+            and math.isfinite(added)):
+        return claims.decide("R8", LESSON, measured, False, "-",  # a NaN: decide rules nothing
+                             numbers={"points_of_fp32": points, "time_added_pct": added},
+                             cannot_decide=reason)
+    mem_ok, mem_more = claims.one_sided(points, *R8_MEMORY_PCT, " points")
+    time_ok, time_less = claims.one_sided(added, *R8_TIME_PCT, "%", larger_is_better=False)
+    why = (f"memory saved {points:.0f} points of fp32's memory "
+           f"({'>=' if mem_ok else '<'} {R8_MEMORY_PCT[0]:g}); time added {added:.0f}% "
+           f"({'<=' if time_ok else '>'} {R8_TIME_PCT[1]:g}%)")
+    understated = "; ".join(filter(None, (mem_more and f"memory: {mem_more}",
+                                          time_less and f"time: {time_less}"))) or None
+    return claims.decide("R8", LESSON, measured, mem_ok and time_ok, why,
+                         numbers={"points_of_fp32": points, "time_added_pct": added,
+                                  "memory_saved_pct": c["memory_saved_pct"]},
+                         cannot_decide=reason, understated=understated)
 
 
 def pareto_front(rows: Sequence[Dict[str, object]]) -> List[str]:
@@ -900,7 +917,8 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
                      f"with checkpointing, so accumulating micro-batches is "
                      f"{'the faster' if faster else 'NOT the faster'} way to a batch that does "
                      f"not fit")
-        reason = on_cpu or (_timing_reason(technique_rows) if speed else None)
+        reason = on_cpu or (_timing_reason([ok[amp], ok[amp_ckpt]], idle=True) if speed
+                            else None)
         out.append(claims.decide(
             "R10b", LESSON,
             "; ".join(describe(c) for c in large)

@@ -219,11 +219,13 @@ def test_technique_table_skips_what_a_cpu_cannot_count():
     assert rows[0]["status"] == "skipped" and "saved-tensor hooks" in rows[0]["reason"]
 
 
-def _row(technique, memory, step_ms, img_per_s=None, device_type="cuda", state=0.3):
+def _row(technique, memory, step_ms, img_per_s=None, device_type="cuda", state=0.3, idle=0.05):
+    """A technique_table row as a GPU measures it (its idle share included) unless told."""
     return {"technique": technique, "status": "ok", "memory_gib": memory, "step_ms": step_ms,
             "img_per_s": img_per_s if img_per_s is not None else 1000.0 / step_ms,
             "config": {"batch_size": 64}, "memory_source": "peak allocated (CUDA)",
-            "device_type": device_type, "steps": 15, "warmup": 5, "state_gib": state}
+            "device_type": device_type, "steps": 15, "warmup": 5, "state_gib": state,
+            "gpu_idle_fraction": idle if device_type == "cuda" else None}
 
 
 FP32 = _row("fp32", 20.0, 60.0)
@@ -280,8 +282,9 @@ def test_claim_r10_verdicts():
     rows = L.verdict_r10(cards, techniques)
     assert [r.claim for r in rows] == ["R10a", "R10b", "R10c", "R10d"]
     assert all(isinstance(r, claims.Verdict) and r.lesson == "05" for r in rows)
-    assert rows[0].held is True
+    assert rows[0].held is True and rows[0].outcome == "held, understated"
     assert "1 of 1" in rows[0].why and "memory saved 78%: more than" in rows[0].why
+    assert "78% is 18% more than the claimed 50-60%" in rows[0].why
     # a cheaper checkpointing that fits the same batch is a tie, not a loss (seen on an H200)
     tie = cards + [{"card_gb": 8, "technique": "AMP + checkpointing stem+layer1-2",
                     "largest_batch": 430, "status": "ok"}]
@@ -291,8 +294,23 @@ def test_claim_r10_verdicts():
     lost = L.verdict_r10(bigger, techniques)[0]
     assert lost.held is False and "0 of 1" in lost.why and "stem+layer1-2 larger" in lost.why
     assert "8 GB: fp32 90" in rows[0].measured
-    assert rows[1].held is True
+    assert rows[1].held is True and rows[1].outcome == "held"
     assert "memory saved 45%: within the claimed 40-50%" in rows[1].why
+    # R10b's speed comparison passes the busy-GPU gate: a GPU idle half the step cannot decide
+    busy = [dict(r, gpu_idle_fraction=0.05) for r in techniques]
+    assert L.verdict_r10(cards, busy)[1].held is True
+    idle = [busy[0], dict(busy[1], gpu_idle_fraction=0.5), busy[2]]
+    v = L.verdict_r10(cards, idle)[1]
+    assert v.held is None and "idle 50%" in v.why
+    edge = [busy[0], dict(busy[1], gpu_idle_fraction=0.26), busy[2]]
+    assert L.verdict_r10(cards, edge)[1].held is None
+    assert L.verdict_r10(cards, [busy[0], dict(busy[1], gpu_idle_fraction=0.24),
+                                 busy[2]])[1].held is True
+    # R10b one-sided: 40% is the threshold; above 50% the claim understated it
+    saved_39 = [techniques[0], _row("AMP", 12.2, 40.0, 3000.0), techniques[2]]
+    assert L.verdict_r10(cards, saved_39)[1].held is False
+    saved_60 = [techniques[0], _row("AMP", 8.0, 40.0, 3000.0), techniques[2]]
+    assert L.verdict_r10(cards, saved_60)[1].outcome == "held, understated"
     assert "the faster way" in rows[1].why and "24 GB" not in rows[1].measured
     assert all(r.held is None for r in rows[2:]) and "lesson 06" in rows[2].why
     # only small cards measured: R10b cannot be decided

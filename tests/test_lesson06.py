@@ -91,22 +91,65 @@ def _savings(peak_base, peak_zero, n=2):
 
 
 def test_r10c_verdict_follows_the_measurement():
-    held = _savings(10.0, 3.5)
+    held = _savings(10.0, 3.5, n=8)   # at the claim's own 8 ranks: decided on the measurement
     assert held["judged_on"] == "peak memory" and held["saved"] == pytest.approx(0.65)
     assert held["optimizer_state_saved"] == pytest.approx(0.5)
     v = lesson.verdict_r10c(held)
     assert isinstance(v, claims.Verdict) and v.claim == "R10c" and v.outcome == "held"
-    less = lesson.verdict_r10c(_savings(10.0, 8.0))
+    less = lesson.verdict_r10c(_savings(10.0, 8.0, n=8))
     assert less.outcome == "did not hold" and "below" in less.why
+    # one-sided: 60% is the threshold; above 70% the claim understated it
+    assert lesson.verdict_r10c(_savings(10.0, 4.1, n=8)).held is False       # 59%
+    assert lesson.verdict_r10c(_savings(10.0, 3.9, n=8)).outcome == "held"   # 61%
+    assert lesson.verdict_r10c(_savings(10.0, 2.0, n=8)).outcome == "held, understated"
     rows = lesson.r10c_rows(v, held, [_savings(10.0, 8.0)])
     assert [r["verdict"] for r in rows] == ["held", None]  # comparisons get no verdict
     assert rows[0]["saved per rank (%)"] == pytest.approx(65.0)
     assert rows[1]["optimizer state saved per rank (%)"] == pytest.approx(50.0)
 
 
+def _sweep(points, base_peak=10.0):
+    """ZeRO's peak and optimizer state per rank at each world size, against a DDP baseline."""
+    rows = []
+    for n, (peak, state_mib) in points.items():
+        rows += _rows("base", n, 10.0, 8.0, base_peak) + _rows("zero", n, 10.0, state_mib, peak)
+    return SweepResult(rows=rows, backend="nccl", launched=max(points))
+
+
+def test_r10c_from_a_memory_model_validated_at_the_ranks_that_ran():
+    # rest 2 GiB + 4 GiB of state / N: 6 GiB at 1 rank, 4 at 2, predicted 2.5 at 8 (75% saved)
+    result = _sweep({1: (6.0, 4096.0), 2: (4.0, 2048.0)})
+    model = lesson.zero_memory_model(result, "base", "zero", [1, 2])
+    assert model["validated"] and model["largest_error"] == pytest.approx(0.0)
+    assert model["predicted_zero_peak_gib"] == pytest.approx(2.5)
+    assert model["predicted_saved"] == pytest.approx(0.75) and not model["measured_at_ranks"]
+    savings = lesson.zero_savings(result, "base", "zero", 2)
+    v = lesson.verdict_r10c(savings, model)
+    assert v.outcome == "held, understated" and "predicted for 8 ranks (not run)" in v.why
+    assert "8 ranks did not run here" in v.measured
+    # the model predicts 59% and 61% at 8 ranks on either side of the threshold
+    for rest, held in ((4.1 - 0.5, False), (3.9 - 0.5, True)):
+        r = _sweep({1: (rest + 4.0, 4096.0), 2: (rest + 2.0, 2048.0)})
+        m = lesson.zero_memory_model(r, "base", "zero", [1, 2])
+        assert lesson.verdict_r10c(lesson.zero_savings(r, "base", "zero", 2), m).held is held
+    # a model that misses the measured peak at 2 ranks by more than 5% decides nothing
+    off = _sweep({1: (6.0, 4096.0), 2: (4.5, 2048.0)})
+    m = lesson.zero_memory_model(off, "base", "zero", [1, 2])
+    assert m["validated"] is False and m["largest_error"] == pytest.approx(0.5 / 4.5)
+    v = lesson.verdict_r10c(lesson.zero_savings(off, "base", "zero", 2), m)
+    assert v.outcome == "not decided here" and "8 ranks and only 2 ran" in v.why
+    # one rank count only: no model, not decided (the old verdict ruled at 2 ranks)
+    only = _sweep({2: (4.0, 2048.0)})
+    m = lesson.zero_memory_model(only, "base", "zero", [2])
+    assert m["validated"] is None and "two rank counts" in m["why"]
+    v = lesson.verdict_r10c(lesson.zero_savings(only, "base", "zero", 2), m)
+    assert not v.decided and "two rank counts" in v.why
+    assert not lesson.verdict_r10c(lesson.zero_savings(only, "base", "zero", 2)).decided
+
+
 def test_r10c_is_not_decided_on_a_nan_saving():
     for bad in (float("nan"), -float("inf")):
-        v = lesson.verdict_r10c(dict(_savings(10.0, 3.5), saved=bad))
+        v = lesson.verdict_r10c(dict(_savings(10.0, 3.5, n=8), saved=bad))
         assert v.outcome == "not decided here" and "not finite" in v.why
 
 
@@ -123,7 +166,7 @@ def test_r10c_is_not_decided_on_one_process_or_a_cpu():
     assert lesson.r10c_rows(v, savings)[0]["verdict"] == "not decided here"
 
 
-def test_r11_answer_and_verdict():
+def test_r11_answer_and_verdict(tmp_path):
     answer = lesson.deepspeed_equivalents()
     assert '"amp": {"enabled": true, "opt_level": "O2"}' in answer and "Apex" in answer
     assert '"bf16": {"enabled": true}' in answer and "ZeroRedundancyOptimizer" in answer
@@ -131,9 +174,24 @@ def test_r11_answer_and_verdict():
     assert support["torch.amp.GradScaler"] and support["ZeroRedundancyOptimizer"]
     assert support["fully_shard + MixedPrecisionPolicy"]
     assert isinstance(support["deepspeed installed"], bool)
-    v = lesson.verdict_r11(support)
-    assert v.claim == "R11" and v.lesson == "06" and v.outcome == "did not hold"
-    assert "Apex" in v.why and v.numbers["native_equivalents_present"] is True
+    # no DeepSpeed code to read: not decided, and the reason says so (nothing typed in)
+    absent = lesson.verdict_r11(support, lesson.deepspeed_amp_facts(tmp_path / "none"))
+    assert absent.outcome == "not decided here" and "cannot be read from its code" in absent.why
+    # a DeepSpeed engine that hands the key to Apex and refuses it with ZeRO: partly held
+    engine = tmp_path / "ds" / "runtime" / "engine.py"
+    engine.parent.mkdir(parents=True)
+    engine.write_text("amp_params = self.amp_params()\nmodel, optimizer = amp.initialize(model, "
+                      "optimizer, **amp_params)\nassert not (amp_enabled and zero_enabled), "
+                      "\"Amp and ZeRO are not currently compatible, please use fp16\"\n")
+    facts = lesson.deepspeed_amp_facts(tmp_path / "ds")
+    assert facts == {"installed": True, "source": str(engine), "calls_apex": True,
+                     "refuses_zero": True}
+    v = lesson.verdict_r11(support, facts)
+    assert v.claim == "R11" and v.lesson == "06" and v.outcome == "partly held"
+    assert [p.held for p in v.parts] == [True, False] and "Apex" in v.why
+    assert v.numbers["native_equivalents_present"] is True
+    engine.write_text("model, optimizer = amp.initialize(model, optimizer, **amp_params)\n")
+    assert lesson.verdict_r11(support, lesson.deepspeed_amp_facts(tmp_path / "ds")).held is True
     both = lesson.verdicts(_savings(10.0, 3.5), support)
     assert [x.claim for x in both] == list(lesson.DECIDES)
 

@@ -406,6 +406,13 @@ def _range_verdict(measured: float, low: float, high: float, what: str) -> str:
     return f"{what} {measured:.0f}%: within the claimed {low:.0f}-{high:.0f}%"
 
 
+def _more(saved: Optional[float], claimed: Sequence[float]) -> Optional[str]:
+    """By how much a saving beyond the claimed range undersold it (``claims.one_sided``)."""
+    if not is_real(saved) or not math.isfinite(saved):
+        return None
+    return claims.one_sided(saved, *claimed, "%")[1]
+
+
 def _by_technique(rows: Sequence[Dict[str, object]]) -> Dict[str, Dict[str, object]]:
     return {r.get("technique", r.get("label")): r for r in rows if r.get("status") == "ok"}
 
@@ -440,20 +447,6 @@ def checkpointing_costs(rows: Sequence[Dict[str, object]]) -> List[Dict[str, obj
     return out
 
 
-def _timing_reason(rows: Sequence[Dict[str, object]], idle: bool = False) -> Optional[str]:
-    """``claims.timing_gate`` over measured rows (their device, fewest steps and warm-up; with
-    ``idle``, also the largest GPU idle share among them)."""
-    ok = [r for r in rows if r.get("status") == "ok"]
-    if not ok:
-        return "nothing was measured"
-    device_type = ok[0].get("device_type") or ("cuda" if ok[0].get("timer") == "CUDA events"
-                                               else "cpu")
-    shares = [r["gpu_idle_fraction"] for r in ok if r.get("gpu_idle_fraction") is not None]
-    return claims.timing_gate(device_type, min(int(r.get("steps") or 0) for r in ok),
-                              min(int(r.get("warmup") or 0) for r in ok),
-                              gpu_idle_fraction=max(shares) if idle and shares else None)
-
-
 @claims.decides("R8")
 def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     """Claim R8 ("another 20-30% of memory for about 30% more compute time") against the first
@@ -473,7 +466,7 @@ def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     def pair_rows(c):
         return [by_name[name] for name in c["pair"].split(" -> ")]
 
-    busy = [c for c in costs if _timing_reason(pair_rows(c), idle=True) is None]
+    busy = [c for c in costs if claims.rows_timing_gate(*pair_rows(c)) is None]
     c = busy[0] if busy else costs[0]
     points, added = c["points_of_fp32"], c["time_added_pct"]
     measured = (f"{c['pair']}: {c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
@@ -481,7 +474,7 @@ def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
                 f"step time {added:+.0f}%")
     if c.get("gpu_idle_fraction") is not None:
         measured += f" (GPU idle at most {c['gpu_idle_fraction']:.0%} of a step)"
-    reason = _timing_reason(pair_rows(c), idle=True)
+    reason = claims.rows_timing_gate(*pair_rows(c))
     if reason and any(r.get("device_type") == "cpu" for r in pair_rows(c)):
         reason += "; memory on a CPU is counted, not a GPU's peak"
     if not (is_real(points) and is_real(added) and math.isfinite(points)
@@ -846,7 +839,9 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
     per-block checkpointing fits the largest batch on every such card and saves at least 50%
     of fp32's memory at the same batch; R10b (a larger card: AMP + accumulation, 40-50% saved)
     holds when AMP saves at least 40% and trains faster than AMP + checkpointing (so
-    accumulating micro-batches is the faster way to a batch that does not fit). Both need GPU
+    accumulating micro-batches is the faster way to a batch that does not fit; that speed
+    comparison passes the busy-GPU gate). Both are one-sided: a saving above the claimed range
+    is "held, understated". Both need GPU
     memory: on a CPU (counted memory, simulated cards of a few hundred MB) they are "not decided
     here". R10c and R10d need several GPUs: lesson 06 decides R10c, the course does not measure
     R10d. Where AMP (fp16) did not run but bf16 did, bf16 stands in for it and says so.
@@ -901,7 +896,7 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
             wins == len(per_card) and ckpt_saved >= R10A_SAVED_PCT[0],
             f"{pick}; " + _range_verdict(ckpt_saved, *R10A_SAVED_PCT, "memory saved"),
             numbers={"memory_saved_pct": ckpt_saved, "wins": wins, "cards": len(per_card)},
-            cannot_decide=on_cpu))
+            cannot_decide=on_cpu, understated=_more(ckpt_saved, R10A_SAVED_PCT)))
     large = [c for c in measured_cards if c >= small_card_gb]
     amp_saved = saved(amp)
     if not large or amp_saved is None:
@@ -917,7 +912,7 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
                      f"with checkpointing, so accumulating micro-batches is "
                      f"{'the faster' if faster else 'NOT the faster'} way to a batch that does "
                      f"not fit")
-        reason = on_cpu or (_timing_reason([ok[amp], ok[amp_ckpt]], idle=True) if speed
+        reason = on_cpu or (claims.rows_timing_gate(ok[amp], ok[amp_ckpt]) if speed
                             else None)
         out.append(claims.decide(
             "R10b", LESSON,
@@ -925,7 +920,8 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
             + f"; {amp} saved {amp_saved:.0f}% against fp32 at the same batch{note}",
             amp_saved >= R10B_SAVED_PCT[0] and faster,
             _range_verdict(amp_saved, *R10B_SAVED_PCT, "memory saved") + speed,
-            numbers={"memory_saved_pct": amp_saved}, cannot_decide=reason))
+            numbers={"memory_saved_pct": amp_saved}, cannot_decide=reason,
+            understated=_more(amp_saved, R10B_SAVED_PCT)))
     out.append(claims.not_decided("R10c", LESSON, "one GPU here",
                                   "needs several GPUs: lesson 06 measures ZeRO-1's memory per rank"))
     out.append(claims.not_decided("R10d", LESSON, "one GPU here",

@@ -9,15 +9,19 @@ Built on ``amp_lessons.distributed`` (the engine: launching, DDP / ZeRO / FSDP2 
    BatchNorm separately (``batchnorm_mixup``);
 2. **a transformer, where sharding matters**: DDP, ZeRO stage 1 and FSDP2 on a GPT-style model
    (``transformer_configs``);
-3. **claim R10c** (AMP + ZeRO stage 1 saves 60-70% per card): ``zero_savings``, ``verdict_r10c``;
+3. **claim R10c** (AMP + ZeRO stage 1 saves 60-70% per card): ``zero_savings``,
+   ``zero_memory_model`` (the saving at 8 ranks from a model checked at the ranks that ran),
+   ``verdict_r10c``;
 4. **claim R11** (a DeepSpeed ``"amp"`` config): ``deepspeed_equivalents``, ``native_support``,
-   ``verdict_r11``.
+   ``deepspeed_amp_facts`` (DeepSpeed's code, read as data), ``verdict_r11``.
 
 Every verdict is a ``claims.Verdict`` for a claim this lesson decides (``DECIDES``).
 """
 from __future__ import annotations
 
 import importlib.util
+import math
+from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +29,7 @@ from torch import nn
 
 from .. import claims
 from .. import distributed as multi
+from .._validate import is_real
 from ..precision import HALF_DTYPES, as_device, autocast_for
 
 LESSON = "06"
@@ -191,12 +196,70 @@ def zero_savings(result: multi.SweepResult, baseline: str, zero: str,
     return out
 
 
-@claims.decides("R10c")
-def verdict_r10c(savings: Mapping[str, Any]) -> claims.Verdict:
-    """Claim R10c beside ``zero_savings``: held when the saving per rank is within 60-70%.
+#: The rank count claim R10c is about ("several 8 GB cards": ZeRO's usual eight-GPU node).
+R10C_RANKS = 8
+#: How closely the memory model must predict a measured peak (relative) to count as validated.
+R10C_MODEL_TOLERANCE = 0.05
 
-    Not decided on one process (ZeRO has nothing to shard across) or without GPU peak memory
-    (CPU processes: no GPU memory, and AMP's part of the saving, activations, is not counted).
+
+def zero_memory_model(result: multi.SweepResult, baseline: str, zero: str,
+                      world_sizes: Sequence[int], ranks: int = R10C_RANKS) -> Dict[str, Any]:
+    """Claim R10c's memory model, fitted and checked on the rank counts that ran.
+
+    ZeRO stage 1 shards only the optimizer state, so run ``zero``'s peak per rank at N ranks is
+    ``rest + state / N`` (``rest``: weights, gradients, activations and buffers, which ZeRO-1
+    does not shard; ``state``: the whole optimizer state, N times the state per rank measured
+    at the fewest ranks). The model is fitted at the fewest ranks that ran and validated against
+    the measured peak at every other count (``largest_error``, relative; ``validated`` when at
+    most ``R10C_MODEL_TOLERANCE``); it then predicts the peak at ``ranks`` against
+    ``baseline``'s (plain DDP replicates everything: its peak per rank does not depend on N).
+    ``measured_at_ranks`` is True when ``ranks`` itself ran. ``why`` says what is missing.
+    """
+    ran = [n for n in sorted(set(world_sizes))
+           if result.ran(baseline, n) and result.ran(zero, n)]
+    points = []
+    for n in ran:
+        b, z = result.find(baseline, n), result.find(zero, n)
+        points.append({"world_size": n, "baseline_peak_gib": b.get("peak_gib"),
+                       "zero_peak_gib": z.get("peak_gib"),
+                       "state_per_rank_gib": (z["optimizer_state_mib"] / 1024
+                                              if z.get("optimizer_state_mib") is not None
+                                              else None)})
+    usable = [p for p in points if p["zero_peak_gib"] and p["baseline_peak_gib"]
+              and p["state_per_rank_gib"] is not None]
+    out: Dict[str, Any] = {"ranks": ranks, "points": points, "validated": None,
+                           "largest_error": None, "predicted_saved": None,
+                           "measured_at_ranks": any(p["world_size"] == ranks for p in usable),
+                           "why": ""}
+    if len(usable) < 2:
+        out["why"] = (f"the model needs peak memory at two rank counts to be checked; measured "
+                      f"at {', '.join(str(p['world_size']) for p in usable) or 'none'}")
+        return out
+    first = usable[0]
+    state = first["state_per_rank_gib"] * first["world_size"]
+    rest = first["zero_peak_gib"] - state / first["world_size"]
+    errors = []
+    for p in usable[1:]:
+        p["predicted_zero_peak_gib"] = rest + state / p["world_size"]
+        errors.append(abs(p["predicted_zero_peak_gib"] - p["zero_peak_gib"]) / p["zero_peak_gib"])
+    base = usable[-1]["baseline_peak_gib"]
+    predicted = rest + state / ranks
+    out.update(validated=max(errors) <= R10C_MODEL_TOLERANCE, largest_error=max(errors),
+               rest_gib=rest, state_gib=state, baseline_peak_gib=base,
+               predicted_zero_peak_gib=predicted, predicted_saved=1 - predicted / base)
+    return out
+
+
+@claims.decides("R10c")
+def verdict_r10c(savings: Mapping[str, Any],
+                 model: Optional[Mapping[str, Any]] = None) -> claims.Verdict:
+    """Claim R10c (several 8 GB cards: AMP + ZeRO stage 1 saves 60-70% of memory) at the rank
+    count it is about, ``R10C_RANKS``. ``savings`` (``zero_savings``) is what the most ranks that
+    ran measured, shown always; ``model`` (``zero_memory_model``) carries it to ``R10C_RANKS``.
+    Decided on the measured saving where ``R10C_RANKS`` ran, else on the model's prediction when
+    the model was validated at the counts that ran (the verdict says plainly that
+    ``R10C_RANKS`` ranks did not run); one-sided: at least 60% holds. Not decided on one
+    process, on CPU processes (no GPU memory), or without a validated model.
     """
     low, high = R10C_RANGE
     s = savings["saved"]
@@ -216,10 +279,32 @@ def verdict_r10c(savings: Mapping[str, Any]) -> claims.Verdict:
     elif savings["judged_on"] != "peak memory":
         cannot = ("measured on CPU processes: no GPU memory was measured, and AMP's part of the "
                   "saving (activations) is not counted; the claim is about GPU memory")
-    where = "within" if low <= s <= high else "below" if s < low else "above"
-    return claims.decide("R10c", LESSON, measured, low <= s <= high,
-                         f"{s:.0%} is {where} the claimed {low:.0%}-{high:.0%}", numbers,
-                         cannot_decide=cannot)
+    decided_on = s
+    if cannot is None and n != R10C_RANKS:
+        if model is None or not model.get("validated"):
+            why = (model or {}).get("why") or (
+                f"the memory model missed a measured peak by {model['largest_error']:.0%}"
+                if model and model.get("largest_error") is not None else "no memory model given")
+            cannot = (f"the claim is about {R10C_RANKS} ranks and only {n} ran here; {why}, so "
+                      f"the saving at {R10C_RANKS} ranks cannot be predicted")
+        else:
+            decided_on = model["predicted_saved"]
+            numbers["predicted_saved"] = decided_on
+            measured += (f"; the memory model (peak = {model['rest_gib']:.2f} GiB + "
+                         f"{model['state_gib']:.2f} GiB of optimizer state / N), fitted at "
+                         f"{model['points'][0]['world_size']} rank(s) and within "
+                         f"{model['largest_error']:.1%} of the measured peak at the others, "
+                         f"predicts {decided_on:.0%} saved at {R10C_RANKS} ranks "
+                         f"({R10C_RANKS} ranks did not run here)")
+    held, more = (claims.one_sided(100 * decided_on, 100 * low, 100 * high, "%")
+                  if cannot is None and is_real(decided_on) and math.isfinite(decided_on)
+                  else (False, None))
+    where = ("within" if low <= decided_on <= high else "below" if decided_on < low
+             else "above") if is_real(decided_on) else "not comparable with"
+    what = "measured" if decided_on is s else f"predicted for {R10C_RANKS} ranks (not run)"
+    return claims.decide("R10c", LESSON, measured, held,
+                         f"{decided_on:.0%} {what} is {where} the claimed {low:.0%}-{high:.0%}",
+                         numbers, cannot_decide=cannot, understated=more)
 
 
 def r10c_rows(verdict: claims.Verdict, savings: Mapping[str, Any],
@@ -293,33 +378,82 @@ def native_support() -> Dict[str, Any]:
             "deepspeed installed": _importable("deepspeed"), "apex installed": _importable("apex")}
 
 
+#: What claim R11 turns on, looked for in DeepSpeed's own engine code (``runtime/engine.py``):
+#: the call that hands the "amp" dict to NVIDIA Apex, and the check that refuses it with ZeRO.
+DEEPSPEED_AMP_CALL = "amp.initialize("
+DEEPSPEED_AMP_ZERO_REFUSAL = "Amp and ZeRO are not currently compatible"
+
+
+def deepspeed_amp_facts(root: Optional[Path] = None) -> Dict[str, Any]:
+    """What DeepSpeed's installed code does with the ``"amp"`` key, read as text (DeepSpeed is
+    never imported): ``installed``, ``source`` (the file read), ``calls_apex`` (it hands the
+    key's settings to Apex's ``amp.initialize``) and ``refuses_zero`` (it asserts that amp and
+    ZeRO are not compatible). ``root``: a DeepSpeed package directory (default: the installed
+    one, found without importing it)."""
+    if root is None:
+        try:
+            spec = importlib.util.find_spec("deepspeed")
+        except (ImportError, ValueError):
+            spec = None
+        locations = list(getattr(spec, "submodule_search_locations", None) or [])
+        root = Path(locations[0]) if locations else None
+    engine = root / "runtime" / "engine.py" if root is not None else None
+    if engine is None or not engine.is_file():
+        return {"installed": root is not None, "source": None, "calls_apex": None,
+                "refuses_zero": None}
+    text = engine.read_text(errors="replace")
+    return {"installed": True, "source": str(engine),
+            "calls_apex": DEEPSPEED_AMP_CALL in text and "amp_params" in text,
+            "refuses_zero": DEEPSPEED_AMP_ZERO_REFUSAL in text}
+
+
 @claims.decides("R11")
-def verdict_r11(support: Mapping[str, Any]) -> claims.Verdict:
-    """Claim R11: the ``"amp"`` key is NVIDIA Apex's AMP handed through DeepSpeed, not DeepSpeed's
-    or PyTorch's mixed precision, and DeepSpeed refuses it with ZeRO: as the way to enable mixed
-    precision in DeepSpeed it does not hold. ``support`` is ``native_support()``: what ran here."""
+def verdict_r11(support: Mapping[str, Any],
+                facts: Optional[Mapping[str, Any]] = None) -> claims.Verdict:
+    """Claim R11 (a DeepSpeed config enables mixed precision with ``"amp": {"enabled": true,
+    "opt_level": "O2"}``), decided from DeepSpeed's own code read as data
+    (``deepspeed_amp_facts``, ``facts``), in two parts: the key enables mixed precision (held
+    where DeepSpeed hands it to Apex's ``amp.initialize``: Apex AMP, deprecated by Apex) and it
+    works with ZeRO, as article R uses it beside ZeRO stage 1 (does not hold where DeepSpeed
+    refuses the two together). Not decided where DeepSpeed is not installed: its code cannot be
+    read here. ``support`` is ``native_support()``: PyTorch's native equivalents, shown."""
+    facts = deepspeed_amp_facts() if facts is None else facts
     native = all(support.get(k) for k in ("torch.amp.GradScaler",
                                           "fully_shard + MixedPrecisionPolicy",
                                           "ZeroRedundancyOptimizer"))
-    measured = ("DeepSpeed's config handling (its documentation and code): the \"amp\" dict goes "
-                "to apex.amp.initialize; installed here: deepspeed "
-                f"{'yes' if support.get('deepspeed installed') else 'no'}, apex "
+    measured = (f"installed here: deepspeed {'yes' if facts.get('installed') else 'no'}, apex "
                 f"{'yes' if support.get('apex installed') else 'no'}; PyTorch's native "
                 f"equivalents (autocast, GradScaler, FSDP2, ZeroRedundancyOptimizer) "
                 f"{'all present and run in this lesson' if native else 'not all present'}")
-    return claims.decide(
-        "R11", LESSON, measured, False,
-        "the key turns on NVIDIA Apex's deprecated AMP (it needs Apex, and DeepSpeed refuses it "
-        "together with \"fp16\" or ZeRO); DeepSpeed's own mixed precision is \"fp16\"/\"bf16\", "
-        "and PyTorch's is torch.autocast + GradScaler",
-        {"native_equivalents_present": native, **{k: support.get(k) for k in
-                                                  ("deepspeed installed", "apex installed")}})
+    numbers = {"native_equivalents_present": native,
+               **{k: facts.get(k) for k in ("installed", "calls_apex", "refuses_zero")}}
+    if not facts.get("source"):
+        missing = ("DeepSpeed is installed but its runtime/engine.py was not found"
+                   if facts.get("installed") else "DeepSpeed is not installed here (the course "
+                                                  "does not depend on it)")
+        return claims.not_decided(
+            "R11", LESSON, measured,
+            f"{missing}, so what the key does cannot be read from its code. Its documentation "
+            f"describes the key as NVIDIA Apex's AMP, not compatible with ZeRO; with deepspeed "
+            f"installed, this verdict reads its code and decides", numbers)
+    measured = f"read {facts['source']}: " + measured
+    parts = [claims.Part("the key enables mixed precision", bool(facts["calls_apex"]),
+                         "DeepSpeed hands the key's settings to NVIDIA Apex's amp.initialize "
+                         "(Apex AMP, which Apex deprecates in favour of torch.amp; Apex must be "
+                         "installed)" if facts["calls_apex"] else
+                         "DeepSpeed's engine does not hand the key to amp.initialize"),
+             claims.Part("together with ZeRO stage 1, as article R uses it",
+                         not facts["refuses_zero"],
+                         f"DeepSpeed asserts \"{DEEPSPEED_AMP_ZERO_REFUSAL}\"; its own mixed "
+                         f"precision is \"fp16\"/\"bf16\"" if facts["refuses_zero"] else
+                         "DeepSpeed's engine does not refuse amp with ZeRO")]
+    return claims.decide("R11", LESSON, measured, None, "", numbers, parts=parts)
 
 
-def verdicts(savings: Mapping[str, Any],
-             support: Optional[Mapping[str, Any]] = None) -> List[claims.Verdict]:
-    """This lesson's verdicts, one per claim of ``DECIDES``."""
-    return [verdict_r10c(savings), verdict_r11(support or native_support())]
+def verdicts(savings: Mapping[str, Any], support: Optional[Mapping[str, Any]] = None,
+             model: Optional[Mapping[str, Any]] = None) -> List[claims.Verdict]:
+    """This lesson's verdicts, one per claim of ``DECIDES`` (``model``: ``zero_memory_model``)."""
+    return [verdict_r10c(savings, model), verdict_r11(support or native_support())]
 
 
 #: The claims this lesson decides, derived from its ``claims.decides`` declarations.

@@ -105,3 +105,166 @@ def test_a_ruling_on_a_nan_or_inf_number_is_not_decided():
     ok = claims.decide("R8", "05", "ran", False, "rule", numbers={"memory_saved_pct": 12.0,
                                                                   "note": "nan"})
     assert ok.held is False
+
+
+# --- the finer verdict scale (issue 27) -------------------------------------------------------------
+
+def test_the_outcomes_are_the_documented_scale():
+    assert claims.OUTCOMES == ("held", "held, understated", "held, deprecated", "partly held",
+                               "did not hold", "not decided here")
+    text = claims.claims_markdown()
+    assert "held, understated" in text and "partly held" in text and "held, deprecated" in text
+
+
+def test_understated_and_deprecated_qualify_only_a_held_claim():
+    v = claims.decide("R8", "05", "56% saved", True, "saved more", understated="56 vs 20-30")
+    assert v.outcome == "held, understated" and "understated: 56 vs 20-30" in v.why
+    assert claims.decide("R8", "05", "10% saved", False, "less",
+                         understated="x").outcome == "did not hold"
+    d = claims.decide("B6", "02", "warns", True, "runs", deprecated="use torch.amp")
+    assert d.outcome == "held, deprecated" and "use torch.amp" in d.why and d.decided
+    gated = claims.decide("R8", "05", "cpu", True, "x", understated="y", cannot_decide="on cpu")
+    assert gated.outcome == "not decided here" and gated.qualifier == ""
+    with pytest.raises(ValueError, match="understated or deprecated"):
+        claims.decide("B6", "02", "x", True, "y", understated="a", deprecated="b")
+    with pytest.raises(ValueError, match="deprecated must say"):
+        claims.decide("B6", "02", "x", True, "y", deprecated=" ")
+
+
+def test_parts_decide_a_compound_claim():
+    P = claims.Part
+    partly = claims.decide("B4", "03", "ran", None, "", parts=[P("a", False, "no knob"),
+                                                               P("b", True, "fewer skips")])
+    assert partly.outcome == "partly held" and partly.held is False and partly.decided
+    assert partly.why == "a: did not hold (no knob); b: held (fewer skips)"
+    assert claims.decide("B4", "03", "ran", None, "", parts=[P("a", True, "x"),
+                                                             P("b", True, "y")]).outcome == "held"
+    assert claims.decide("B4", "03", "ran", None, "", parts=[P("a", False, "x"),
+                                                             P("b", None, "y")]).outcome == \
+        "did not hold"
+    assert claims.decide("B4", "03", "ran", None, "", parts=[P("a", True, "x"),
+                                                             P("b", None, "y")]).outcome == \
+        "partly held"
+    undecided = claims.decide("B4", "03", "ran", None, "", parts=[P("a", None, "x")])
+    assert undecided.outcome == "not decided here"
+    with pytest.raises(ValueError, match="held must be None when parts"):
+        claims.decide("B4", "03", "ran", True, "", parts=[P("a", True, "x")])
+    with pytest.raises(ValueError, match="must say why"):
+        P("a", True, "")
+    with pytest.raises(ValueError, match="parts must be claims.Part"):
+        claims.decide("B4", "03", "ran", None, "", parts=[("a", True, "x")])
+
+
+def test_a_stand_in_is_named_in_the_outcome():
+    v = claims.decide("B2", "04", "ran", True, "fast", stand_in="ResNet-50 for train.py")
+    assert v.outcome == "held, on a stand-in" and v.why.startswith("on a stand-in (ResNet-50")
+    u = claims.decide("B2", "04", "ran", True, "x", stand_in="s", cannot_decide="on cpu")
+    assert u.outcome == "not decided here" and u.why == "on cpu"
+
+
+@pytest.mark.parametrize("measured, held, understated", [
+    (19.9, False, None), (20.0, True, None), (30.0, True, None), (30.5, True, "more than")])
+def test_one_sided_saving(measured, held, understated):
+    got_held, got = claims.one_sided(measured, 20, 30, "%")
+    assert got_held is held and (got is None if understated is None else understated in got)
+
+
+@pytest.mark.parametrize("measured, held, understated", [
+    (40.5, False, None), (40.0, True, None), (20.0, True, None), (19.0, True, "less than")])
+def test_one_sided_cost(measured, held, understated):
+    got_held, got = claims.one_sided(measured, 20, 40, "%", larger_is_better=False)
+    assert got_held is held and (got is None if understated is None else understated in got)
+
+
+def test_one_sided_rejects_bad_numbers():
+    with pytest.raises(ValueError, match="measured must be a finite number"):
+        claims.one_sided(float("nan"), 20, 30, "%")
+    with pytest.raises(ValueError, match="claimed_low must be <= claimed_high"):
+        claims.one_sided(25, 30, 20, "%")
+
+
+# --- one way to declare a decider, one naming scheme, the registry derived ---------------------------
+
+def test_the_registry_is_derived_from_the_decides_declarations():
+    found = claims.deciders()
+    measured = [cid for cid, c in claims.CLAIMS.items() if c.lesson is not None]
+    assert list(found) == measured   # every claim a lesson decides has exactly one decider
+    for cid, where in found.items():
+        module, name = where.rsplit(".", 1)
+        assert name == claims.verdict_name([cid]) or name == claims.verdict_name(
+            [c for c, w in found.items() if w == where])
+        assert cid in importlib.import_module(module).DECIDES
+    for name, mod in lesson_modules().items():
+        assert tuple(mod.DECIDES) == claims.decided_in(mod.__name__), name
+
+
+def test_decides_checks_name_lesson_and_uniqueness():
+    assert claims.verdict_name(["B1"]) == "verdict_b1"
+    assert claims.verdict_name(["R10a", "R10b"]) == "verdict_r10"
+    with pytest.raises(ValueError, match="share no stem"):
+        claims.verdict_name(["R10a", "B1"])
+
+    def decide_b1():
+        pass
+    with pytest.raises(ValueError, match="must be named verdict_b1"):
+        claims.decides("B1")(decide_b1)
+
+    def verdict_r8():   # its module (this test file) is no lesson: it has no LESSON
+        pass
+    with pytest.raises(ValueError, match="decided by lesson 05"):
+        claims.decides("R8")(verdict_r8)
+    with pytest.raises(ValueError, match="claim must be one of"):
+        claims.decides("Z1")
+    with pytest.raises(ValueError, match="at least one"):
+        claims.decides()
+
+
+def test_a_second_decider_of_a_claim_is_refused():
+    ns = {"LESSON": "04"}
+    exec("def verdict_b1():\n    pass\n", ns)
+    fn = ns["verdict_b1"]
+    fn.__module__ = "somewhere.else"
+    claims.deciders()
+    with pytest.raises(ValueError, match="already decided by amp_lessons.lessons.l04"):
+        claims.decides("B1")(fn)
+
+
+def test_no_lesson_types_in_a_ruling():
+    """No verdict is typed in: no call to claims.decide passes a literal True or False as held."""
+    import ast
+    for name, mod in lesson_modules().items():
+        tree = ast.parse(Path(mod.__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "decide":
+                held = node.args[3] if len(node.args) > 3 else next(
+                    (k.value for k in node.keywords if k.arg == "held"), None)
+                assert not (isinstance(held, ast.Constant) and held.value in (True, False)), \
+                    f"{name}:{node.lineno} types in held={held.value}"
+
+
+# --- one helper applies the timing gate to rows -------------------------------------------------------
+
+def _timed(**extra):
+    row = {"label": "r", "status": "ok", "timer": "CUDA events", "steps": 15, "warmup": 5,
+           "gpu_idle_fraction": 0.05}
+    row.update(extra)
+    return row
+
+
+def test_rows_timing_gate():
+    assert claims.rows_timing_gate(_timed(), _timed()) is None
+    assert "idle 26%" in claims.rows_timing_gate(_timed(), _timed(gpu_idle_fraction=0.26))
+    assert claims.rows_timing_gate(_timed(gpu_idle_fraction=0.25)) is None   # the threshold
+    assert "not measured" in claims.rows_timing_gate(_timed(gpu_idle_fraction=None))
+    assert claims.rows_timing_gate(_timed(gpu_idle_fraction=None), busy=False) is None
+    assert "cpu" in claims.rows_timing_gate(_timed(), _timed(timer="perf_counter"))
+    assert "cpu" in claims.rows_timing_gate(_timed(timer=None, device_type="cpu"))
+    assert claims.rows_timing_gate(_timed(timer=None, device_type="cuda")) is None
+    assert "only 9 timed steps" in claims.rows_timing_gate(_timed(steps=9))
+    assert claims.rows_timing_gate(_timed(steps=10)) is None
+    assert "warm-up" in claims.rows_timing_gate(_timed(warmup=0))
+    assert "did not run" in claims.rows_timing_gate(_timed(status="out of memory"))
+    with pytest.raises(ValueError, match="at least one"):
+        claims.rows_timing_gate()
+    with pytest.raises(ValueError, match="measured rows"):
+        claims.rows_timing_gate("row")

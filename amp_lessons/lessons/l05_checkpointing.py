@@ -479,9 +479,12 @@ def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
         reason += "; memory on a CPU is counted, not a GPU's peak"
     if not (is_real(points) and is_real(added) and math.isfinite(points)
             and math.isfinite(added)):
-        return claims.decide("R8", LESSON, measured, False, "-",  # a NaN: decide rules nothing
-                             numbers={"points_of_fp32": points, "time_added_pct": added},
-                             cannot_decide=reason)
+        return claims.not_decided(
+            "R8", LESSON, measured, reason or (
+                f"a measured number is not finite (points_of_fp32={points!r}, "
+                f"time_added_pct={added!r}): no fp32 row, or the run diverged or was not "
+                f"measured, so it cannot rule"),
+            numbers={"points_of_fp32": points, "time_added_pct": added})
     mem_ok, mem_more = claims.one_sided(points, *R8_MEMORY_PCT, " points")
     time_ok, time_less = claims.one_sided(added, *R8_TIME_PCT, "%", larger_is_better=False)
     why = (f"memory saved {points:.0f} points of fp32's memory "

@@ -27,8 +27,6 @@ def fail(command: str, message: str, status: int = 2) -> int:
     return status
 
 
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)

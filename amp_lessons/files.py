@@ -194,7 +194,13 @@ def atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
         mode = os.stat(path).st_mode & 0o7777
     except OSError:
         mode = None
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    except OSError as exc:  # say which file could not be written, not the temporary name
+        better = write_error(exc, path, what)
+        if better is not None:
+            raise better from None
+        raise type(exc)(exc.errno, f"cannot write {what} {path}: {exc.strerror}") from None
     writer = None
     try:
         with os.fdopen(fd, "wb") as f:

@@ -106,6 +106,15 @@ def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_the_umask(tmp_path):
 
 # --- failures: nothing half-written, nothing left behind, the cause said -------------------------
 
+def test_a_folder_that_refuses_the_file_is_named_with_the_target(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(F.os, "open", refuse)
+    with pytest.raises(PermissionError, match=r"cannot write README .*/README.md: Permission"):
+        F.write_atomic(tmp_path / "README.md", "x", "README")
+
+
 @pytest.fixture
 def full_disk(monkeypatch):
     """A stand-in for a full disk: every write through the atomic writer fails with ENOSPC

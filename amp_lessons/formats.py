@@ -37,7 +37,7 @@ __all__ = [
     "Classification", "classify", "check_scale", "scaled_counts", "scaled_fractions",
     "underflow_fraction", "scale_sweep", "gradient_summary", "gradient_summary_text",
     "collect_gradients", "measure_limits", "accumulate", "KINDS", "band_limits", "SWAMPING_RUNS",
-    "swamping_runs", "swamping_rows", "best_scale_exponent", "scale_report",
+    "swamping_runs", "swamping_rows", "best_scale_exponent", "scale_report", "ulp",
 ]
 
 # --- the formats ---------------------------------------------------------------------------------
@@ -794,6 +794,20 @@ def accumulate(update: float, steps: int, fmt: Union[str, FormatInfo, torch.dtyp
         w = w + u.to(info.torch_dtype)
         out[i + 1] = w
     return out.to("cpu", torch.float64).numpy()
+
+
+def ulp(x: Number, fmt: Union[str, FormatInfo, torch.dtype]) -> float:
+    """The unit in the last place of ``x`` in ``fmt``: the gap from ``|x|`` (rounded to ``fmt``)
+    to the next larger value. Adding less than half of it to ``x`` leaves ``x`` unchanged under
+    round-to-nearest (the swamping of ``accumulate``)."""
+    info = get_format(fmt)
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"x must be a finite number; got {x!r}")
+    a = float(round_to(abs(x), info))
+    if not math.isfinite(a):
+        raise ValueError(f"x must lie within {info.name}'s range (at most {info.max:g}); got {x!r}")
+    exponent = max(math.frexp(a)[1] - 1 if a else info.min_exponent, info.min_exponent)
+    return 2.0 ** (exponent - info.mantissa_bits)
 
 
 SWAMPING_RUNS = {"fp16 weight": ("fp16", None), "bf16 weight": ("bf16", None),

@@ -355,7 +355,7 @@ def _row(recipe: WeightRecipe, seed: int, status: str) -> dict:
             "losses": [], "rounded_away": [], "final_loss": None, "params": None,
             "weights_mib": None, "grads_mib": None, "state_mib": None, "activations_mib": None,
             "step_ms": None, "optimizer_ms": None, "optimizer_compiled_ms": None,
-            "peak_mib": None, "timer": None, "seconds": None}
+            "peak_mib": None, "timer": None, "compile_error": None, "seconds": None}
 
 
 def train_recipe(recipe: WeightRecipe, make_model: Callable[[], nn.Module],
@@ -485,10 +485,15 @@ def _train(row, recipe, make_model, batch, loss_fn, steps, lr_at, device, seed, 
     if cuda:
         row["peak_mib"] = torch.cuda.max_memory_allocated(device) / MIB
     if recipe.needs_torchao:  # torchao compiles per parameter; compiling the whole step fuses more
-        compiled = torch.compile(opt.step)
-        done = time_steps(lambda a, b: compiled(), x, y, warmup=warmup, steps=time_steps_n,
-                          device=device, reset_peak=False)
-        row["optimizer_compiled_ms"] = statistics.median(done["times_ms"])
+        try:
+            compiled = torch.compile(opt.step)
+            done = time_steps(lambda a, b: compiled(), x, y, warmup=warmup, steps=time_steps_n,
+                              device=device, reset_peak=False)
+            row["optimizer_compiled_ms"] = statistics.median(done["times_ms"])
+        except Exception as exc:  # noqa: BLE001 - the eager step's numbers stand without it
+            if is_out_of_memory(exc):
+                raise
+            row["compile_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
 def memory_rows(rows: Sequence[dict]) -> List[dict]:

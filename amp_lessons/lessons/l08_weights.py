@@ -140,14 +140,14 @@ def teacher_student(width: int, batch_size: int, steps: int, device, lr: float =
     check_int("steps", steps, 1)
     device = torch.device(device)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(teacher_seed)
-        teacher = mlp(width, depth).to(device).requires_grad_(False)
+        torch.manual_seed(teacher_seed)  # the teacher runs in bf16: cheap, and the same for all
+        teacher = mlp(width, depth).to(device, torch.bfloat16).requires_grad_(False)
 
     @torch.no_grad()
     def batch(step: int):
         g = torch.Generator(device=device).manual_seed(10_000 + step)
         x = torch.randn(batch_size, width, device=device, generator=g)
-        return x, teacher(x)
+        return x, teacher(x.to(torch.bfloat16)).float()
 
     def loss_fn(out, y):
         return nn.functional.mse_loss(out.float(), y)

@@ -172,7 +172,8 @@ def byte_gpt(corpus: "l07_fp8.Corpus", model_kwargs: Mapping, batch_size: int, s
     device = torch.device(device)
     text = corpus.train.to(device)
     seq_len = kwargs["seq_len"]
-    offsets = l07_fp8.batch_offsets(len(text), seq_len, batch_size, steps + 1, data_seed)
+    offsets = l07_fp8.batch_offsets(len(text), seq_len, batch_size, steps + 1,
+                                    data_seed).to(device)  # one copy, not a blocking one per step
 
     def batch(step: int):
         return l07_fp8.text_batch(text, offsets[step], seq_len)
@@ -237,7 +238,9 @@ def comparison(rows: Sequence[Mapping]) -> List[dict]:
             same = next((b for b in ref if b["seed"] == r["seed"]), None)
             final = r["final_loss"] if is_real(r.get("final_loss")) else None
             diff = final - same["final_loss"] if final is not None and same else None
-            tail = [v for s, v in r["rounded_away"] if s >= 0.9 * len(r["losses"])]
+            counted = r["rounded_away"]  # (step, share) every few steps; the last 10% of them
+            tail = [v for s, v in counted if s >= 0.9 * len(r["losses"])] or \
+                [v for _, v in counted[-max(1, len(counted) // 10):]]
             out.append({"workload": workload, "recipe": r["recipe"], "final loss": final,
                         "reference": same["final_loss"] if same else None,
                         "difference %": 100 * diff / same["final_loss"] if diff is not None else None,
@@ -330,30 +333,40 @@ def r10c_line(per_rank: Sequence[Mapping]) -> str:
 def choice_table(table: Sequence[Mapping], memory: Sequence[Mapping],
                  cards=CARDS, sizes: Sequence[float] = MODEL_SIZES,
                  state_share: float = STATE_SHARE) -> List[dict]:
-    """For each model size and card: the recipe to pick, from this run's measurements. A recipe
-    fits when its model state (measured bytes per parameter x parameters) takes at most
-    ``state_share`` of the card; among those that ran and fit, the pick is the one whose final
-    loss came closest to the fp32-master reference (on the last workload measured, the GPT where
-    it ran); bf16-weight recipes are left out on cards without native bf16."""
+    """For each model size and card: the recipe to pick, from this run's measurements.
+
+    A recipe fits when its model state (measured bytes per parameter x parameters) takes at most
+    ``state_share`` of the card; bf16-weight recipes are left out on cards without native bf16.
+    The pick, judged on the last workload measured (the GPT where it ran): the fp32-master
+    reference where it fits; else, among the recipes whose final loss came within the
+    reference's seed spread, the one with the fewest bytes per parameter; else the one closest to
+    the reference. Where nothing fits, the state must be sharded across GPUs.
+    """
     check_real("state_share", state_share, 0.0, 1.0, low_open=True)
     workloads = [t["workload"] for t in table if t["final loss"] is not None]
     if not workloads:
         return []
     workload = workloads[-1]
-    gaps = {t["recipe"]: abs(t["difference %"]) for t in table
-            if t["workload"] == workload and t["difference %"] is not None}
-    gaps[REFERENCE] = 0.0
+    mine = {t["recipe"]: t for t in table if t["workload"] == workload
+            and t["difference %"] is not None}
     bpp = {m["recipe"]: m["bytes per parameter"] for m in memory if m["workload"] == workload}
+
+    def rank(r):
+        if r == REFERENCE:
+            return (0, 0.0)
+        if mine[r]["within spread"]:
+            return (1, bpp[r])
+        return (2, abs(mine[r]["difference %"]))
     rows = []
     for size in sizes:
         row = {"model": f"{size / 1e9:g} B parameters"}
         for card, gib, bf16 in cards:
-            fits = [r for r in gaps if r in bpp and bpp[r] * size <= state_share * gib * GIB
+            fits = [r for r in mine if r in bpp and bpp[r] * size <= state_share * gib * GIB
                     and (bf16 or not optim.get_recipe(r).needs_bf16)]
             if not fits:
                 row[card] = "shard it (lesson 06)"
                 continue
-            pick = min(fits, key=lambda r: (gaps[r], bpp[r]))
+            pick = min(fits, key=rank)
             row[card] = f"{pick} ({bpp[pick]:.1f} B/param)"
         rows.append(row)
     return rows

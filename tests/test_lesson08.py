@@ -316,3 +316,19 @@ def test_figures_have_titles_and_axis_titles_with_units():
     for builder in (WP.recipe_losses, WP.rounded_away, WP.memory_by_category):
         with pytest.raises(ValueError):
             builder([])
+
+
+def test_a_card_without_bf16_runs_fp16_autocast_and_says_what_it_skipped():
+    w = _mlp_workload(4)
+    rows = L.run_recipes(w, L.ALL_RECIPES, "cpu", seeds=(0, 1), amp_dtype=torch.float16,
+                         bf16=False)
+    status = {(r["recipe"], r["seed"]): r["status"] for r in rows}
+    assert status[("fp32 master", 0)] == status[("fp32 master", 1)] == "trained"
+    assert all(status[(n, 0)] == "not run: no native bf16 on this GPU" for n in L.TORCH_RECIPES[1:])
+    assert "skipped bf16, bf16 + stochastic rounding, bf16 + Kahan: no native bf16" in L.skipped_line(rows)
+    table = L.comparison(rows)
+    memory = L.memory_table(rows)
+    assert [m["recipe"] for m in memory] == ["fp32 master"]
+    choice = L.choice_table(table, memory, cards=(("T4", 15, False),), sizes=(1e8, 1e9))
+    assert choice == [{"model": "0.1 B parameters", "T4": "fp32 master (16.0 B/param)"},
+                      {"model": "1 B parameters", "T4": "shard it (lesson 06)"}]

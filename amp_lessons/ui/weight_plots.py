@@ -43,9 +43,12 @@ def _smooth(values, window: int) -> np.ndarray:
 
 
 def _panels(workloads: Sequence[str], title: str, x_title: str, y_title: str,
-            height: int = 440) -> go.Figure:
+            height: int = 500) -> go.Figure:
     fig = make_subplots(rows=1, cols=len(workloads), subplot_titles=list(workloads))
     styled(fig, title, x_title, y_title, height=height)
+    # the legend sits between the title and the panels' own titles, never over either
+    fig.update_layout(margin=dict(t=150), title=dict(y=0.97, yanchor="top"),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.08, xanchor="left", x=0))
     return fig
 
 
@@ -115,7 +118,7 @@ def memory_by_category(memory: Sequence[Mapping], title: str = "Where the traini
     if not memory:
         raise ValueError("memory must hold at least one row")
     workloads = _workloads(memory)
-    fig = _panels(workloads, title, "recipe", "memory (MiB)", height=480)
+    fig = _panels(workloads, title, "recipe", "memory (MiB)", height=540)
     for col, w in enumerate(workloads, start=1):
         mine = [m for m in memory if m["workload"] == w]
         for key, label, color in MEMORY_PARTS:

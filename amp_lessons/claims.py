@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ._validate import check_int, is_real
+from .tables import markdown_text
 
 ARTICLES = {
     "R": ("PyTorch 2.0 混合精度训练实战：ResNet-50 显存节省 40% 的 3 个关键配置 (\"Mixed precision "
@@ -503,7 +504,7 @@ def claims_markdown() -> str:
     for c in _CLAIMS:
         where = f"lesson {c.lesson}" if c.lesson else "not measured"
         cells = [c.id, c.article, c.says, where, c.rule]
-        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+        lines.append("| " + " | ".join(markdown_text(x, in_table=True) for x in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,7 @@ from .files import read_json, read_text, write_atomic, write_json
 from .report import RESULT_MIME, replace_block
 from .runner import (NotebookRunError, environment_variable, read_notebook, run_notebook,
                      run_record)
-from .tables import json_safe
+from .tables import json_safe, markdown_text
 
 MIB = 2**20
 
@@ -475,7 +475,7 @@ def markdown(doc: Dict[str, object]) -> str:
             "-" if r.get("gpu_busy_s") is None else f"{r['gpu_busy_s'] / 60:.1f} min",
             "-" if est is None else f"about {max(1, round(est / 60))} min",
             "-" if peak is None else f"{peak / 1024:.1f} GiB",
-            not_run.replace("|", "/")]) + " |")
+            markdown_text(not_run, in_table=True)]) + " |")
     pub = doc.get("published", PUBLISHED)
     card, host = pub[doc["card"]], pub["host"]
     lines.append("")

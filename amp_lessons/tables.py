@@ -1,9 +1,13 @@
-"""Numbers as text, defined once: the one text-table formatter, value and percentage formatting,
-and the one helper that turns results into plain JSON data. Every module and lesson uses these."""
+"""Numbers as text, defined once: the one text-table formatter (and its HTML twin), value,
+percentage and plural formatting, the one way generated Markdown and HTML protect identifiers
+(code spans), and the one helper that turns results into plain JSON data. Every module and
+lesson uses these."""
 from __future__ import annotations
 
+import html
 import math
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+import re
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._validate import is_int, is_real
 
@@ -58,6 +62,83 @@ def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) ->
     return f"{text}%"
 
 
+def plural(count, word: str, many: Optional[str] = None) -> str:
+    """``count`` and ``word`` as a reader writes them: ``"1 epoch"``, ``"3 epochs"``,
+    ``"1,500 steps"``; ``many`` is the plural where adding an s is wrong (``"batches"``)."""
+    if not is_real(count):
+        raise ValueError(f"count must be a number; got {count!r}")
+    if not isinstance(word, str) or not word:
+        raise ValueError(f"word must be a non-empty string; got {word!r}")
+    number = f"{int(count):,}" if is_int(count) or float(count).is_integer() else f"{count:g}"
+    return f"{number} {word if count == 1 else (many or word + 's')}"
+
+
+# --- identifiers in generated Markdown and HTML ------------------------------------------------
+# Text a reader sees rendered (a README table, a notebook's table) may hold code: `__init__`,
+# `channels_last`, `torch.amp.GradScaler(...)`. Rendered as plain Markdown, underscores turn into
+# bold or italics and the name is lost, so code-like words go into code spans, defined once here.
+
+_SPAN = re.compile(r"`[^`\n]+`")
+_WORD = re.compile(r"(?<![\w`.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+                   r"(?:\([^()\n]*\)|=[\w.+\-*]+)?")
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]~|]|<(?=[A-Za-z/!?]))")
+
+
+def _is_code(word: str) -> bool:
+    name = word.split("(", 1)[0].split("=", 1)[0]
+    if word.endswith(("(s)", "(es)")):  # "warning(s)": a plural, not a call
+        return "_" in name
+    if "(" in word or "_" in name:
+        return True
+    parts = name.split(".")
+    return len(parts) > 1 and any(len(p) > 1 for p in parts)  # torch.amp, not e.g
+
+
+def code_pieces(text: str) -> List[Tuple[str, bool]]:
+    """``text`` cut into ``(piece, is_code)``: spans already in backticks (without them) and
+    code-like words (names with an underscore, dotted names, calls such as
+    ``GradScaler.__init__()``) are code; everything else is prose."""
+    pieces: List[Tuple[str, bool]] = []
+    at = 0
+    for span in _SPAN.finditer(text):
+        pieces += _words(text[at:span.start()])
+        pieces.append((span.group()[1:-1], True))
+        at = span.end()
+    return pieces + _words(text[at:])
+
+
+def _words(text: str) -> List[Tuple[str, bool]]:
+    pieces, at = [], 0
+    for m in _WORD.finditer(text):
+        if _is_code(m.group()):
+            pieces += [(text[at:m.start()], False), (m.group(), True)]
+            at = m.end()
+    pieces.append((text[at:], False))
+    return [p for p in pieces if p[0]]
+
+
+def markdown_text(value, in_table: bool = False) -> str:
+    """``value`` as Markdown that renders as the text it is: code in code spans, Markdown's
+    special characters escaped elsewhere, one line; ``in_table`` also escapes ``|`` inside code
+    spans (a table cell's pipe ends the cell even there)."""
+    text = str(value).replace("\n", " ")
+    out = []
+    for piece, code in code_pieces(text):
+        if code:
+            fence = "``" if "`" in piece else "`"
+            out.append(fence + (piece.replace("|", "\\|") if in_table else piece) + fence)
+        else:
+            out.append(_MD_SPECIAL.sub(r"\\\1", piece))
+    return "".join(out)
+
+
+def html_text(value) -> str:
+    """``value`` as HTML: escaped, with the same code-like words as ``markdown_text`` in
+    ``<code>``."""
+    return "".join(f"<code>{html.escape(p)}</code>" if code else html.escape(p)
+                   for p, code in code_pieces(str(value)))
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -88,6 +169,29 @@ def _cell(row: Mapping, col, cell: Optional[Callable[[Any], str]] = None) -> str
     return format_value(value)
 
 
+def _grid(rows: Sequence[Mapping], columns: Optional[Sequence[Column]],
+          formats: Optional[Mapping[str, str]], cell: Optional[Callable[[Any], str]]):
+    """(headings, rows of cell texts, which columns are numeric): what both tables show."""
+    if not rows:
+        raise ValueError("rows must hold at least one row")
+    if columns is None:
+        formats = formats or {}
+        head = list(rows[0].keys())
+
+        def plain(col, v):
+            if col in formats and _is_number(v):
+                return format(v, formats[col])
+            return repr(v) if isinstance(v, float) else str(v)
+
+        return head, [[plain(c, r.get(c)) for c in head] for r in rows], [False] * len(head)
+    cols = _columns(rows, columns)
+    if not cols:
+        raise ValueError("columns must name at least one key present in the rows")
+    cells = [[_cell(r, c, cell) for c in cols] for r in rows]
+    numeric = [all(_is_number(r.get(c[0])) or r.get(c[0]) is None for r in rows) for c in cols]
+    return [c[1] for c in cols], cells, numeric
+
+
 def text_table(rows: Sequence[Mapping], columns: Optional[Sequence[Column]] = None,
                formats: Optional[Mapping[str, str]] = None,
                cell: Optional[Callable[[Any], str]] = None) -> str:
@@ -101,36 +205,32 @@ def text_table(rows: Sequence[Mapping], columns: Optional[Sequence[Column]] = No
     other than ``"ok"`` carries its ``reason``, and numeric columns are right-aligned. ``cell``,
     when given, formats every value instead (a lesson's own number style).
     """
-    if not rows:
-        raise ValueError("rows must hold at least one row")
-    if columns is None:
-        formats = formats or {}
-        head = list(rows[0].keys())
-
-        def plain(col, v):
-            if col in formats and _is_number(v):
-                return format(v, formats[col])
-            return repr(v) if isinstance(v, float) else str(v)
-
-        body = [[plain(c, r.get(c)) for c in head] for r in rows]
-        widths = [max(len(x) for x in col) for col in zip(head, *body)]
-        lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip()
-                 for line in [head] + body]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
-    cols = _columns(rows, columns)
-    if not cols:
-        raise ValueError("columns must name at least one key present in the rows")
-    cells = [[_cell(r, c, cell) for c in cols] for r in rows]
-    widths = [max(len(c[1]), *(len(line[i]) for line in cells)) for i, c in enumerate(cols)]
-    numeric = [all(_is_number(r.get(c[0])) or r.get(c[0]) is None for r in rows) for c in cols]
+    head, body, numeric = _grid(rows, columns, formats, cell)
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
 
     def line(values):
         return "  ".join(v.rjust(w) if num else v.ljust(w)
                          for v, w, num in zip(values, widths, numeric)).rstrip()
 
-    lines = [line([c[1] for c in cols]), line(["-" * w for w in widths])]
-    return "\n".join(lines + [line(c) for c in cells])
+    lines = [line(head), line(["-" * w for w in widths])]
+    return "\n".join(lines + [line(c) for c in body])
+
+
+def html_table(rows: Sequence[Mapping], columns: Optional[Sequence[Column]] = None,
+               formats: Optional[Mapping[str, str]] = None,
+               cell: Optional[Callable[[Any], str]] = None) -> str:
+    """The same table as ``text_table`` (same columns, cells and right-aligned numbers) as an
+    HTML ``<table>``, with code in ``<code>``: what a notebook shows, so a wide table scrolls
+    instead of wrapping mid-row."""
+    head, body, numeric = _grid(rows, columns, formats, cell)
+
+    def tr(values, tag):
+        return "<tr>" + "".join(
+            f'<{tag} style="text-align: {"right" if num else "left"}">{html_text(v)}</{tag}>'
+            for v, num in zip(values, numeric)) + "</tr>"
+
+    return ("<table>\n<thead>" + tr(head, "th") + "</thead>\n<tbody>\n"
+            + "\n".join(tr(r, "td") for r in body) + "\n</tbody>\n</table>")
 
 
 def json_safe(obj):

@@ -1,4 +1,5 @@
 """Published results, and the README's results section rebuilt from the committed notebooks."""
+import re
 from pathlib import Path
 
 import nbformat
@@ -23,7 +24,10 @@ def test_markdown_table_formats_cells():
 def test_bundle_carries_rows_for_the_readme():
     bundle = report.result_bundle("lesson04.table", ROWS, "ResNet-50", note="batch 256")
     assert bundle[report.RESULT_MIME]["rows"][0]["img/s"] == 905.4
-    assert bundle["text/markdown"].startswith("**ResNet-50**") and "batch 256" in bundle["text/markdown"]
+    assert bundle["text/html"].startswith("<p><strong>ResNet-50</strong></p>")
+    assert "<table>" in bundle["text/html"] and "batch 256" in bundle["text/html"]
+    assert bundle["text/plain"].startswith("ResNet-50") and "batch 256" in bundle["text/plain"]
+    assert "text/markdown" not in bundle  # a notebook shows an HTML table; the README gets Markdown
     with pytest.raises(ValueError, match="key must be lowercase"):
         report.result_bundle("Bad Key", ROWS, "t")
     with pytest.raises(ValueError, match="title must be"):
@@ -132,3 +136,38 @@ def test_replace_block_swaps_what_lies_between_the_markers():
         report.replace_block("a<e>b<s>c", "<s>", "<e>", "x", "demo")
     with pytest.raises(ValueError, match="more than once"):
         report.replace_block("<s>1<e><s>2<e>", "<s>", "<e>", "x", "demo")
+
+
+def test_tables_in_notebooks_are_html_with_a_text_fallback():
+    """The one display helper: an HTML table (code in <code>) and the aligned text table."""
+    rows = [{"config": "fp16, channels_last", "img/s": 2944.0}, {"config": "fp32", "img/s": 905.4}]
+    bundle = report.table_bundle(rows, [("config", "configuration"), ("img/s", "img/s", ".0f")],
+                                 title="Speed of <x>", note="see GradScaler.__init__()")
+    html = bundle["text/html"]
+    assert "<td style=\"text-align: left\">fp16, <code>channels_last</code></td>" in html
+    assert "<td style=\"text-align: right\">2944</td>" in html and "Speed of &lt;x&gt;" in html
+    assert "<code>GradScaler.__init__()</code>" in html
+    lines = bundle["text/plain"].splitlines()
+    assert lines[0] == "Speed of <x>" and lines[2].split() == ["configuration", "img/s"]
+
+
+def _prose(line: str) -> str:
+    return re.sub(r"`[^`]*`", "", line)
+
+
+def test_generated_markdown_keeps_identifiers_in_code_spans():
+    """Every generated Markdown table (README results, claims table, docs/claims.md): no
+    underscore or asterisk outside a code span unescaped, so `__init__` never renders bold."""
+    from amp_lessons import claims
+
+    verdict = claims.Verdict(claim="B4", lesson="03", held=False,
+                             measured="TypeError: GradScaler.__init__() got 'scale_factor'",
+                             why="use growth_factor=2.0 *or* torch.amp.GradScaler(device)")
+    text = report.markdown_table([verdict.row()], list(report.VERDICT_COLUMNS))
+    assert "`GradScaler.__init__()`" in text and "`growth_factor=2.0`" in text
+    assert "`torch.amp.GradScaler(device)`" in text and "\\*or\\*" in text
+    generated = [text, claims.claims_markdown(), report.results_section(course_notebooks())]
+    for block in generated:
+        for line in block.splitlines():
+            if line.startswith("|"):
+                assert not re.search(r"(?<!\\)[_*]", _prose(line)), line

@@ -71,3 +71,40 @@ def test_json_safe_gives_plain_json():
     assert out == {"a": 1.5, "b": 2.0, "c": [1, None], "3": 4, "d": "torch.float16", "e": [None]}
     json.dumps(out, allow_nan=False)
     assert not any(isinstance(v, float) and not math.isfinite(v) for v in out["c"] if v is not None)
+
+
+@pytest.mark.parametrize("count, word, many, text", [
+    (1, "epoch", None, "1 epoch"), (3, "epoch", None, "3 epochs"), (0, "step", None, "0 steps"),
+    (1500, "step", None, "1,500 steps"), (1.0, "step", None, "1 step"),
+    (2, "batch", "batches", "2 batches"), (np.int64(1), "seed", None, "1 seed")])
+def test_plural(count, word, many, text):
+    assert tables.plural(count, word, many) == text
+
+
+def test_plural_rejects_bad_input():
+    with pytest.raises(ValueError, match="count must be a number"):
+        tables.plural("3", "step")
+    with pytest.raises(ValueError, match="word must be"):
+        tables.plural(3, "")
+
+
+@pytest.mark.parametrize("text, markdown", [
+    ("TypeError: GradScaler.__init__() got 'scale_factor'",
+     "TypeError: `GradScaler.__init__()` got '`scale_factor`'"),
+    ("use torch.amp.GradScaler(device_type), e.g. now", "use `torch.amp.GradScaler(device_type)`, e.g. now"),
+    ("already `a_b | c` here | there", "already `a_b \\| c` here \\| there"),
+    ("2 warning(s), fp32 (TF32 off), x -> y >= 2, 3 *bold* <b>", "2 warning(s), fp32 (TF32 off), x -> y >= 2, "
+     "3 \\*bold\\* \\<b>"),
+    ("version 2.11.0 and docs/claims.md", "version 2.11.0 and docs/`claims.md`"),
+])
+def test_markdown_text_puts_code_in_code_spans(text, markdown):
+    assert tables.markdown_text(text, in_table=True) == markdown
+
+
+def test_html_text_and_table_use_the_same_code_words():
+    assert tables.html_text("a <b> & channels_last") == "a &lt;b&gt; &amp; <code>channels_last</code>"
+    html = tables.html_table([{"name": "x_y", "n": 2.5}, {"name": "z", "n": None}], ["name", "n"])
+    assert "<code>x_y</code>" in html and ">2.50</td>" in html and ">n/a</td>" in html
+    assert html.count("<tr>") == 3
+    with pytest.raises(ValueError, match="rows must hold"):
+        tables.html_table([], ["a"])

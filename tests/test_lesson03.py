@@ -36,14 +36,37 @@ def test_lesson_decides_only_its_own_claims():
 
 
 def test_steps_to_settle_definition():
+    """Settled: the step after the last skip, with no skip in the rest of the run."""
     assert L.steps_to_settle([False] * 10, window=10) == 0
     assert L.steps_to_settle([True, True, True] + [False] * 10, window=10) == 3
-    # a skip inside the first streak pushes the settle point past it
+    # a later skip moves the settle point past it, however long the clean streak before it
     assert L.steps_to_settle([True, False, False, True, False, False, False], window=3) == 4
-    assert L.steps_to_settle([True] + [False] * 9, window=10) is None  # streak too short
+    assert L.steps_to_settle([True] + [False] * 30 + [True] + [False] * 10, window=10) == 32
+    assert L.steps_to_settle([True] + [False] * 9, window=10) is None  # too close to the end
     assert L.steps_to_settle([], window=1) is None
     with pytest.raises(ValueError, match="window"):
         L.steps_to_settle([False], window=0)
+
+
+def test_a_run_that_skips_late_has_not_settled_early():
+    """The case a learner met: a long clean streak early, then skips until step 980 of 3,000:
+    the scale settled after step 980, not after 1 step, and the last skip says so beside it."""
+    skipped = [False] * 3000
+    for i in [0] + list(range(20, 981, 10)):
+        skipped[i] = True
+    assert L.last_skip(skipped) == 980 and L.last_skip([False, False]) is None
+    assert L.steps_to_settle(skipped) == 981
+    assert L.settled_text(skipped) == "after 981 steps (last skip at step 980)"
+    skipped[2995] = True
+    assert L.steps_to_settle(skipped) is None
+    assert L.settled_text(skipped) == "not within the run (last skip at step 2,995 of 3,000)"
+    assert L.settled_text([False] * 12) == "at step 0 (no step skipped)"
+    row = _fake_run("late", skipped).row()
+    assert row["last skip (step)"] == 2995 and row["settled after (steps)"] is None
+    assert set(L.PRESET_COLUMNS) <= set(row) and "last skipped step" in L.PRESET_NOTE
+    html = W.comparison_table_html([_fake_run("x", [True, False, True] + [False] * 20).row()],
+                                   L.PRESET_NOTE)
+    assert "after 3 steps (last skip: step 2)" in html and "the step after the last skip" in html
 
 
 def test_final_loss_is_mean_of_last_steps():
@@ -60,7 +83,8 @@ def test_summary_line_says_what_was_measured():
     assert s["skipped steps"] == 2 and s["settled after (steps)"] == 2
     assert s["final loss"] == pytest.approx(0.5)
     line = run.summary_line()
-    assert "skipped 2 of 14 steps" in line and "settled after 2 steps" in line
+    assert "skipped 2 of 14 steps" in line
+    assert "settled after 2 steps (last skip at step 1)" in line
     assert "2^10 = 1,024" in line and "0.5000" in line
 
 
@@ -88,6 +112,7 @@ def test_scale_factor_is_not_a_gradscaler_argument():
 
 def test_early_skips_counts_skips_before_settling():
     assert L.early_skips(_fake_run("a", [True, False, True] + [False] * 10)) == 2
+    assert L.early_skips(_fake_run("c", [True] + [False] * 20 + [True] + [False] * 10)) == 2
     assert L.early_skips(_fake_run("b", [True, False] * 6)) == 6  # never settled: all of them
 
 def test_step_table_text_explains_each_update():

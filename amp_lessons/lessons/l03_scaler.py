@@ -29,6 +29,7 @@ from ..data import digits_loaders
 from ..formats import gradient_summary, scale_sweep
 from ..models import DIGITS_MODELS, build_digits_model, resnet50
 from ..precision import as_device
+from ..tables import plural
 from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer
 from ..ui import widgets
 from ..ui.plots import lost_shares, pow2_text
@@ -76,27 +77,51 @@ SETTLE_WINDOW = 10
 FINAL_LOSS_WINDOW = 10
 
 
+def last_skip(skipped: Sequence[bool]) -> Optional[int]:
+    """The (0-based) step of the run's last skipped step, or ``None`` when no step was skipped."""
+    return max((i for i, skip in enumerate(skipped) if skip), default=None)
+
+
 def steps_to_settle(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> Optional[int]:
     """How many optimizer steps a run took before its loss scale settled, or ``None``.
 
-    Definition: the scale has *settled* at step ``k`` (0-based) when steps ``k .. k+window-1``
-    are all taken, i.e. ``window`` steps in a row without a skip, so the scaler has stopped
-    cutting the scale back. The result is the smallest such ``k`` (equivalently, the number of
-    steps that came before that streak); ``None`` when the run holds no such streak (it skipped
-    too often, or has fewer than ``window`` steps after its last skip).
+    Definition (``SETTLED_MEANS``): the scale has *settled* at the step after the run's last
+    skipped step: from there to the end of the run no step was skipped. The result is that
+    step's number (equivalently, the number of steps before it; 0 when no step was skipped).
+    ``None`` when the run never settled: its last skip is among its last ``window`` steps, too
+    close to the end to tell a settled scale from a pause between overflows.
 
-    This measures early wobble (skipping), not whether the scale is as large as it could be: a
-    scale that starts low and climbs without ever overflowing has settled at step 0.
-    Raises ``ValueError`` for ``window < 1``.
+    A scaler that keeps probing (it grows every ``growth_interval`` steps, overflows, backs off)
+    never settles by this definition, and says so. Raises ``ValueError`` for ``window < 1``.
     """
     if not is_int(window) or window < 1:
         raise ValueError(f"window must be an integer >= 1; got {window!r}")
-    streak = 0
-    for i, skip in enumerate(skipped):
-        streak = 0 if skip else streak + 1
-        if streak == window:
-            return i - window + 1
-    return None
+    last = last_skip(skipped)
+    settled = 0 if last is None else last + 1
+    return settled if len(skipped) - settled >= window else None
+
+
+SETTLED_MEANS = (f"settled: the step after the last skipped step (no skip in the rest of the "
+                 f"run); never when the last skip is within the last {SETTLE_WINDOW} steps")
+
+
+PRESET_COLUMNS = ("preset", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                  "skipped steps", "settled after (steps)", "last skip (step)", "final scale",
+                  "final loss", "test accuracy")
+PRESET_NOTE = (f"final loss: mean training loss of the last {FINAL_LOSS_WINDOW} steps; "
+               f"{SETTLED_MEANS}; last skip: the step number of the run's last skipped step.")
+
+
+def settled_text(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> str:
+    """When the scale settled, in words, with the last skip beside it: ``"after 981 steps (last
+    skip at step 980)"``, ``"at step 0 (no step skipped)"``, ``"not within the run (last skip
+    at step 2,995 of 3,000)"``."""
+    k, last = steps_to_settle(skipped, window), last_skip(skipped)
+    if last is None:
+        return "at step 0 (no step skipped)" if k == 0 else "not within the run (too short)"
+    if k is None:
+        return f"not within the run (last skip at step {last:,} of {len(skipped):,})"
+    return f"after {plural(k, 'step')} (last skip at step {last:,})"
 
 
 def final_loss(losses: Sequence[float], last: int = FINAL_LOSS_WINDOW) -> float:
@@ -154,6 +179,7 @@ class ScalerRun:
                 "skipped steps": int(sum(self.skipped)),
                 "injected overflows": int(sum(self.injected)),
                 "settled after (steps)": steps_to_settle(self.skipped, window),
+                "last skip (step)": last_skip(self.skipped),
                 "final scale": self.final_scale,
                 "min scale": min(self.scales) if self.scales else None,
                 "final loss": final_loss(self.losses) if self.losses else None,
@@ -170,10 +196,8 @@ class ScalerRun:
     def summary_line(self, window: int = SETTLE_WINDOW) -> str:
         """One line for people: the panel's summary."""
         s = self.summary(window)
-        k = s["settled after (steps)"]
-        settled = "not within the run" if k is None else f"after {k} step{'' if k == 1 else 's'}"
-        parts = [f"skipped {s['skipped steps']} of {s['steps']} steps",
-                 f"settled {settled} (first {window} steps in a row without a skip)",
+        parts = [f"skipped {s['skipped steps']:,} of {plural(s['steps'], 'step')}",
+                 f"settled {settled_text(self.skipped, window)}",
                  (f"final scale {pow2_text(s['final scale'])}" if s["final scale"] is not None
                   else ""),
                  f"final loss {s['final loss']:.4f} (mean of last {FINAL_LOSS_WINDOW} steps)"
@@ -731,7 +755,8 @@ def preset_panel(presets: Optional[Mapping[str, ScalerSettings]] = None, steps: 
         return train_with_scaler(settings, n_steps, setup, rate, name=name)
 
     return widgets.PresetComparison(presets, run, steps=steps, injection_rate=injection_rate,
-                                    figure_mode=figure_mode, background=background)
+                                    figure_mode=figure_mode, background=background,
+                                    table_note=PRESET_NOTE)
 
 
 def histogram_panel(magnitudes_by_layer: Mapping[str, np.ndarray], scale_log2: int = 0,

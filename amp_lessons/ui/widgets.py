@@ -629,16 +629,17 @@ class HistogramPanel:
 
 # ---- presets on the same run ---------------------------------------------------------------------
 
-def comparison_table_html(rows: Sequence[Mapping]) -> str:
+def comparison_table_html(rows: Sequence[Mapping], note: str = "") -> str:
     """The preset panel's table: one row per run (``preset``, the four settings, ``steps``,
-    ``skipped steps``, ``injected overflows``, ``settled after (steps)``, ``final scale``,
-    ``final loss``, ``test accuracy``), formatted for people; a scale that fell to 0 says so.
-    It scrolls sideways in a narrow window."""
+    ``skipped steps``, ``injected overflows``, ``settled after (steps)`` with ``last skip
+    (step)`` beside it, ``final scale``, ``final loss``, ``test accuracy``), formatted for
+    people; a scale that fell to 0 says so; ``note`` (what the columns mean, from the lesson)
+    below it. It scrolls sideways in a narrow window."""
     head = ("preset", "init / growth / backoff / interval", "skipped steps", "settled after",
             "final scale", "final loss", "test accuracy")
     body = []
     for row in rows:
-        settled = row.get("settled after (steps)")
+        settled, last = row.get("settled after (steps)"), row.get("last skip (step)")
         acc = row.get("test accuracy")
         cells = (escape_html(row["preset"]),
                  f"{plots.pow2_text(row['init_scale'], html=True).split(' = ')[0]} / "
@@ -647,7 +648,8 @@ def comparison_table_html(rows: Sequence[Mapping]) -> str:
                  f"{row['skipped steps']} of {row['steps']}"
                  + (f" ({row['injected overflows']} injected)"
                     if row.get("injected overflows") else ""),
-                 "never" if settled is None else f"{settled} steps",
+                 ("never" if settled is None else f"after {settled:,} steps")
+                 + ("" if last is None else f" (last skip: step {last:,})"),
                  plots.pow2_text(row.get("final scale"), html=True),
                  f"{row['final loss']:.4f}" if row.get("final loss") is not None else "n/a",
                  f"{acc:.1%}" if acc is not None else "n/a")
@@ -655,8 +657,7 @@ def comparison_table_html(rows: Sequence[Mapping]) -> str:
                     + "</tr>")
     header = "".join(f"<th style='padding:2px 10px;text-align:left;white-space:nowrap'>{h}</th>" for h in head)
     return scroll_box(f"<table style='border-collapse:collapse'><tr>{header}</tr>"
-                      f"{''.join(body)}</table><small>settled: first of a streak of steps "
-                      f"without a skip; final loss: mean of the last steps</small>")
+                      f"{''.join(body)}</table><small>{escape_html(note)}</small>")
 
 
 def _replace_figure(fig, new: go.Figure) -> None:
@@ -685,8 +686,9 @@ class PresetComparison(BackgroundRun):
 
     def __init__(self, presets: Mapping[str, Any], run: Callable, steps: int = 100,
                  injection_rate: float = 0.0, figure_mode: str = "auto",
-                 background: bool = True):
+                 background: bool = True, table_note: str = ""):
         self.presets = dict(presets)
+        self.table_note = table_note
         if not self.presets:
             raise ValueError("presets must name at least one preset's settings")
         if not callable(run):
@@ -755,7 +757,8 @@ class PresetComparison(BackgroundRun):
             for name, settings in chosen.items():
                 done[name] = self._run_fn(name, settings, steps, rate)
                 self._draw(done, final=len(done) == len(chosen))
-                self.table.value = comparison_table_html([r.row() for r in done.values()])
+                self.table.value = comparison_table_html([r.row() for r in done.values()],
+                                                         self.table_note)
         except Exception as exc:
             self._failed(exc)
             raise

@@ -1,4 +1,5 @@
 # Two commands: `make lab` (set up, open the course in JupyterLab) and `make test` (set up, run every test).
+# Optional: `make torchao` adds torchao (float8 training, low-bit optimizers) to the same .venv.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -16,13 +17,17 @@ COLAB_PINS := -r tests/colab_versions.txt
 COLAB_STAMP := $(COLAB_VENV)/.amp-lessons-colab
 COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
 
-.PHONY: lab test unit notebooks browser colab figure-images screenshot claims clean
+.PHONY: lab test unit notebooks browser colab figure-images screenshot claims torchao cpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[lab,test]'
 	@touch $(STAMP)
+
+# The optional torchao extra (lesson 07's FP8 training on an FP8 GPU; low-bit optimizers), pinned.
+torchao: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torchao]'
 
 # JupyterLab on localhost only, token authentication left on (the URL with the token is printed).
 lab: $(STAMP)
@@ -60,7 +65,7 @@ screenshot: $(STAMP)
 	AMP_LESSONS_UPDATE_IMAGES=1 $(BIN)/python -m pytest -q tests/test_browser.py -m browser -k test_lesson03_panel_in_jupyterlab
 
 claims: $(STAMP)
-	$(BIN)/python -m amp_lessons claims
+	$(BIN)/python -m amp_lessons claims --out docs/claims.md
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not browser"

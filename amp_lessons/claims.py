@@ -490,7 +490,8 @@ def accuracy_gate(accuracy: Optional[float], classes: int, margin: float = 0.2) 
 def claims_markdown() -> str:
     """``docs/claims.md``: the articles and every claim with its deciding lesson and rule."""
     lines = ["# The claims the course tests", "",
-             "Generated from `amp_lessons/claims.py` by `python -m amp_lessons claims`; do not edit.",
+             "Generated from `amp_lessons/claims.py` by `python -m amp_lessons claims --out docs/claims.md`",
+             "(`make claims`); do not edit.",
              "Each claim is decided by exactly one measurement, in the lesson named here; other",
              "lessons may show related numbers but never rule on it. A run that cannot decide (a",
              "CPU timing, too few steps, an idle GPU, accuracy near chance) says \"not decided",

@@ -219,11 +219,17 @@ def _cmd_readme(args) -> int:
 # --- claims and figure images --------------------------------------------------------------------
 
 def _add_claims(sub) -> None:
-    p = sub.add_parser("claims", help="write docs/claims.md from the claims registry",
-                       description="Write docs/claims.md: every article claim, the lesson that "
-                                   "decides it and the rule, from amp_lessons/claims.py.")
+    p = sub.add_parser("claims", help="print the claims table (docs/claims.md) from the registry",
+                       description="Print every article claim, the lesson that decides it and "
+                                   "the rule, from amp_lessons/claims.py, as Markdown (what "
+                                   "docs/claims.md holds). Writes a file only where --out names "
+                                   "one.")
+    p.add_argument("--out", type=Path, default=None, metavar="PATH",
+                   help="write the Markdown to PATH instead of printing it "
+                        "(the course's own copy: --out docs/claims.md)")
     p.add_argument("--check", action="store_true",
-                   help="change nothing; exit 1 if docs/claims.md is out of date")
+                   help="change nothing; exit 1 if the file (--out, default: the clone's "
+                        "docs/claims.md) is out of date")
     p.set_defaults(func=_cmd_claims)
 
 
@@ -231,20 +237,27 @@ def _cmd_claims(args) -> int:
     from .claims import claims_markdown
     from .runner import NOTEBOOK_DIR
 
-    path = NOTEBOOK_DIR.parent / "docs" / "claims.md"
     text = claims_markdown()
     if args.check:
+        path = args.out or NOTEBOOK_DIR.parent / "docs" / "claims.md"
         current = path.read_text() if path.is_file() else ""
         if current != text:
-            print(f"{path}: out of date; run `python -m amp_lessons claims`", file=sys.stderr)
+            print(f"{path}: out of date; run `python -m amp_lessons claims --out {path}`",
+                  file=sys.stderr)
             return 1
         print(f"{path}: current")
         return 0
+    if args.out is None:  # a command a learner runs prints; it writes only where asked
+        sys.stdout.write(text)
+        return 0
     try:
-        write_atomic(path, text, "claims page")
+        check_writable(args.out, "out")
+        write_atomic(args.out, text, "claims page")
+    except ValueError as exc:
+        return fail("claims", str(exc))
     except OSError as exc:
-        return fail("claims", write_failure(path, exc))
-    print(f"wrote {path}")
+        return fail("claims", write_failure(args.out, exc))
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -419,16 +432,28 @@ def _loss_text(value) -> str:
     return "n/a (every step skipped)" if value is None else f"{value:.4f}"
 
 
+def cpu_half_hint(precision: str, device=None) -> str:
+    """One line on why ``train --precision fp16`` (or ``amp``) is slow when it runs on a CPU, or
+    ``""`` elsewhere: the speed-up of fp16 is a GPU's."""
+    from .precision import as_device
+
+    if precision not in ("fp16", "amp") or as_device(device).type != "cpu":
+        return ""
+    return ("hint: fp16 on a CPU runs slower than fp32: a CPU has no fast fp16 math, so autocast "
+            "converts to and from fp16 around every op and GradScaler adds its checks; the "
+            "speed-up is a GPU's (here, compare with --precision fp32)")
+
+
 def _cmd_train(args) -> int:
     import json
 
     from .recipes import train_digits
-    from .tables import json_safe
+    from .tables import json_safe, plural
     from .trainer import ScalerSettings
 
     def on_epoch(e: dict) -> None:
-        part = (f" (resumed after batch {e['resumed_at_batch']}: covers the last {e['steps']} "
-                f"steps only)" if e.get("partial") else "")
+        part = (f" (resumed after batch {e['resumed_at_batch']}: covers the last "
+                f"{plural(e['steps'], 'step')} only)" if e.get("partial") else "")
         print(f"epoch {e['epoch'] + 1}/{args.epochs}{part}: {e['time_s']:.2f} s, "
               f"peak memory {_mib(e['peak_memory_bytes'])}, "
               f"train loss {_loss_text(e['train_loss'])}, "
@@ -452,6 +477,9 @@ def _cmd_train(args) -> int:
         scaler = ScalerSettings(init_scale=args.init_scale, growth_factor=args.growth_factor,
                                 backoff_factor=args.backoff_factor,
                                 growth_interval=args.growth_interval)
+        hint = cpu_half_hint(args.precision, None if args.device == "auto" else args.device)
+        if hint:
+            print(hint, file=sys.stderr, flush=True)
         run = train_digits(args.precision, model=args.model, epochs=args.epochs,
                            batch_size=args.batch_size, lr=args.lr, width=args.width,
                            scaler=scaler, clip_norm=args.clip, accumulate=args.accumulate,
@@ -467,7 +495,8 @@ def _cmd_train(args) -> int:
     if not run.epochs:
         return fail("train", "resume: the checkpoint holds no finished epoch; nothing to report")
     peak = s["peak_memory_mib"]
-    print(f"summary: {s['model']} at {s['precision']} on {s['device']}, {s['epochs']} epochs")
+    print(f"summary: {s['model']} at {s['precision']} on {s['device']}, "
+          f"{plural(s['epochs'], 'epoch')}")
     print(f"  time per epoch : {s['epoch_time_s']:.2f} s "
           f"({'median, first epoch left out' if s['epochs'] > 1 else 'one epoch'})")
     print(f"  peak memory    : {'n/a on a CPU' if peak is None else f'{peak:.1f} MiB'}")

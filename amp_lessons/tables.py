@@ -62,6 +62,18 @@ def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) ->
     return f"{text}%"
 
 
+MEASURED_NOT_COMPARED = "measured, not compared"
+
+
+def not_compared(why: str) -> str:
+    """The status of a row that was measured (its numbers are shown) but cannot be compared or
+    decide anything here: ``"measured, not compared: <why>"``. A row that did not run says
+    ``"not measured: <why>"`` instead, and has no numbers."""
+    if not isinstance(why, str) or not why.strip():
+        raise ValueError(f"why must say why the row cannot be compared; got {why!r}")
+    return f"{MEASURED_NOT_COMPARED}: {why.strip()}"
+
+
 def plural(count, word: str, many: Optional[str] = None) -> str:
     """``count`` and ``word`` as a reader writes them: ``"1 epoch"``, ``"3 epochs"``,
     ``"1,500 steps"``; ``many`` is the plural where adding an s is wrong (``"batches"``)."""

@@ -23,9 +23,12 @@ def test_train_end_to_end_with_json_checkpoint_and_resume(tmp_path, capsys):
     out, ckpt = tmp_path / "run.json", tmp_path / "c.pt"
     assert main(["train", "--precision", "amp", "--epochs", "1", "--checkpoint", str(ckpt),
                  "--json", str(out), "--clip", "1.0"] + FAST) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "epoch 1/1:" in text and "test accuracy" in text and "peak memory" in text
-    assert "summary: cnn at fp16" in text
+    assert "summary: cnn at fp16" in text and ", 1 epoch\n" in text
+    if not torch.cuda.is_available():  # fp16 on a CPU: one line says why it is slow
+        assert captured.err.count("\n") == 1 and captured.err.startswith("hint: fp16 on a CPU")
     doc = json.loads(out.read_text())
     assert doc["summary"]["precision"] == "fp16" and len(doc["epochs"]) == 1
     assert doc["args"]["clip"] == 1.0 and len(doc["history"]["loss"]) == 6
@@ -208,6 +211,32 @@ def test_bench_json_path_is_checked_before_measuring(tmp_path, capsys):
 def test_claims_command_checks_docs_claims_md(capsys):
     assert main(["claims", "--check"]) == 0
     assert "current" in capsys.readouterr().out
+
+
+def test_claims_command_prints_and_writes_only_where_asked(tmp_path, capsys, monkeypatch):
+    from amp_lessons.claims import claims_markdown
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["claims"]) == 0
+    assert capsys.readouterr().out == claims_markdown()
+    assert list(tmp_path.iterdir()) == []  # printed, nothing written
+    out = tmp_path / "sub" / "claims.md"
+    assert main(["claims", "--out", str(out)]) == 0
+    assert out.read_text() == claims_markdown() and f"wrote {out}" in capsys.readouterr().out
+    assert main(["claims", "--check", "--out", str(out)]) == 0
+    out.write_text("old")
+    assert main(["claims", "--check", "--out", str(out)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert main(["claims", "--out", str(tmp_path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "claims", "out must name a file, not a folder")
+
+
+def test_cpu_half_hint_only_for_fp16_on_a_cpu():
+    assert cli.cpu_half_hint("fp16", "cpu").startswith("hint: fp16 on a CPU runs slower")
+    assert cli.cpu_half_hint("amp", "cpu") == cli.cpu_half_hint("fp16", "cpu")
+    assert "\n" not in cli.cpu_half_hint("fp16", "cpu")
+    assert cli.cpu_half_hint("fp32", "cpu") == "" and cli.cpu_half_hint("bf16", "cpu") == ""
+    assert cli.cpu_half_hint("fp16", "cuda") == ""
 
 
 def test_figure_images_refuses_a_non_notebook_in_one_line(tmp_path, capsys):

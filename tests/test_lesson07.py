@@ -25,7 +25,7 @@ def test_support_reason_names_every_missing_piece():
     assert "7.5 is below 8.9" in L.support_reason("cuda", (7, 5), "0.18.0")
     both = L.support_reason("cpu", None, None)
     assert "no CUDA GPU" in both and "torchao not installed" in both
-    assert L.support_reason("cuda", (9, 0), None) == 'torchao not installed (pip install "amp-lessons[fp8]")'
+    assert L.support_reason("cuda", (9, 0), None) == f"torchao not installed ({L.INSTALL_HINT})"
     with pytest.raises(ValueError, match="device_type"):
         L.support_reason("tpu", None, None)
 
@@ -197,7 +197,7 @@ def test_speed_sweep_measures_and_reports_failures_as_rows():
     if HAS_TORCHAO:  # torchao's FP8 GEMM does not run on the CPU: the failure is a row
         assert fp8["status"] == "measured" or fp8["status"].startswith("not measured: ")
     else:
-        assert fp8["status"] == 'not measured: RuntimeError: torchao not installed (pip install "amp-lessons[fp8]")'
+        assert fp8["status"] == f"not measured: RuntimeError: torchao not installed ({L.INSTALL_HINT})"
 
 
 def test_speedup_and_smallest_paying_width():
@@ -489,12 +489,18 @@ def test_accuracy_report_rows_decided_not_decided_and_not_run():
     cpu_runs = runs[:2] + [{"label": "float8 tensorwise, seed 0", "recipe": "tensorwise",
                             "seed": 0, "steps": 2000, "status": f"not run: {CPU.reason}"}]
     cpu = L.accuracy_report_rows(cpu_runs, L.loss_comparison(cpu_runs), CPU)
-    assert all(not _numbers(r) for r in cpu)
-    assert all(r["status"] == f"not measured: {CPU.reason}" for r in cpu)
-    # FP8 tensor cores, but too few steps to compare: the comparison's reason
+    # the bf16 seeds trained: measured, shown with their losses, but not compared here
+    assert [r["final loss"] for r in cpu[:2]] == ["1.5000", "1.5200"]
+    assert cpu[0]["held-out loss"] == "1.6000"
+    assert all(r["status"] == f"measured, not compared: {CPU.reason}" for r in cpu[:2])
+    assert all(r["FP8 minus bf16 (same seed)"] is None for r in cpu[:2])
+    # the FP8 run did not train: not measured, no number
+    assert not _numbers(cpu[2]) and cpu[2]["status"] == f"not measured: not run: {CPU.reason}"
+    # FP8 tensor cores, but too few steps to compare: losses shown, the comparison's reason
     short = [dict(r, steps=20) for r in runs]
     rows = L.accuracy_report_rows(short, L.loss_comparison(short), H200)
-    assert all(not _numbers(r) for r in rows)
+    assert all(r["final loss"] is not None and r["within the spread"] is None for r in rows)
+    assert all(r["status"].startswith("measured, not compared: ") for r in rows)
     assert all("20 steps are too few" in r["status"] for r in rows)
     with pytest.raises(ValueError, match="runs"):
         L.accuracy_report_rows([], {}, H200)
@@ -608,3 +614,15 @@ def test_fp8_support_follows_the_simulated_card(monkeypatch):
     assert support.capability == (7, 5) and not support.tensor_cores and not support.available
     assert support.device_name == "Tesla T4 (simulated on NVIDIA H200)"
     assert "7.5 is below 8.9" in support.reason
+
+
+def test_install_hint_names_the_extra_that_exists():
+    """The hint a learner sees without torchao names what pyproject.toml's extra installs, and a
+    Makefile target that exists; nothing points at a package index the course is not on."""
+    import tomllib
+
+    root = Path(L.__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["torchao"] == [L.TORCHAO_REQUIREMENT] and extras["fp8"] == extras["torchao"]
+    assert "\ntorchao:" in (root / "Makefile").read_text() and "make torchao" in L.INSTALL_HINT
+    assert "amp-lessons[" not in L.INSTALL_HINT

@@ -108,3 +108,9 @@ def test_html_text_and_table_use_the_same_code_words():
     assert html.count("<tr>") == 3
     with pytest.raises(ValueError, match="rows must hold"):
         tables.html_table([], ["a"])
+
+
+def test_not_compared_says_measured_and_why():
+    assert tables.not_compared(" no CUDA GPU ") == "measured, not compared: no CUDA GPU"
+    with pytest.raises(ValueError, match="why must say"):
+        tables.not_compared("")

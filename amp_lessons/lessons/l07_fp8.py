@@ -16,7 +16,8 @@ The speed table and the accuracy result are published to the README's results se
 (``speed_report_rows``, ``accuracy_report_rows``: numbers only where measured on FP8 tensor cores,
 ``not measured: <reason>`` everywhere else); no article makes FP8 claims, so there are no verdicts.
 
-torchao is optional (``pip install "amp-lessons[fp8]"``): it is imported inside the functions that
+torchao is optional (the ``torchao`` extra: ``make torchao`` or ``pip install -e ".[torchao]"``
+in the course's clone, ``pip install "torchao>=0.18"`` anywhere else): it is imported inside the functions that
 need it, and where FP8 cannot run, the functions say why instead of failing. The plotly figure
 builders at the end are pure functions.
 """
@@ -45,7 +46,7 @@ from .. import data as _data
 from .. import models as _models
 from .._validate import check_choice, check_int, check_positive, is_real
 from ..env import CARD_FACTS, device_capability, simulated_card
-from ..tables import text_table
+from ..tables import not_compared, plural, text_table
 
 LESSON = "07"
 DECIDES = ()  # no article claims FP8 numbers: the lesson states its findings as measurements
@@ -65,7 +66,8 @@ MIN_CAPABILITY = (8, 9)
 GIB = 2 ** 30
 NOT_MEASURED = "not measured"
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-INSTALL_HINT = 'pip install "amp-lessons[fp8]"'
+TORCHAO_REQUIREMENT = "torchao>=0.18"  # the same as pyproject.toml's torchao extra (a test checks)
+INSTALL_HINT = f'make torchao in the course\'s clone, or pip install "{TORCHAO_REQUIREMENT}"'
 
 
 # --- argument checks (each names the setting and its allowed range) ----------------------------
@@ -882,7 +884,8 @@ def loss_comparison(runs: Sequence[Mapping], min_steps: int = 1000) -> dict:
     if len(finals) < 2:
         reasons.append("fewer than two bf16 seeds, so no seed-to-seed spread")
     if steps < min_steps:
-        reasons.append(f"{steps} steps are too few to compare final losses "
+        reasons.append(f"{plural(steps, 'step')} {'is' if steps == 1 else 'are'} too few to "
+                       f"compare final losses "
                        f"(this comparison needs at least {min_steps})")
     return {"bf16_final": finals, "spread": spread, "steps": steps, "rows": rows,
             "decided": not reasons, "reason": "; ".join(reasons)}
@@ -1008,7 +1011,8 @@ def findings(support: FP8Support, speed_rows: Sequence[Mapping], comparison: Map
             continue
         spread = comparison["spread"]
         where = ("within" if row["within"] else f"outside, by {abs(row['difference']) - spread:.4f},")
-        lines.append(f"Accuracy after {comparison['steps']:,} steps: {row['run']} ended at "
+        lines.append(f"Accuracy after {plural(comparison['steps'], 'step')}: {row['run']} "
+                     f"ended at "
                      f"{row['final_loss']:.4f}, bf16 with the same seed at "
                      f"{row['bf16_same_seed']:.4f} (difference {row['difference']:+.4f}); the "
                      f"bf16 seeds spread {spread:.4f}, so the difference is {where} that spread.")
@@ -1060,10 +1064,12 @@ def accuracy_report_rows(runs: Sequence[Mapping], comparison: Mapping,
     rows, the difference from bf16 with the same seed, the bf16 seed spread and whether the
     difference is within it.
 
-    Numbers appear only where the comparison was made with FP8 on FP8 tensor cores
-    (``support.available``) and decided (enough steps, two or more bf16 seeds, an FP8 run);
-    otherwise every row has no number and says ``not measured: <reason>``. Losses are text with
-    four decimals: they differ in the third, which a two-decimal table would hide.
+    Every run that trained shows its final and held-out loss. The comparison columns are filled
+    only where the comparison was made with FP8 on FP8 tensor cores (``support.available``) and
+    decided (enough steps, two or more bf16 seeds, an FP8 run); a run that trained but cannot be
+    compared says ``measured, not compared: <reason>`` (``tables.not_compared``), and a run that
+    did not train says ``not measured: <reason>`` with no numbers. Losses are text with four
+    decimals: they differ in the third, which a two-decimal table would hide.
     """
     if not runs:
         raise ValueError("runs must hold at least one run (see accuracy_runs)")
@@ -1080,13 +1086,15 @@ def accuracy_report_rows(runs: Sequence[Mapping], comparison: Mapping,
     for r in runs:
         row = {c: None for c in ACCURACY_REPORT_COLUMNS}
         row.update(run=r["label"], steps=r.get("steps"))
-        trained = r.get("status") == "trained"
-        if why or not trained:
-            row["status"] = f"{NOT_MEASURED}: {why or r.get('status')}"
+        if r.get("status") != "trained":
+            row["status"] = f"{NOT_MEASURED}: {r.get('status')}"
             out.append(row)
             continue
         row.update({"final loss": loss(r["final_loss"]), "held-out loss": loss(r.get("val_loss")),
-                    "status": "measured"})
+                    "status": not_compared(why) if why else "measured"})
+        if why:
+            out.append(row)
+            continue
         cmp = by_run.get(r["label"]) if r["recipe"] != "bf16" else None
         if cmp is not None and cmp.get("difference") is not None:
             row.update({"FP8 minus bf16 (same seed)": f"{cmp['difference']:+.4f}",
@@ -1243,5 +1251,5 @@ def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Op
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="cross-entropy (nats per byte)", row=1, col=1)
     fig.update_yaxes(title_text="loss difference (nats per byte)", row=1, col=2)
-    fig.update_layout(title=f"{title} (smoothed over {window} steps)", height=420)
+    fig.update_layout(title=f"{title} (smoothed over {plural(window, 'step')})", height=420)
     return fig

@@ -552,7 +552,7 @@ def run_configs(configs: Sequence[BenchConfig], device, warmup: int = 5, steps: 
     iterator: Iterable = configs
     if progress:
         try:
-            from tqdm.auto import tqdm
+            from .progress import progress_bar as tqdm
             iterator = tqdm(configs, desc="configurations", leave=False)
         except ImportError:
             pass

@@ -664,7 +664,7 @@ class Trainer:
             raise ValueError(f"epochs must be 1 for a one-shot iterator (a generator yields its "
                              f"batches once); got epochs={epochs}: pass a re-iterable loader (a "
                              f"list, TensorBatches, a DataLoader) to train more epochs")
-        from tqdm.auto import tqdm
+        from .progress import progress_bar as tqdm  # plain text in a saved notebook
 
         acc, taken = self._config.accumulate, 0
         for _ in range(epochs):

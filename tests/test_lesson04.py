@@ -419,6 +419,27 @@ def test_throughput_memory_plot():
     assert "GPU idle 0.04% of the step" in hover[1]  # a small nonzero share is not shown as 0
 
 
+def test_speeds_that_decide_nothing_carry_the_gates_reason_beside_them():
+    """On a CPU (2 timed steps) the chart of speeds and the table of ratios say why they decide
+    nothing, from the gate the claims use; a run that could decide shows no caveat."""
+    cpu = [_row("fp32", 12.8, None, "fp32", **CPU), _row("fp32 cl", 90.5, None, "fp32", **CPU),
+           _row("bf16", None, None, "bf16", status="skipped", **CPU)]
+    caveat = L.timing_caveat(cpu)
+    reason = L.timing_reason(*cpu[:2])
+    assert reason and caveat == (f"Not a speed comparison: {reason}; each img/s is the median of "
+                                 f"2 timed steps.")
+    assert L.timing_caveat([_row("fp32", 1000.0, 20.0, "fp32", steps=15, warmup=5),
+                            _row("fp16", 3000.0, 10.0, steps=15, warmup=5)]) == ""
+    assert L.timing_caveat([_row("bf16", None, None, status="skipped")]) == ""
+    parts = dict(params_gib=0.1, grads_gib=0.1, optimizer_state_gib=0.1, activations_gib=0.2)
+    fig = perf_plots.throughput_memory([dict(r, **parts) for r in cpu], caveat=caveat)
+    note = fig.layout.annotations[-1].text
+    assert note.replace("<br>", " ").startswith("Not a speed comparison: timed on cpu")
+    assert fig.layout.height > 480 and fig.layout.margin.b > 60
+    plain = perf_plots.throughput_memory([dict(r, **parts) for r in cpu])
+    assert not plain.layout.annotations and plain.layout.height == 480
+
+
 def test_throughput_memory_plot_counts_memory_on_a_cpu():
     parts = dict(params_gib=0.1, grads_gib=0.1, optimizer_state_gib=0.1, activations_gib=0.2)
     fig = perf_plots.throughput_memory([_row("a", 10.0, None, "fp32", idle=None, **parts)])

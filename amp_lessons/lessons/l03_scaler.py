@@ -86,14 +86,10 @@ def steps_to_settle(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> Opt
     """How many optimizer steps a run took before its loss scale settled, or ``None``.
 
     Definition (``SETTLED_MEANS``): the scale has *settled* at the step after the run's last
-    skipped step: from there to the end of the run no step was skipped. The result is that
-    step's number (equivalently, the number of steps before it; 0 when no step was skipped).
-    ``None`` when the run never settled: its last skip is among its last ``window`` steps, too
-    close to the end to tell a settled scale from a pause between overflows.
-
-    A scaler that keeps probing (it grows every ``growth_interval`` steps, overflows, backs off)
-    never settles by this definition, and says so. Raises ``ValueError`` for ``window < 1``.
-    """
+    skipped step (0 when none was skipped): no step after it was skipped. ``None`` when its last
+    skip is among its last ``window`` steps, too close to the end to tell a settled scale from a
+    pause between overflows: a scaler that keeps probing (grows, overflows, backs off) never
+    settles. Raises ``ValueError`` for ``window < 1``."""
     if not is_int(window) or window < 1:
         raise ValueError(f"window must be an integer >= 1; got {window!r}")
     last = last_skip(skipped)
@@ -113,9 +109,8 @@ PRESET_NOTE = (f"final loss: mean training loss of the last {FINAL_LOSS_WINDOW} 
 
 
 def settled_text(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> str:
-    """When the scale settled, in words, with the last skip beside it: ``"after 981 steps (last
-    skip at step 980)"``, ``"at step 0 (no step skipped)"``, ``"not within the run (last skip
-    at step 2,995 of 3,000)"``."""
+    """When the scale settled, with the last skip beside it: ``"after 981 steps (last skip at
+    step 980)"``, or ``"not within the run (last skip at step 2,995 of 3,000)"``."""
     k, last = steps_to_settle(skipped, window), last_skip(skipped)
     if last is None:
         return "at step 0 (no step skipped)" if k == 0 else "not within the run (too short)"
@@ -351,7 +346,6 @@ def train_with_scaler(settings: ScalerSettings, steps: int, setup: RunSetup = Ru
     return run
 
 
-
 class GradientCapture(Hooks):
     """A trainer hook that keeps each layer's true gradient magnitudes ``|g|``.
 
@@ -411,7 +405,6 @@ def capture_gradients(steps: int = 20, setup: RunSetup = RunSetup(model="cnn", i
     return capture.magnitudes, capture.step
 
 
-
 def compare_presets(presets: Mapping[str, ScalerSettings], steps: int,
                     setup: RunSetup = RunSetup(), injection_rate: float = 0.0,
                     on_run: Optional[Callable[[str, ScalerRun], None]] = None
@@ -437,12 +430,10 @@ def comparison_rows(runs: Mapping[str, ScalerRun]) -> List[dict]:
     return [dict(run.row(), preset=name) for name, run in runs.items()]
 
 
-
 def early_skips(run: ScalerRun, window: int = SETTLE_WINDOW) -> int:
     """Skipped steps before the scale settled (all of them if it never did): early wobble."""
     settle = steps_to_settle(run.skipped, window)
     return int(sum(run.skipped if settle is None else run.skipped[:settle]))
-
 
 
 def scale_factor_error(device_type: str = "cpu") -> str:
@@ -453,7 +444,6 @@ def scale_factor_error(device_type: str = "cpu") -> str:
     except TypeError as exc:
         return f"TypeError: {exc}"
     return ""
-
 
 
 def step_table_text(run: ScalerRun, first: int = 20) -> str:

@@ -18,15 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import claims
-from .. import models
+from .. import claims, models
 from .. import trainer as training
 from .._validate import check_choice, check_int
 from ..data import TensorBatches, digits
 from ..measure import (COMPILE_MODES, OPTIMIZER_IMPLS, OPTIMIZERS, STANDARD, BenchConfig,
                        build_optimizer, find_row, free_memory, optimizer_state_tensors, ratio)
 from ..precision import HALF_DTYPES, PRECISIONS, as_device, native_bf16
-from ..tables import percent
+from ..tables import percent, plural
 
 LESSON = "04"
 
@@ -48,8 +47,7 @@ def lesson_configs(model: str = "resnet50", batch_size: int = 256, image_size: i
     article R describes it. ``amp`` is the half precision of the optimizer and selective rows
     (fp16 as in the articles; bf16 where fp16 would only be emulated); ``compile_precision`` is
     that of the compiled rows (channels_last, fused SGD), one per mode in ``compile_modes``
-    (``None`` leaves torch.compile out).
-    """
+    (``None`` leaves torch.compile out)."""
     check_choice("amp", amp, tuple(HALF_DTYPES))
     check_choice("compile_precision", compile_precision, (None,) + tuple(PRECISIONS))
     if not isinstance(cudnn_benchmark, bool):
@@ -130,8 +128,7 @@ def skipped_step_check(optimizer: str = "sgd", impl: str = "fused", device=None,
     cleanly. Returns ``max_abs_diff`` (0.0 when ``impl`` agrees), ``finite`` and
     ``state_after_skip`` (whether the skipped step created optimizer state).
     ``prime_momentum=True`` applies the course's workaround (zero SGD momentum buffers before the
-    first step) to a fused SGD being checked; ``primed`` says whether it was applied.
-    """
+    first step) to a fused SGD being checked; ``primed`` says whether it was applied."""
     if not isinstance(prime_momentum, bool):
         raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
     check_choice("optimizer", optimizer, OPTIMIZERS)
@@ -191,8 +188,7 @@ def digits_accuracy(model: str = "resnet18", precision: str = "fp32", device=Non
     ``accuracy``, ``accuracy_fp32_eval`` (fractions), ``final_loss`` (mean training loss of the
     last epoch), ``skipped_steps``, ``steps``, ``classes``, ``test_examples`` and ``seconds``;
     ``status`` is ``"skipped"`` where the device cannot run the precision. The same ``seed``
-    gives the same initial weights and batches.
-    """
+    gives the same initial weights and batches."""
     check_choice("model", model, tuple(RESNET_DIGITS_MODELS))
     check_choice("precision", precision, PRECISIONS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
@@ -266,8 +262,7 @@ def autocast_error_by_op(device=None, dtype="fp16",
     A 3x3 convolution and a linear layer (the bulk of a ResNet) against scaled dot-product
     attention whose logits are made larger by ``logit_scale`` (sharper softmax, as trained
     attention gets): the error is ``||out - ref|| / ||ref||``, inf where the output overflows.
-    ``dtype``: "fp16", "bf16" or the torch dtype. Each row names the ``device`` it ran on.
-    """
+    ``dtype``: "fp16", "bf16" or the torch dtype. Each row names the ``device`` it ran on."""
     dtype = HALF_DTYPES.get(dtype, dtype)
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be 'fp16', 'bf16', torch.float16 or torch.bfloat16; "
@@ -328,6 +323,16 @@ def rows_caption(*rows: Dict[str, object]) -> str:
             f"{values('label', str).replace('/', ' / ')}; cuDNN autotuning "
             f"{values('cudnn_benchmark', lambda v: 'on' if v else 'off')}, {impl} {opt}, median "
             f"of {steps} timed steps after {warmup} warm-up")
+
+
+def timing_caveat(rows: Sequence[Dict[str, object]]) -> str:
+    """What to read beside a chart or table of speeds and ratios from ``rows``: why they decide
+    nothing (``timing_reason``, the gate of the claims), or ``""`` where they could."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("img_per_s") is not None]
+    why = timing_reason(*ok) if ok else None
+    steps = min((int(r.get("steps") or 0) for r in ok), default=0)
+    return "" if why is None else (f"Not a speed comparison: {why}; each img/s is the median of "
+                                   f"{plural(steps, 'timed step')}.")
 
 
 def accuracy_reason(*runs: Dict[str, object]) -> Optional[str]:
@@ -639,8 +644,7 @@ def adam_precision_facts(device=None) -> Dict[str, object]:
 
     One autocast step of a small model with Adam (fp16 on a GPU, bf16 on a CPU): parameters,
     gradients and Adam's state are float32, so eps never meets float16. For contrast, what
-    float16 would make of 1e-8 and 1e-7.
-    """
+    float16 would make of 1e-8 and 1e-7."""
     device = as_device(device)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
     opt = torch.optim.Adam(model.parameters(), eps=1e-8)
@@ -663,8 +667,7 @@ def multi_tensor_status() -> Dict[str, object]:
     """Claim R5's ``torch.optim._multi_tensor``: does it exist in this PyTorch, and what is it?
 
     Where it exists, its ``Adam`` is built on one dummy parameter to read what it really is:
-    a subclass of ``torch.optim.Adam`` and the ``foreach`` setting it fixes.
-    """
+    a subclass of ``torch.optim.Adam`` and the ``foreach`` setting it fixes."""
     try:
         mod = importlib.import_module("torch.optim._multi_tensor")
     except ImportError as exc:
@@ -777,8 +780,7 @@ def trained(row) -> bool:
 def fastest_row(rows: Sequence[Dict[str, object]]) -> Optional[Dict[str, object]]:
     """The row with the most img/s among those that trained (``trained``), or None.
 
-    A configuration whose loss went non-finite is fast at nothing useful, so it cannot win.
-    """
+    A configuration whose loss went non-finite is fast at nothing useful, so it cannot win."""
     ok = [r for r in rows if trained(r)]
     return max(ok, key=lambda r: r["img_per_s"]) if ok else None
 

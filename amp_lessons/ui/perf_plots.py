@@ -8,7 +8,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import plotly.graph_objects as go
 
 from .._validate import is_real
-from .plots import preset_comparison, styled
+from .plots import preset_comparison, styled, with_caveat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -32,8 +32,10 @@ def _l04_hover(row: Mapping) -> str:
 
 
 def throughput_memory(rows: Sequence[Mapping], title: str = "ResNet training step: "
-                      "speed against memory", memory_key: str = "peak_allocated_gib") -> go.Figure:
-    """Lesson 04: img/s against peak memory (GiB), one point per measured configuration.
+                      "speed against memory", memory_key: str = "peak_allocated_gib",
+                      caveat: str = "") -> go.Figure:
+    """Lesson 04: img/s against peak memory (GiB), one point per measured configuration, with
+    ``caveat`` (``plots.with_caveat``: why these speeds decide nothing, where they cannot) below.
 
     ``rows`` are ``measure.run_configs`` rows; those without both numbers (skipped, out of memory)
     are named in the subtitle. One trace per precision. Where no row has a peak (a CPU), memory
@@ -72,7 +74,7 @@ def throughput_memory(rows: Sequence[Mapping], title: str = "ResNet training ste
     styled(fig, title, x_title, "throughput (img/s)", height=480)
     fig.update_xaxes(rangemode="tozero")
     fig.update_yaxes(rangemode="tozero")
-    return fig
+    return with_caveat(fig, caveat)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -46,6 +47,22 @@ def styled(fig: go.Figure, title: str, x_title: str, y_title: str, height: int =
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1))
     fig.update_xaxes(title_text=x_title)
     fig.update_yaxes(title_text=y_title)
+    return fig
+
+
+def with_caveat(fig: go.Figure, caveat: str, width: int = 110) -> go.Figure:
+    """``fig`` with ``caveat`` (what its numbers cannot show, in words) in a box below the plot,
+    wrapped at ``width`` characters, so a saved image carries it too; ``""`` adds nothing."""
+    if not caveat:
+        return fig
+    lines = textwrap.wrap(str(caveat), width) or [""]
+    fig.add_annotation(text="<br>".join(html.escape(line) for line in lines), xref="paper",
+                       yref="paper", x=0, y=0, yshift=-60, xanchor="left", yanchor="top",
+                       align="left", showarrow=False, bordercolor="#B22222", borderwidth=1,
+                       borderpad=4, bgcolor="#FFF5F5", font=dict(size=12, color="#7A1212"))
+    bottom = fig.layout.margin.b if fig.layout.margin.b is not None else 60
+    fig.update_layout(margin=dict(b=bottom + 24 + 16 * len(lines)),
+                      height=(fig.layout.height or 420) + 24 + 16 * len(lines))
     return fig
 
 

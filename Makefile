@@ -17,11 +17,18 @@ COLAB_PINS := -r tests/colab_versions.txt
 COLAB_STAMP := $(COLAB_VENV)/.amp-lessons-colab
 COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
 
-.PHONY: lab test unit notebooks browser colab figure-images screenshot claims torchao cpu clean
+.PHONY: lab test unit notebooks browser colab figure-images screenshot claims torchao clean
+
+# CPU=1 (`make lab CPU=1` on a fresh clone or after `make clean`): torch and torchvision at the
+# pinned versions from PyTorch's CPU-only wheel index, for a machine without an NVIDIA GPU; the
+# default, PyPI's torch, brings the CUDA libraries (nvidia-* packages) along.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_PINS := $(shell grep -E '^(torch|torchvision)==' constraints.txt)
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(if $(CPU),$(BIN)/python -m pip install -q --no-deps --index-url $(TORCH_CPU_INDEX) $(TORCH_PINS))
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[lab,test]'
 	@touch $(STAMP)
 
@@ -30,6 +37,7 @@ torchao: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torchao]'
 
 # JupyterLab on localhost only, token authentication left on (the URL with the token is printed).
+# On a machine without a display (a server, a container): `make lab OPEN_BROWSER=False`.
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_OK) --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
 		--ServerApp.root_dir=notebooks --ServerApp.open_browser=$${OPEN_BROWSER:-True}

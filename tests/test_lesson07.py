@@ -626,3 +626,16 @@ def test_install_hint_names_the_extra_that_exists():
     assert extras["torchao"] == [L.TORCHAO_REQUIREMENT] and extras["fp8"] == extras["torchao"]
     assert "\ntorchao:" in (root / "Makefile").read_text() and "make torchao" in L.INSTALL_HINT
     assert "amp-lessons[" not in L.INSTALL_HINT
+
+
+def test_show_rows_shows_an_html_table_in_the_lessons_number_style(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    L.show_rows([{"run": "bf16, seed 0", "final_loss": 1.23456, "steps": 2000}], title="runs")
+    (bundle,) = shown
+    assert "<td style=\"text-align: right\">1.235</td>" in bundle["text/html"]
+    assert bundle["text/plain"].splitlines()[0] == "runs" and "2,000" in bundle["text/plain"]
+    with pytest.raises(ValueError, match="rows"):
+        L.show_rows([])

@@ -46,6 +46,7 @@ from .. import data as _data
 from .. import models as _models
 from .._validate import check_choice, check_int, check_positive, is_real
 from ..env import CARD_FACTS, device_capability, simulated_card
+from ..report import show_table
 from ..tables import not_compared, plural, text_table
 
 LESSON = "07"
@@ -1129,6 +1130,15 @@ def format_rows(rows: Sequence[Mapping], columns: Optional[Sequence[str]] = None
     if not rows:
         raise ValueError("rows must hold at least one row")
     return text_table(rows, list(columns or rows[0].keys()), cell=_cell)
+
+
+def show_rows(rows: Sequence[Mapping], columns: Optional[Sequence[str]] = None,
+              title: str = "") -> None:
+    """Show rows in the notebook as a table (``report.show_table``: HTML, with ``format_rows``'s
+    text as the fallback) in this lesson's number style."""
+    if not rows:
+        raise ValueError("rows must hold at least one row")
+    show_table(rows, list(columns or rows[0].keys()), title=title, cell=_cell)
 
 
 def error_figure(rows: Sequence[Mapping], title: str = "FP8 round-trip error of real tensors"):

@@ -425,7 +425,7 @@ def test_speeds_that_decide_nothing_carry_the_gates_reason_beside_them():
     cpu = [_row("fp32", 12.8, None, "fp32", **CPU), _row("fp32 cl", 90.5, None, "fp32", **CPU),
            _row("bf16", None, None, "bf16", status="skipped", **CPU)]
     caveat = L.timing_caveat(cpu)
-    reason = L.timing_reason(*cpu[:2])
+    reason = claims.rows_timing_gate(*cpu[:2])
     assert reason and caveat == (f"Not a speed comparison: {reason}; each img/s is the median of "
                                  f"2 timed steps.")
     assert L.timing_caveat([_row("fp32", 1000.0, 20.0, "fp32", steps=15, warmup=5),

@@ -327,9 +327,10 @@ def rows_caption(*rows: Dict[str, object]) -> str:
 
 def timing_caveat(rows: Sequence[Dict[str, object]]) -> str:
     """What to read beside a chart or table of speeds and ratios from ``rows``: why they decide
-    nothing (``timing_reason``, the gate of the claims), or ``""`` where they could."""
+    nothing (``claims.rows_timing_gate``, the gate of every timing verdict), or ``""`` where
+    they could."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("img_per_s") is not None]
-    why = timing_reason(*ok) if ok else None
+    why = claims.rows_timing_gate(*ok) if ok else None
     steps = min((int(r.get("steps") or 0) for r in ok), default=0)
     return "" if why is None else (f"Not a speed comparison: {why}; each img/s is the median of "
                                    f"{plural(steps, 'timed step')}.")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from . import __version__
+from .tables import plural
 from .files import check_writable, write_atomic, write_failure, write_json  # noqa: F401 - check_writable: this module's API too
 
 PROG = "python -m amp_lessons"
@@ -166,7 +167,7 @@ def _cmd_rehearse(args) -> int:
     for r in doc["lessons"]:
         state = "completed" if r["completed"] else f"FAILED ({r['error']})"
         print(f"{r['notebook']}: {state} in {r['seconds']} s, peak {r['peak_gpu_mib']} MiB, "
-              f"{len(r['not_run'])} rows not run")
+              f"{plural(len(r['not_run']), 'row')} not run")
     print(f"wrote {args.out / f'rehearsal_{args.card}.json'}")
     return 0 if all(r["completed"] for r in doc["lessons"]) else 1
 
@@ -448,7 +449,7 @@ def _cmd_train(args) -> int:
     import json
 
     from .recipes import train_digits
-    from .tables import json_safe, plural
+    from .tables import json_safe
     from .trainer import ScalerSettings
 
     def on_epoch(e: dict) -> None:

@@ -58,7 +58,7 @@ from ._launch import (BACKENDS, WORLD_SIZES, RankContext, available_world_sizes,
 from ._validate import check_bool, check_choice, check_int, check_seed, is_real
 from .data import synthetic_images
 from .precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision
-from .tables import text_table
+from .tables import plural, text_table
 from .trainer import ScalerSettings, TrainConfig, Trainer
 
 __all__ = [  # the launcher's names (from _launch) and this module's own
@@ -626,7 +626,7 @@ class SweepResult:
 
     def notes(self) -> List[str]:
         """One line per skipped run (and why) and per warning the ranks raised."""
-        return ([f"not run: {k['label']} on {k['world_size']} processes: {k['reason']}"
+        return ([f"not run: {k['label']} on {plural(k['world_size'], 'process', 'processes')}: {k['reason']}"
                  for k in self.skipped]
                 + [f"warning raised on the ranks: {w}" for w in self.warnings])
 

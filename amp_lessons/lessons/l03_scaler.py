@@ -519,7 +519,7 @@ def compare_settling(defaults: ScalerRun, tuned: ScalerRun,
     ed, et = early_skips(defaults, window), early_skips(tuned, window)
 
     def settled(v):
-        return "never" if v is None else f"after {v} steps"
+        return "never" if v is None else f"after {plural(v, 'step')}"
 
     measured = (f"{defaults.name}: {ed} early skips, settled {settled(sd)}, final loss "
                 f"{final_loss(defaults.losses):.4f}; {tuned.name}: {et} early skips, settled "

@@ -8,6 +8,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import plotly.graph_objects as go
 
 from .._validate import is_real
+from ..tables import plural
 from .plots import preset_comparison, styled, with_caveat
 
 
@@ -350,5 +351,5 @@ def memory_per_rank_figure(rows: Sequence[Dict[str, Any]],
                                  marker=dict(symbol="diamond", size=11, color="#111111"),
                                  hovertemplate="%{y:,.0f} MiB<extra>peak allocated</extra>"))
     fig.update_layout(barmode="stack")
-    return styled(fig, f"{title} ({world_size} processes)", "run and rank",
+    return styled(fig, f"{title} ({plural(world_size, 'process', 'processes')})", "run and rank",
                   "memory per rank (MiB)")

@@ -58,8 +58,8 @@ def with_caveat(fig: go.Figure, caveat: str, width: int = 110) -> go.Figure:
     lines = textwrap.wrap(str(caveat), width) or [""]
     fig.add_annotation(text="<br>".join(html.escape(line) for line in lines), xref="paper",
                        yref="paper", x=0, y=0, yshift=-60, xanchor="left", yanchor="top",
-                       align="left", showarrow=False, bordercolor="#B22222", borderwidth=1,
-                       borderpad=4, bgcolor="#FFF5F5", font=dict(size=12, color="#7A1212"))
+                       align="left", showarrow=False, bordercolor="#b22222", borderwidth=1,
+                       borderpad=4, bgcolor="#fff5f5", font=dict(size=12, color="#7a1212"))
     bottom = fig.layout.margin.b if fig.layout.margin.b is not None else 60
     fig.update_layout(margin=dict(b=bottom + 24 + 16 * len(lines)),
                       height=(fig.layout.height or 420) + 24 + 16 * len(lines))

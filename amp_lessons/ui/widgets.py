@@ -26,7 +26,7 @@ import plotly.graph_objects as go
 
 from .. import formats
 from .._validate import is_int, is_real
-from ..tables import percent
+from ..tables import percent, plural
 from . import plots
 from .controls import (WRAP, BackgroundRun, LiveFigure, NumberField,
                        SliderField, error_html, escape_html, parse_number, resolve_figure_mode,
@@ -455,7 +455,7 @@ class ScalerPanel(BackgroundRun):
             self.series.clear()
             self._last_draw, self._draw_cost = time.monotonic(), 0.0
             self._drawing_s = 0.0
-            self.summary.value = f"Running {steps} steps with {settings} ..."
+            self.summary.value = f"Running {plural(steps, 'step')} with {settings} ..."
             self._redraw(settings, running=True)
             started = time.perf_counter()
             result = self._run_fn(settings, steps, lambda: self._rate, self._on_step)
@@ -500,7 +500,7 @@ class ScalerPanel(BackgroundRun):
 
     def _redraw(self, settings, running: bool) -> None:
         title = (f"{SCALER_TITLE} (init_scale {plots.pow2_text(settings.init_scale, html=True)}, "
-                 f"{len(self.series)} steps{', running' if running else ''})")
+                 f"{plural(len(self.series), 'step')}{', running' if running else ''})")
 
         def change(fig):
             self.series.apply(fig)
@@ -648,7 +648,7 @@ def comparison_table_html(rows: Sequence[Mapping], note: str = "") -> str:
                  f"{row['skipped steps']} of {row['steps']}"
                  + (f" ({row['injected overflows']} injected)"
                     if row.get("injected overflows") else ""),
-                 ("never" if settled is None else f"after {settled:,} steps")
+                 ("never" if settled is None else f"after {plural(settled, 'step')}")
                  + ("" if last is None else f" (last skip: step {last:,})"),
                  plots.pow2_text(row.get("final scale"), html=True),
                  f"{row['final loss']:.4f}" if row.get("final loss") is not None else "n/a",
@@ -753,7 +753,7 @@ class PresetComparison(BackgroundRun):
                 raise ValueError("tick at least one preset")
             steps = self.steps.value
             rate = float(self.overflow_rate.value)
-            self.table.value = f"Running {len(chosen)} presets x {steps} steps ..."
+            self.table.value = f"Running {plural(len(chosen), 'preset')} x {plural(steps, 'step')} ..."
             for name, settings in chosen.items():
                 done[name] = self._run_fn(name, settings, steps, rate)
                 self._draw(done, final=len(done) == len(chosen))

@@ -386,7 +386,7 @@ def test_own_verdicts_refuses_other_claims_and_repeats():
     b1 = L.b1_b2_context([_row("fp32", 1.0, None), _row("fp16", 2.0, None)], [], "cpu")[0]
     with pytest.raises(ValueError, match="lesson 02's own, for claims B3, B5, B6, B7; got B1"):
         L.own_verdicts(mine + [b1])
-    with pytest.raises(ValueError, match="each claim once; B3 appears twice"):
+    with pytest.raises(ValueError, match=f"each claim once; {mine[0].claim} appears twice"):
         L.own_verdicts(mine + mine[:1])
     with pytest.raises(ValueError, match="claims.Verdict objects"):
         L.own_verdicts([{"claim": "B3", "held": True}])

@@ -660,7 +660,7 @@ def own_verdicts(verdicts: Sequence[claims.Verdict]) -> List[claims.Verdict]:
             raise ValueError(f"verdicts must be claims.Verdict objects; got {v!r}")
         if v.claim not in DECIDES or v.lesson != LESSON:
             raise ValueError(f"verdicts must be lesson {LESSON}'s own, for claims "
-                             f"{', '.join(DECIDES)}; got {v.claim} from lesson {v.lesson}")
+                             f"{', '.join(sorted(DECIDES))}; got {v.claim} from lesson {v.lesson}")
         if v.claim in seen:
             raise ValueError(f"verdicts must hold each claim once; {v.claim} appears twice")
         seen.add(v.claim)

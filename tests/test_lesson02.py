@@ -194,7 +194,7 @@ def test_autocast_report_table_is_device_agnostic_and_b5_partly_held():
         assert verdict.outcome == "partly held" and verdict.held is False
         assert [p.held for p in verdict.parts] == [False, True, True]
         assert "cross_entropy is on autocast's float32 list" in verdict.why
-        assert "backward of that cast returns their gradients in float32" in verdict.why
+        assert "backward of that cast returns the weight gradients in float32" in verdict.why
         assert "nothing is restored" not in verdict.why
     assert texts[0] == texts[1]  # fp16 and bf16 print the same table
     lines = texts[0].splitlines()

@@ -388,7 +388,7 @@ def autocast_report(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_t
 def b5_parts(report: AutocastReport) -> List[dict]:
     """Claim B5's three statements beside what ``report`` recorded: one row each with the part,
     what was measured and what it means (data for a table; the ruling is ``verdict_b5``)."""
-    return [{"part": p.says, "measured": m, "finding": f"{p.outcome}: {p.why}"}
+    return [{"part": p.says, "measured": m, "finding": f"{p.outcome} ({p.why})"}
             for p, m in _b5_parts(report)]
 
 
@@ -411,8 +411,8 @@ def _b5_parts(report: AutocastReport) -> List[Tuple[claims.Part, str]]:
     restored = claims.Part(
         "gradients are restored to FP32",
         (report.gradients == {torch.float32}) if weights_16 else None,
-        ("the weights of the 16-bit ops were used as 16-bit copies (autocast's cast), and the "
-         "backward of that cast returns their gradients in float32, the parameters' dtype"
+        ("the 16-bit ops used 16-bit copies of their float32 weights, made by autocast's cast, "
+         "and the backward of that cast returns the weight gradients in float32"
          if report.gradients == {torch.float32} else
          f"the parameter gradients are {lab(report.gradients)}, not float32") if weights_16 else
         "no layer ran in 16 bits with float32 parameters, so nothing needed restoring")

@@ -234,7 +234,7 @@ FP32 = _row("fp32", 20.0, 60.0)
 def test_claim_r8_verdicts_are_computed():
     # one-sided, in points of fp32's memory (20 GiB here): 11 -> 5 GiB saves 30 points
     held = L.verdict_r8([FP32, _row("AMP", 11.0, 100.0), _row("AMP + checkpointing", 5.0, 130.0)])
-    assert held.outcome == "held" and "30 points of fp32's" in held.measured
+    assert held.outcome == "held" and "30 points of the fp32 row's (TF32 math" in held.measured
     assert "+30%" in held.measured and held.numbers["points_of_fp32"] == pytest.approx(30.0)
     # 20 points is the threshold: 21 holds, 19 does not
     assert L.verdict_r8([FP32, _row("AMP", 11.0, 100.0),

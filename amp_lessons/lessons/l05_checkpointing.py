@@ -72,6 +72,9 @@ R8_PAIRS = (("AMP", "AMP + checkpointing"),
             ("AMP + CUDA graph", "AMP + checkpointing + CUDA graph"),
             ("bf16", "bf16 + checkpointing"), ("fp32", "fp32 + checkpointing"))
 R10A_SAVED_PCT, R10B_SAVED_PCT = (50.0, 60.0), (40.0, 50.0)
+#: What the "fp32" technique computes in, said wherever a verdict names it: TF32 where the GPU has
+#: it (PyTorch's default for convolutions), plain fp32 elsewhere; its memory is the same either way.
+FP32_MATH = " (TF32 math where the GPU has it; the same memory)"
 
 
 def _check_techniques(techniques: Sequence[str]) -> List[str]:
@@ -470,7 +473,8 @@ def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     c = busy[0] if busy else costs[0]
     points, added = c["points_of_fp32"], c["time_added_pct"]
     measured = (f"{c['pair']}: {c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
-                f"({c['memory_saved_pct']:.0f}% of AMP's memory, {points:.0f} points of fp32's), "
+                f"({c['memory_saved_pct']:.0f}% of AMP's memory, {points:.0f} points of the fp32 "
+                f"row's{FP32_MATH}), "
                 f"step time {added:+.0f}%")
     if c.get("gpu_idle_fraction") is not None:
         measured += f" (GPU idle at most {c['gpu_idle_fraction']:.0%} of a step)"
@@ -895,7 +899,7 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
         out.append(claims.decide(
             "R10a", LESSON,
             "; ".join(describe(c) for c in small)
-            + f"; {amp_ckpt} saved {ckpt_saved:.0f}% against fp32 at the same batch{note}",
+            + f"; {amp_ckpt} saved {ckpt_saved:.0f}% against fp32{FP32_MATH} at the same batch{note}",
             wins == len(per_card) and ckpt_saved >= R10A_SAVED_PCT[0],
             f"{pick}; " + _range_verdict(ckpt_saved, *R10A_SAVED_PCT, "memory saved"),
             numbers={"memory_saved_pct": ckpt_saved, "wins": wins, "cards": len(per_card)},
@@ -920,7 +924,7 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
         out.append(claims.decide(
             "R10b", LESSON,
             "; ".join(describe(c) for c in large)
-            + f"; {amp} saved {amp_saved:.0f}% against fp32 at the same batch{note}",
+            + f"; {amp} saved {amp_saved:.0f}% against fp32{FP32_MATH} at the same batch{note}",
             amp_saved >= R10B_SAVED_PCT[0] and faster,
             _range_verdict(amp_saved, *R10B_SAVED_PCT, "memory saved") + speed,
             numbers={"memory_saved_pct": amp_saved}, cannot_decide=reason,

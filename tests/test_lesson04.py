@@ -165,7 +165,7 @@ def test_adam_precision_facts_keep_adam_in_fp32():
 
 # --- the gates --------------------------------------------------------------------------------------
 
-def test_timing_reason_follows_claims_timing_gate():
+def test_rows_timing_gate_on_table_rows():
     a, b = _row("a", 1000.0, 20.0), _row("b", 2000.0, 10.0)
     assert claims.rows_timing_gate(a, b) is None
     assert "cpu" in claims.rows_timing_gate(a, dict(b, timer="perf_counter"))
@@ -193,7 +193,7 @@ def test_verdict_b1_against_the_default_in_two_parts():
     held = L.verdict_b1(default, _row("fp16", 1800.0, 10.0))
     assert isinstance(held, claims.Verdict) and held.claim == "B1" and held.lesson == "04"
     assert held.outcome == "held" and held.numbers["memory_saving_pct"] == pytest.approx(50.0)
-    assert "PyTorch's default: TF32 convolutions" in held.measured
+    assert "vs fp32, TF32 on (PyTorch's default here)" in held.measured
     # the speed part's threshold, 1.5x, on both sides; above 2x the claim understated it
     assert L.verdict_b1(default, _row("fp16", 1510.0, 10.0)).outcome == "held"
     slow = L.verdict_b1(default, _row("fp16", 1340.0, 10.0))
@@ -235,6 +235,20 @@ def test_verdict_b2_on_a_named_stand_in_in_two_parts():
     assert L.verdict_b2(default, _row("fp16", 1250.0, 13.0)).outcome == "did not hold, on a stand-in"
     cpu = L.verdict_b2(_row("fp32", 10.0, None, **CPU), _row("fp16", 5.0, None, **CPU))
     assert not cpu.decided and "longer" in cpu.measured and "stand-in" not in cpu.outcome
+
+
+def test_default_row_is_tf32_where_it_ran_else_plain_fp32():
+    def row(precision, status="ok"):
+        return dict(_row(precision, 1.0, 1.0, precision, status=status),
+                    config={"precision": precision, "channels_last": False, "model": "m",
+                            "optimizer": measure.STANDARD["optimizer"],
+                            "impl": measure.STANDARD["impl"], "compile": None,
+                            "cuda_graph": False})
+    rows = [row("fp32"), row("tf32")]
+    assert L.default_row(rows, "m")["label"] == "tf32"
+    t4 = [row("fp32"), row("tf32", status="skipped")]   # no TF32 here: the default is plain fp32
+    assert L.default_row(t4, "m")["label"] == "fp32"
+    assert L.default_row([row("fp32")], "m")["label"] == "fp32"
 
 
 def test_rows_caption_is_generated_from_the_rows():

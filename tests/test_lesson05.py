@@ -302,6 +302,11 @@ def test_claim_r10_verdicts():
     idle = [busy[0], dict(busy[1], gpu_idle_fraction=0.5), busy[2]]
     v = L.verdict_r10(cards, idle)[1]
     assert v.held is None and "idle 50%" in v.why
+    # where eager checkpointing is host-bound, the pair in a CUDA graph decides the speed part
+    graphed = idle + [_row("AMP + CUDA graph", 11.0, 35.0, 3200.0),
+                      _row("AMP + checkpointing + CUDA graph", 4.5, 45.0, 2600.0)]
+    v = L.verdict_r10(cards, graphed)[1]
+    assert v.held is True and "AMP + CUDA graph trains at 3,200 img/s" in v.why
     edge = [busy[0], dict(busy[1], gpu_idle_fraction=0.26), busy[2]]
     assert L.verdict_r10(cards, edge)[1].held is None
     assert L.verdict_r10(cards, [busy[0], dict(busy[1], gpu_idle_fraction=0.24),

@@ -6,6 +6,14 @@ from any lesson but the claim's own (other lessons may show related numbers, nev
 a measurement that cannot decide (a CPU timing, too few steps, an idle GPU, accuracy at chance)
 comes back as "not decided here" with the reason, never as held or not held.
 
+The verdict scale (``OUTCOMES``): held, held, understated (``one_sided`` rules: the benefit larger
+or the cost smaller than claimed, saying by how much), held, deprecated (the code runs and only
+warns), partly held (a compound claim decided ``Part`` by part), did not hold, not decided here;
+a claim decided on a stand-in for its setting says so. A lesson declares the function that decides
+a claim with ``@decides(...)`` (named ``verdict_<id>``, ``verdict_name``); ``deciders()`` and each
+lesson's ``DECIDES`` (``decided_in``) are derived from those declarations; ``rows_timing_gate`` is
+the one helper that applies ``timing_gate`` to measured rows.
+
 The claims' text is published in ``docs/claims.md`` (``python -m amp_lessons claims``), so a clone
 of the repository is whole.
 """

@@ -13,7 +13,8 @@ from .env import Env, get_profile, probe, seed_everything, setup
 __version__ = "0.1.0"
 __all__ = ["Env", "get_profile", "probe", "seed_everything", "setup", "__version__"]
 
-_SUBMODULES = {"checkpoint", "claims", "cli", "data", "distributed", "env", "formats", "lessons",
+_SUBMODULES = {"checkpoint", "claims", "cli", "data", "distributed", "doctor", "env", "formats",
+               "lessons",
                "measure", "models", "precision", "recipes", "records", "report", "runner", "tables",
                "trainer", "ui"}
 

@@ -34,7 +34,7 @@ ARTICLES = {
     "B": ("混合精度训练实战：PyTorch中从零实现高效GPU计算优化 (\"Mixed precision in practice: "
           "efficient GPU training in PyTorch from scratch\")"),
 }
-LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08")
+LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09")
 
 HELD, NOT_HELD, UNDECIDED = "held", "did not hold", "not decided here"
 UNDERSTATED, DEPRECATED, PARTLY = "held, understated", "held, deprecated", "partly held"

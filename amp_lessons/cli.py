@@ -1,4 +1,4 @@
-"""Command line: ``python -m amp_lessons {run-notebooks,rehearse,readme,claims,figure-images,bench,train} ...``.
+"""Command line: ``python -m amp_lessons {run-notebooks,rehearse,readme,claims,figure-images,bench,train,doctor} ...``.
 
 Bad flags end in argparse's usage message and exit status 2. Every other user error (a bad
 setting, a missing or damaged file, a path that cannot be written) prints one line,
@@ -530,8 +530,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_doctor(sub) -> None:
+    from .doctor.command import add_parser  # the subcommand lives with the doctor
+
+    add_parser(sub)
+
+
 # One ``_add_<command>(subparsers)`` function per subcommand, defined above in its own section.
-_COMMANDS = [_add_run_notebooks, _add_rehearse, _add_readme, _add_claims, _add_figure_images, _add_bench, _add_train]
+_COMMANDS = [_add_run_notebooks, _add_rehearse, _add_readme, _add_claims, _add_figure_images, _add_bench, _add_train,
+             _add_doctor]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

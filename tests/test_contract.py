@@ -11,7 +11,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 EXPECTED = ["01_fp16_ranges_and_underflow.ipynb", "02_basic_amp_loop.ipynb",
             "03_grad_scaler_tuning.ipynb", "04_resnet50_memory_and_speed.ipynb",
             "05_checkpointing_and_accumulation.ipynb", "06_multi_gpu.ipynb",
-            "07_fp8_training.ipynb", "08_weights_and_optimizer_state.ipynb"]
+            "07_fp8_training.ipynb", "08_weights_and_optimizer_state.ipynb",
+            "09_your_model.ipynb"]
 # Lessons whose committed outputs come from a run on a CPU: their code changed in a session that
 # had spent its GPU time (30 minutes a session). They run anywhere ("any; CPU is fine"), so the
 # CPU run is a real one, recorded as such in the notebook's metadata (device, profile: the full

@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "amp_lessons"
-ENGINE = sorted(p for p in PKG.glob("*.py")) + sorted((PKG / "ui").glob("*.py"))
+ENGINE = sorted(p for p in PKG.glob("*.py")) + sorted((PKG / "ui").glob("*.py")) + \
+    sorted((PKG / "doctor").glob("*.py"))
 LESSONS = sorted((PKG / "lessons").glob("l[0-9][0-9]_*.py"))
 ALL = ENGINE + LESSONS + [PKG / "lessons" / "__init__.py"]
 CLAIM_ID = re.compile(r"\b(claim_[a-z0-9]+|[RB]\d{1,2}[a-d]?)\b")
@@ -96,5 +97,6 @@ def test_readme_module_table_matches_the_code():
     actual = {p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_")}
     actual |= {f"ui/{p.stem}" for p in (PKG / "ui").glob("*.py") if p.stem != "__init__"}
     actual.add("lessons")
+    actual |= {p.parent.name for p in PKG.glob("*/__init__.py")} - {"ui", "lessons"}
     assert listed == actual, (f"README's module table lists {sorted(listed - actual)} that do not "
                               f"exist and misses {sorted(actual - listed)}")

@@ -12,17 +12,16 @@ import copy
 import math
 import statistics
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .. import claims
 from .. import measure
 from .._validate import check_int, check_positive, is_real
 from ..data import digits_loaders
+from ..doctor.dtype_trace import AutocastReport, autocast_report, dtype_label  # noqa: F401
 from ..models import build_digits_model
 from ..precision import Device, as_device, check_precision, normalize_precision, precision_settings
 from ..recipes import train_digits
@@ -302,87 +301,8 @@ def claim_dtype(device: Device = None) -> torch.dtype:
 
 # --- what autocast does (claim B5) ---------------------------------------------------------------
 
-def dtype_label(dtype: torch.dtype, low: torch.dtype) -> str:
-    """``"16-bit"`` for the autocast dtype ``low`` (fp16 or bf16), else the dtype's short name, so
-    a table reads the same whichever half type a device uses."""
-    return "16-bit" if dtype == low else str(dtype).replace("torch.", "")
-
-
-@dataclass
-class AutocastReport:
-    """What one forward + backward under autocast produced (``autocast_report``).
-
-    ``layers``: ``(name, kind, output dtype, dtype of the gradient flowing back into that
-    output)`` per leaf module, in call order; ``loss``: the loss's dtype; ``parameters`` and
-    ``gradients``: the set of dtypes of the parameters and of their ``.grad``; ``low``: the
-    autocast dtype; ``input``: the input batch's dtype.
-    """
-
-    layers: List[Tuple[str, str, torch.dtype, Optional[torch.dtype]]]
-    loss: torch.dtype
-    parameters: set
-    gradients: set
-    low: torch.dtype
-    input: torch.dtype
-
-    def rows(self) -> List[dict]:
-        """Plain rows with dtype labels ("16-bit" = the autocast dtype)."""
-        lab = lambda d: "-" if d is None else dtype_label(d, self.low)  # noqa: E731
-        out = [{"what": "input batch", "kind": "data", "dtype": lab(self.input), "grad": "-"}]
-        out += [{"what": name, "kind": kind, "dtype": lab(dt), "grad": lab(gd)}
-                for name, kind, dt, gd in self.layers]
-        out.append({"what": "loss", "kind": "cross_entropy", "dtype": lab(self.loss), "grad": "-"})
-        out.append({"what": "every parameter", "kind": "weights",
-                    "dtype": ", ".join(sorted(lab(d) for d in self.parameters)),
-                    "grad": ", ".join(sorted(lab(d) for d in self.gradients))})
-        return out
-
-    def format(self) -> str:
-        """A text table: each tensor's dtype and the dtype of the gradient that flows back."""
-        return text_table(self.rows(), [("what", "tensor"), ("kind", "layer"), ("dtype", "dtype"),
-                                        ("grad", "gradient dtype")])
-
-
-def autocast_report(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_type: str,
-                    dtype: torch.dtype, loss_fn: Callable = F.cross_entropy) -> AutocastReport:
-    """Run one forward + backward of ``model`` under ``torch.autocast(device_type, dtype)`` and
-    record the dtype of every leaf layer's output, of the gradient flowing back into it, of the
-    loss, of the parameters and of their gradients (claim B5). Gradients are cleared afterwards;
-    BatchNorm statistics move as in any training forward."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16; got {dtype!r}")
-    layers: list = []
-    grads: Dict[int, torch.dtype] = {}
-    handles = []
-
-    def hook(module, inputs, output, name=None):
-        index = len(layers)
-        layers.append([name, type(module).__name__, output.dtype, None])
-        if output.requires_grad:
-            output.register_hook(lambda g, i=index: grads.__setitem__(i, g.dtype))
-
-    for name, module in model.named_modules():
-        if name and not list(module.children()):
-            handles.append(module.register_forward_hook(
-                lambda m, i, o, name=name: hook(m, i, o, name)))
-    was_training = model.training
-    model.train()
-    try:
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    report = AutocastReport(
-        layers=[(n, k, d, grads.get(i)) for i, (n, k, d, _) in enumerate(layers)],
-        loss=loss.dtype, parameters={p.dtype for p in model.parameters()},
-        gradients={p.grad.dtype for p in model.parameters() if p.grad is not None},
-        low=dtype, input=x.dtype)
-    model.zero_grad(set_to_none=True)
-    return report
+# The dtype trace (``AutocastReport``, ``autocast_report``, ``dtype_label``) lives in the engine,
+# ``doctor.dtype_trace``, where the doctor reuses it on any model; this lesson introduces it.
 
 
 def b5_parts(report: AutocastReport) -> List[dict]:

@@ -1,0 +1,56 @@
+"""The doctor: the course's measurements run on any model, and what they say to do.
+
+``al.doctor(model, batch)`` (this package is callable: it is ``doctor.run.doctor``) measures, on
+the learner's device and on copies of the model (the model itself is never changed):
+
+- ``ranges``: per layer, the range of activations and gradients and the share that would overflow
+  or underflow in fp16, bf16, e4m3 and e5m2, gradients at the loss scale GradScaler would reach
+  (lesson 01); the layers where fp16 overflows, with the value found;
+- ``scale``: that loss scale and the advice (init_scale, growth_interval, or why bf16), checked
+  with a few fp16 steps of the shared trainer (lesson 03);
+- ``dtype_trace``: the ops and layers autocast runs in 16 bits and in fp32 (lesson 02);
+- ``compiled``: eager against ``torch.compile`` forward (on a GPU, or with ``compile=True``);
+- ``speed``: speed and peak memory per precision through the engine, gated (lesson 04);
+- ``fp8``: the Linear layers where FP8 pays, from lesson 07's crossover width, or why not here.
+
+It returns a ``report.DoctorReport``: a table in a notebook, JSON and a self-contained HTML page
+(``ui.doctor_plots`` draws its figure). Command line: ``python -m amp_lessons doctor --model
+MODULE:FACTORY``.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+__all__ = ["doctor", "DoctorReport"]
+_PARTS = {"compiled", "command", "dtype_trace", "findings", "fp8", "inputs", "ranges", "report",
+          "run", "scale", "speed"}
+
+
+def doctor(model, batch, loss_fn=None, optimizer=None, **kwargs):
+    """See ``doctor.run.doctor``: measure ``model`` on ``batch``; returns a ``DoctorReport``."""
+    from .run import doctor as _doctor
+
+    return _doctor(model, batch, loss_fn=loss_fn, optimizer=optimizer, **kwargs)
+
+
+def __getattr__(name: str):
+    if name == "DoctorReport":
+        from .report import DoctorReport
+
+        return DoctorReport
+    if name in _PARTS:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _CallableModule(types.ModuleType):
+    """``amp_lessons.doctor(model, batch)`` calls ``doctor``; the package's parts stay reachable
+    as attributes (``amp_lessons.doctor.ranges``)."""
+
+    def __call__(self, model, batch, loss_fn=None, optimizer=None, **kwargs):
+        return doctor(model, batch, loss_fn=loss_fn, optimizer=optimizer, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

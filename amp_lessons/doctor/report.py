@@ -1,0 +1,168 @@
+"""The doctor's report: every measurement as data, a notebook table (HTML), JSON, and a
+self-contained HTML page (inline CSS, no scripts unless a figure is passed in)."""
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from ..tables import format_value, json_safe, percent
+
+CSS = ("body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1200px}"
+       "table.doctor{border-collapse:collapse;margin:.4em 0 1em;font-size:13px}"
+       "table.doctor td,table.doctor th{border:1px solid #ccc;padding:2px 6px;text-align:left}"
+       "table.doctor th{background:#f2f2f2}.bad{color:#b00020;font-weight:600}")
+LAYER_COLUMNS = (("layer", "layer"), ("kind", "kind"), ("act_absmax", "max |act|"),
+                 ("act_min", "min |act|"), ("grad_absmax", "max |grad|"),
+                 ("grad_min", "min |grad|"), ("act_fp16_overflow", "act fp16 over"),
+                 ("grad_fp16_underflow", "grad fp16 under"), ("grad_bf16_underflow", "grad bf16 under"),
+                 ("act_e4m3_overflow", "act e4m3 over"), ("act_e4m3_underflow", "act e4m3 under"),
+                 ("grad_e5m2_underflow", "grad e5m2 under"))
+SPEED_COLUMNS = (("precision", "precision"), ("samples_per_s", "samples/s"),
+                 ("speedup", "x fp32"), ("step_ms", "step ms"), ("peak_gib", "peak GiB"),
+                 ("memory_ratio", "mem x fp32"), ("gpu_idle_fraction", "GPU idle"),
+                 ("status", "status"), ("gate", "decided?"))
+
+
+@dataclass
+class DoctorReport:
+    """What ``doctor`` measured on one model (see the package docstring for each part)."""
+
+    model: str
+    parameters: int
+    device: str
+    device_name: str
+    torch: str
+    batch: str
+    loss: str
+    layers: List[Dict[str, object]]
+    scale_exponent: Optional[int]
+    overflow: List[Dict[str, object]]
+    fp16_nonfinite: List[str]
+    advice: Dict[str, object]
+    scaler_trial: List[Dict[str, object]]
+    trace: Dict[str, object]
+    compiled: Dict[str, object]
+    speed: List[Dict[str, object]]
+    fp8: Dict[str, object]
+    findings: List[Dict[str, str]]
+    seconds: float = 0.0
+    extra: Dict[str, object] = field(default_factory=dict)
+
+    # -- data ------------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, object]:
+        """Everything, as plain JSON-ready data."""
+        return json_safe(asdict(self))
+
+    def to_json(self) -> str:
+        """``to_dict`` as JSON text."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    def speed_row(self, precision: str) -> Optional[Dict[str, object]]:
+        """The speed row of ``precision`` (None when not in the report)."""
+        return next((r for r in self.speed if r["precision"] == precision), None)
+
+    def riskiest_layers(self, n: int = 12) -> List[Dict[str, object]]:
+        """The ``n`` layers nearest to fp16's limits: overflowing activations first, then the
+        largest activations, then the largest underflow share of gradients."""
+        def risk(r):
+            return (r.get("act_fp16_overflow") or 0, r.get("act_absmax") or 0,
+                    r.get("grad_fp16_underflow") or 0)
+        return sorted(self.layers, key=risk, reverse=True)[:n]
+
+    # -- rendering -------------------------------------------------------------------------------
+    @staticmethod
+    def _cell(key: str, value) -> str:
+        if value is None:
+            return "n/a"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if key.endswith(("_overflow", "_underflow", "idle_fraction")) and isinstance(value, float):
+            return percent(value, 1.0)
+        if isinstance(value, float):
+            return format_value(value, 3) if abs(value) >= 1e-3 or value == 0 else f"{value:.3g}"
+        return str(value)
+
+    @classmethod
+    def html_table(cls, rows: Sequence[Dict[str, object]], columns) -> str:
+        """Rows as an HTML table with the given ``(key, heading)`` columns (escaped)."""
+        if not rows:
+            return "<p><i>none</i></p>"
+        head = "".join(f"<th>{html.escape(h)}</th>" for _, h in columns)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(cls._cell(k, r.get(k)))}</td>"
+                                        for k, _ in columns) + "</tr>" for r in rows)
+        return f'<table class="doctor"><tr>{head}</tr>{body}</table>'
+
+    def html_body(self, all_layers: bool = False) -> str:
+        """The report's HTML (no page wrapper): findings, loss scale, overflow sites, speed,
+        dtype trace, compile and FP8 sections, and the layer table (the riskiest 12 layers,
+        or every layer with ``all_layers``)."""
+        e = html.escape
+        parts = [f"<h3>doctor: {e(self.model)} ({self.parameters:,} parameters) on "
+                 f"{e(self.device_name)}</h3>",
+                 f"<p>batch {e(self.batch)}; loss: {e(self.loss)}; torch {e(self.torch)}; "
+                 f"{self.seconds:.1f} s</p>",
+                 "<h4>Findings</h4>",
+                 self.html_table(self.findings, (("topic", "topic"), ("finding", "finding"),
+                                                 ("evidence", "measured by"),
+                                                 ("lesson", "explained in"))),
+                 "<h4>Loss scale</h4><ul>"
+                 + "".join(f"<li>{e(line)}</li>" for line in self.advice.get("lines", []))
+                 + "</ul>",
+                 self.html_table(self.scaler_trial, (("settings", "fp16 trial"),
+                                                     ("init_scale", "init_scale"),
+                                                     ("steps", "steps"), ("skipped", "skipped"),
+                                                     ("final_scale", "final scale"),
+                                                     ("final_loss", "final loss"))),
+                 "<h4>fp16 overflow sites</h4>",
+                 self.html_table(self.overflow, (("layer", "layer"), ("kind", "kind"),
+                                                 ("value", "largest |activation|"),
+                                                 ("share", "share over 65,504"))),
+                 "<h4>Speed and peak memory per precision</h4>",
+                 self.html_table(self.speed, SPEED_COLUMNS),
+                 f"<h4>Autocast ({e(str(self.trace.get('low', '')))}): ops by output dtype</h4>",
+                 self.html_table(self.trace.get("ops", []), (("op", "op"), ("dtype", "dtype"),
+                                                             ("calls", "calls"))),
+                 "<h4>Eager against torch.compile</h4>",
+                 (self.html_table(self.compiled["rows"], (
+                     ("precision", "precision"), ("output", "output"), ("shape", "shape"),
+                     ("max_abs_diff", "max |diff|"), ("max_rel_diff", "relative"),
+                     ("compile_s", "first call s"), ("status", "status"), ("reason", "reason")))
+                  if self.compiled.get("rows") else
+                  f"<p>not run: {e(self.compiled.get('reason', ''))}</p>"),
+                 f"<h4>FP8 candidates: {e(self.fp8['status'])}</h4><p>{e(self.fp8['reason'])}</p>",
+                 self.html_table(self.fp8.get("layers", []), (
+                     ("layer", "Linear"), ("in", "in"), ("out", "out"),
+                     ("candidate", "FP8"), ("reason", "why"))) if self.fp8.get("layers") else "",
+                 f"<h4>Layer ranges ({'every layer' if all_layers else 'the 12 nearest fp16 limits'}"
+                 f"; gradients at the loss scale 2^{self.scale_exponent})</h4>",
+                 self.html_table(self.layers if all_layers else self.riskiest_layers(),
+                                 LAYER_COLUMNS)]
+        return "\n".join(parts)
+
+    def _repr_html_(self) -> str:
+        return f"<style>{CSS}</style>" + self.html_body()
+
+    def __repr__(self) -> str:
+        return (f"DoctorReport({self.model}, {self.device_name}: "
+                + "; ".join(f["finding"] for f in self.findings[:3]) + ")")
+
+    def to_html(self, figure_html: str = "") -> str:
+        """A self-contained page: inline CSS, every table (all layers), and ``figure_html``
+        (e.g. a plotly figure with its JavaScript inlined) when given."""
+        return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>amp-lessons doctor: "
+                f"{html.escape(self.model)}</title><style>{CSS}</style></head><body>\n"
+                f"{self.html_body(all_layers=True)}\n{figure_html}\n</body></html>\n")
+
+    def write(self, path, figure_html: str = "") -> Path:
+        """Write the report to ``path``: JSON for ``.json``, the HTML page for ``.html``/``.htm``."""
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in (".json", ".html", ".htm"):
+            raise ValueError(f"path must end in .json, .html or .htm; got '{path}'")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() if suffix == ".json" else self.to_html(figure_html),
+                        encoding="utf-8")
+        return path

@@ -1,0 +1,65 @@
+"""Figures of the doctor's report (lesson 09): pure builders from a ``DoctorReport``."""
+from __future__ import annotations
+
+from typing import Optional
+
+import plotly.graph_objects as go
+
+from .. import formats
+from .plots import styled
+
+LIMITS = (("fp16 max", "fp16", "max", "#d62728"),
+          ("fp16 smallest normal", "fp16", "smallest_normal", "#ff7f0e"),
+          ("fp16 smallest subnormal", "fp16", "smallest_subnormal", "#8c564b"),
+          ("e4m3 max", "fp8_e4m3fn", "max", "#9467bd"))
+
+
+def ranges_figure(report, title: Optional[str] = None) -> go.Figure:
+    """Per layer (call order): the largest and smallest nonzero |activation|, and the largest and
+    smallest nonzero |gradient| times the loss scale GradScaler would reach, on a log axis, with
+    fp16's and e4m3's limits as lines: a point above "fp16 max" overflows, below "fp16 smallest
+    subnormal" it is flushed to zero."""
+    rows = [r for r in report.layers if r.get("act_absmax") or r.get("grad_absmax")]
+    if not rows:
+        raise ValueError("report must hold at least one layer with a nonzero value")
+    k = report.scale_exponent
+    scale = 2.0 ** k if k is not None else 1.0
+    names = [r["layer"] for r in rows]
+    fig = go.Figure()
+    for key, label, factor, symbol in (("act_absmax", "max |activation|", 1.0, "circle"),
+                                       ("act_min", "min nonzero |activation|", 1.0, "circle-open"),
+                                       ("grad_absmax", f"max |gradient| x 2^{k}", scale, "diamond"),
+                                       ("grad_min", f"min nonzero |gradient| x 2^{k}", scale,
+                                        "diamond-open")):
+        ys = [r[key] * factor if r.get(key) else None for r in rows]
+        fig.add_trace(go.Scatter(x=names, y=ys, mode="markers", name=label,
+                                 marker=dict(symbol=symbol, size=6),
+                                 hovertemplate="%{x}<br>%{y:.3g}<extra>" + label + "</extra>"))
+    for label, fmt, key, color in LIMITS:
+        value = getattr(formats.get_format(fmt), key)
+        fig.add_hline(y=value, line=dict(color=color, dash="dot", width=1),
+                      annotation_text=f"{label} {value:.3g}", annotation_position="top left",
+                      annotation_font_size=10)
+    fig.update_yaxes(type="log", exponentformat="power")
+    fig.update_xaxes(showticklabels=len(names) <= 60, tickangle=-60)
+    title = title or (f"{report.model}: per-layer ranges against fp16 and e4m3 (gradients at the "
+                      f"loss scale 2^{k})")
+    return styled(fig, title, "layer (call order)", "magnitude (log scale)", height=480)
+
+
+def speed_figure(report, title: Optional[str] = None) -> go.Figure:
+    """Samples per second and peak memory per precision (the report's speed rows that ran)."""
+    rows = [r for r in report.speed if r["status"] == "ok"]
+    if not rows:
+        raise ValueError("report must hold at least one timed precision")
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=[r["precision"] for r in rows], y=[r["samples_per_s"] for r in rows],
+                         name="samples/s", text=[("" if r["decided"] else "not decided")
+                                                 for r in rows]))
+    return styled(fig, title or f"{report.model}: training speed per precision", "precision",
+                  "samples per second (median step)")
+
+
+def figure_html(fig: go.Figure) -> str:
+    """``fig`` as an HTML fragment with plotly.js inlined (a page that needs no network)."""
+    return fig.to_html(include_plotlyjs=True, full_html=False)

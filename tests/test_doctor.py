@@ -1,0 +1,233 @@
+"""The doctor (amp_lessons.doctor): its counts against formats.py, the loss-scale advice, that it
+changes nothing in the model, clear errors on bad input, the report's HTML/JSON, and the CLI on
+torchvision:resnet18 at a small batch. Fast, CPU."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import amp_lessons as al
+from amp_lessons import formats
+from amp_lessons.cli import main
+from amp_lessons.doctor import compiled, dtype_trace, fp8, inputs, ranges, scale, speed
+from amp_lessons.doctor.report import DoctorReport
+from amp_lessons.ui import doctor_plots
+
+FAST = dict(precisions=("fp32",), warmup=1, steps=1, trial_steps=1)
+
+
+def mlp(scale_last: float = 1.0) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Dropout(0.1),
+                        nn.Linear(16, 4), nn.BatchNorm1d(4))
+    with torch.no_grad():
+        net[0].weight.mul_(scale_last)
+    return net
+
+
+@pytest.fixture(scope="module")
+def report():
+    net = mlp()
+    return al.doctor(net, torch.randn(6, 8), **FAST)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
+@pytest.mark.parametrize("k", [-4, 0, 9, 30])
+def test_format_counts_match_formats_scaled_counts(fmt, k):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4000, generator=g) * 10.0 ** torch.randint(-14, 9, (4000,), generator=g)
+    edges = torch.tensor([0.0, 65504.0, 65519.0, 65520.0, 448.0, 464.0, 465.0, 2.0 ** -25,
+                          1.5 * 2.0 ** -24, 2.0 ** -14 - 2.0 ** -25, 2.0 ** -133])
+    a = torch.cat([x, edges]).abs()
+    got = ranges.format_counts(a, [("f", fmt, 2.0 ** k)])["f"]
+    want = formats.scaled_counts(a, 2.0 ** k, fmt)
+    assert {key: got[key] for key in ("nonzero", "overflow", "underflow", "flushed")} == \
+        {key: want[key] for key in ("nonzero", "overflow", "underflow", "flushed")}
+
+
+def test_reached_scale_is_the_largest_power_of_two_that_fits():
+    assert scale.reached_scale(1.0) == 15           # 2**15 <= 65504 < 2**16
+    assert scale.reached_scale(65504.0) == 0
+    assert scale.reached_scale(2.0 ** -20) == 35
+    assert scale.reached_scale(None) is None and scale.reached_scale(0.0) is None
+    assert scale.reached_scale(1e-300) == scale.EXPONENT_RANGE[1]
+
+
+def test_advice_names_overflow_low_scale_and_bf16():
+    site = [{"layer": "blocks.0.mlp.2", "value": 2.6e5}]
+    a = scale.advice(10, site, 0.0, 0.0, bf16_native=True)
+    assert a["precision"] == "bf16" and a["fp16_safe"] is False and "blocks.0.mlp.2" in a["lines"][0]
+    assert scale.advice(10, site, 0.0, 0.0, False)["precision"] == "fp16 with fp32 layers"
+    low = scale.advice(10, [], 0.0, 0.0, True)
+    assert low["fp16_safe"] and low["settings"]["init_scale"] == 2.0 ** 9
+    assert "skipped" in " ".join(low["lines"])
+    high = scale.advice(24, [], 0.0, 0.01, True)
+    assert high["settings"]["init_scale"] == 2.0 ** 23 and "14,000 steps" in " ".join(high["lines"])
+    lost = scale.advice(12, [], 0.2, 0.3, True, flushed_at_k=0.05)
+    assert lost["precision"] == "bf16" and lost["fp16_safe"] is False
+
+
+def test_doctor_changes_nothing_in_the_model():
+    net = mlp().eval()
+    net[0].weight.requires_grad_(False)
+    net[4].weight.grad = torch.full_like(net[4].weight, 0.5)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    grad = net[4].weight.grad.clone()
+    batch = (torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    rng = torch.get_rng_state()
+    al.doctor(net, batch, **FAST)
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    assert not any(m.training for m in net.modules())
+    assert [p.requires_grad for p in net.parameters()] == [False] + [True] * 7
+    assert torch.equal(net[4].weight.grad, grad) and net[0].bias.grad is None
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_report_parts(report):
+    assert report.model == "Sequential" and report.parameters == sum(
+        p.numel() for p in mlp().parameters())
+    assert [r["layer"] for r in report.layers] == ["0", "1", "2", "3", "4", "5"]
+    row = report.layers[0]
+    assert row["act_absmax"] > row["act_min"] > 0 and 0 <= row["grad_fp16_underflow"] <= 1
+    assert report.scale_exponent == scale.reached_scale(
+        max(r["grad_absmax"] for r in report.layers if r["grad_absmax"]))
+    assert not report.overflow and report.advice["fp16_safe"] in (True, False)
+    assert report.trace["low"] == "fp16" and any(r["dtype"] == "16-bit" for r in report.trace["ops"])
+    assert report.compiled["rows"] == [] and "GPU" in report.compiled["reason"]
+    assert report.speed[0]["status"] == "ok" and not report.speed[0]["decided"]
+    assert "CPU" in report.speed[0]["gate"] and report.speed[0]["samples_per_s"] > 0
+    assert report.fp8["status"] == "no FP8 on this GPU"
+    assert report.scaler_trial and report.scaler_trial[0]["settings"] == "default"
+    assert all(f["lesson"].startswith("lesson 0") for f in report.findings)
+    assert {f["topic"] for f in report.findings} >= {"ranges", "scale", "trace", "speed", "fp8"}
+
+
+def test_overflow_site_named_with_its_value():
+    net = mlp(scale_last=1e6)
+    r = al.doctor(net, torch.randn(6, 8), precisions=(), trial_steps=1)
+    assert r.overflow[0]["layer"] == "0" and r.overflow[0]["value"] > 65504
+    assert r.advice["fp16_safe"] is False and "0" in r.findings[0]["finding"]
+    assert r.fp16_nonfinite[:1] == ["0"]
+    assert r.scaler_trial[0]["skipped"] == r.scaler_trial[0]["steps"] == 1
+    assert r.speed == []
+
+
+def test_report_html_json_and_figure(report, tmp_path):
+    html = report._repr_html_()
+    assert "<table" in html and "explained in" in html and "<script" not in html
+    doc = json.loads(report.to_json())
+    assert doc["findings"] and doc["layers"][0]["layer"] == "0"
+    fig = doctor_plots.ranges_figure(report)
+    assert fig.layout.title.text and len(fig.data) == 4 and fig.layout.yaxis.type == "log"
+    page = tmp_path / "r.html"
+    report.write(page, doctor_plots.figure_html(fig))
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "Plotly" in text and 'src="http' not in text
+    with pytest.raises(ValueError, match="must end in .json, .html"):
+        report.write(tmp_path / "r.txt")
+    assert isinstance(report, DoctorReport) and "Sequential" in repr(report)
+
+
+def test_callable_module_and_parts():
+    assert callable(al.doctor) and al.doctor.ranges is ranges
+    with pytest.raises(AttributeError):
+        al.doctor.nothing_here  # noqa: B018
+
+
+def test_batch_forms_and_default_loss():
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 5), nn.Linear(2, 5)
+
+        def forward(self, x, z):
+            return {"logits": self.a(x) + self.b(z)}
+
+    net = TwoInputs()
+    b = inputs.check_batch(net, ((torch.randn(4, 3), torch.randn(4, 2)), torch.randint(0, 5, (4,))),
+                           None, torch.device("cpu"))
+    assert b.loss_text == "cross-entropy against the target given" and b.size == 4
+    b = inputs.check_batch(net, {"x": torch.randn(4, 3), "z": torch.randn(4, 2)}, None,
+                           torch.device("cpu"))
+    assert "random class ids in [0, 5)" in b.loss_text and b.target.shape == (4,)
+    b = inputs.check_batch(nn.Linear(3, 1), torch.randn(4, 3), None, torch.device("cpu"))
+    assert b.loss_text.startswith("mean squared error against zeros")
+
+
+def test_bad_input_clear_errors():
+    with pytest.raises(ValueError, match="MODULE:FACTORY"):
+        inputs.load_factory("resnet50")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        inputs.load_factory("no_such_module_26:build")
+    with pytest.raises(ValueError, match="has no 'nothing'"):
+        inputs.load_factory("torchvision:nothing")
+    with pytest.raises(ValueError, match="batch shape must be whole numbers"):
+        inputs.parse_shape("2,three")
+    with pytest.raises(ValueError, match="must have parameters to train; ReLU has none"):
+        al.doctor(nn.ReLU(), torch.randn(2, 3))
+    with pytest.raises(ValueError, match="must be a torch.nn.Module"):
+        al.doctor("model", torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"failed in layer '1' \(Linear\) on a batch of shape 2x7"):
+        al.doctor(nn.Sequential(nn.Linear(7, 5), nn.Linear(6, 2)), torch.randn(2, 7))
+    with pytest.raises(ValueError, match="batch must be a tensor"):
+        al.doctor(mlp(), [1, 2, 3])
+    with pytest.raises(ValueError, match="loss_fn must be callable"):
+        al.doctor(mlp(), torch.randn(4, 8), loss_fn=3)
+    with pytest.raises(ValueError, match="precisions must be names from"):
+        al.doctor(mlp(), torch.randn(4, 8), precisions=("fp64",))
+    with pytest.raises(ValueError, match="optimizer must be a torch.optim.Optimizer"):
+        al.doctor(mlp(), torch.randn(4, 8), optimizer="adam")
+
+
+def test_optimizer_like_the_one_given():
+    net = mlp()
+    make = speed.like(torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=0.05))
+    opt = make(mlp())
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == 3e-4
+    assert speed.like(None)(net).defaults["foreach"] is True
+
+
+def test_dtype_trace_and_op_counts():
+    net = mlp()
+    x = torch.randn(4, 8)
+    rep = dtype_trace.autocast_report(net, x, torch.randint(0, 4, (4,)), "cpu", torch.bfloat16)
+    assert rep.layers[0][:3] == ("0", "Linear", torch.bfloat16) and rep.nonfinite == []
+    ops = dtype_trace.op_dtypes(lambda: net(x), "cpu", torch.bfloat16)
+    assert {"op": "addmm", "dtype": "16-bit", "calls": 2} in ops
+    assert dtype_trace.first_tensor((1, [torch.ones(1)])) is not None
+
+
+def test_fp8_and_compile_reasons():
+    assert "no CUDA GPU" in fp8.fp8_unavailable("cpu")
+    assert "GPU only" in compiled.compile_skip_reason("cpu")
+    r = fp8.candidates(mlp(), "cpu", 2048)
+    assert r["status"] == "no FP8 on this GPU" and r["layers"] == []
+
+
+def test_cli_doctor_on_resnet18_writes_html_and_json(tmp_path, capsys):
+    html, js = tmp_path / "out" / "report.html", tmp_path / "report.json"
+    assert main(["doctor", "--model", "torchvision:resnet18", "--batch-shape", "2,3,32,32",
+                 "--precisions", "fp32", "--warmup", "0", "--steps", "1", "--trial-steps", "0",
+                 "--out", str(html), "--out", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "[scale]" in out and "(lesson 03:" in out and f"wrote {html}" in out
+    page = html.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "layer1.0.conv1" in page and "Plotly" in page
+    doc = json.loads(js.read_text())
+    assert doc["model"] == "torchvision:resnet18" and doc["batch"].startswith("2x3x32x32")
+    assert math.isfinite(doc["speed"][0]["samples_per_s"]) and doc["findings"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no_such_module_26:f"], "cannot be imported"),
+    (["--model", "torchvision:resnet18", "--batch-shape", "2,3,32"], "failed in layer 'conv1'"),
+    (["--model", "torchvision:resnet18", "--out", "r.txt"], "--out must end in .html or .json"),
+    (["--model", "torch.nn:ReLU"], "must have parameters to train"),
+])
+def test_cli_doctor_errors_are_one_line(argv, message, capsys):
+    assert main(["doctor"] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err

@@ -41,10 +41,11 @@ def test_format_counts_match_formats_scaled_counts(fmt, k):
     edges = torch.tensor([0.0, 65504.0, 65519.0, 65520.0, 448.0, 464.0, 465.0, 2.0 ** -25,
                           1.5 * 2.0 ** -24, 2.0 ** -14 - 2.0 ** -25, 2.0 ** -133])
     a = torch.cat([x, edges]).abs()
-    got = ranges.format_counts(a, [("f", fmt, 2.0 ** k)])["f"]
     want = formats.scaled_counts(a, 2.0 ** k, fmt)
-    assert {key: got[key] for key in ("nonzero", "overflow", "underflow", "flushed")} == \
-        {key: want[key] for key in ("nonzero", "overflow", "underflow", "flushed")}
+    for per_threshold in (False, True):  # the CPU's histogram and the GPU's comparisons
+        got = ranges.format_counts(a, [("f", fmt, 2.0 ** k)], per_threshold)["f"]
+        assert {key: got[key] for key in ("nonzero", "overflow", "underflow", "flushed")} == \
+            {key: want[key] for key in ("nonzero", "overflow", "underflow", "flushed")}
 
 
 def test_reached_scale_is_the_largest_power_of_two_that_fits():
@@ -63,6 +64,8 @@ def test_advice_names_overflow_low_scale_and_bf16():
     low = scale.advice(10, [], 0.0, 0.0, True)
     assert low["fp16_safe"] and low["settings"]["init_scale"] == 2.0 ** 9
     assert "skipped" in " ".join(low["lines"])
+    keep = scale.advice(24, [], 0.0, 0.0005, True)
+    assert keep["settings"]["init_scale"] == 2.0 ** 16 and "keep it" in keep["lines"][1]
     high = scale.advice(24, [], 0.0, 0.01, True)
     assert high["settings"]["init_scale"] == 2.0 ** 23 and "14,000 steps" in " ".join(high["lines"])
     lost = scale.advice(12, [], 0.2, 0.3, True, flushed_at_k=0.05)

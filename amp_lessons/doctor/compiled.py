@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -54,7 +55,9 @@ def compare_compiled(model: nn.Module, inputs, precisions=("fp32",),
                         autocast_for(precision, device.type):
                     eager = _outputs(model(inputs))
                     t0 = time.perf_counter()
-                    got = _outputs(compiled(inputs))
+                    with warnings.catch_warnings():  # inductor's TF32 hint is about speed
+                        warnings.filterwarnings("ignore", message=".*TensorFloat32")
+                        got = _outputs(compiled(inputs))
                     seconds = time.perf_counter() - t0
                 for name, e in eager.items():
                     c = got.get(name)

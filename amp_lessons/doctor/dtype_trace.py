@@ -134,7 +134,8 @@ def op_dtypes(run: Callable[[], torch.Tensor], device_type: str,
               dtype: torch.dtype) -> List[Dict[str, object]]:
     """The ops one forward (``run()``) dispatches under autocast, counted by output dtype: one row
     per op with ``op``, ``dtype`` (its output's, labelled as in ``dtype_label``) and ``calls``,
-    16-bit ops first. An op autocast keeps in float32 (softmax, layer_norm, the loss) shows it."""
+    16-bit ops first (views and in-place ops left out). An op autocast keeps in float32
+    (softmax, layer_norm, the loss) shows it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen: Counter = Counter()
@@ -143,7 +144,7 @@ def op_dtypes(run: Callable[[], torch.Tensor], device_type: str,
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             t = first_tensor(out)
-            if t is not None and t.is_floating_point():
+            if t is not None and t.is_floating_point() and not getattr(func, "is_view", False):
                 name = func.overloadpacket.__name__
                 if not name.endswith("_") and name not in ("detach", "view", "t", "_to_copy",
                                                            "clone", "copy", "alias"):

@@ -102,12 +102,15 @@ def layer_ranges(model: nn.Module, run: Callable[[], torch.Tensor]) -> Dict[str,
 SMALLEST_FP32 = 2.0 ** -149  # the smallest positive float32: no |value| lies below it but zero
 
 
-def format_counts(a: torch.Tensor, plan: Sequence[Tuple[str, str, float]]) -> Dict[str, Dict[str, int]]:
+def format_counts(a: torch.Tensor, plan: Sequence[Tuple[str, str, float]],
+                  per_threshold: Optional[bool] = None) -> Dict[str, Dict[str, int]]:
     """Of the finite magnitudes ``a`` (float32), per ``(key, format, scale)`` of ``plan``: how
     many are nonzero, and of those how many overflow, underflow (flushed to zero or subnormal)
     and are flushed to zero once multiplied by ``scale`` (a power of two, so exact) and rounded
     to the format: the thresholds and tie rules of ``formats.scale_sweep``, counted on the
-    device with two ``torch.bucketize`` calls whatever the number of formats."""
+    device (on a CPU with two ``torch.bucketize`` calls whatever the number of formats; on a GPU
+    one comparison and sum per threshold, since a histogram of a few bins serialises there;
+    ``per_threshold`` chooses explicitly)."""
     below, at_or_below = [0.0], [0.0]   # thresholds t counted as |x| < t and |x| <= t
     keys = []
     for key, fmt, scale in plan:
@@ -121,6 +124,9 @@ def format_counts(a: torch.Tensor, plan: Sequence[Tuple[str, str, float]]) -> Di
         (below if info.has_inf else at_or_below).append(limits["overflow_from"] / scale)
 
     def counts(thresholds, right):
+        if per_threshold if per_threshold is not None else a.is_cuda:  # one reduction per threshold: memory-bound passes, no atomics on few bins
+            cmp = torch.le if right is False else torch.lt
+            return torch.stack([cmp(a, float(t)).sum() for t in thresholds]).tolist()
         t = torch.tensor(thresholds, dtype=torch.float64)
         order = torch.argsort(t)
         bounds = t[order].to(device=a.device, dtype=torch.float32)

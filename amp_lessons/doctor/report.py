@@ -103,7 +103,9 @@ class DoctorReport:
         parts = [f"<h3>doctor: {e(self.model)} ({self.parameters:,} parameters) on "
                  f"{e(self.device_name)}</h3>",
                  f"<p>batch {e(self.batch)}; loss: {e(self.loss)}; torch {e(self.torch)}; "
-                 f"{self.seconds:.1f} s</p>",
+                 f"{self.seconds:.1f} s ("
+                 + ", ".join(f"{e(k)} {v:.1f} s" for k, v in
+                             self.extra.get("seconds_by_part", {}).items()) + ")</p>",
                  "<h4>Findings</h4>",
                  self.html_table(self.findings, (("topic", "topic"), ("finding", "finding"),
                                                  ("evidence", "measured by"),

@@ -39,6 +39,19 @@ def _totals(counts, kind: str):
     return out
 
 
+class _Clock:
+    """Seconds spent in each part of a doctor run (``DoctorReport.extra["seconds_by_part"]``)."""
+
+    def __init__(self):
+        self.laps: Dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.laps[part] = round(now - self._last, 3)
+        self._last = now
+
+
 def _fp16_problem(device) -> str:
     """Why fp16 autocast with GradScaler cannot run on ``device`` ("" when it can)."""
     try:
@@ -103,6 +116,7 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
         return b.loss_fn(call(b.inputs), b.target)
 
     # the numerics, on the working copy
+    clock = _Clock()
     stats = _ranges.layer_ranges(work, run)
     k = _scale.reached_scale(_ranges.largest_gradient(stats))
     grad_scale = 2.0 ** k if k is not None else 1.0
@@ -117,6 +131,7 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
     flushed_k = _share(grad_totals.get("fp16"), "flushed")
     bf16 = native_bf16(device)
     advice = _scale.advice(k, overflow, under_k, under_default, bf16, flushed_k)
+    clock.lap("ranges")
 
     # what autocast does; the fp16 trace also finds where inf/NaN first appears
     fp16_problem = _fp16_problem(device)
@@ -132,6 +147,7 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
                          fp32_ops=len(fp32_ops), fp32_examples=fp32_ops,
                          layers=fp16_trace.rows())
 
+    clock.lap("dtype trace")
     trial = []
     if trial_steps and not fp16_problem:
         settings = {"default": _scale.DEFAULT}
@@ -141,6 +157,7 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
                                     b.inputs, b.target, b.loss_fn,
                                     make_optimizer, settings, device, trial_steps)
 
+    clock.lap("scaler trial")
     why_not = _compiled.compile_skip_reason(device)
     if compile is False:
         compiled_doc = {"reason": "compile=False", "rows": []}
@@ -151,10 +168,12 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
                                                                          device=device)}
     del work, call
     free_memory(device)
+    clock.lap("compile")
 
     speed = _speed.speed_rows(lambda: _inputs.Call(_inputs.work_copy(model, device)), b.inputs,
                               b.target, b.loss_fn, make_optimizer, device, precisions,
                               warmup, steps) if precisions else []
+    clock.lap("speed")
     fp8 = _fp8.candidates(model, device, crossover, source)
     found = _findings.collect(overflow, nonfinite, k, grad_totals, act_totals, advice,
                               trial, trace_doc, compiled_doc, speed, fp8)
@@ -165,4 +184,4 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
         loss=b.loss_text, layers=layers, scale_exponent=k, overflow=overflow,
         fp16_nonfinite=nonfinite, advice=advice, scaler_trial=trial, trace=trace_doc,
         compiled=compiled_doc, speed=speed, fp8=fp8, findings=found,
-        seconds=time.perf_counter() - t0)
+        seconds=time.perf_counter() - t0, extra={"seconds_by_part": clock.laps})

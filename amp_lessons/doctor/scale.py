@@ -24,6 +24,8 @@ EXPONENT_RANGE = (-126, 127)
 # above this share of gradient values flushed to zero by fp16 even at the reached scale, the
 # advice is bf16 (fp32's range): the scale cannot rise without overflowing the largest gradient
 MAX_FLUSHED = 0.01
+# a higher init_scale is advised only where it saves more than this share of gradient values
+MIN_GAIN = 0.001
 
 
 def reached_scale(largest_gradient: Optional[float]) -> Optional[int]:
@@ -74,6 +76,11 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
         lines.append(f"The default init_scale 2^{default_k} is too high: the first "
                      f"{default_k - k} steps would overflow and be skipped while the scale backs "
                      f"off. Start at init_scale=2^{init_k} (one halving of headroom).")
+    elif init_k > default_k and underflow_at_default - underflow_at_k <= MIN_GAIN:
+        lines.append(f"The default init_scale 2^{default_k} is safe and loses hardly more gradient "
+                     f"values than 2^{k} ({underflow_at_default:.3%} against {underflow_at_k:.3%} "
+                     f"flushed or subnormal): keep it.")
+        settings = DEFAULT
     elif init_k > default_k:
         steps = (init_k - default_k) * DEFAULT.growth_interval
         lines.append(f"The default init_scale 2^{default_k} is safe but low: "
@@ -84,8 +91,9 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
     else:
         lines.append(f"The default init_scale 2^{default_k} is one halving below that ceiling: "
                      f"keep it.")
+        settings = DEFAULT
     lines.append(f"growth_interval: keep the default {DEFAULT.growth_interval}; with the scale "
-                 f"started one halving under its ceiling it only needs to track gradients that "
+                 f"started at or under its ceiling it only needs to track gradients that "
                  f"shrink over training (a shorter interval means more skipped steps).")
     lines.append(f"fp16 with GradScaler is safe here: at the settled scale {flushed_at_k:.3%} of "
                  f"gradient values are flushed to zero ({underflow_at_k:.3%} flushed or "

@@ -106,7 +106,7 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
     if row["status"] == "ok" and device.type == "cuda" and row["gpu_idle_fraction"] is None \
             and idle:
         gate = "the GPU's idle share was not measured, so a busy GPU cannot be shown"
-    row.update(decided=gate is None, gate=gate or "")
+    row.update(decided=gate is None, gate=(gate or "").replace(" the claim is about", ""))
     return row
 
 

@@ -174,11 +174,12 @@ def lesson07_crossover(notebook: Optional[Path] = None, recipe: str = "tensorwis
 
 def summary(reports: Mapping[str, object]) -> List[Dict[str, object]]:
     """One row per model: the advice, the fp16 overflow site, the loss scale, the fastest
-    decided precision and the FP8 status, side by side."""
+    precision (only where every timed row passed the timing gate) and the FP8 status."""
     out = []
     for name, r in reports.items():
-        decided = [s for s in r.speed if s["status"] == "ok" and s["decided"]]
-        best = max(decided, key=lambda s: s["samples_per_s"])["precision"] if decided else \
+        timed = [s for s in r.speed if s["status"] == "ok"]
+        decided = timed and all(s["decided"] for s in timed)  # a ranking needs every row
+        best = max(timed, key=lambda s: s["samples_per_s"])["precision"] if decided else \
             "not decided"
         out.append({"model": name, "train in": r.advice["precision"],
                     "fp16 safe": r.advice["fp16_safe"],

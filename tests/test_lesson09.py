@@ -1,0 +1,81 @@
+"""Lesson 09's module: the three models, lesson 04's comparison, lesson 07's crossover, the
+summary and the cheat sheet. Fast, CPU (the doctor itself: test_doctor.py)."""
+import pytest
+import torch
+
+from amp_lessons.doctor.report import DoctorReport
+from amp_lessons.lessons import l09_your_model as L
+
+
+def test_overflowing_transformer_is_deterministic_and_passes_fp16():
+    a, (x, y), info = L.overflowing_transformer(d_model=16, n_layers=1, seq_len=8, batch_size=2)
+    b, (x2, _), info2 = L.overflowing_transformer(d_model=16, n_layers=1, seq_len=8, batch_size=2)
+    assert info == info2 and torch.equal(x, x2) and x.shape == y.shape == (2, 8)
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+    seen = {}
+    a.blocks[0].mlp[2].register_forward_hook(lambda m, i, o: seen.setdefault("max", o.abs().max()))
+    with torch.no_grad():
+        out = a(x)
+    assert L.FP16_MAX < float(seen["max"]) <= 8 * L.FP16_MAX and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="d_model must be"):
+        L.overflowing_transformer(d_model=4)
+
+
+def test_gpt_and_resnet_cases():
+    net, (x, y) = L.gpt_case(dict(d_model=16, n_layers=1, n_heads=2, seq_len=8), 3,
+                             corpus_bytes=8192)
+    assert x.shape == y.shape == (3, 8) and x.dtype == torch.int64 and int(x.max()) < 256
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    net, (x, y) = L.resnet_case("resnet18", 2, 32)
+    assert x.shape == (2, 3, 32, 32) and y.shape == (2,)
+
+
+def test_lesson07_crossover_reads_the_committed_run(tmp_path):
+    width, where = L.lesson07_crossover()
+    if width is not None:  # the committed lesson 07 holds a GPU run with its speed sweep
+        assert width in (1024, 2048, 4096, 8192) and "lesson 07's committed run" in where
+    assert L.lesson07_crossover(tmp_path / "none.ipynb")[0] is None
+
+
+def _report(speed):
+    return DoctorReport(model="m", parameters=1, device="cuda:0", device_name="GPU", torch="x",
+                        batch="1", loss="l", layers=[], scale_exponent=3, overflow=[],
+                        fp16_nonfinite=[], advice={"precision": "fp16", "fp16_safe": True,
+                                                   "lines": []},
+                        scaler_trial=[], trace={}, compiled={}, speed=speed,
+                        fp8={"status": "no FP8 on this GPU", "reason": "r"}, findings=[])
+
+
+def test_agreement_and_summary():
+    mine = [{"precision": "fp16", "status": "ok", "samples_per_s": 103.0, "decided": True,
+             "gate": ""},
+            {"precision": "fp32", "status": "ok", "samples_per_s": 50.0, "decided": True,
+             "gate": ""}]
+    rows = [{"config": {"precision": "fp16"}, "img_per_s": 100.0, "steps": 15, "warmup": 5,
+             "gpu_idle_fraction": 0.01},
+            {"config": {"precision": "fp32"}, "img_per_s": 60.0, "steps": 15, "warmup": 5,
+             "gpu_idle_fraction": 0.01},
+            {"config": {"precision": "bf16"}, "img_per_s": 60.0, "steps": 2, "warmup": 1,
+             "gpu_idle_fraction": 0.01}]
+    got = L.agreement(_report(mine), rows)
+    assert [r["within 5%"] for r in got] == [True, False]
+    assert got[0]["difference %"] == pytest.approx(3.0)
+    short = L.agreement(_report(mine), [dict(rows[0], steps=2)])
+    assert short[0]["within 5%"] is None and "timed steps" in short[0]["why not decided"]
+    row = L.summary({"m": _report(mine)})[0]
+    assert row["fastest (decided)"] == "fp16" and row["loss scale"] == "2^3"
+    mine[1]["decided"] = False
+    assert L.summary({"m": _report(mine)})[0]["fastest (decided)"] == "not decided"
+
+
+def test_cheat_sheet_and_fingerprint(monkeypatch, tmp_path):
+    monkeypatch.setattr(L, "CHEAT_SHEET", tmp_path / "missing.md")
+    assert L.CHEAT_SHEET_URL in L.cheat_sheet()
+    (tmp_path / "sheet.md").write_text("# Cheat sheet\n")
+    monkeypatch.setattr(L, "CHEAT_SHEET", tmp_path / "sheet.md")
+    assert L.cheat_sheet() == "# Cheat sheet\n"
+    net = torch.nn.Linear(2, 2)
+    before = L.fingerprint(net)
+    assert L.unchanged(net, before)
+    net.eval()
+    assert not L.unchanged(net, before)

@@ -124,6 +124,8 @@ def test_report_html_json_and_figure(report, tmp_path):
     assert doc["findings"] and doc["layers"][0]["layer"] == "0"
     fig = doctor_plots.ranges_figure(report)
     assert fig.layout.title.text and len(fig.data) == 4 and fig.layout.yaxis.type == "log"
+    bars = doctor_plots.speed_figure(report)
+    assert bars.data[0].y[0] > 0 and bars.data[0].text[0] == "not decided"
     page = tmp_path / "r.html"
     report.write(page, doctor_plots.figure_html(fig))
     text = page.read_text()

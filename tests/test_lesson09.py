@@ -47,16 +47,13 @@ def _report(speed):
 
 
 def test_agreement_and_summary():
-    mine = [{"precision": "fp16", "status": "ok", "samples_per_s": 103.0, "decided": True,
-             "gate": ""},
-            {"precision": "fp32", "status": "ok", "samples_per_s": 50.0, "decided": True,
-             "gate": ""}]
-    rows = [{"config": {"precision": "fp16"}, "img_per_s": 100.0, "steps": 15, "warmup": 5,
-             "gpu_idle_fraction": 0.01},
-            {"config": {"precision": "fp32"}, "img_per_s": 60.0, "steps": 15, "warmup": 5,
-             "gpu_idle_fraction": 0.01},
-            {"config": {"precision": "bf16"}, "img_per_s": 60.0, "steps": 2, "warmup": 1,
-             "gpu_idle_fraction": 0.01}]
+    timed = {"status": "ok", "timer": "CUDA events", "steps": 15, "warmup": 5,
+             "gpu_idle_fraction": 0.01}
+    mine = [dict(timed, precision="fp16", samples_per_s=103.0, decided=True, gate=""),
+            dict(timed, precision="fp32", samples_per_s=50.0, decided=True, gate="")]
+    rows = [dict(timed, config={"precision": "fp16"}, img_per_s=100.0),
+            dict(timed, config={"precision": "fp32"}, img_per_s=60.0),
+            dict(timed, config={"precision": "bf16"}, img_per_s=60.0)]
     got = L.agreement(_report(mine), rows)
     assert [r["within 5%"] for r in got] == [True, False]
     assert got[0]["difference %"] == pytest.approx(3.0)

@@ -6,7 +6,7 @@ peak memory read after ``reset_peak_memory_stats``, and the GPU's idle share fro
 ``timing.device_busy_ms``: the same functions and the same standard settings as lesson 04's
 table (``measure.STANDARD``: channels_last for image batches, cuDNN autotuning, foreach SGD with
 momentum), so a torchvision ResNet-50 here reads as lesson 04's rows do. Every row passes
-``claims.timing_gate``: on a CPU, with too few steps or with an idle GPU it is "not decided".
+``claims.rows_timing_gate``: on a CPU, with too few steps or with an idle GPU it is "not decided".
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import measure
-from ..claims import timing_gate
+from ..claims import rows_timing_gate
 from ..precision import PRECISIONS, check_precision, precision_settings
 
 GIB = 2 ** 30
@@ -100,12 +100,8 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
         step = model = optimizer = None  # noqa: F841 - released before the next precision
         measure.free_memory(device)
     row["seconds"] = time.perf_counter() - t0
-    gate = row["reason"] if row["status"] != "ok" else timing_gate(
-        device.type, steps, warmup, row["gpu_idle_fraction"]) if device.type == "cuda" else \
-        f"timed on the {device.type.upper()}: its speed says nothing about a GPU's tensor cores"
-    if row["status"] == "ok" and device.type == "cuda" and row["gpu_idle_fraction"] is None \
-            and idle:
-        gate = "the GPU's idle share was not measured, so a busy GPU cannot be shown"
+    # the one timing gate of the course: a GPU, a warm-up, enough steps, a busy GPU
+    gate = rows_timing_gate(dict(row, label=precision), busy=idle)
     row.update(decided=gate is None, gate=(gate or "").replace(" the claim is about", ""))
     return row
 

@@ -79,13 +79,13 @@ def agreement(report, rows: Sequence[Mapping]) -> List[Dict[str, object]]:
             continue
         a, b = mine.get("samples_per_s"), r.get("img_per_s")
         diff = (a / b - 1) if a and b else None
-        gate = claims.timing_gate(torch.device(report.device).type, r.get("steps") or 0,
-                                  r.get("warmup") or 0, r.get("gpu_idle_fraction"))
-        decided = diff is not None and gate is None and mine["decided"]
+        gate = claims.rows_timing_gate(r, dict(mine, label=f"the doctor's {precision} row"))
+        decided = diff is not None and gate is None
         out.append({"precision": precision, "doctor samples/s": a, "lesson 04 img/s": b,
                     "difference %": None if diff is None else 100 * diff,
                     "within 5%": (abs(diff) <= AGREEMENT) if decided else None,
-                    "why not decided": "" if decided else (gate or mine["gate"] or "not timed")})
+                    "why not decided": "" if decided else (gate or "not timed").replace(
+                        " the claim is about", "")})
     return out
 
 

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ._compat import cap_growth_tracker, reset_scale
+from ._compat import init_scale as current_init_scale
 from ._validate import check_bool, check_int, check_real, is_real
 
 
@@ -55,16 +57,12 @@ class ScalerSettings:
         scaler.set_growth_factor(float(self.growth_factor))
         scaler.set_backoff_factor(float(self.backoff_factor))
         scaler.set_growth_interval(self.growth_interval)
-        tracker = getattr(scaler, "_growth_tracker", None)
-        if tracker is not None:
-            # torch grows the scale when the count of good steps EQUALS the interval: lowering the
-            # interval below the count would stall growth until the next overflow. Cap the count
-            # (no sync), so the scale grows at the next good step instead.
-            tracker.clamp_(max=self.growth_interval - 1)
-        if float(self.init_scale) != float(scaler._init_scale):
-            scaler._init_scale = float(self.init_scale)  # used when the scale tensor is made
-            if self.enabled and scaler._get_scale_async() is not None:
-                scaler.update(new_scale=float(self.init_scale))
+        # torch grows the scale when the count of good steps EQUALS the interval: lowering the
+        # interval below the count would stall growth until the next overflow. Cap the count
+        # (no sync), so the scale grows at the next good step instead.
+        cap_growth_tracker(scaler, self.growth_interval)
+        if float(self.init_scale) != current_init_scale(scaler):
+            reset_scale(scaler, self.init_scale)
 
     def as_dict(self) -> dict:
         """Plain data (for checkpoints and JSON)."""

@@ -24,8 +24,13 @@ copy), so a skipped step leaves the whole model exactly as it was.
 
 Non-finite values without a GradScaler (fp32, tf32, bf16): ``TrainConfig(nonfinite=...)`` decides.
 ``"skip"`` (the default) skips the step the way GradScaler does, on the device and without a host
-sync; ``"raise"`` stops with ``NonFiniteError`` naming the step (one host sync per step);
-``"ignore"`` trains on. See ``TrainConfig`` and docs/reliability.md.
+sync; ``"raise"`` stops with ``NonFiniteError`` naming the step, without a per-step sync;
+``"ignore"`` trains on. See ``TrainConfig`` and docs/reliability.md. Each of these, and
+GradScaler, is a small policy object (``_policies``) with one interface, so the step itself is
+nanoGPT's: forward, backward, the policy's unscale and check, clip, step, update.
+
+Hooks (``Hooks``) see the step at four points; a hook cancels a step with
+``trainer.cancel_step(reason)``.
 
 A step that raises (a bad micro-batch, Stop pressed) is undone: the trainer is as it was before it.
 """
@@ -42,7 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._scaler import ScalerSettings
-from ._skipsafe import BatchNormGuard, UpdateGuard, fused_sgd_groups, prime_momentum_buffers
+from ._policies import SKIPPED_RAISE, make_policy
+from ._skipsafe import BatchNormGuard, fused_sgd_groups, prime_momentum_buffers
 from ._validate import check_bool, check_choice, check_int, check_positive, check_seed, is_int
 from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_training_state,
                          read_verified, rng_state, set_rng_state)
@@ -88,8 +94,12 @@ class TrainConfig:
       optimizer state to put back (one extra copy of them in memory). An optimizer that has not
       made its state yet, or keeps it on another device (Adam's CPU step counters), needs one
       host sync for that step.
-    - ``"raise"``: stop with ``NonFiniteError`` naming the step, before the optimizer steps (the
-      model is left as it was before the step). Needs one host sync per step to decide.
+    - ``"raise"``: stop with ``NonFiniteError`` naming the step; the model, optimizer state and
+      BatchNorm statistics are left as they were before it. No per-step sync: the step and
+      every later one are skipped on the device (as ``"skip"`` does) until the host sees the
+      flag of a finished step, at the next ``train_step`` (on a CPU: at once), at the end of a
+      ``fit`` epoch, or at ``trainer.wait()``; the step counter, history (and ``fit``'s place
+      in the epoch) are then put back to the non-finite step.
     - ``"ignore"``: train on, as plain PyTorch does: no check, no cost.
     """
 
@@ -146,6 +156,10 @@ class Hooks:
 
     def after_unscale(self, trainer: "Trainer") -> None:
         """After ``unscale_``: the true gradients, before clipping (histograms go here)."""
+
+    def before_step(self, trainer: "Trainer") -> None:
+        """Just before the optimizer step: true gradients, clipped. Call
+        ``trainer.cancel_step(reason)`` here (or in the two hooks above) to cancel the step."""
 
     def after_step(self, trainer: "Trainer", record: StepRecord) -> None:
         """After the optimizer step, scaler update and scheduler, with the step's record."""
@@ -242,7 +256,6 @@ class Trainer:
             if not isinstance(h, Hooks):
                 raise ValueError(f"hooks must be Hooks instances; got {type(h).__name__}")
         self._bn_guard = BatchNormGuard(model)
-        self._update_guard = UpdateGuard(self._params, optimizer)
         self._config = config
         self.scaler = self._make_scaler(config.scaler)
         self._configure()
@@ -252,7 +265,7 @@ class Trainer:
         self.epoch = 0
         self._batches_done = 0  # micro-batches consumed in the current epoch (for exact resume)
         self._open_iterator = None  # a one-shot iterator whose epoch a max_steps stop left open
-        self._phase = _STARTED
+        self._phase, self._cancelled = _STARTED, None
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
@@ -283,22 +296,31 @@ class Trainer:
 
     def _configure(self) -> None:
         """Derive what each step does from the config, the scaler and the hooks (once, not per
-        step)."""
+        step): the precision policy (``_policies``), whether to unscale before the step, the
+        BatchNorm guard."""
         cfg = self._config
         self._after_backward = _overrides(self.hooks, "after_backward")
         self._after_unscale = _overrides(self.hooks, "after_unscale")
+        self._before_step = _overrides(self.hooks, "before_step")
         self._after_step = _overrides(self.hooks, "after_step")
-        self._scaling = self.scaler.is_enabled()
+        policy = make_policy(cfg.precision, cfg.nonfinite, self.scaler, self.optimizer,
+                             self._params, self.device)
+        self._policy = policy
+        self._scaling = policy.scaling
+        self._fused_skip = policy.fused
+        has_bn = bool(self._bn_guard.modules)
+        hooked = bool(self._after_backward or self._after_unscale or self._before_step)
+        self._guard = self._bn_guard if has_bn and (
+            (policy.can_skip and (policy.name != "scaler" or cfg.skip_safe_batchnorm))
+            or (hooked and cfg.skip_safe_batchnorm)) else None
         # unscale_ explicitly only when something reads the gradients between backward and step;
         # otherwise scaler.step unscales (fused optimizers then do it inside their kernel)
+        needed = policy.unscale_first(self._guard)
         self._unscale_first = bool(cfg.clip_norm is not None or cfg.clip_value is not None
-                                   or cfg.track_grad_norm or self._after_unscale)
-        self._policy = None if self._scaling else cfg.nonfinite  # None: GradScaler decides
-        has_bn = bool(self._bn_guard.modules)
-        self._guard = self._bn_guard if has_bn and (
-            (self._scaling and cfg.skip_safe_batchnorm)
-            or self._policy in ("skip", "raise")) else None
-        self._fused_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+                                   or cfg.track_grad_norm or self._after_unscale
+                                   or self._before_step or needed)
+        self._check_first = policy.checks_before_step(self._unscale_first)
+        self._norm_wanted = cfg.clip_norm is not None or cfg.track_grad_norm
         self._track_memory = self.device.type == "cuda" and cfg.track_memory
         self._half = HALF_DTYPES.get(cfg.precision)  # autocast dtype, None for fp32/tf32
         # gradients have their parameter's device and dtype: one group for the norm's kernels?
@@ -307,10 +329,11 @@ class Trainer:
     # -- pieces ---------------------------------------------------------------------------------
 
     def _prime_fused_sgd(self) -> None:
-        """Under fp16 (GradScaler) or ``nonfinite="skip"``, give fused SGD zero momentum buffers
-        (see ``prime_momentum_buffers``); refuse a damped fused group, which priming cannot fix."""
+        """Where steps can be skipped (fp16 with GradScaler, ``nonfinite`` skip or raise), give
+        fused SGD zero momentum buffers (see ``prime_momentum_buffers``); refuse a damped fused
+        group, which priming cannot fix."""
         groups = fused_sgd_groups(self.optimizer)
-        if not groups or not (self._scaling or self._policy == "skip"):
+        if not groups or not self._policy.can_skip:
             return
         damped = [g["dampening"] for g in groups if g.get("dampening", 0)]
         if damped:
@@ -347,69 +370,36 @@ class Trainer:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
 
-    def _skip_flag(self, grad_norm: Optional[torch.Tensor]) -> torch.Tensor:
-        """Whether this step is (or was) skipped, as a 0-dim tensor (> 0 = skipped), no sync."""
-        found_inf = self._found_inf()
-        if found_inf is None:  # private API gone: a non-finite norm means a skip
-            norm = grad_norm if grad_norm is not None else _total_norm(
-                [p.grad for p in self._params if p.grad is not None])
-            found_inf = (~torch.isfinite(norm)).float()
-        return found_inf
+    def cancel_step(self, reason: str = "cancelled by a hook") -> None:
+        """Cancel the step in progress, from a hook's ``after_backward``, ``after_unscale`` or
+        ``before_step``: the optimizer does not step, the scaler keeps its scale, gradients are
+        dropped and BatchNorm statistics are put back (with ``skip_safe_batchnorm``, the
+        default); the step is recorded as skipped with ``skip_reason`` "``reason``" and counts
+        as a step. A host-side decision: it costs nothing on the device."""
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"reason must be a non-empty string; got {reason!r}")
+        self._cancelled = reason
 
-    def _found_inf(self) -> Optional[torch.Tensor]:
-        """The scaler's inf/NaN flag for this step (a 0-dim tensor, > 0 = skipped), no sync."""
-        try:
-            per_device = self.scaler._found_inf_per_device(self.optimizer)
-        except (AttributeError, KeyError):
-            return None
-        values = list(per_device.values())
-        if not values:
-            return None
-        total = values[0]
-        for v in values[1:]:
-            total = total + v.to(total.device)
-        return total
+    def wait(self) -> None:
+        """Wait for every queued step. Under ``nonfinite="raise"`` raise ``NonFiniteError`` for
+        a non-finite step the host had not yet seen (``train_step`` only looks at steps that
+        have already finished on the device, never waiting for one)."""
+        _sync(self.device)
+        self._raise_if_nonfinite(wait=True)
 
-    def _nonfinite_flag(self, loss: torch.Tensor, grad_norm: Optional[torch.Tensor]):
-        """1.0 where the loss or a gradient is inf/NaN, else 0.0 (a 0-dim float tensor), no sync.
-
-        With a gradient norm at hand it decides (a non-finite gradient makes the norm
-        non-finite); otherwise GradScaler's own check kernel runs over the gradients with an
-        inverse scale of 1 (which leaves them bitwise unchanged)."""
-        bad = ~torch.isfinite(loss)
-        if grad_norm is not None:
-            return (bad | ~torch.isfinite(grad_norm)).float()
-        found = torch.zeros(1, device=loss.device)
-        grouped: Dict[tuple, list] = {}
-        for p in self._params:
-            if p.grad is not None:
-                grouped.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for (device, _), grads in grouped.items():
-            flag = found if device == found.device else torch.zeros(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, flag.new_ones(()))
-            if flag is not found:
-                found += flag.to(found.device)
-        return (found.reshape(()) > 0) .logical_or(bad).float()
-
-    def _step_unless(self, flag: torch.Tensor) -> None:
-        """``optimizer.step()`` that is undone where ``flag`` is set (nonfinite="skip")."""
-        opt = self.optimizer
-        if self._fused_skip:  # the kernel reads found_inf and leaves everything as it was
-            opt.grad_scale, opt.found_inf = None, flag
-            try:
-                opt.step()
-            finally:
-                del opt.grad_scale, opt.found_inf
+    def _raise_if_nonfinite(self, wait: bool = False) -> None:
+        """Under ``nonfinite="raise"``: if a finished step was non-finite, put the counters back
+        to that step (the device skipped it and every later step, so model, optimizer and
+        BatchNorm are as they were before it) and raise NonFiniteError naming it."""
+        bad = self._policy.first_bad(wait)
+        if bad is None:
             return
-        tensors = self._update_guard.tensors()
-        if tensors is None:  # no state yet (first step) or state elsewhere: decide on the host
-            if not bool(flag.item()):
-                opt.step()
-            return
-        with torch.no_grad():  # parameters are written in place
-            self._update_guard.take(tensors)
-            opt.step()
-            self._update_guard.restore_if(flag)
+        step, epoch, batches_done = bad
+        del self.history[max(0, len(self.history) - (self.step - step)):]
+        self.step, self.epoch, self._batches_done = step, epoch, batches_done
+        raise NonFiniteError(f"step {step} (epoch {epoch}): non-finite loss or gradient under "
+                             f"{self._config.precision} with nonfinite='raise'; the model is as "
+                             f"it was before this step")
 
     # -- one optimizer step ---------------------------------------------------------------------
 
@@ -418,24 +408,28 @@ class Trainer:
         normally ``config.accumulate``: the loss of each is divided by that number).
 
         Never waits for the GPU itself, except to decide whether a scheduler may step after a
-        step that could be skipped, and where ``config.nonfinite`` says so (see TrainConfig).
-        With ``track_memory`` on CUDA it resets the device's peak-memory counter first, so
-        ``peak_memory_bytes`` is this step's own peak.
+        step that could be skipped, and on the first step of a non-fused optimizer under
+        ``nonfinite="skip"``/``"raise"`` (its state does not exist yet). With ``track_memory``
+        on CUDA it resets the device's peak-memory counter first, so ``peak_memory_bytes`` is
+        this step's own peak.
 
         Cost beyond a hand-written loop (benchmarks/NOTES.md measures it): two CUDA events; one
-        detach per micro-batch; with ``track_grad_norm`` a foreach norm over the gradients (and
-        an explicit ``unscale_``, which ``scaler.step`` would do anyway); for fp16 a copy of the
-        0-dim scale; with skip-safe BatchNorm (models with BatchNorm only) about ten small
-        kernels over one flat copy of the BN buffers, the restore queued before ``scaler.step``
-        (for non-fused optimizers through an explicit ``unscale_``, which ``scaler.step`` would do
-        anyway), so GradScaler's host sync does not leave the GPU idle while they are launched;
-        with ``track_memory`` two allocator queries. No ``.item()``, no host sync of its own
-        under fp16. ``TrainConfig(track_grad_norm=False, track_memory=False)`` leaves only the
-        events, the detach and the scale copy on a model without BatchNorm.
+        detach per micro-batch; for fp16 a copy of the 0-dim scale; with ``track_grad_norm`` a
+        foreach norm over the gradients (and an explicit ``unscale_``, which ``scaler.step``
+        would do anyway); with ``nonfinite`` skip/raise a zero fill and one check kernel (fused
+        optimizers then skip inside their kernel; others copy parameters and state aside); with
+        skip-safe BatchNorm (models with BatchNorm only) about ten small kernels over one flat
+        copy of the BN buffers; with ``track_memory`` two allocator queries.
+        ``TrainConfig(track_grad_norm=False, track_memory=False, nonfinite="ignore")`` leaves
+        only the events, the detach and (fp16) the scale copy on a model without BatchNorm.
         """
         n = len(micro_batches)
         if n < 1:
             raise ValueError("micro_batches must hold at least one (x, y) batch; got none")
+        policy = self._policy
+        raising = policy.name == "raise"
+        if raising:
+            self._raise_if_nonfinite()
         device = self.device
         cuda = device.type == "cuda"
         if not self.model.training:
@@ -449,15 +443,17 @@ class Trainer:
             t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
         loss_sum, grad_norm, found_inf, scale, cause = self._kernels(micro_batches)
-        if self.scheduler is not None:
-            if found_inf is None or not bool(found_inf.item()):  # the one sync, only with both
-                self.scheduler.step()
+        if self.scheduler is not None and found_inf is not True and (
+                found_inf is None or not bool(found_inf.item())):  # the one sync, only here
+            self.scheduler.step()
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             elapsed = (start, end)
         else:
             elapsed = time.perf_counter() - t0
+        if raising:  # a finished non-finite step (on a CPU: this one) raises before its record
+            self._raise_if_nonfinite()
         return self._record(loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed)
 
     def _record(self, loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed) -> StepRecord:
@@ -480,7 +476,7 @@ class Trainer:
         """The step's device work: forward, backward, unscale, clip, step, update, zero_grad.
         Returns (loss, grad_norm, skipped flag, scale used, skip cause), tensors not read.
         A step that raises (a bad micro-batch, a hook, Ctrl-C) is undone: ``_undo_failed_step``."""
-        self._phase = _STARTED
+        self._phase, self._cancelled = _STARTED, None
         try:
             if self._half is not None:  # fp16/bf16 leave the TF32 switches alone
                 return self._kernels_in(micro_batches, cache_enabled)
@@ -498,15 +494,14 @@ class Trainer:
         if self._phase == _SNAPSHOT_TAKEN:
             self._guard.restore()
         self.optimizer.zero_grad(set_to_none=True)
-        states = getattr(self.scaler, "_per_optimizer_states", None)
-        if isinstance(states, dict):  # a defaultdict: the next step gets a fresh state
-            states.pop(id(self.optimizer), None)
+        if self._phase != _STEPPED:
+            self._policy.forget()
 
     def _kernels_in(self, micro_batches, cache_enabled: bool):
-        n = len(micro_batches)
-        cfg, model, opt, scaler = self._config, self.model, self.optimizer, self.scaler
-        scaling, guard, policy, device = self._scaling, self._guard, self._policy, self.device
-        half = self._half
+        """The step, as nanoGPT writes it: forward and backward per micro-batch, the policy's
+        unscale and check, clip, step, update (``_policies`` holds what differs by precision)."""
+        policy, guard, opt, half = self._policy, self._guard, self.optimizer, self._half
+        n, model, device_type = len(micro_batches), self.model, self.device.type
         if guard is not None:
             guard.snapshot()
             self._phase = _SNAPSHOT_TAKEN
@@ -514,81 +509,50 @@ class Trainer:
         for i, (x, y) in enumerate(micro_batches):
             x, y = self._to_device(x, y)
             with (_NO_CONTEXT if half is None else
-                  torch.autocast(device.type, dtype=half, cache_enabled=cache_enabled)):
+                  torch.autocast(device_type, dtype=half, cache_enabled=cache_enabled)):
                 loss = self.loss_fn(model(x), y)
                 if n > 1:
                     loss = loss / n
-            scaler.scale(loss).backward()
+            policy.backward(loss)
             d = loss.detach()
             loss_sum = d if loss_sum is None else loss_sum + d
             for h in self._after_backward:
                 h.after_backward(self, i)
-
-        # with skip-safe BatchNorm and an optimizer that GradScaler steps from the host
-        # (everything but fused), unscale_ here, as scaler.step would, so the skip flag is
-        # known and the BN restore is queued before step()'s host sync, not after it
-        early_guard = scaling and guard is not None and not self._fused_skip
-        if self._unscale_first or early_guard:  # true gradients from here on
-            scaler.unscale_(opt)
+        if self._unscale_first:  # true gradients from here on
+            policy.unscale_()
         for h in self._after_unscale:
             h.after_unscale(self)
         grad_norm = None
-        if cfg.clip_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, cfg.clip_norm)
-        else:
-            if cfg.track_grad_norm:
-                grads = [p.grad for p in self._params if p.grad is not None]
-                grad_norm = _total_norm(grads, self._one_group) if grads else None
-            if cfg.clip_value is not None:
-                if scaling and grad_norm is None and self._found_inf() is None:
-                    # private API gone: the fallback flag must see the gradients unclipped
-                    grad_norm = _total_norm([p.grad for p in self._params
-                                             if p.grad is not None])
-                if policy in ("skip", "raise") and grad_norm is None:
-                    # clipping by value turns inf into a finite bound: check before it
-                    grad_norm = _total_norm([p.grad for p in self._params
-                                             if p.grad is not None])
-                torch.nn.utils.clip_grad_value_(self._params, cfg.clip_value)
-        found_inf, scale, cause = None, 1.0, None
-        if scaling:  # the scale this step used, before update() changes it in place
-            cause = SKIPPED_BY_SCALER
-            current = getattr(scaler, "_scale", None)
-            scale = (current.clone() if current is not None
-                     else torch.tensor(scaler.get_scale()))
-            if early_guard:
-                found_inf = self._skip_flag(grad_norm)
-                guard.restore_if(found_inf)
-            scaler.step(opt)  # unscales here if not done above; skips on inf/NaN
-            self._phase = _STEPPED
-            if found_inf is None:
-                found_inf = self._skip_flag(grad_norm)  # set by unscale_/step, reset by update
-            scaler.update()
-            if guard is not None and not early_guard:
-                guard.restore_if(found_inf)
-        elif policy == "ignore":
-            opt.step()
-            self._phase = _STEPPED
-        else:
-            flag = self._nonfinite_flag(loss_sum, grad_norm)
-            if policy == "raise":
-                if bool(flag.item()):  # the one host sync this policy needs
-                    if guard is not None:
-                        guard.restore_if(flag)
-                    opt.zero_grad(set_to_none=True)
-                    raise NonFiniteError(
-                        f"step {self.step} (epoch {self.epoch}): non-finite loss or gradient "
-                        f"under {cfg.precision} with nonfinite='raise'; the model is as it "
-                        f"was before this step")
-                opt.step()
-            else:
-                cause, found_inf = SKIPPED_NONFINITE, flag
-                if guard is not None:
-                    guard.restore_if(flag)
-                self._step_unless(flag)
-            self._phase = _STEPPED
+        if self._config.clip_norm is not None:  # returns the norm before clipping
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self._config.clip_norm)
+        elif self._norm_wanted:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            grad_norm = _total_norm(grads, self._one_group) if grads else None
+        # the policy's check, before clipping by value could hide an inf
+        found_inf = policy.check(loss_sum, grad_norm) if self._check_first else None
+        if policy.name == "raise":  # the host reads it once the device is there, never waiting
+            policy.watch(found_inf, self.step, self.epoch, self._batches_done)
+        if self._config.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(self._params, self._config.clip_value)
+        for h in self._before_step:
+            h.before_step(self)
+        if self._cancelled is not None:
+            scale = policy.scale_used()
+            if self._phase == _SNAPSHOT_TAKEN:
+                guard.restore()
+            policy.forget()
+            opt.zero_grad(set_to_none=True)
+            return loss_sum, grad_norm, True, scale, self._cancelled
+        restored = guard is not None and found_inf is not None
+        if restored:  # queued before the step, whose host sync (if any) would idle the GPU
+            guard.restore_if(found_inf)
+        found_inf = policy.step(found_inf)
+        self._phase = _STEPPED
+        if guard is not None and not restored and found_inf is not None:
+            guard.restore_if(found_inf)
+        policy.update()
         opt.zero_grad(set_to_none=True)
-
-        return loss_sum, grad_norm, found_inf, scale, cause
+        return loss_sum, grad_norm, found_inf, policy.scale, policy.cause
 
     def capture(self, x: torch.Tensor, y: torch.Tensor, warmup: int = 3) -> Callable:
         """Opt-in: capture the whole step in one CUDA graph; returns ``step(x, y) -> StepRecord``.
@@ -616,7 +580,7 @@ class Trainer:
             problems.append("no hooks and no scheduler")
         if self._scaling and not self._fused_skip:
             problems.append("a fused optimizer under fp16 (e.g. SGD(..., fused=True))")
-        if self._policy == "raise":
+        if self._policy.name == "raise":
             problems.append("nonfinite 'skip' or 'ignore', not 'raise'")
         if problems:
             raise ValueError(f"capture needs {'; '.join(problems)}")
@@ -732,7 +696,7 @@ class Trainer:
             bar.set_postfix(loss=f"{record.loss:.4f}", scale=f"{record.scale:g}")
 
     def _end_epoch(self, first: int, t0: float, eval_loader, resumed_at: int) -> None:
-        _sync(self.device)
+        self.wait()
         seconds = time.perf_counter() - t0
         self.history.materialize()
         summary = epoch_summary(self.epoch, self.history[first:], seconds,

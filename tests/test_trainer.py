@@ -666,8 +666,11 @@ def test_train_config_is_immutable_and_replace_revalidates():
 def test_trainer_config_can_be_replaced_between_steps_but_not_its_precision():
     model, opt = fresh()
     trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False))
-    trainer.config = dataclasses.replace(trainer.config, track_grad_norm=False)
+    assert trainer._unscale_first and trainer._guard is not None
+    trainer.config = dataclasses.replace(trainer.config, track_grad_norm=False,
+                                         skip_safe_batchnorm=False)
     assert not trainer._unscale_first  # derived settings follow the new config
+    assert trainer._guard is None
     trainer.config = dataclasses.replace(trainer.config,
                                          scaler=T.ScalerSettings(init_scale=8.0))
     assert trainer.scaler.get_scale() == 8.0

@@ -1,0 +1,155 @@
+"""The one place the package touches private PyTorch API: GradScaler's internals, the fused
+optimizers' ``found_inf`` protocol and the inf/NaN check kernel. Each use is guarded, so that a
+torch release that renames one of them degrades to an exact public fallback instead of failing
+(``tests/test_compat.py`` checks every accessor against the installed torch; the attributes read
+here exist unchanged from torch 2.4 to 2.14).
+
+What GradScaler keeps (``torch/amp/grad_scaler.py``, 2.4 to 2.14):
+
+- ``_scale`` / ``_growth_tracker``: 0-dim tensors made lazily by the first ``scale()``;
+  ``_init_scale``: the float the scale tensor is made from; ``_get_scale_async()``: ``_scale``.
+- ``_per_optimizer_states``: a ``defaultdict`` keyed by ``id(optimizer)`` of
+  ``{"stage": OptState, "found_inf_per_device": {device: 0-dim float32 tensor}}``, filled by
+  ``unscale_`` (or by ``step`` for an optimizer with ``_step_supports_amp_scaling``) and reset by
+  ``update()``. ``_found_inf_per_device(optimizer)`` reads it.
+- An optimizer whose ``_step_supports_amp_scaling`` is true (Adam, AdamW, SGD with
+  ``fused=True``) reads ``optimizer.grad_scale`` and ``optimizer.found_inf`` during ``step()``:
+  its kernel divides by the scale and leaves parameters and state untouched where
+  ``found_inf == 1`` (the step counters are put back by ``_foreach_sub_``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = ["FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf", "forget_step", "cap_growth_tracker", "init_scale",
+           "reset_scale",
+           "supports_found_inf", "step_skipping", "NonFiniteCheck"]
+
+
+#: whether this torch's GradScaler lets its per-step inf/NaN flag be read
+FOUND_INF_READABLE = hasattr(torch.amp.GradScaler, "_found_inf_per_device")
+
+
+def scale_tensor(scaler) -> Optional[torch.Tensor]:
+    """GradScaler's live scale (a 0-dim float32 device tensor), or None when it has not been
+    made yet (before the first ``scale()``) or the attribute is gone."""
+    return scale_reader(scaler)()
+
+
+def scale_reader(scaler) -> Callable[[], Optional[torch.Tensor]]:
+    """A function returning ``scale_tensor(scaler)``, looked up once (the trainer calls it
+    every step)."""
+    get = getattr(scaler, "_get_scale_async", None)
+    if callable(get):
+        return get
+    return lambda: getattr(scaler, "_scale", None)
+
+
+def found_inf(scaler, optimizer) -> Optional[torch.Tensor]:
+    """This step's inf/NaN flag as GradScaler computed it for ``optimizer`` (a 0-dim float32
+    tensor, 1.0 = skipped), without a host sync; None when ``unscale_``/``step`` has not run
+    for it yet this step, or GradScaler no longer exposes it (then the caller checks itself)."""
+    try:
+        per_device = scaler._found_inf_per_device(optimizer)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    try:
+        (one,) = per_device.values()  # the usual case: one device
+        return one
+    except (ValueError, AttributeError):
+        values = list(per_device.values()) if isinstance(per_device, dict) else []
+    if not values:
+        return None
+    total = values[0]
+    for v in values[1:]:  # several devices: any one of them set means skipped
+        total = torch.maximum(total, v.to(total.device, non_blocking=True))
+    return total
+
+
+def forget_step(scaler, optimizer) -> bool:
+    """Forget GradScaler's record of ``optimizer``'s current step (after ``unscale_`` without
+    ``step``/``update``, e.g. a step that raised or was cancelled): the next step starts fresh
+    instead of failing with "unscale_() has already been called". Returns whether it could."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        return False
+    states.pop(id(optimizer), None)  # a defaultdict: the next access makes a fresh state
+    return True
+
+
+def cap_growth_tracker(scaler, interval: int) -> None:
+    """Cap GradScaler's count of good steps at ``interval - 1`` on the device (no sync). torch
+    grows the scale when the count EQUALS the interval, so an interval lowered below the count
+    would stall growth until the next overflow; capped, the scale grows at the next good step."""
+    tracker = getattr(scaler, "_growth_tracker", None)
+    if isinstance(tracker, torch.Tensor):
+        tracker.clamp_(max=interval - 1)
+
+
+def init_scale(scaler) -> float:
+    """The float GradScaler makes its scale tensor from (``_init_scale``; where that is gone,
+    the current scale, which costs a host sync)."""
+    value = getattr(scaler, "_init_scale", None)
+    return float(value) if value is not None else float(scaler.get_scale())
+
+
+def reset_scale(scaler, init_scale: float) -> None:
+    """Make ``init_scale`` GradScaler's initial scale, and its current one when the scale tensor
+    already exists (``update(new_scale=...)``, public API, which also resets the good-step
+    count)."""
+    if hasattr(scaler, "_init_scale"):
+        scaler._init_scale = float(init_scale)  # used when the scale tensor is made lazily
+    if scaler.is_enabled() and scale_tensor(scaler) is not None:
+        scaler.update(new_scale=float(init_scale))
+
+
+def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` honours ``found_inf`` inside its kernel (fused Adam, AdamW,
+    SGD): then a skipped step costs nothing beyond the flag."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_skipping(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """``optimizer.step()`` that does nothing where ``flag`` (0-dim float32, exactly 0.0 or 1.0)
+    is 1, decided inside the fused kernel: no host sync, no copy. Only for optimizers where
+    ``supports_found_inf`` is true; gradients must already be unscaled (``grad_scale`` None)."""
+    optimizer.grad_scale, optimizer.found_inf = None, flag
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
+class NonFiniteCheck:
+    """1.0 where any of the given tensors holds inf/NaN, else 0.0: a fresh 0-dim float32 tensor
+    per call, no host sync. GradScaler's own check kernel
+    (``torch._amp_foreach_non_finite_check_and_unscale_``) runs with an inverse scale of exactly 1,
+    which leaves every value bitwise as it was: one zero fill plus one kernel per (device, dtype)
+    group. Without that kernel (not expected on torch >= 2.4) it falls back to ``isfinite``."""
+
+    def __init__(self):
+        self._ones: Dict[torch.device, torch.Tensor] = {}
+        self._kernel = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+
+    def __call__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        grouped: Dict[tuple, List[torch.Tensor]] = {}
+        for t in tensors:
+            grouped.setdefault((t.device, t.dtype), []).append(t)
+        for (dev, dtype), group in grouped.items():
+            if self._kernel is None or dtype not in (torch.float32, torch.float16,
+                                                      torch.bfloat16, torch.float64):
+                bad = torch.stack([(~torch.isfinite(t)).any() for t in group]).any()
+                found = torch.maximum(found, bad.float().to(device))
+                continue
+            flag = found if dev == found.device else torch.zeros((), device=dev)
+            one = self._ones.get(dev)
+            if one is None:
+                one = self._ones[dev] = torch.ones((), dtype=torch.float32, device=dev)
+            with torch.no_grad():
+                self._kernel(group, flag, one)
+            if flag is not found:
+                found = torch.maximum(found, flag.to(device, non_blocking=True))
+        return found

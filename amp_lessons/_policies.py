@@ -1,0 +1,252 @@
+"""Precision policies, the trainer's (``trainer.py``): what one optimizer step does about loss
+scaling and non-finite values. One small object per policy, one interface, so the step reads
+like nanoGPT's::
+
+    policy.backward(loss)                       # per micro-batch
+    policy.unscale_()                           # only when something reads true gradients
+    found_inf = policy.check(loss, grad_norm)   # 0-dim flag (1.0 = skip) or None, no host sync
+    found_inf = policy.step(found_inf)          # the optimizer step, skipped where flagged
+    policy.update()                             # after the step (GradScaler's scale update)
+
+- ``ScalerPolicy``: fp16 with GradScaler, exactly PyTorch's AMP recipe (``scaler.step`` skips;
+  for non-fused optimizers GradScaler itself reads the flag on the host, as in the recipe).
+- ``SkipPolicy`` (``nonfinite="skip"``): the flag from GradScaler's own check kernel at scale 1;
+  fused optimizers skip inside their kernel (``found_inf``), others keep a device copy of
+  parameters and optimizer state and put it back where the flag is set. No host sync.
+- ``RaisePolicy`` (``nonfinite="raise"``): skips like ``SkipPolicy`` and, once a step was
+  non-finite, keeps skipping every later step on the device until the host learns of it (a
+  pinned copy of the flag, read once its CUDA event has completed: ``Event.query`` never waits);
+  the trainer then raises ``NonFiniteError`` naming that step and rolls its counters back.
+- ``IgnorePolicy`` (``nonfinite="ignore"``): plain ``optimizer.step()``, no check, no cost.
+
+Private API (GradScaler's internals, the fused ``found_inf`` protocol, the check kernel) is
+used through ``_compat`` only.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ._compat import (FOUND_INF_READABLE, NonFiniteCheck, forget_step, scale_reader,
+                      step_skipping, supports_found_inf)
+from ._compat import found_inf as scaler_found_inf
+from ._skipsafe import UpdateGuard
+from .records import SKIPPED_BY_SCALER, SKIPPED_NONFINITE
+
+SKIPPED_RAISE = "non-finite loss or gradient (nonfinite='raise'; the step raised)"
+
+
+class Policy:
+    """The interface (and the ``ignore`` behaviour). ``cause``: the skip reason recorded for a
+    skipped step; ``scaling``: whether losses are scaled (GradScaler)."""
+
+    name = "ignore"
+    cause: Optional[str] = None
+    scaling = False
+    can_skip = False  # whether a step may be skipped (fused SGD then needs primed buffers)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.Tensor],
+                 device: torch.device):
+        self.optimizer, self.params, self.device = optimizer, params, device
+        self.fused = supports_found_inf(optimizer)
+
+    def unscale_first(self, guard) -> bool:
+        """Whether ``unscale_`` must run before the step although nothing reads gradients."""
+        return False
+
+    def checks_before_step(self, unscale_first: bool) -> bool:
+        """Whether ``check`` can return a flag before the step (else the trainer skips the
+        call: host time counts on short steps)."""
+        return False
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss."""
+        loss.backward()
+
+    def unscale_(self) -> None:
+        """Make the gradients true gradients (a no-op without a scaler)."""
+
+    #: the loss scale the last ``step`` used (a 0-dim tensor under GradScaler), else 1.0
+    scale = 1.0
+
+    def scale_used(self):
+        """The loss scale of the step in progress (a tensor or 1.0), before ``update``."""
+        return 1.0
+
+    def check(self, loss: torch.Tensor, grad_norm: Optional[torch.Tensor]):
+        """This step's inf/NaN flag if known before the step (0-dim float32, 1.0 = skip)."""
+        return None
+
+    def step(self, found_inf):
+        """The optimizer step, skipped where ``found_inf`` is set; returns the final flag."""
+        self.optimizer.step()
+        return found_inf
+
+    def update(self) -> None:
+        """After the step (GradScaler: move the scale)."""
+
+    def forget(self) -> None:
+        """Forget a step that will not complete (it raised, or a hook cancelled it)."""
+
+    def first_bad(self, wait: bool = False):
+        """The first non-finite step the host can see, for ``raise`` (others: None)."""
+        return None
+
+
+IgnorePolicy = Policy
+
+
+class ScalerPolicy(Policy):
+    """fp16 with a GradScaler: PyTorch's AMP recipe, step for step."""
+
+    name, cause, scaling, can_skip = "scaler", SKIPPED_BY_SCALER, True, True
+
+    def __init__(self, optimizer, params, device, scaler):
+        super().__init__(optimizer, params, device)
+        self.scaler = scaler
+        self._check = NonFiniteCheck()
+        self._unscaled = False  # unscale_ ran this step (then GradScaler's flag is known)
+        self._scale = scale_reader(scaler)
+        self._early = False
+        self.update = scaler.update  # bound once: no extra call per step
+
+    def unscale_first(self, guard) -> bool:
+        # with a BatchNorm guard and an optimizer GradScaler steps from the host (not fused),
+        # unscale_ before step (as step would), so the guard's restore is queued before step()'s
+        # host sync instead of after it
+        self._early = guard is not None and not self.fused
+        return self._early
+
+    def checks_before_step(self, unscale_first):
+        # GradScaler's flag is set by unscale_, and step() reads it: fetching it after step
+        # costs the same. Before it only where the BatchNorm guard restores before step, or
+        # where the flag is unreadable (our own check must see the gradients before clipping)
+        return unscale_first and (self._early or not FOUND_INF_READABLE)
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self):
+        self.scaler.unscale_(self.optimizer)
+        self._unscaled = True
+
+    def scale_used(self):
+        current = self._scale()
+        return current.clone() if current is not None else self.scaler.get_scale()
+
+    def check(self, loss, grad_norm):
+        # known before the step only after an explicit unscale_ (clip by value comes after this)
+        return self.step_flag() if self._unscaled else None
+
+    def step_flag(self):
+        """GradScaler's flag for this step, or our own check where it cannot be read."""
+        found = scaler_found_inf(self.scaler, self.optimizer)
+        if found is None:  # GradScaler's flag unreadable: check the gradients ourselves
+            found = self._check([p.grad for p in self.params if p.grad is not None], self.device)
+        return found
+
+    def step(self, found_inf):
+        current = self._scale()  # the scale this step used, before update() changes it
+        self.scale = current.clone() if current is not None else self.scaler.get_scale()
+        self.scaler.step(self.optimizer)  # unscales here if not done before; skips on inf/NaN
+        self._unscaled = False
+        if found_inf is not None:
+            return found_inf
+        found = scaler_found_inf(self.scaler, self.optimizer)
+        return found if found is not None else self.step_flag()
+
+    def forget(self):
+        forget_step(self.scaler, self.optimizer)
+        self._unscaled = False
+
+
+class SkipPolicy(Policy):
+    """``nonfinite="skip"`` without a GradScaler (fp32, tf32, bf16)."""
+
+    name, cause, can_skip = "skip", SKIPPED_NONFINITE, True
+    #: non-fused optimizers: "copy" (device copy put back, no sync) or "host" (one sync a step)
+    non_fused = "copy"
+
+    def __init__(self, optimizer, params, device):
+        super().__init__(optimizer, params, device)
+        self._check = NonFiniteCheck()
+        self._update_guard = UpdateGuard(params, optimizer)
+
+    def checks_before_step(self, unscale_first):
+        return True
+
+    def check(self, loss, grad_norm):
+        if grad_norm is not None:  # a non-finite gradient makes the norm non-finite
+            return self._check([loss.float(), grad_norm.float()], self.device)
+        return self._check([loss.float()] + [p.grad for p in self.params if p.grad is not None],
+                           self.device)
+
+    def step(self, found_inf):
+        opt = self.optimizer
+        if self.fused:  # the kernel reads found_inf and leaves everything as it was
+            step_skipping(opt, found_inf)
+            return found_inf
+        tensors = None if self.non_fused == "host" else self._update_guard.tensors()
+        if tensors is None:  # no state yet (first step), state elsewhere, or chosen: the host
+            if not bool(found_inf.item()):
+                opt.step()
+            return found_inf
+        with torch.no_grad():  # parameters are written in place
+            self._update_guard.take(tensors)
+            opt.step()
+            self._update_guard.restore_if(found_inf)
+        return found_inf
+
+
+class RaisePolicy(SkipPolicy):
+    """``nonfinite="raise"``: skip on the device, stay skipped, tell the host without waiting."""
+
+    name, cause = "raise", SKIPPED_RAISE
+
+    def __init__(self, optimizer, params, device):
+        super().__init__(optimizer, params, device)
+        self.tripped = torch.zeros((), dtype=torch.float32, device=device)
+        self.pending: list = []  # (step, epoch, batches_done, host flag, CUDA event or None)
+
+    def check(self, loss, grad_norm):
+        flag = super().check(loss, grad_norm)
+        # sticky: once a step was non-finite, every later step is skipped too, until raised
+        return torch.maximum(self.tripped, flag, out=self.tripped).clone()
+
+    def watch(self, flag: torch.Tensor, step: int, epoch: int, batches_done: int) -> None:
+        """Queue a host copy of ``flag`` for ``step`` (pinned, non-blocking on CUDA)."""
+        if flag.device.type == "cuda":
+            host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = flag, None
+        self.pending.append((step, epoch, batches_done, host, event))
+
+    def first_bad(self, wait: bool = False):
+        """(step, epoch, batches_done) of the first non-finite step the host can see, or None;
+        ``wait``: wait for every queued step. Steps found finite are dropped from the queue."""
+        while self.pending:
+            step, epoch, done, host, event = self.pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return None
+                event.synchronize()
+            if host.tolist():
+                self.pending.clear()
+                self.tripped.zero_()
+                return step, epoch, done
+            self.pending.pop(0)
+        return None
+
+
+POLICIES = {"skip": SkipPolicy, "raise": RaisePolicy, "ignore": IgnorePolicy}
+
+
+def make_policy(precision: str, nonfinite: str, scaler, optimizer, params, device) -> Policy:
+    """The policy for a trainer: GradScaler's when it is enabled (fp16), else ``nonfinite``'s."""
+    if scaler.is_enabled():
+        return ScalerPolicy(optimizer, params, device, scaler)
+    return POLICIES[nonfinite](optimizer, params, device)

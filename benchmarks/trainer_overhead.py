@@ -1,30 +1,43 @@
-"""What does Trainer.train_step cost over a hand-written AMP step, and where does it go?
+"""What does Trainer.train_step cost over a hand-written step, and can this benchmark tell?
 
-Two short-step networks (issue 14.1), each under fp16 + GradScaler with SGD momentum 0.9:
+Networks (short steps, where the trainer's host work shows; issue 22):
 
-- ``recipe``: PyTorch's AMP recipe network, 3 x Linear(4096) with ReLU, batch 512;
-- ``digits``: the digits CNN of lessons 02/03 (SmallCNN width 32, BatchNorm), batch 64, 32x32;
-- ``resnet50`` (not run by default): lesson 04's ResNet-50, batch 256, channels_last, cuDNN
-  autotuning off, the network of the earlier results (``results/trainer_overhead_h200.json``).
+- ``recipe``: PyTorch's AMP recipe network, 3 x Linear(4096) + ReLU, batch 512, fp16 +
+  GradScaler, SGD momentum 0.9 (foreach);
+- ``digits``: the digits CNN of lessons 02/03 (SmallCNN width 32, BatchNorm), batch 64, 32x32,
+  fp16 + GradScaler, SGD momentum 0.9;
+- ``mlp_bf16``: 4 x Linear(2048) + ReLU, batch 1024, bf16 autocast, fused AdamW (plus the same
+  network with foreach AdamW, to measure the non-fused skip mechanisms: device copy or host
+  decision);
+- ``mlp_fp32``: the same MLP in fp32 (TF32 off), fused AdamW;
+- ``resnet50`` (not by default): lesson 04's ResNet-50, batch 256, channels_last, fp16.
 
-Variants (each on its own copy of the same initial weights, timed in interleaved rounds so clock
-drift hits all alike): the hand loop; the trainer with defaults, lean
-(``track_grad_norm=False, track_memory=False``) and one feature at a time; and the opt-in CUDA
-graph of the whole step (``Trainer.capture``) against the hand loop captured the same way (both
-with fused SGD, which GradScaler steps without a host sync). Per variant: the median over rounds
-of the wall-clock time per step (synchronised at both ends of a round), the median CUDA-event
-step time, the host time per ``step()`` call, and, from ``torch.profiler``, aten ops and device
-kernels per step. Bitwise check: after the timing, fresh copies run ``--check-steps`` steps and
-their weights are compared with the hand loop's.
+Method. Every variant trains its own copy of the same initial weights. Rounds are interleaved
+(the order alternates), each round runs ``--steps`` steps per variant, synchronised at both
+ends, and a variant's cost is the median over rounds of its PAIRED ratio to its reference in
+the same round (clock drift hits both alike). The noise floor is the hand loop against itself:
+a second, identical hand loop timed as a variant; ``floor_pct`` is the half-width of the 95%
+bootstrap interval of its median paired ratio plus the distance of that median from 0. Rounds
+are added until the floor is under ``--target-floor`` (after ``--min-rounds``) or the network's
+share of ``--budget`` seconds is spent. Each row gives the median cost, its 95% bootstrap
+interval and interquartile range, and ``beyond_floor`` (|cost| larger than the floor).
 
-    python benchmarks/trainer_overhead.py [--networks recipe digits] [--rounds 12] [--steps 40]
-        [--json OUT]
+Checks. After the timing, fresh copies of the eager variants run ``--check-steps`` steps and
+their weights, buffers and optimizer state are compared bitwise with their hand loop's. On a
+GPU, also: a skipped step leaves everything bitwise as it was (fp16, bf16, fp32; fused and
+foreach SGD/AdamW; the CUDA graph); ``nonfinite="raise"`` names the step without a per-step
+sync; and no policy synchronises with the host after the first step
+(``torch.cuda.set_sync_debug_mode("error")``).
+
+    python benchmarks/trainer_overhead.py --budget 180 --json OUT.json
+        [--networks recipe digits mlp_bf16 mlp_fp32] [--target-floor 2] [--profile]
 
 On a CPU it runs in tiny sizes (a smoke test of the script; no conclusions).
 """
 import argparse
 import copy
 import json
+import random
 import statistics
 import sys
 import time
@@ -37,24 +50,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from amp_lessons import data, measure, models  # noqa: E402
 from amp_lessons import trainer as T  # noqa: E402
 
-EAGER_VARIANTS = {
-    "trainer, defaults": {},
-    "trainer, lean": dict(track_grad_norm=False, track_memory=False),
-    "+ grad norm only": dict(track_grad_norm=True, track_memory=False),
-    "+ memory only": dict(track_grad_norm=False, track_memory=True),
-    "lean, no BN guard": dict(track_grad_norm=False, track_memory=False,
-                              skip_safe_batchnorm=False),
-}
-GRAPH_VARIANTS = {
-    "trainer lean, CUDA graph": dict(track_grad_norm=False, track_memory=False),
-    "trainer defaults, CUDA graph": {},
-}
+HAND, AGAIN = "hand-written", "hand-written (again)"
+LEAN = dict(track_grad_norm=False, track_memory=False)
+NETWORKS = ("recipe", "digits", "mlp_bf16", "mlp_fp32", "resnet50")
+DEFAULT_NETWORKS = ("recipe", "mlp_bf16", "digits", "mlp_fp32")
+PRECISION = {"recipe": "fp16", "digits": "fp16", "resnet50": "fp16", "mlp_bf16": "bf16",
+             "mlp_fp32": "fp32"}
 
 
-def recipe_network(width: int) -> nn.Module:
-    """PyTorch's AMP recipe: Linear + ReLU, three times (the last without ReLU)."""
-    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, width))
+def mlp(width: int, layers: int = 4) -> nn.Module:
+    """``layers`` x Linear(width) with ReLU between them."""
+    mods = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
 
 
 def build(network: str, device, quick: bool):
@@ -68,58 +79,96 @@ def build(network: str, device, quick: bool):
         model = measure.build_model(config, device)
         x, y = data.synthetic_images(batch, size, 1000, device, channels_last=True)
         return model, x, y
-    if network == "recipe":
-        width, batch = (64, 16) if quick else (4096, 512)
-        model = recipe_network(width)
-        x = torch.randn(batch, width, generator=g)
-        y = torch.randint(0, width, (batch,), generator=g)
-    else:
+    if network == "digits":
         batch = 8 if quick else 64
         model, size = models.build_digits_model("cnn", width=32)
         x = torch.randn(batch, 1, size, size, generator=g)
         y = torch.randint(0, 10, (batch,), generator=g)
+        return model.to(device), x.to(device), y.to(device)
+    if network == "recipe":
+        width, batch, layers = (64, 16, 3) if quick else (4096, 512, 3)
+    else:  # the MLPs
+        width, batch, layers = (64, 32, 4) if quick else (2048, 1024, 4)
+    model = mlp(width, layers)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randint(0, width, (batch,), generator=g)
     return model.to(device), x.to(device), y.to(device)
 
 
-def sgd(model, fused=False):
-    kind = dict(fused=True) if fused else {}
-    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **kind)
+def optimizer(network, model, kind="default"):
+    """SGD momentum 0.9 for the fp16 networks, AdamW for the MLPs; ``kind``: "default",
+    "fused" or "foreach"."""
+    if network.startswith("mlp"):
+        fused = kind in ("default", "fused")
+        return torch.optim.AdamW(model.parameters(), lr=1e-3,
+                                 **(dict(fused=True) if fused else dict(foreach=True)))
+    extra = dict(fused=True) if kind == "fused" else {}
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **extra)
 
 
-def make_steps(network, device, quick, graphs):
-    """name -> (step(x, y), model), each variant on its own copy of the same weights."""
-    steps = {}
-    model, x, y = build(network, device, quick)
-    hand = measure.hand_step(model, sgd(model), "fp16", device)
-    steps["hand-written"] = (hand, model)
-    for name, flags in EAGER_VARIANTS.items():
-        if network == "recipe" and "BN" in name:
-            continue  # no BatchNorm: the guard is never there
-        m, _, _ = build(network, device, quick)
-        tr = T.Trainer(m, sgd(m), T.TrainConfig(precision="fp16", progress=False, seed=None,
-                                                **flags))
-        steps[name] = (lambda a, b, tr=tr: tr.train_step([(a, b)]), m)
-    if graphs:
-        m, _, _ = build(network, device, quick)
-        opt = sgd(m, fused=True)
-        T.prime_momentum_buffers(opt)  # as the trainer does (fused SGD's skipped-step bug)
-        h = measure.hand_step(m, opt, "fp16", device, cache_enabled=False)
-        steps["hand-written, fused SGD"] = (h, m)
-        m, _, _ = build(network, device, quick)
-        opt = sgd(m, fused=True)
-        T.prime_momentum_buffers(opt)
-        h = measure.hand_step(m, opt, "fp16", device, cache_enabled=False)
-        steps["hand-written, CUDA graph"] = (measure.cuda_graph_step(h, x, y, warmup=3), m)
-        for name, flags in GRAPH_VARIANTS.items():
-            m, _, _ = build(network, device, quick)
-            tr = T.Trainer(m, sgd(m, fused=True),
-                           T.TrainConfig(precision="fp16", progress=False, seed=None, **flags))
-            try:
-                steps[name] = (tr.capture(x, y, warmup=3), m)
-            except Exception as exc:  # noqa: BLE001 - report and go on with the rest
-                print(f"{network} {name}: capture failed: {type(exc).__name__}: {exc}",
-                      flush=True)
-    return steps, x, y
+def variants(network, device):
+    """name -> (reference name, builder) for one network; builders return (step, model, opt)."""
+    precision = PRECISION[network]
+    out = {}
+
+    def hand(kind="default", graph=False):
+        def make(quick):
+            m, x, y = build(network, device, quick)
+            opt = optimizer(network, m, kind)
+            if isinstance(opt, torch.optim.SGD) and kind == "fused":
+                T.prime_momentum_buffers(opt)  # as the trainer does (fused SGD's skip bug)
+            step = measure.hand_step(m, opt, precision, device, cache_enabled=not graph)
+            if precision == "fp32":
+                inner = step
+
+                def step(a, b, inner=inner):  # noqa: E306 - TF32 off, as the trainer's fp32
+                    with T.precision_settings("fp32", device):
+                        return inner(a, b)
+            if graph:
+                step = measure.cuda_graph_step(step, x, y, warmup=3)
+            return step, m, opt
+        return make
+
+    def trainer(kind="default", graph=False, mechanism=None, **flags):
+        def make(quick):
+            m, x, y = build(network, device, quick)
+            opt = optimizer(network, m, kind)
+            cfg = T.TrainConfig(precision=precision, progress=False, seed=None, **flags)
+            tr = T.Trainer(m, opt, cfg)
+            if mechanism is not None:  # the non-fused skip mechanism, for this trainer only
+                tr._policy.non_fused = mechanism
+            if graph:
+                return tr.capture(x, y, warmup=3), m, opt
+            return (lambda a, b: tr.train_step([(a, b)])), m, opt
+        return make
+
+    out[HAND] = (HAND, hand())
+    out[AGAIN] = (HAND, hand())
+    out["trainer, defaults"] = (HAND, trainer())
+    out["trainer, lean"] = (HAND, trainer(**LEAN))
+    out["+ grad norm only"] = (HAND, trainer(track_grad_norm=True, track_memory=False))
+    out["+ memory only"] = (HAND, trainer(track_grad_norm=False, track_memory=True))
+    if network in ("digits", "resnet50"):
+        out["lean, no BN guard"] = (HAND, trainer(skip_safe_batchnorm=False, **LEAN))
+    if precision != "fp16":
+        out["lean, nonfinite='ignore'"] = (HAND, trainer(nonfinite="ignore", **LEAN))
+        out["lean, nonfinite='raise'"] = (HAND, trainer(nonfinite="raise", **LEAN))
+    if network == "mlp_bf16":
+        ref = "hand-written, foreach AdamW"
+        out[ref] = (ref, hand("foreach"))
+        out["trainer lean, foreach AdamW, skip by device copy"] = (
+            ref, trainer("foreach", mechanism="copy", **LEAN))
+        out["trainer lean, foreach AdamW, skip by host decision"] = (
+            ref, trainer("foreach", mechanism="host", **LEAN))
+        out["trainer lean, foreach AdamW, ignore"] = (
+            ref, trainer("foreach", nonfinite="ignore", **LEAN))
+    if device.type == "cuda" and network in ("recipe", "digits"):
+        ref = "hand-written, CUDA graph"
+        out["hand-written, fused SGD"] = ("hand-written, fused SGD", hand("fused"))
+        out[ref] = (ref, hand("fused", graph=True))
+        out["trainer lean, CUDA graph"] = (ref, trainer("fused", graph=True, **LEAN))
+        out["trainer defaults, CUDA graph"] = (ref, trainer("fused", graph=True))
+    return out
 
 
 def sync(device):
@@ -128,7 +177,7 @@ def sync(device):
 
 
 def time_round(step, x, y, steps, device):
-    """(wall ms per step over the round, event ms per step, host ms per call)."""
+    """(wall ms per step over the round, event ms per step list, host ms per call list)."""
     sync(device)
     host = []
     t_start = time.perf_counter()
@@ -153,6 +202,31 @@ def time_round(step, x, y, steps, device):
     return wall, events, host
 
 
+def median_ci(values, rng, resamples=2000):
+    """(median, low, high): the median and its 95% bootstrap interval."""
+    med = statistics.median(values)
+    if len(values) < 3:
+        return med, min(values), max(values)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values)))
+                  for _ in range(resamples))
+    return med, meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
+def summarise(ratios, rng):
+    """Cost in % (median paired ratio - 1), its 95% interval and interquartile range."""
+    pct = [100 * (r - 1) for r in ratios]
+    med, low, high = median_ci(pct, rng)
+    q = statistics.quantiles(pct, n=4) if len(pct) >= 2 else [pct[0]] * 3
+    return {"cost_pct": med, "cost_ci95_pct": [low, high], "cost_iqr_pct": [q[0], q[2]]}
+
+
+def noise_floor(ratios, rng):
+    """The largest cost the hand loop shows against itself: |median| + CI half-width."""
+    s = summarise(ratios, rng)
+    low, high = s["cost_ci95_pct"]
+    return abs(s["cost_pct"]) + (high - low) / 2
+
+
 def profile_counts(step, x, y, device, steps=5):
     """aten ops and device kernels per step, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -169,68 +243,103 @@ def profile_counts(step, x, y, device, steps=5):
     aten = sum(1 for e in events if e.name.startswith("aten::")
                and e.device_type == torch.autograd.DeviceType.CPU)
     kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    top = {}
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            top[e.name[:60]] = top.get(e.name[:60], 0) + 1
-    return {"aten_ops_per_step": aten / steps, "kernels_per_step": kernels / steps,
-            "top_kernels": sorted(((k, v / steps) for k, v in top.items()),
-                                  key=lambda kv: -kv[1])[:12]}
+    return {"aten_ops_per_step": aten / steps, "kernels_per_step": kernels / steps}
 
 
-def bitwise(network, device, quick, steps, graphs):
-    """Whether each variant's weights equal the hand loop's after ``steps`` steps."""
-    built, x, y = make_steps(network, device, quick, graphs)
-    for _, (step, _) in built.items():
-        for _ in range(steps):
-            step(x, y)
-    sync(device)
-    out = {}
-    ref = dict(built["hand-written"][1].named_parameters())
-    ref_fused = dict(built["hand-written, fused SGD"][1].named_parameters()) if graphs else None
-    for name, (_, m) in built.items():
-        target = ref_fused if (graphs and ("graph" in name or "fused" in name)) else ref
-        out[name] = all(torch.equal(p, target[k]) for k, p in m.named_parameters())
+def state_of(model, opt):
+    """Weights, buffers and optimizer-state tensors, for a bitwise comparison."""
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state_dict()["state"].values()):
+        out.update({f"opt.{i}.{k}": v for k, v in s.items() if isinstance(v, torch.Tensor)})
     return out
 
 
-def run_network(network, args, device, quick):
-    graphs = device.type == "cuda"
-    built, x, y = make_steps(network, device, quick, graphs)
-    for step, _ in built.values():  # warm-up: allocator, cuBLAS handles, autotuning
+def bitwise(table, network, device, quick, steps):
+    """Whether each variant's weights, buffers and optimizer state equal its reference's after
+    ``steps`` steps on fresh copies."""
+    _, x, y = build(network, device, quick)
+    states = {}
+    for name, (_, make) in table.items():
+        step, m, opt = make(quick)
+        for _ in range(steps):
+            step(x, y)
+        sync(device)
+        states[name] = state_of(m, opt)
+        del step
+    out = {}
+    for name, (ref, _) in table.items():
+        a, b = states[name], states[ref]
+        out[name] = a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].device))
+                                                 for k in a)
+    return out
+
+
+def run_network(network, args, device, quick, deadline, rng):
+    """Time every variant of ``network`` in interleaved rounds until the floor is under the
+    target or ``deadline`` (perf_counter seconds) is near; then the bitwise check."""
+    table = variants(network, device)
+    _, x, y = build(network, device, quick)
+    built = {}
+    for name, (_, make) in table.items():
+        try:
+            built[name] = make(quick)[0]
+        except Exception as exc:  # noqa: BLE001 - report and go on with the rest
+            print(f"{network} {name}: could not build: {type(exc).__name__}: {exc}", flush=True)
+    table = {k: v for k, v in table.items() if k in built and v[0] in built}
+    for step in built.values():  # warm-up: allocator, cuBLAS handles, autotuning
         for _ in range(5):
             step(x, y)
-    rounds = {n: {"wall": [], "events": [], "host": []} for n in built}
-    for r in range(args.rounds):
-        order = list(built) if r % 2 == 0 else list(reversed(built))
+    sync(device)
+    walls = {n: [] for n in table}
+    events = {n: [] for n in table}
+    hosts = {n: [] for n in table}
+    check_reserve = 0.0
+    floor = float("inf")
+    rounds = 0
+    while True:
+        t_round = time.perf_counter()
+        order = list(table) if rounds % 2 == 0 else list(reversed(table))
         for name in order:
-            wall, events, host = time_round(built[name][0], x, y, args.steps, device)
-            rounds[name]["wall"].append(wall)
-            rounds[name]["events"] += events
-            rounds[name]["host"] += host
-    hand = statistics.median(rounds["hand-written"]["wall"])
+            wall, ev, host = time_round(built[name], x, y, args.steps, device)
+            walls[name].append(wall)
+            events[name] += ev
+            hosts[name] += host
+        rounds += 1
+        round_s = time.perf_counter() - t_round
+        check_reserve = max(check_reserve, round_s * args.check_steps / args.steps * 1.5 + 1)
+        ratios = [a / b for a, b in zip(walls[AGAIN], walls[HAND])]
+        floor = noise_floor(ratios, rng)
+        done = rounds >= args.min_rounds and floor < args.target_floor
+        out_of_time = rounds >= 2 and time.perf_counter() + round_s + check_reserve > deadline
+        if done or out_of_time or rounds >= args.max_rounds:
+            break
     rows = []
-    for name, t in rounds.items():
-        wall = statistics.median(t["wall"])
-        row = {"network": network, "variant": name, "step_ms": wall,
-               "cost_pct": 100 * (wall / hand - 1),
-               "event_step_ms": statistics.median(t["events"]),
-               "host_ms_per_call": statistics.median(t["host"]),
-               "round_ms": t["wall"], "rounds": args.rounds, "steps_per_round": args.steps}
-        row.update(profile_counts(built[name][0], x, y, device))
+    for name, (ref, _) in table.items():
+        ratios = [a / b for a, b in zip(walls[name], walls[ref])]
+        row = {"network": network, "precision": PRECISION[network], "variant": name,
+               "reference": ref, "step_ms": statistics.median(walls[name]),
+               "event_step_ms": statistics.median(events[name]),
+               "host_ms_per_call": statistics.median(hosts[name]),
+               "rounds": rounds, "steps_per_round": args.steps, "round_ms": walls[name]}
+        row.update(summarise(ratios, rng))
+        row["beyond_floor"] = name not in (HAND, ref) and abs(row["cost_pct"]) > floor
+        if args.profile:
+            row.update(profile_counts(built[name], x, y, device))
         rows.append(row)
-        print(f"{network:7s} {name:30s} {wall:7.3f} ms/step {row['cost_pct']:+7.2f}%  "
-              f"events {row['event_step_ms']:7.3f}  host {row['host_ms_per_call']:6.3f} ms  "
-              f"aten {row['aten_ops_per_step']:5.0f}  kernels {row['kernels_per_step']:5.0f}",
-              flush=True)
+        print(f"{network:9s} {name:50s} {row['step_ms']:7.3f} ms {row['cost_pct']:+6.2f}% "
+              f"[{row['cost_ci95_pct'][0]:+6.2f}, {row['cost_ci95_pct'][1]:+6.2f}] "
+              f"host {row['host_ms_per_call']:6.3f} ms", flush=True)
     del built
-    equal = bitwise(network, device, quick, args.check_steps, graphs)
+    equal = bitwise(table, network, device, quick, args.check_steps)
     for row in rows:
-        row["bitwise_equal_to_hand"] = equal[row["variant"]]
-    print(f"{network}: bitwise equal to the hand loop after {args.check_steps} steps: {equal}",
-          flush=True)
-    return rows
+        row["bitwise_equal_to_reference"] = equal[row["variant"]]
+    print(f"{network}: noise floor {floor:.2f}% after {rounds} rounds of {args.steps} steps; "
+          f"bitwise equal to the reference after {args.check_steps} steps: {equal}", flush=True)
+    return {"noise_floor_pct": floor, "floor_under_target": floor < args.target_floor,
+            "rounds": rounds, "steps_per_round": args.steps, "rows": rows}
 
+
+# --- GPU-only checks -----------------------------------------------------------------------------
 
 class InjectInf(T.Hooks):
     """Writes inf into the first parameter's gradient at the listed steps."""
@@ -243,93 +352,209 @@ class InjectInf(T.Hooks):
             next(trainer.model.parameters()).grad.view(-1)[0] = self.value
 
 
-def skip_checks(device):
-    """On the GPU: a skipped step leaves weights, BatchNorm statistics and optimizer state
-    bitwise as they were, under fp16 (GradScaler) and under bf16/fp32 (nonfinite='skip'), for
-    foreach, fused and Adam optimizers; and a captured step skips too."""
+def _same(before, after):
+    return before.keys() == after.keys() and all(torch.equal(before[k], after[k])
+                                                 for k in before)
+
+
+def skip_checks(device, quick):
+    """A skipped step leaves weights, BatchNorm statistics and optimizer state bitwise as they
+    were: fp16 (GradScaler), bf16 and fp32 (nonfinite='skip'), foreach and fused SGD/AdamW, and
+    a captured step."""
     results = {}
-    cases = [("fp16", "foreach"), ("fp16", "fused"), ("bf16", "foreach"), ("bf16", "fused"),
-             ("bf16", "adam"), ("bf16", "adam-fused"), ("fp32", "foreach"), ("fp16", "graph"),
-             ("bf16", "graph")]
+    cases = [("fp16", "sgd"), ("fp16", "sgd-fused"), ("fp16", "adamw-fused"),
+             ("bf16", "sgd"), ("bf16", "sgd-fused"), ("bf16", "adamw"), ("bf16", "adamw-fused"),
+             ("fp32", "adamw-fused"), ("fp32", "sgd"), ("fp16", "graph"), ("bf16", "graph")]
     for precision, impl in cases:
-        model, x, y = build("digits", device, device.type != "cuda")
-        if impl.startswith("adam"):
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=impl == "adam-fused")
-        else:
-            opt = sgd(model, fused=impl in ("fused", "graph"))
-        tr = T.Trainer(model, opt, T.TrainConfig(precision=precision, progress=False, seed=None),
-                       hooks=[] if impl == "graph" else [InjectInf({3})])
+        key = f"{precision} {impl}"
         try:
+            model, x, y = build("digits", device, quick)
+            fused = impl.endswith("fused") or impl == "graph"
+            if impl.startswith("adamw"):
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3,
+                                        **(dict(fused=True) if fused else {}))
+            else:
+                opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                                      **(dict(fused=True) if fused else {}))
+            tr = T.Trainer(model, opt, T.TrainConfig(precision=precision, progress=False,
+                                                     seed=None),
+                           hooks=[] if impl == "graph" else [InjectInf({3})])
             if impl == "graph":
                 step = tr.capture(x, y, warmup=3)
-                for _ in range(2):
-                    step(x, y)
-                before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+                before = copy.deepcopy(state_of(model, opt))
                 bad = x.clone()
                 bad.view(-1)[0] = float("inf")
                 record = step(bad, y)
             else:
                 for _ in range(3):
                     tr.train_step([(x, y)])
-                before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+                before = copy.deepcopy(state_of(model, opt))
                 record = tr.train_step([(x, y)])
-            after = (model.state_dict(), opt.state_dict())
-            same = all(torch.equal(a, b) for a, b in zip(before[0].values(), after[0].values()))
-            same_opt = all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor)
-                           else a[k] == b[k]
-                           for a, b in zip(before[1]["state"].values(), after[1]["state"].values())
-                           for k in a)
-            results[f"{precision} {impl}"] = {"skipped": bool(record.skipped),
-                                               "model_unchanged": same,
-                                               "optimizer_unchanged": same_opt,
-                                               "reason": record.skip_reason}
+            results[key] = {"skipped": bool(record.skipped),
+                            "unchanged": _same(before, state_of(model, opt)),
+                            "reason": record.skip_reason}
+            results[key]["ok"] = results[key]["skipped"] and results[key]["unchanged"]
         except Exception as exc:  # noqa: BLE001
-            results[f"{precision} {impl}"] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"skip check {precision} {impl}: {results[f'{precision} {impl}']}", flush=True)
+            results[key] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(f"skip check {key}: {results[key]}", flush=True)
     return results
+
+
+def raise_check(device, quick):
+    """nonfinite='raise' on the GPU: the error names the bad step (here at the latest at
+    ``wait()``), counters go back to it, and the model is as it was before it."""
+    model, x, y = build("digits", device, quick)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    hook = InjectInf({2})
+    tr = T.Trainer(model, opt, T.TrainConfig(precision="bf16", nonfinite="raise",
+                                             progress=False, seed=None), hooks=[hook])
+    out = {"ok": False}
+    try:
+        for _ in range(2):
+            tr.train_step([(x, y)])
+        before = copy.deepcopy(state_of(model, opt))
+        try:
+            for _ in range(4):
+                tr.train_step([(x, y)])
+            tr.wait()
+            out["error"] = "no NonFiniteError"
+        except T.NonFiniteError as exc:
+            out.update(message=str(exc), step_after=tr.step, history=len(tr.history),
+                       unchanged=_same(before, state_of(model, opt)))
+            out["ok"] = str(exc).startswith("step 2 ") and tr.step == 2 and out["unchanged"]
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    print(f"raise check: {out}", flush=True)
+    return out
+
+
+def no_sync_checks(device, quick):
+    """No host sync after the first step, under torch.cuda.set_sync_debug_mode('error'), for
+    the policies that promise it (the defaults included: grad norm, memory, BatchNorm guard).
+    The control, fp16 with a non-fused SGD, must sync (GradScaler.step reads its flag there):
+    ``ok`` is true when each case did what it should."""
+    results = {}
+    cases = [("bf16", "skip", "adamw-fused", "mlp_bf16"), ("bf16", "raise", "adamw-fused",
+                                                          "mlp_bf16"),
+             ("fp32", "skip", "adamw-fused", "mlp_fp32"), ("bf16", "skip", "sgd", "digits"),
+             ("fp16", "skip", "sgd-fused", "recipe"), ("fp16", "skip", "sgd-fused", "digits"),
+             ("bf16", "ignore", "adamw-fused", "mlp_bf16"),
+             ("fp16", "skip", "sgd", "recipe")]  # the control: GradScaler.step syncs here
+    for precision, nonfinite, kind, network in cases:
+        key = f"{network} {precision} {nonfinite} {kind}"
+        control = precision == "fp16" and kind == "sgd"
+        try:
+            model, x, y = build(network, device, quick)
+            if kind.startswith("adamw"):
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+            else:
+                opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                                      **(dict(fused=True) if kind.endswith("fused") else {}))
+            tr = T.Trainer(model, opt, T.TrainConfig(precision=precision, nonfinite=nonfinite,
+                                                     progress=False, seed=None))
+            for _ in range(2):
+                tr.train_step([(x, y)])
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(3):
+                    tr.train_step([(x, y)])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            results[key] = {"ok": not control, "synced": False}
+        except Exception as exc:  # noqa: BLE001
+            results[key] = {"ok": control, "synced": True,
+                            "error": f"{type(exc).__name__}: {exc}"[:400]}
+        print(f"no-sync check {key}: {results[key]}", flush=True)
+    return results
+
+
+GOALS = (("recipe", "trainer, defaults", 3.0), ("recipe", "trainer, lean", 1.0),
+         ("mlp_bf16", "trainer, defaults", 3.0), ("mlp_bf16", "trainer, lean", 1.0),
+         ("recipe", "trainer lean, CUDA graph", 3.0))
+
+
+def verdicts(networks):
+    """The issue's goals, read off the rows: cost at most the goal, and a floor small enough
+    to tell (under the goal, or the goal's interval clear of it)."""
+    out = []
+    for network, variant, goal in GOALS:
+        row = next((r for r in networks.get(network, {}).get("rows", [])
+                    if r["variant"] == variant), None)
+        if row is None:
+            continue
+        floor = networks[network]["noise_floor_pct"]
+        out.append({"network": network, "variant": variant, "goal_pct": goal,
+                    "cost_pct": row["cost_pct"], "ci95_high_pct": row["cost_ci95_pct"][1],
+                    "noise_floor_pct": floor, "met": row["cost_ci95_pct"][1] <= goal,
+                    "resolved": floor < goal})
+    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--networks", nargs="+", choices=["recipe", "digits", "resnet50"],
-                   default=["recipe", "digits"])
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--check-steps", type=int, default=30)
+    p.add_argument("--networks", nargs="+", choices=NETWORKS, default=list(DEFAULT_NETWORKS))
+    p.add_argument("--budget", type=float, default=180.0,
+                   help="seconds for the whole run (timing, checks, GPU checks)")
+    p.add_argument("--target-floor", type=float, default=2.0,
+                   help="stop adding rounds once the noise floor is under this (%%)")
+    p.add_argument("--min-rounds", type=int, default=8)
+    p.add_argument("--max-rounds", type=int, default=400)
+    p.add_argument("--steps", type=int, default=20, help="steps per variant per round")
+    p.add_argument("--check-steps", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="count aten ops and kernels too")
+    p.add_argument("--no-gpu-checks", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="for the bootstrap intervals")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.budget <= 0 or args.steps < 1 or args.min_rounds < 2:
+        p.error("--budget must be > 0, --steps >= 1, --min-rounds >= 2")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = device.type != "cuda"
     torch.backends.cudnn.benchmark = False  # as lesson 04 runs
     if quick:
-        args.rounds, args.steps, args.check_steps = 2, 3, 3
+        args.steps, args.check_steps = min(args.steps, 3), min(args.check_steps, 3)
+    rng = random.Random(args.seed)
     t0 = time.perf_counter()
-    rows, checks = [], {}
+    gpu_checks = device.type == "cuda" and not args.no_gpu_checks
+    reserve = 25.0 if gpu_checks else 0.0  # seconds kept for the GPU checks at the end
+    networks, checks = {}, {}
 
     def document():
         return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 "torch": torch.__version__, "python": sys.version.split()[0],
-                "timer": "wall clock per step over a synchronised round; median over rounds",
-                "seconds": round(time.perf_counter() - t0, 1), "rows": rows,
-                "skip_checks": checks}
+                "timer": "wall clock per step over a synchronised round; median over "
+                         "interleaved rounds of the paired ratio to the reference",
+                "budget_s": args.budget, "target_floor_pct": args.target_floor,
+                "seconds": round(time.perf_counter() - t0, 1), "networks": networks,
+                "goals": verdicts(networks), "gpu_checks": checks}
 
     def write():  # after each part, so a run cut short still leaves what it measured
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(document(), indent=1))
 
-    for network in args.networks:
+    for i, network in enumerate(args.networks):
+        left = args.budget - reserve - (time.perf_counter() - t0)
+        deadline = time.perf_counter() + left / (len(args.networks) - i)
         try:
-            rows += run_network(network, args, device, quick)
-        except Exception as exc:  # noqa: BLE001 - keep what the other network measured
+            networks[network] = run_network(network, args, device, quick, deadline, rng)
+        except Exception as exc:  # noqa: BLE001 - keep what the other networks measured
+            networks[network] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{network}: failed: {type(exc).__name__}: {exc}", flush=True)
         write()
-    if device.type == "cuda":
-        checks.update(skip_checks(device))
-    write()
-    if args.json:
-        print(f"wrote {args.json}")
+    if gpu_checks:
+        checks["skip"] = skip_checks(device, quick)
+        checks["raise"] = raise_check(device, quick)
+        checks["no_sync"] = no_sync_checks(device, quick)
     doc = document()
+    write()
+    for goal in doc["goals"]:
+        print(f"goal {goal['network']} {goal['variant']}: {goal['cost_pct']:+.2f}% "
+              f"(95% up to {goal['ci95_high_pct']:+.2f}%, floor {goal['noise_floor_pct']:.2f}%)"
+              f" <= {goal['goal_pct']}%: {'met' if goal['met'] else 'NOT met'}"
+              f"{'' if goal['resolved'] else ' (floor too high to tell)'}", flush=True)
+    print(f"done in {doc['seconds']} s" + (f"; wrote {args.json}" if args.json else ""))
     return doc
 
 

@@ -204,6 +204,23 @@ def test_dtype_trace_and_op_counts():
     assert dtype_trace.first_tensor((1, [torch.ones(1)])) is not None
 
 
+def test_compare_compiled_rows(monkeypatch):
+    net = inputs.Call(mlp())
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)  # the logic, not inductor
+    rows = compiled.compare_compiled(net, torch.randn(4, 8), precisions=("fp32", "bf16"))
+    assert [r["precision"] for r in rows] == ["fp32", "bf16"] and net.training
+    assert all(r["status"] == "ok" and r["max_abs_diff"] == 0 and r["shape"] == "4x4"
+               for r in rows)
+
+    def broken(model, **kw):
+        def call(x):
+            raise RuntimeError("inductor says no\nmore")
+        return call
+    monkeypatch.setattr(torch, "compile", broken)
+    row = compiled.compare_compiled(net, torch.randn(4, 8))[0]
+    assert row["status"] == "error" and row["reason"] == "RuntimeError: inductor says no"
+
+
 def test_fp8_and_compile_reasons():
     assert "no CUDA GPU" in fp8.fp8_unavailable("cpu")
     assert "GPU only" in compiled.compile_skip_reason("cpu")
@@ -231,7 +248,9 @@ def test_cli_doctor_on_resnet18_writes_html_and_json(tmp_path, capsys):
     (["--model", "torchvision:resnet18", "--batch-shape", "2,3,32"], "failed in layer 'conv1'"),
     (["--model", "torchvision:resnet18", "--out", "r.txt"], "--out must end in .html or .json"),
     (["--model", "torch.nn:ReLU"], "must have parameters to train"),
-])
+    (["--model", "torchvision:resnet18", "--steps", "0"], "steps must be a whole number >= 1"),
+] + ([] if torch.cuda.is_available() else
+     [(["--model", "torchvision:resnet18", "--device", "cuda"], "CUDA is not available")]))
 def test_cli_doctor_errors_are_one_line(argv, message, capsys):
     assert main(["doctor"] + argv) == 2
     err = capsys.readouterr().err

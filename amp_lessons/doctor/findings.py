@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ..tables import percent
+from ..tables import percent, plural
 
 # where each topic is taught
 LESSONS = {"ranges": ("01", "fp16/bf16/fp8 ranges, underflow and overflow"),
@@ -36,8 +36,8 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
     out = []
     if overflow:
         worst = max(overflow, key=lambda r: r["value"])
-        out.append(finding("overflow", f"fp16 overflows in the forward pass: {len(overflow)} "
-                           f"layer(s), first {overflow[0]['layer']}, worst {worst['layer']} "
+        out.append(finding("overflow", f"fp16 overflows in the forward pass: "
+                           f"{plural(len(overflow), 'layer')}, first {overflow[0]['layer']}, worst {worst['layer']} "
                            f"({worst['value']:.4g} > 65,504)",
                            "fp32 forward, largest |activation| per layer"
                            + (f"; under fp16 autocast inf/NaN first appeared in "
@@ -61,7 +61,7 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
                            f"scaling; fp16 underflows {_share(a['fp16'], 'underflow')}",
                            "fp32 forward, every leaf layer's output"))
     out.append(finding("scale", " ".join(advice["lines"][:2]),
-                       "; ".join(f"{r['settings']}: {r['skipped']} of {r['steps']} steps skipped, "
+                       "; ".join(f"{r['settings']}: {r['skipped']} of {plural(r['steps'], 'step')} skipped, "
                                  f"scale ended at {r['final_scale']:g}" for r in trial)
                        or "derived from the largest gradient"))
     if trace:

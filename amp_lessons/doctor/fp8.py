@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..env import device_capability
+from ..tables import plural
 
 MIN_CAPABILITY = (8, 9)
 
@@ -63,5 +64,5 @@ def candidates(model: nn.Module, device, crossover: Optional[int],
     total = sum(r["params"] for r in rows)
     share = sum(r["params"] for r in chosen) / total if total else 0.0
     return {**base, "status": "measured", "layers": rows,
-            "reason": f"{len(chosen)} of {len(rows)} Linear layers ({share:.0%} of Linear "
+            "reason": f"{len(chosen)} of {plural(len(rows), 'Linear layer')} ({share:.0%} of Linear "
                       f"weights) reach the crossover width {crossover:,}"}

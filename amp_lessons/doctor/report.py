@@ -8,12 +8,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..tables import format_value, json_safe, percent
+from ..tables import format_value, html_table, json_safe, percent
 
-CSS = ("body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1200px}"
-       "table.doctor{border-collapse:collapse;margin:.4em 0 1em;font-size:13px}"
-       "table.doctor td,table.doctor th{border:1px solid #ccc;padding:2px 6px;text-align:left}"
-       "table.doctor th{background:#f2f2f2}.bad{color:#b00020;font-weight:600}")
+# scoped to the report's <div>, so a notebook's own styles stay as they are
+CSS = (".amp-doctor table{border-collapse:collapse;margin:.4em 0 1em;font-size:13px}"
+       ".amp-doctor td,.amp-doctor th{border:1px solid #ccc;padding:2px 6px}"
+       ".amp-doctor th{background:#f2f2f2}")
+PAGE_CSS = "body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1200px}" + CSS
 LAYER_COLUMNS = (("layer", "layer"), ("kind", "kind"), ("act_absmax", "max |act|"),
                  ("act_min", "min |act|"), ("grad_absmax", "max |grad|"),
                  ("grad_min", "min |grad|"), ("act_fp16_overflow", "act fp16 over"),
@@ -23,7 +24,7 @@ LAYER_COLUMNS = (("layer", "layer"), ("kind", "kind"), ("act_absmax", "max |act|
 SPEED_COLUMNS = (("precision", "precision"), ("samples_per_s", "samples/s"),
                  ("speedup", "x fp32"), ("step_ms", "step ms"), ("peak_gib", "peak GiB"),
                  ("memory_ratio", "mem x fp32"), ("gpu_idle_fraction", "GPU idle"),
-                 ("status", "status"), ("gate", "decided?"))
+                 ("status", "status"), ("gate", "not decided because"))
 
 
 @dataclass
@@ -79,7 +80,8 @@ class DoctorReport:
             return "n/a"
         if isinstance(value, bool):
             return "yes" if value else "no"
-        if key.endswith(("_overflow", "_underflow", "idle_fraction")) and isinstance(value, float):
+        if key.endswith(("_overflow", "_underflow", "idle_fraction", "share")) and \
+                isinstance(value, float):
             return percent(value, 1.0)
         if isinstance(value, float):
             return format_value(value, 3) if abs(value) >= 1e-3 or value == 0 else f"{value:.3g}"
@@ -87,13 +89,11 @@ class DoctorReport:
 
     @classmethod
     def html_table(cls, rows: Sequence[Dict[str, object]], columns) -> str:
-        """Rows as an HTML table with the given ``(key, heading)`` columns (escaped)."""
+        """Rows as an HTML table (``tables.html_table``, the course's one table formatter) with
+        the given ``(key, heading)`` columns: shares in percent, small numbers never rounded to 0."""
         if not rows:
             return "<p><i>none</i></p>"
-        head = "".join(f"<th>{html.escape(h)}</th>" for _, h in columns)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(cls._cell(k, r.get(k)))}</td>"
-                                        for k, _ in columns) + "</tr>" for r in rows)
-        return f'<table class="doctor"><tr>{head}</tr>{body}</table>'
+        return html_table(rows, [(k, h, lambda v, k=k: cls._cell(k, v)) for k, h in columns])
 
     def html_body(self, all_layers: bool = False) -> str:
         """The report's HTML (no page wrapper): findings, loss scale, overflow sites, speed,
@@ -142,7 +142,7 @@ class DoctorReport:
                  f"; gradients at the loss scale 2^{self.scale_exponent})</h4>",
                  self.html_table(self.layers if all_layers else self.riskiest_layers(),
                                  LAYER_COLUMNS)]
-        return "\n".join(parts)
+        return '<div class="amp-doctor">\n' + "\n".join(parts) + "\n</div>"
 
     def _repr_html_(self) -> str:
         return f"<style>{CSS}</style>" + self.html_body()
@@ -155,7 +155,7 @@ class DoctorReport:
         """A self-contained page: inline CSS, every table (all layers), and ``figure_html``
         (e.g. a plotly figure with its JavaScript inlined) when given."""
         return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>amp-lessons doctor: "
-                f"{html.escape(self.model)}</title><style>{CSS}</style></head><body>\n"
+                f"{html.escape(self.model)}</title><style>{PAGE_CSS}</style></head><body>\n"
                 f"{self.html_body(all_layers=True)}\n{figure_html}\n</body></html>\n")
 
     def write(self, path, figure_html: str = "") -> Path:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .. import formats
+from ..tables import plural
 from ..trainer import ScalerSettings, TrainConfig, Trainer
 
 DEFAULT = ScalerSettings()
@@ -51,8 +52,8 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
         "keep those layers in fp32 (this GPU has no native bf16)"
     if overflow:
         worst = max(overflow, key=lambda r: r["value"])
-        lines.append(f"fp16 is not safe: the forward pass overflows fp16 in {len(overflow)} "
-                     f"layer(s), worst {worst['layer']} at {worst['value']:.4g} > 65,504. A loss "
+        lines.append(f"fp16 is not safe: the forward pass overflows fp16 in "
+                     f"{plural(len(overflow), 'layer')}, worst {worst['layer']} at {worst['value']:.4g} > 65,504. A loss "
                      f"scale only scales gradients, so no GradScaler setting helps: train in "
                      f"{alt}, or run those layers in fp32 (selective autocast).")
         return {"precision": "bf16" if bf16_native else "fp16 with fp32 layers",
@@ -74,7 +75,7 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
                 "settings": settings.as_dict(), "lines": lines}
     if init_k < default_k:
         lines.append(f"The default init_scale 2^{default_k} is too high: the first "
-                     f"{default_k - k} steps would overflow and be skipped while the scale backs "
+                     f"{plural(default_k - k, 'step')} would overflow and be skipped while the scale backs "
                      f"off. Start at init_scale=2^{init_k} (one halving of headroom).")
     elif init_k > default_k and underflow_at_default - underflow_at_k <= MIN_GAIN:
         lines.append(f"The default init_scale 2^{default_k} is safe and loses hardly more gradient "

@@ -557,8 +557,10 @@ class Trainer:
     def capture(self, x: torch.Tensor, y: torch.Tensor, warmup: int = 3) -> Callable:
         """Opt-in: capture the whole step in one CUDA graph; returns ``step(x, y) -> StepRecord``.
 
-        For static shapes on CUDA: each call copies ``x, y`` into the graph's input tensors (no
-        copy when they are those tensors) and replays every kernel of the step with one launch,
+        For static shapes on CUDA: the graph reads ``x, y`` themselves (copies of them if they
+        are not on the device); each call copies its ``x, y`` into those (nothing when they are
+        those tensors, as in PyTorch's CUDA-graph recipe) and replays every kernel of the step
+        with one launch, plus one copy of the record's numbers,
         so the host's Python and launch costs vanish (benchmarks/NOTES.md: it beats the hand loop
         on small steps). Records, history and the step counter are kept as by ``train_step``.
         ``warmup`` ordinary steps on ``(x, y)`` run first (on a side stream, as PyTorch's
@@ -585,8 +587,9 @@ class Trainer:
         if problems:
             raise ValueError(f"capture needs {'; '.join(problems)}")
         check_int("warmup", warmup, 1)
-        static_x = x.to(self.device).clone()
-        static_y = y.to(self.device).clone()
+        # the graph reads its inputs where they are: x, y themselves when already on the device
+        # (as PyTorch's CUDA-graph recipe does), so passing them again copies nothing
+        static_x, static_y = x.to(self.device), y.to(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -597,9 +600,13 @@ class Trainer:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = self._kernels([(static_x, static_y)], cache_enabled=False)
+            # the record's numbers in one small tensor, so a replay costs one copy of them
+            loss, grad_norm, found_inf, scale, _ = outs
+            fields = [t for t in (loss, grad_norm, found_inf, scale) if isinstance(t, torch.Tensor)]
+            packed = torch.stack([t.reshape(()).float() for t in fields])
         if not self.model.training:
             self.model.train()
-        return _GraphedStep(self, graph, static_x, static_y, outs)
+        return _GraphedStep(self, graph, static_x, static_y, outs, packed)
     # -- epochs ---------------------------------------------------------------------------------
 
     def fit(self, loader, epochs: int = 1, max_steps: Optional[int] = None,
@@ -812,9 +819,18 @@ class Trainer:
 class _GraphedStep:
     """What ``Trainer.capture`` returns: ``step(x, y) -> StepRecord`` replaying one CUDA graph."""
 
-    def __init__(self, trainer: Trainer, graph, x: torch.Tensor, y: torch.Tensor, outs: tuple):
-        self.trainer, self.graph, self.x, self.y = trainer, graph, x, y
-        self.loss, self.grad_norm, self.found_inf, self.scale, self.cause = outs
+    def __init__(self, trainer: Trainer, graph, x: torch.Tensor, y: torch.Tensor, outs: tuple,
+                 packed: torch.Tensor):
+        self.trainer, self.graph, self.x, self.y, self.packed = trainer, graph, x, y, packed
+        self.cause = outs[4]
+        # where each of loss, grad_norm, found_inf, scale sits in ``packed`` (or its constant)
+        self.slots, i = [], 0
+        for t in outs[:4]:
+            if isinstance(t, torch.Tensor):
+                self.slots.append((True, i))
+                i += 1
+            else:
+                self.slots.append((False, t))
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> StepRecord:
         trainer = self.trainer
@@ -829,11 +845,11 @@ class _GraphedStep:
         self.graph.replay()
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        out = [None if t is None or not isinstance(t, torch.Tensor) else t.clone()
-               for t in (self.loss, self.grad_norm, self.found_inf, self.scale)]
-        return trainer._record(out[0], out[1], out[2],
-                               out[3] if out[3] is not None else self.scale, self.cause,
-                               trainer.optimizer.param_groups[0]["lr"], (start, end))
+        values = self.packed.clone()  # the next replay overwrites ``packed``
+        loss, norm, found, scale = (values[v] if packed else v for packed, v in self.slots)
+        return trainer._record(loss, norm, found if found is not None else False, scale,
+                               self.cause, trainer.optimizer.param_groups[0]["lr"],
+                               (start, end))
 
 
 # --- checks used before anything is loaded ------------------------------------------------------

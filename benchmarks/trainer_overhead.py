@@ -280,6 +280,7 @@ def run_network(network, args, device, quick, deadline, rng):
     table = variants(network, device)
     _, x, y = build(network, device, quick)
     built = {}
+    t_build = time.perf_counter()
     for name, (_, make) in table.items():
         try:
             built[name] = make(quick)[0]
@@ -290,6 +291,7 @@ def run_network(network, args, device, quick, deadline, rng):
         for _ in range(5):
             step(x, y)
     sync(device)
+    build_s = time.perf_counter() - t_build  # the bitwise check builds them all again
     walls = {n: [] for n in table}
     events = {n: [] for n in table}
     hosts = {n: [] for n in table}
@@ -306,7 +308,8 @@ def run_network(network, args, device, quick, deadline, rng):
             hosts[name] += host
         rounds += 1
         round_s = time.perf_counter() - t_round
-        check_reserve = max(check_reserve, round_s * args.check_steps / args.steps * 1.5 + 1)
+        check_reserve = max(check_reserve,
+                            build_s + round_s * args.check_steps / args.steps * 1.5 + 1)
         ratios = [a / b for a, b in zip(walls[AGAIN], walls[HAND])]
         floor = noise_floor(ratios, rng)
         done = rounds >= args.min_rounds and floor < args.target_floor
@@ -491,6 +494,44 @@ def verdicts(networks):
     return out
 
 
+def markdown(doc) -> str:
+    """The run as Markdown tables for benchmarks/NOTES.md (numbers read from the JSON only)."""
+    lines = [f"{doc['device']}, torch {doc['torch']}, {doc['seconds']} s (budget "
+             f"{doc['budget_s']} s); {doc['timer']}.", ""]
+    for network, net in doc["networks"].items():
+        if "error" in net:
+            lines += [f"**{network}**: failed: {net['error']}", ""]
+            continue
+        lines += [f"**{network}** ({net['rows'][0]['precision']}): noise floor "
+                  f"{net['noise_floor_pct']:.2f}% after {net['rounds']} rounds of "
+                  f"{net['steps_per_round']} steps", "",
+                  "| variant | ms/step | cost | 95% interval | IQR | beyond floor | host ms/call "
+                  "| bitwise = reference |", "|---|---:|---:|---|---|---|---:|---|"]
+        for r in net["rows"]:
+            lo, hi = r["cost_ci95_pct"]
+            q1, q3 = r["cost_iqr_pct"]
+            vs = "" if r["reference"] == HAND else f" (vs {r['reference']})"
+            lines.append(f"| {r['variant']}{vs} | {r['step_ms']:.3f} | {r['cost_pct']:+.2f}% | "
+                         f"[{lo:+.2f}, {hi:+.2f}] | [{q1:+.2f}, {q3:+.2f}] | "
+                         f"{'yes' if r['beyond_floor'] else 'no'} | {r['host_ms_per_call']:.3f} | "
+                         f"{'yes' if r['bitwise_equal_to_reference'] else 'NO'} |")
+        lines.append("")
+    if doc["goals"]:
+        lines += ["| goal | cost | 95% up to | floor | met | resolved |", "|---|---:|---:|---:|---|---|"]
+        for g in doc["goals"]:
+            lines.append(f"| {g['network']} {g['variant']} <= {g['goal_pct']}% | "
+                         f"{g['cost_pct']:+.2f}% | {g['ci95_high_pct']:+.2f}% | "
+                         f"{g['noise_floor_pct']:.2f}% | {'yes' if g['met'] else 'no'} | "
+                         f"{'yes' if g['resolved'] else 'no'} |")
+        lines.append("")
+    for part, results in doc.get("gpu_checks", {}).items():
+        items = [("raise", results)] if part == "raise" else list(results.items())
+        bad = [k for k, v in items if not v.get("ok")]
+        lines.append(f"- GPU {part} checks: {len(items) - len(bad)} of {len(items)} ok"
+                     + (f"; failed: {', '.join(bad)}" if bad else ""))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--networks", nargs="+", choices=NETWORKS, default=list(DEFAULT_NETWORKS))
@@ -506,7 +547,12 @@ def main(argv=None):
     p.add_argument("--no-gpu-checks", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="for the bootstrap intervals")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--report", type=Path, default=None,
+                   help="print a JSON result of this script as Markdown tables; run nothing")
     args = p.parse_args(argv)
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())))
+        return None
     if args.budget <= 0 or args.steps < 1 or args.min_rounds < 2:
         p.error("--budget must be > 0, --steps >= 1, --min-rounds >= 2")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

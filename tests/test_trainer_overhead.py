@@ -28,7 +28,7 @@ def test_noise_floor_and_intervals(bench):
     assert s["cost_pct"] == pytest.approx(10.0) and s["cost_ci95_pct"] == pytest.approx([10, 10])
 
 
-def test_smoke_run_writes_json_and_stays_bitwise(bench, tmp_path):
+def test_smoke_run_writes_json_and_stays_bitwise(bench, tmp_path, capsys):
     out = tmp_path / "overhead.json"
     bench.main(["--networks", "mlp_bf16", "--budget", "6", "--min-rounds", "2",
                 "--max-rounds", "3", "--json", str(out)])
@@ -44,3 +44,7 @@ def test_smoke_run_writes_json_and_stays_bitwise(bench, tmp_path):
         assert low <= row["cost_pct"] <= high
         assert row["bitwise_equal_to_reference"], row["variant"]
     assert {g["variant"] for g in doc["goals"]} == {"trainer, defaults", "trainer, lean"}
+    capsys.readouterr()
+    bench.main(["--report", str(out)])
+    report = capsys.readouterr().out
+    assert "**mlp_bf16** (bf16): noise floor" in report and "| trainer, lean |" in report

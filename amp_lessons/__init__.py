@@ -15,7 +15,7 @@ __all__ = ["Env", "get_profile", "probe", "seed_everything", "setup", "__version
 
 _SUBMODULES = {"checkpoint", "claims", "cli", "data", "distributed", "doctor", "env", "formats",
                "lessons",
-               "measure", "models", "precision", "recipes", "records", "report", "runner", "tables",
+               "bench", "measure", "models", "precision", "recipes", "records", "report", "runner", "tables",
                "trainer", "ui"}
 
 

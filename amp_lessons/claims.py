@@ -454,7 +454,8 @@ def rows_timing_gate(*rows: Mapping[str, Any], busy: bool = True) -> Optional[st
     Every row must have run (``status`` "ok"); the device is a GPU only when every row ran on one
     (``device_type`` "cuda", or timed with "CUDA events"); the fewest timed steps and the least
     warm-up among them count; with ``busy`` (the default) the idlest GPU's share counts too, and
-    a GPU row whose idle share was not measured cannot show that the GPU was busy.
+    a GPU row whose idle share was not measured cannot show that the GPU was busy. A row whose
+    repeats disagree by more than 10% (``spread``, ``bench.timer.repeat_spread``) decides nothing.
     """
     if not rows:
         raise ValueError("rows must hold at least one measured row")
@@ -472,9 +473,18 @@ def rows_timing_gate(*rows: Mapping[str, Any], busy: bool = True) -> Optional[st
     idle = [r.get("gpu_idle_fraction") for r in rows]
     if on_gpu and busy and any(v is None for v in idle):
         return "the GPU's idle share was not measured, so a busy GPU cannot be shown"
-    return timing_gate(device, min(int(r.get("steps") or 0) for r in rows),
+    gate = timing_gate(device, min(int(r.get("steps") or 0) for r in rows),
                        min(int(r.get("warmup") or 0) for r in rows),
                        max(idle) if on_gpu and busy else None)
+    if gate is not None:
+        return gate
+    from .bench.timer import NOISY_SPREAD  # the repeats of a row must agree
+    for r in rows:
+        spread = r.get("spread")
+        if spread is not None and is_real(spread) and spread > NOISY_SPREAD:
+            return (f"{r.get('label', r.get('technique', '?'))}'s repeats disagree by "
+                    f"{100 * spread:.0f}% (over {100 * NOISY_SPREAD:.0f}%): the timing is noise")
+    return None
 
 
 def accuracy_gate(accuracy: Optional[float], classes: int, margin: float = 0.2) -> Optional[str]:

@@ -293,7 +293,8 @@ def _cmd_figure_images(args) -> int:
 # --- bench ---------------------------------------------------------------------------------------
 
 def _add_bench(sub) -> None:
-    from .measure import COMPILE_MODES, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+    from .bench import COMPILE_MODES, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS
+    from .precision import PRECISIONS
 
     p = sub.add_parser("bench", help="time a training step and measure its memory (lesson 04)",
                        description="Measure img/s (median over steps, CUDA events on a GPU) and "
@@ -331,7 +332,7 @@ def _add_bench(sub) -> None:
 def _cmd_bench(args) -> int:
     import json
 
-    from .measure import DEFAULT_COLUMNS, BenchConfig, batch_size_for, results_document, run_configs
+    from .bench import DEFAULT_COLUMNS, BenchConfig, batch_size_for, results_document, run_configs
     from .tables import text_table
     from .env import probe
 

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from ._validate import check_bool, check_choice, check_int, check_real
-from .measure import (SavedActivations, Step, free_memory, is_out_of_memory, tensor_bytes)
-from .timing import time_steps
+from .bench import (SavedActivations, Step, free_memory, is_out_of_memory, tensor_bytes)
+from .bench.timer import time_steps
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 MIB = 2 ** 20

@@ -264,6 +264,8 @@ def test_rows_timing_gate():
     assert claims.rows_timing_gate(_timed(steps=10)) is None
     assert "warm-up" in claims.rows_timing_gate(_timed(warmup=0))
     assert "did not run" in claims.rows_timing_gate(_timed(status="out of memory"))
+    assert claims.rows_timing_gate(_timed(spread=0.10), _timed(spread=None)) is None  # the limit
+    assert "disagree by 12%" in claims.rows_timing_gate(_timed(), _timed(spread=0.12))
     with pytest.raises(ValueError, match="at least one"):
         claims.rows_timing_gate()
     with pytest.raises(ValueError, match="measured rows"):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from amp_lessons import claims, formats, measure
+from amp_lessons import bench as measure, claims, formats
 from amp_lessons._validate import check_bool, check_int, check_real, is_int, is_real
 from amp_lessons.lessons import l01_ranges as L01
 from amp_lessons.lessons import l03_scaler as L03

@@ -422,13 +422,13 @@ def test_loops_agree_bitwise_on_the_cpu():
 
 
 def test_loops_agree_notices_a_different_update(monkeypatch):
-    real = L.measure.hand_step
+    real = L.bench.hand_step
 
     def doubled_lr(model, optimizer, precision, device):  # a hand loop that is not the recipe
         for group in optimizer.param_groups:
             group["lr"] *= 2
         return real(model, optimizer, precision, device)
 
-    monkeypatch.setattr(L.measure, "hand_step", doubled_lr)
+    monkeypatch.setattr(L.bench, "hand_step", doubled_lr)
     out = L.loops_agree("fp32", steps=2, width=4, image_size=16, device="cpu")
     assert out["equal"] is False and out["max_abs_diff"] > 0

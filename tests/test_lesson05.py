@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_lessons import claims, measure
+from amp_lessons import bench, claims
+from amp_lessons import bench as measure
 from amp_lessons import models as M
 from amp_lessons import trainer as T
 from amp_lessons.lessons import l05_checkpointing as L
@@ -90,7 +91,7 @@ def _fake(fixed, per_image):
 def no_gc(monkeypatch):
     """The search frees memory after every trial (gc.collect: slow, and nothing to free here)."""
     monkeypatch.setattr(L, "free_memory", lambda *a, **k: None)
-    monkeypatch.setattr(measure, "free_memory", lambda *a, **k: None)
+    monkeypatch.setattr(bench.search, "free_memory", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("cap,start,limit", [(1000, 1, 4096), (1000, 3, 64), (5000, 1, 100),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from amp_lessons import models
-from amp_lessons.measure import SavedActivations
+from amp_lessons.bench import SavedActivations
 
 
 def _count(model):

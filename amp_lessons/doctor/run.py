@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._validate import check_bool, check_int
-from ..measure import free_memory
+from ..bench import free_memory
 from ..precision import PRECISIONS, as_device, check_precision, native_bf16
 from . import compiled as _compiled
 from . import findings as _findings

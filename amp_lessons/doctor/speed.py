@@ -1,10 +1,10 @@
 """Speed and peak memory of this model's training step, per precision, through the engine.
 
 Each precision trains a fresh copy of the model with the engine's hand-written AMP step
-(``measure.hand_step``), timed by ``timing.time_steps`` (CUDA events after a warm-up, median),
+(``bench.hand_step``), timed by ``bench.time_steps`` (CUDA events after a warm-up, median),
 peak memory read after ``reset_peak_memory_stats``, and the GPU's idle share from
 ``timing.device_busy_ms``: the same functions and the same standard settings as lesson 04's
-table (``measure.STANDARD``: channels_last for image batches, cuDNN autotuning, foreach SGD with
+table (``bench.STANDARD``: channels_last for image batches, cuDNN autotuning, foreach SGD with
 momentum), so a torchvision ResNet-50 here reads as lesson 04's rows do. Every row passes
 ``claims.rows_timing_gate``: on a CPU, with too few steps or with an idle GPU it is "not decided".
 """
@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import measure
+from .. import bench
 from ..claims import rows_timing_gate
 from ..precision import PRECISIONS, check_precision, precision_settings
 
@@ -25,10 +25,10 @@ GIB = 2 ** 30
 
 
 def standard_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The engine's standard optimizer (``measure.STANDARD``: SGD, momentum 0.9, foreach)."""
-    config = measure.BenchConfig(optimizer=measure.STANDARD["optimizer"],
-                                 impl=measure.STANDARD["impl"])
-    return measure.build_optimizer(config, model.parameters())
+    """The engine's standard optimizer (``bench.STANDARD``: SGD, momentum 0.9, foreach)."""
+    config = bench.BenchConfig(optimizer=bench.STANDARD["optimizer"],
+                                 impl=bench.STANDARD["impl"])
+    return bench.build_optimizer(config, model.parameters())
 
 
 def like(optimizer: Optional[torch.optim.Optimizer]) -> Callable[[nn.Module], torch.optim.Optimizer]:
@@ -48,7 +48,7 @@ def like(optimizer: Optional[torch.optim.Optimizer]) -> Callable[[nn.Module], to
 
 def skip_reason(precision: str, device) -> Optional[str]:
     """Why ``precision`` is not timed on ``device`` (the engine's rule), or None."""
-    reason = measure.skip_reason(measure.BenchConfig(precision=precision), device)
+    reason = bench.skip_reason(bench.BenchConfig(precision=precision), device)
     if reason:
         return reason
     try:
@@ -70,7 +70,7 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
         return dict(row, status="skipped", reason=reason, decided=False, gate=reason)
     t0 = time.perf_counter()
     old = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = measure.STANDARD["cudnn_benchmark"]
+    torch.backends.cudnn.benchmark = bench.STANDARD["cudnn_benchmark"]
     try:
         with precision_settings(precision, device):
             torch.manual_seed(0)
@@ -80,25 +80,25 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
                 model = model.to(memory_format=torch.channels_last)
                 x = inputs.contiguous(memory_format=torch.channels_last)
             optimizer = make_optimizer(model)
-            step = measure.hand_step(model, optimizer, precision, device, loss_fn=loss_fn)
-            timing = measure.time_steps(step, x, target, warmup=warmup, steps=steps,
+            step = bench.hand_step(model, optimizer, precision, device, loss_fn=loss_fn)
+            timing = bench.time_steps(step, x, target, warmup=warmup, steps=steps,
                                         device=device)
-            row.update(measure.summarize_times(timing["times_ms"], _batch(x)))
+            row.update(bench.summarize_times(timing["times_ms"], _batch(x)))
             row["samples_per_s"] = row.pop("img_per_s")
             row.update(loss=timing["loss"], timer=timing["timer"], steps=steps, warmup=warmup)
             if device.type == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
                 if idle:
-                    busy = measure.device_busy_ms(step, x, target, device)
-                    row["gpu_idle_fraction"] = measure.idle_fraction(busy or None, row["step_ms"])
+                    busy = bench.device_busy_ms(step, x, target, device)
+                    row["gpu_idle_fraction"] = bench.idle_fraction(busy or None, row["step_ms"])
     except Exception as exc:  # noqa: BLE001 - a precision that fails is a row, never a dead kernel
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        status = "out of memory" if measure.is_out_of_memory(exc) else "error"
+        status = "out of memory" if bench.is_out_of_memory(exc) else "error"
         row.update(status=status, reason=f"{type(exc).__name__}: {first}")
     finally:
         torch.backends.cudnn.benchmark = old
         step = model = optimizer = None  # noqa: F841 - released before the next precision
-        measure.free_memory(device)
+        bench.free_memory(device)
     row["seconds"] = time.perf_counter() - t0
     # the one timing gate of the course: a GPU, a warm-up, enough steps, a busy GPU
     gate = rows_timing_gate(dict(row, label=precision), busy=idle)
@@ -119,7 +119,7 @@ def speed_rows(make_model: Callable[[], nn.Module], inputs, target, loss_fn: Cal
     4-D image batches (NCHW otherwise)."""
     device = torch.device(device)
     if channels_last is None:
-        channels_last = bool(measure.STANDARD["channels_last"]) and \
+        channels_last = bool(bench.STANDARD["channels_last"]) and \
             isinstance(inputs, torch.Tensor) and inputs.dim() == 4
     rows = [time_precision(make_model, inputs, target, loss_fn, make_optimizer, p, device,
                            warmup, steps, channels_last) for p in precisions]
@@ -127,6 +127,6 @@ def speed_rows(make_model: Callable[[], nn.Module], inputs, target, loss_fn: Cal
     for r in rows:
         r["channels_last"] = channels_last
         if base is not None:
-            r["speedup"] = measure.ratio(r["samples_per_s"], base["samples_per_s"])
-            r["memory_ratio"] = measure.ratio(r["peak_gib"], base["peak_gib"])
+            r["speedup"] = bench.ratio(r["samples_per_s"], base["samples_per_s"])
+            r["memory_ratio"] = bench.ratio(r["peak_gib"], base["peak_gib"])
     return rows

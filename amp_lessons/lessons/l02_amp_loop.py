@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import claims
-from .. import measure
+from .. import bench
 from .._validate import check_int, check_positive, is_real
 from ..data import digits_loaders
 from ..doctor.dtype_trace import AutocastReport, autocast_report, dtype_label  # noqa: F401
@@ -73,7 +73,7 @@ LOOPS = {"hand": "hand-written (recipe order)", "trainer": "Trainer.train_step"}
 
 def gpu_busy(step: Callable, x: torch.Tensor, y: torch.Tensor, device: Device = None,
              steps: int = 20) -> Tuple[Optional[float], str]:
-    """GPU busy time per training step in ms (``measure.device_busy_ms``: the union of the
+    """GPU busy time per training step in ms (``bench.device_busy_ms``: the union of the
     kernels, copies and memsets ``torch.profiler`` recorded), and a note on how it was measured
     or why it was not: ``(None, why)`` on a CPU, or when the profiler failed or saw no GPU work."""
     check_int("steps", steps, 1)
@@ -81,7 +81,7 @@ def gpu_busy(step: Callable, x: torch.Tensor, y: torch.Tensor, device: Device = 
     if dev.type != "cuda":
         return None, f"not measured on a {dev.type.upper()}: there is no GPU to sit idle"
     try:
-        busy = measure.device_busy_ms(step, x, y, dev, steps=steps)
+        busy = bench.device_busy_ms(step, x, y, dev, steps=steps)
     except Exception as exc:  # noqa: BLE001 - a profiler that cannot run must not stop the lesson
         return None, f"the profiler failed: {type(exc).__name__}: {exc}"[:200]
     if not busy:
@@ -104,7 +104,7 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
                   rounds: int = 4, profile_steps: int = 20, seed: int = 0) -> List[dict]:
     """Time one training step of a digits model two ways per precision, and how busy the GPU was.
 
-    The loops: the recipe's hand-written step (``measure.hand_step``: autocast forward, scaled
+    The loops: the recipe's hand-written step (``bench.hand_step``: autocast forward, scaled
     backward, step, update) and ``Trainer.train_step`` with the defaults ``train_digits`` uses,
     sharing one model, optimizer and batch. They run in ``rounds`` interleaved blocks of
     ``steps`` timed steps (order alternating; ``warmup`` untimed steps first), timed with CUDA
@@ -131,8 +131,8 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
         # default "skip" policy copies parameters and optimizer state for fp32/bf16 each step).
         trainer = Trainer(net, opt, TrainConfig(precision=p, progress=False, seed=None,
                                                 nonfinite="ignore"), device=dev)
-        loops = {"hand": measure.hand_step(net, opt, p, dev),
-                 "trainer": measure.Step(net, opt, trainer.scaler, None, None, None,
+        loops = {"hand": bench.hand_step(net, opt, p, dev),
+                 "trainer": bench.Step(net, opt, trainer.scaler, None, None, None,
                                          trainer=trainer)}
         times: Dict[str, List[float]] = {k: [] for k in loops}
         busy: Dict[str, Tuple[Optional[float], str]] = {}
@@ -140,7 +140,7 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
         with precision_settings(p, dev):
             for r in range(rounds):
                 for name in (list(loops) if r % 2 == 0 else list(reversed(loops))):
-                    t = measure.time_steps(loops[name], x, y, warmup=warmup if r == 0 else 1,
+                    t = bench.time_steps(loops[name], x, y, warmup=warmup if r == 0 else 1,
                                            steps=steps, device=dev)
                     times[name] += t["times_ms"]
                     timer = t["timer"]
@@ -148,9 +148,9 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
                 busy[name] = gpu_busy(step, x, y, dev, profile_steps)
         hand_ms = statistics.median(times["hand"])
         for name in loops:
-            s = measure.summarize_times(times[name], batch_size)
+            s = bench.summarize_times(times[name], batch_size)
             busy_ms, note = busy[name]
-            idle = measure.idle_fraction(busy_ms, s["step_ms"])
+            idle = bench.idle_fraction(busy_ms, s["step_ms"])
             rows.append({"precision": p, "loop": LOOPS[name], "step_ms": s["step_ms"],
                          "step_ms_q1": s["step_ms_q1"], "step_ms_q3": s["step_ms_q3"],
                          "gpu_busy_ms": busy_ms, "gpu_idle": idle, "idle_note": note,
@@ -159,7 +159,7 @@ def step_overhead(precisions: Sequence[str] = ("fp32", "fp16"), model: str = "cn
                          "steps": len(times[name]), "warmup": warmup, "timer": timer,
                          "device_type": dev.type})
         del trainer, loops, net, opt
-        measure.free_memory(dev)
+        bench.free_memory(dev)
     return rows
 
 
@@ -167,7 +167,7 @@ def loops_agree(precision: str = "fp16", steps: int = 5, model: str = "cnn", wid
                 image_size: Optional[int] = None, batch_size: int = 64, lr: float = 0.05,
                 device: Device = None, seed: int = 0) -> dict:
     """Train two copies of one digits model from the same weights on the same ``steps`` batches:
-    one with the recipe's hand-written step (``measure.hand_step``), one with
+    one with the recipe's hand-written step (``bench.hand_step``), one with
     ``Trainer.train_step`` (defaults). Returns precision, steps, equal (every parameter and
     buffer bitwise equal afterwards) and max_abs_diff: the trainer's bookkeeping must not change
     the arithmetic."""
@@ -181,7 +181,7 @@ def loops_agree(precision: str = "fp16", steps: int = 5, model: str = "cnn", wid
     trained_net = copy.deepcopy(hand_net)
     train, _ = digits_loaders(batch_size, size, dev, seed)
     batches = [b for _, b in zip(range(steps), _cycle(train))]
-    hand = measure.hand_step(hand_net, torch.optim.SGD(hand_net.parameters(), lr=lr,
+    hand = bench.hand_step(hand_net, torch.optim.SGD(hand_net.parameters(), lr=lr,
                                                        momentum=0.9), p, dev)
     trainer = Trainer(trained_net, torch.optim.SGD(trained_net.parameters(), lr=lr, momentum=0.9),
                       TrainConfig(precision=p, progress=False, seed=None), device=dev)

@@ -22,7 +22,7 @@ from .. import claims, models
 from .. import trainer as training
 from .._validate import check_choice, check_int
 from ..data import TensorBatches, digits
-from ..measure import (COMPILE_MODES, OPTIMIZER_IMPLS, OPTIMIZERS, STANDARD, BenchConfig,
+from ..bench import (COMPILE_MODES, OPTIMIZER_IMPLS, OPTIMIZERS, STANDARD, BenchConfig,
                        build_optimizer, find_row, free_memory, optimizer_state_tensors, ratio)
 from ..precision import HALF_DTYPES, PRECISIONS, as_device, native_bf16
 from ..tables import percent, plural

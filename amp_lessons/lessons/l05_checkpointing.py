@@ -23,7 +23,7 @@ from .. import claims, models
 from .._validate import check_choice, check_int, is_int, is_real
 from ..data import digits, digits_loaders, synthetic_images
 from ..env import allocatable_bytes
-from ..measure import (GIB, MODELS, BenchConfig, LargestBatch, SavedActivations, build_model,
+from ..bench import (GIB, MODELS, BenchConfig, LargestBatch, SavedActivations, build_model,
                        build_optimizer, free_memory, hand_step, is_out_of_memory, largest_batch,
                        optimizer_state_tensors, ratio, run_configs, settings_caption, skip_reason,
                        standard_settings, tensor_bytes)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import claims
-from .. import measure
+from .. import bench
 from .. import models
 from .. import report as _report
 from .._validate import check_int
@@ -49,22 +49,22 @@ def cheat_sheet() -> str:
 
 def resnet_case(model: str = "resnet50", batch_size: int = 256, image_size: int = 224,
                 device=None, seed: int = 0) -> Tuple[nn.Module, Tuple[torch.Tensor, torch.Tensor]]:
-    """Lesson 04's ResNet (``measure.MODELS``) on ``device`` and one synthetic ImageNet-shaped
+    """Lesson 04's ResNet (``bench.MODELS``) on ``device`` and one synthetic ImageNet-shaped
     batch ``(x, y)`` of lesson 04's size."""
     torch.manual_seed(seed)
-    net = measure.MODELS[model](num_classes=1000).to(device)
+    net = bench.MODELS[model](num_classes=1000).to(device)
     return net, synthetic_images(batch_size, image_size, 1000, device)
 
 
 def lesson04_rows(model: str, batch_size: int, image_size: int, device, warmup: int,
                   steps: int, precisions: Sequence[str]) -> List[Dict[str, object]]:
     """Lesson 04's own rows for these precisions (its table's channels_last, standard-optimizer
-    configurations, from ``l04.lesson_configs``), measured now with ``measure.run_configs``."""
+    configurations, from ``l04.lesson_configs``), measured now with ``bench.run_configs``."""
     configs = [c for c in l04.lesson_configs(model, batch_size, image_size, compile_precision=None)
-               if c.channels_last and c.impl == measure.STANDARD["impl"]
-               and c.optimizer == measure.STANDARD["optimizer"] and c.model == model
+               if c.channels_last and c.impl == bench.STANDARD["impl"]
+               and c.optimizer == bench.STANDARD["optimizer"] and c.model == model
                and c.precision in precisions]
-    return measure.run_configs(configs, device, warmup=warmup, steps=steps, progress=False)
+    return bench.run_configs(configs, device, warmup=warmup, steps=steps, progress=False)
 
 
 def agreement(report, rows: Sequence[Mapping]) -> List[Dict[str, object]]:

@@ -1,4 +1,4 @@
-"""amp_lessons.measure on the CPU: configurations, the standard settings, timing, the GPU's idle
+"""amp_lessons.bench (the measurement engine) on the CPU: configurations, the standard settings, timing, the GPU's idle
 share, memory counting, failure rows, the trainer against a hand loop, the largest batch search,
 published rows and the bench command."""
 import json
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from amp_lessons import cli
-from amp_lessons import measure as M
-from amp_lessons.measure import BenchConfig
+from amp_lessons import bench as M
+from amp_lessons.bench import BenchConfig
 from amp_lessons.tables import text_table
 
 TINY = dict(model="resnet18", batch_size=2, image_size=16, num_classes=10)
@@ -21,7 +21,7 @@ TINY = dict(model="resnet18", batch_size=2, image_size=16, num_classes=10)
 @pytest.fixture
 def no_gc(monkeypatch):
     """largest_batch frees memory after every trial (gc + empty_cache); skip that in tests."""
-    monkeypatch.setattr(M, "free_memory", lambda *a, **k: None)
+    monkeypatch.setattr(M.search, "free_memory", lambda *a, **k: None)
 
 
 # --- configurations ----------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_nan_loss_is_reported(monkeypatch):
             next(model.parameters()).fill_(float("nan"))
         return model
 
-    monkeypatch.setattr(M, "build_model", poisoned)
+    monkeypatch.setattr(M.runner, "build_model", poisoned)
     row = M.measure(BenchConfig(precision="fp32", **TINY), "cpu", warmup=1, steps=2)
     assert row["status"] == "error" and "loss is nan after 3 steps" in row["reason"]
     assert row["img_per_s"] > 0  # the timing is kept
@@ -191,10 +191,10 @@ def _raise(exc):
 
 def test_failures_become_rows(monkeypatch):
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    monkeypatch.setattr(M, "build_model", _raise(oom("CUDA out of memory. Tried to allocate")))
+    monkeypatch.setattr(M.runner, "build_model", _raise(oom("CUDA out of memory. Tried to allocate")))
     row = M.measure(BenchConfig(**TINY), "cpu")
     assert row["status"] == "out of memory" and "batch 2" in row["reason"]
-    monkeypatch.setattr(M, "build_model", _raise(RuntimeError("boom\nmore")))
+    monkeypatch.setattr(M.runner, "build_model", _raise(RuntimeError("boom\nmore")))
     row = M.measure(BenchConfig(**TINY), "cpu")
     assert row["status"] == "error" and row["reason"] == "RuntimeError: boom"
     skipped = M.measure(BenchConfig(compile="default", **TINY), "cpu")
@@ -318,7 +318,7 @@ def test_memory_cap_sets_and_restores_the_fraction(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 0.7,
                         raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(M, "free_memory", lambda *a, **k: None)
+    monkeypatch.setattr(M.oom, "free_memory", lambda *a, **k: None)
     with M.memory_cap(250, torch.device("cuda", 0)):
         assert calls == [0.25]
     assert calls == [0.25, 0.7]
@@ -488,7 +488,7 @@ def test_device_busy_ms_keeps_the_profilers_notice_out_of_the_output(monkeypatch
         def events(self):
             return [Event()]
 
-    from amp_lessons import timing
+    from amp_lessons.bench import timer as timing
     monkeypatch.setattr(timing, "profile", FakeProfile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -505,3 +505,29 @@ def test_published_rows_show_the_idle_share_as_text():
     assert out[1]["GPU idle"] is None
     tiny = M.published_rows([dict(rows[0], gpu_idle_fraction=2e-6)])[0]["GPU idle"]
     assert tiny.startswith("< 0.001%")  # a nonzero share never reads as 0
+
+
+def test_repeat_spread_splits_the_timed_steps_into_repeats():
+    assert M.repeat_spread([10.0] * 15) == 0.0
+    assert M.repeat_spread([10.0] * 5 + [11.0] * 5 + [10.0] * 5) == pytest.approx(0.1)
+    assert M.repeat_spread([10.0, 11.0, 12.0]) is None       # one step per repeat: unknown
+    with pytest.raises(ValueError, match="repeats"):
+        M.repeat_spread([1.0] * 6, repeats=1)
+    row = M.summarize_times([10.0] * 5 + [20.0] * 5 + [10.0] * 5, batch_size=4)
+    assert row["spread"] == pytest.approx(1.0) and row["step_ms"] == 10.0
+
+
+def test_fit_batch_memory_predicts_the_largest_batch():
+    fit = M.fit_batch_memory({2: 1000 + 2 * 300, 4: 1000 + 4 * 300, 8: 1000 + 8 * 300})
+    assert fit["fixed"] == pytest.approx(1000) and fit["per_sample"] == pytest.approx(300)
+    assert M.search.predicted_batch(fit, 1000 + 300 * 50 + 10, limit=4096) == 50
+    assert M.search.predicted_batch(fit, 500, limit=4096) == 0
+    assert M.search.predicted_batch(fit, 10 ** 9, limit=64) == 64
+    with pytest.raises(ValueError, match="at least two"):
+        M.fit_batch_memory({2: 1.0})
+    with pytest.raises(ValueError, match="grow"):
+        M.fit_batch_memory({2: 5.0, 4: 5.0})
+
+
+def test_free_bytes_is_none_off_a_gpu():
+    assert M.free_bytes("cpu") is None and M.free_bytes(None) is None

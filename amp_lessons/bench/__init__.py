@@ -1,0 +1,29 @@
+"""The measurement engine: one concept per module.
+
+- ``config``: what one measured step is (``BenchConfig``) and the standard settings (``STANDARD``);
+- ``steps``: the model, the optimizer and the training step a row times (``hand_step``...);
+- ``timer``: the one timer (``time_steps``), the GPU's busy time and the repeat spread;
+- ``memory``: memory accounting (bytes per storage, saved activations, the step's breakdown);
+- ``oom``: the one out-of-memory classifier, the one free-memory answer, memory caps;
+- ``runner``: one configuration measured (``measure``), many (``run_configs``), loops compared;
+- ``rows``: the measured row (``MeasuredRow``), ratios, the published form of a table;
+- ``search``: a batch that fits, the largest batch under a memory cap;
+- ``provenance``: what produced a published table (``explain``).
+
+Everything public is importable from ``amp_lessons.bench`` itself.
+"""
+from .config import (COMPILE_MODES, LOOPS, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS, STANDARD,
+                     BenchConfig, settings_caption, skip_reason, standard_settings)
+from .memory import (GIB, SavedActivations, memory_breakdown, optimizer_state_tensors,
+                     storage_key, tensor_bytes)
+from .oom import free_bytes, free_memory, is_out_of_memory, memory_cap
+from .rows import (DEFAULT_COLUMNS, MEMORY_COLUMNS, MeasuredRow, find_row, published_rows, ratio,
+                   results_document, with_ratios)
+from .runner import ROW_KEYS, compare_loops, measure, run_configs
+from .search import LargestBatch, batch_size_for, fit_batch_memory, largest_batch
+from .steps import Step, build_model, build_optimizer, cuda_graph_step, hand_step, trainer_step
+from .timer import (NOISY_SPREAD, device_busy_ms, idle_fraction, interval_union, repeat_spread,
+                    summarize_times, time_steps)
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in (
+    "config", "memory", "oom", "rows", "runner", "search", "steps", "timer", "provenance")]

@@ -67,7 +67,10 @@ def test_agreement_and_summary():
 
 def test_cheat_sheet_and_fingerprint(monkeypatch, tmp_path):
     monkeypatch.setattr(L, "CHEAT_SHEET", tmp_path / "missing.md")
+    monkeypatch.setattr(L, "REPO", tmp_path)
     assert L.CHEAT_SHEET_URL in L.cheat_sheet()
+    (tmp_path / "README.md").write_text("# x\n\n## Cheat sheet\n\n| a |\n\n## Next\nno\n")
+    assert L.cheat_sheet() == "## Cheat sheet\n\n| a |\n"
     (tmp_path / "sheet.md").write_text("# Cheat sheet\n")
     monkeypatch.setattr(L, "CHEAT_SHEET", tmp_path / "sheet.md")
     assert L.cheat_sheet() == "# Cheat sheet\n"

@@ -38,10 +38,16 @@ AGREEMENT = 0.05  # the doctor's ResNet-50 speed rows against lesson 04's: withi
 # --- the practitioner's cheat sheet ---------------------------------------------------------------
 
 def cheat_sheet() -> str:
-    """The course's cheat sheet (``docs/cheat_sheet.md``) as markdown; where the package was
-    installed without the repository (Colab, Kaggle), a line with its address instead."""
+    """The course's cheat sheet as markdown: ``docs/cheat_sheet.md``, else the README's
+    ``## Cheat sheet`` section; where the package was installed without the repository (Colab,
+    Kaggle), a line with its address instead."""
     if CHEAT_SHEET.is_file():
         return CHEAT_SHEET.read_text(encoding="utf-8")
+    readme = REPO / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    if "\n## Cheat sheet" in text:
+        section = text.split("\n## Cheat sheet", 1)[1].split("\n## ", 1)[0]
+        return "## Cheat sheet" + section.rstrip() + "\n"
     return f"The cheat sheet lives in the repository: [{CHEAT_SHEET_URL}]({CHEAT_SHEET_URL})."
 
 

@@ -93,6 +93,13 @@ class Policy:
         """The first non-finite step the host can see, for ``raise`` (others: None)."""
         return None
 
+    def reset(self) -> None:
+        """Forget every step not yet reported (a checkpoint was loaded)."""
+
+    def adopt(self, old: "Policy") -> None:
+        """Take over what ``old`` (the policy this one replaces on a config change) still
+        tracks."""
+
 
 IgnorePolicy = Policy
 
@@ -224,6 +231,14 @@ class RaisePolicy(SkipPolicy):
         else:
             host, event = flag, None
         self.pending.append((step, epoch, batches_done, host, event))
+
+    def reset(self):
+        self.pending.clear()
+        self.tripped.zero_()
+
+    def adopt(self, old):
+        if isinstance(old, RaisePolicy):
+            self.pending, self.tripped = old.pending, old.tripped
 
     def first_bad(self, wait: bool = False):
         """(step, epoch, batches_done) of the first non-finite step the host can see, or None;

@@ -288,6 +288,8 @@ class Trainer:
                              f"new Trainer")
         if config.eval_precision != "same":
             check_precision(config.eval_precision, self.device)
+        if self._policy.name == "raise" and config.nonfinite != "raise":
+            self._raise_if_nonfinite(wait=True)  # a pending bad step is reported first
         scaler_changed = config.scaler != self._config.scaler
         self._config = replace(config, precision=self._config.precision)
         if scaler_changed:
@@ -305,6 +307,9 @@ class Trainer:
         self._after_step = _overrides(self.hooks, "after_step")
         policy = make_policy(cfg.precision, cfg.nonfinite, self.scaler, self.optimizer,
                              self._params, self.device)
+        old = getattr(self, "_policy", None)
+        if old is not None:
+            policy.adopt(old)
         self._policy = policy
         self._scaling = policy.scaling
         self._fused_skip = policy.fused
@@ -494,8 +499,7 @@ class Trainer:
         if self._phase == _SNAPSHOT_TAKEN:
             self._guard.restore()
         self.optimizer.zero_grad(set_to_none=True)
-        if self._phase != _STEPPED:
-            self._policy.forget()
+        self._policy.forget()
 
     def _kernels_in(self, micro_batches, cache_enabled: bool):
         """The step, as nanoGPT writes it: forward and backward per micro-batch, the policy's
@@ -754,7 +758,10 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Everything a resumed run needs, as tensors and plain containers only."""
+        """Everything a resumed run needs, as tensors and plain containers only. Under
+        ``nonfinite="raise"`` a non-finite step not yet reported raises here (a checkpoint never
+        holds the skipped steps after one)."""
+        self._raise_if_nonfinite(wait=True)
         return {
             "format": CHECKPOINT_FORMAT,
             CHECKSUM_KEY: True,
@@ -812,6 +819,7 @@ class Trainer:
         self._batches_done = int(state["batches_done"])
         self._open_iterator = None
         self.history = History.from_columns(state["history"]["steps"], state["history"]["epochs"])
+        self._policy.reset()  # flags of steps before the load mean nothing now
         set_rng_state(state["rng"])
         return state
 

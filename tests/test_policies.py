@@ -3,6 +3,7 @@ that is the only user of GradScaler's private API, the before_step hook and canc
 and the no-host-sync promise (issue 22). CPU only; the GPU paths run in
 benchmarks/trainer_overhead.py."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -222,12 +223,9 @@ class _LateFlag:
         _LateFlag.ready = True
 
 
-@pytest.mark.parametrize("kind", ["sgd-foreach", "adamw-fused"])
-def test_raise_arrives_late_and_leaves_the_model_as_before_the_bad_step(kind, monkeypatch):
-    """On a GPU the host learns of a non-finite step only once the device got there. Simulated
-    here: the flag stays unread for two more steps. Those steps are skipped on the device too,
-    so the model, optimizer and BatchNorm are as they were before the bad step; the error names
-    it and the counters and history go back to it."""
+@pytest.fixture
+def late_flags(monkeypatch):
+    """Flags of finished steps reach the host only when ``_LateFlag.ready`` (or on wait)."""
     original = _policies.RaisePolicy.watch
 
     def watch(self, flag, step, epoch, batches_done):
@@ -237,6 +235,15 @@ def test_raise_arrives_late_and_leaves_the_model_as_before_the_bad_step(kind, mo
 
     monkeypatch.setattr(_policies.RaisePolicy, "watch", watch)
     _LateFlag.ready = False
+    yield
+
+
+@pytest.mark.parametrize("kind", ["sgd-foreach", "adamw-fused"])
+def test_raise_arrives_late_and_leaves_the_model_as_before_the_bad_step(kind, late_flags):
+    """On a GPU the host learns of a non-finite step only once the device got there. Simulated
+    here: the flag stays unread for two more steps. Those steps are skipped on the device too,
+    so the model, optimizer and BatchNorm are as they were before the bad step; the error names
+    it and the counters and history go back to it."""
     data = batches(5)
     model, _ = fresh()
     hook = Inject({1}, float("inf"))
@@ -256,6 +263,32 @@ def test_raise_arrives_late_and_leaves_the_model_as_before_the_bad_step(kind, mo
     assert_same_tensors(after[1], before[1])
     _LateFlag.ready, hook.steps = True, set()
     assert not trainer.train_step([data[4]]).skipped  # the device flag was cleared
+
+
+def test_a_pending_bad_step_is_reported_before_a_checkpoint_or_a_policy_change(late_flags,
+                                                                               tmp_path):
+    data = batches(3)
+    hook = Inject({1}, float("nan"))
+    trainer = T.Trainer(*fresh(), T.TrainConfig(nonfinite="raise", progress=False),
+                        hooks=[hook])
+    for b in data[:2]:
+        trainer.train_step([b])
+    with pytest.raises(T.NonFiniteError, match=r"^step 1 "):
+        trainer.save_checkpoint(tmp_path / "c.pt")  # never saves the skipped steps after it
+    assert not (tmp_path / "c.pt").exists() and trainer.step == 1
+    hook.steps = set()
+    trainer.train_step([data[1]])
+    path = trainer.save_checkpoint(tmp_path / "c.pt")
+    hook.steps = {2}
+    _LateFlag.ready = False
+    trainer.train_step([data[2]])  # bad, not yet seen
+    trainer.load_checkpoint(path)  # its flag is forgotten with the steps it belonged to
+    assert trainer.step == 2 and not trainer._policy.pending
+    hook.steps = {2}
+    trainer.train_step([data[2]])
+    with pytest.raises(T.NonFiniteError, match=r"^step 2 "):
+        trainer.config = dataclasses.replace(trainer.config, nonfinite="skip")
+    assert trainer.config.nonfinite == "raise"
 
 
 def test_raise_in_fit_puts_the_epoch_position_back():

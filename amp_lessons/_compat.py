@@ -135,21 +135,30 @@ class NonFiniteCheck:
 
     def __call__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         found = torch.zeros((), dtype=torch.float32, device=device)
+        first = tensors[0]
+        kind = (first.device, first.dtype)
+        if self._kernel is not None and kind[0] == found.device and kind[1] in self.DTYPES and \
+                all((t.device, t.dtype) == kind for t in tensors):  # the usual case: one call
+            self._kernel(tensors, found, self._one(kind[0]))
+            return found
         grouped: Dict[tuple, List[torch.Tensor]] = {}
         for t in tensors:
             grouped.setdefault((t.device, t.dtype), []).append(t)
         for (dev, dtype), group in grouped.items():
-            if self._kernel is None or dtype not in (torch.float32, torch.float16,
-                                                      torch.bfloat16, torch.float64):
+            if self._kernel is None or dtype not in self.DTYPES:
                 bad = torch.stack([(~torch.isfinite(t)).any() for t in group]).any()
                 found = torch.maximum(found, bad.float().to(device))
                 continue
             flag = found if dev == found.device else torch.zeros((), device=dev)
-            one = self._ones.get(dev)
-            if one is None:
-                one = self._ones[dev] = torch.ones((), dtype=torch.float32, device=dev)
-            with torch.no_grad():
-                self._kernel(group, flag, one)
+            self._kernel(group, flag, self._one(dev))
             if flag is not found:
                 found = torch.maximum(found, flag.to(device, non_blocking=True))
         return found
+
+    DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        return one

@@ -133,12 +133,17 @@ class NonFiniteCheck:
         self._ones: Dict[torch.device, torch.Tensor] = {}
         self._kernel = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
 
-    def __call__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def __call__(self, tensors: Sequence[torch.Tensor], device: torch.device,
+                 uniform: bool = False) -> torch.Tensor:
+        """``uniform``: the caller knows every tensor is float32 on ``device`` (no checks)."""
         found = torch.zeros((), dtype=torch.float32, device=device)
+        if uniform and self._kernel is not None:
+            self._kernel(tensors, found, self._one(found.device))
+            return found
         first = tensors[0]
         kind = (first.device, first.dtype)
         if self._kernel is not None and kind[0] == found.device and kind[1] in self.DTYPES and \
-                all((t.device, t.dtype) == kind for t in tensors):  # the usual case: one call
+                all((t.device, t.dtype) == kind for t in tensors):  # one call
             self._kernel(tensors, found, self._one(kind[0]))
             return found
         grouped: Dict[tuple, List[torch.Tensor]] = {}

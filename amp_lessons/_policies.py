@@ -179,15 +179,25 @@ class SkipPolicy(Policy):
         super().__init__(optimizer, params, device)
         self._check = NonFiniteCheck()
         self._update_guard = UpdateGuard(params, optimizer)
+        # float32 parameters on one device (the usual case): gradients and a float32 loss
+        # need no grouping, the check is one kernel call
+        kinds = {(p.device, p.dtype) for p in params}
+        self._f32_device = next(iter(kinds))[0] if kinds and all(
+            dt == torch.float32 for _, dt in kinds) and len(kinds) == 1 else None
 
     def checks_before_step(self, unscale_first):
         return True
 
     def check(self, loss, grad_norm):
+        if loss.dtype != torch.float32:
+            loss = loss.float()
         if grad_norm is not None:  # a non-finite gradient makes the norm non-finite
-            return self._check([loss.float(), grad_norm.float()], self.device)
-        return self._check([loss.float()] + [p.grad for p in self.params if p.grad is not None],
-                           self.device)
+            return self._check([loss, grad_norm.float()], self.device)
+        tensors = [p.grad for p in self.params if p.grad is not None]
+        tensors.append(loss)
+        if self._f32_device is not None and loss.device == self._f32_device:
+            return self._check(tensors, self._f32_device, uniform=True)
+        return self._check(tensors, self.device)
 
     def step(self, found_inf):
         opt = self.optimizer

@@ -13,16 +13,17 @@ uninterrupted run would (``Trainer.fit`` calls ``set_epoch``).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator, Optional, Tuple, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_bool, check_seed, is_int
+from ._validate import check_bool, check_int, check_seed, is_int
 from .precision import as_device
 
 DIGITS_CLASSES = 10
@@ -314,3 +315,94 @@ def torchvision_dataset_loader(name: str, root: Union[str, Path], image_size: in
     except RuntimeError as exc:  # "Dataset not found or corrupted"
         raise ValueError(f"root must hold {name} (or pass download=True); {exc}") from None
     return _epoch_loader(dataset, batch_size, train, num_workers, seed)
+
+
+# --- text: byte-level corpora (lesson 07's GPT trains on the standard library's source) -----
+
+
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+@dataclass
+class Corpus:
+    """Byte-level text: ``train`` and ``val`` are uint8 tensors (every byte is a token)."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    files: int
+    root: str
+
+    def describe(self) -> str:
+        """One line: where the text came from and how much there is."""
+        return (f"{self.files:,} .py files from {self.root}: {len(self.train) / 1e6:.2f} MB to "
+                f"train on, {len(self.val) / 1e6:.2f} MB held out (every byte one of 256 tokens)")
+
+
+def stdlib_files(root: Union[str, Path, None] = None) -> List[Path]:
+    """The standard library's ``.py`` files under ``root`` (default: where ``os`` lives), in a
+    fixed order (sorted relative paths), without site-packages or caches."""
+    root = Path(root if root is not None else os.path.dirname(os.__file__))
+    if not root.is_dir():
+        raise ValueError(f"root must be an existing folder; got {str(root)!r}")
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in EXCLUDED_DIRS and not d.startswith("."))
+        found += [Path(folder) / f for f in files if f.endswith(".py")]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def stdlib_corpus(max_bytes: Optional[int] = None, val_every: int = 20,
+                  root: Union[str, Path, None] = None) -> Corpus:
+    """The Python standard library's own source as training text (real, offline, on every machine).
+
+    Files are read in ``stdlib_files`` order; every ``val_every``-th file is held out for
+    validation. ``max_bytes`` caps the training text (the quick profile reads a few hundred KB).
+    """
+    if max_bytes is not None:
+        check_int("max_bytes", max_bytes, 4096)
+    check_int("val_every", val_every, 2)
+    files = stdlib_files(root)
+    if not files:
+        raise ValueError(f"root must hold .py files; none under {root!r}")
+    train, val, n_train, used = [], [], 0, 0
+    for i, path in enumerate(files):
+        if max_bytes is not None and n_train >= max_bytes:
+            break
+        try:
+            text = path.read_bytes() + b"\n"
+        except OSError:
+            continue
+        used += 1
+        if i % val_every == 0:
+            val.append(text)
+        else:
+            train.append(text)
+            n_train += len(text)
+    blob = b"".join(train)[:max_bytes] if max_bytes else b"".join(train)
+    held = b"".join(val)
+    if max_bytes:
+        held = held[:max(max_bytes // 4, 4096)]
+    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()  # noqa: E731
+    return Corpus(as_tensor(blob), as_tensor(held), used,
+                  str(root if root is not None else os.path.dirname(os.__file__)))
+
+
+def batch_offsets(n: int, seq_len: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
+    """``steps x batch_size`` random start positions in a text of ``n`` tokens (fixed by ``seed``)."""
+    check_int("seq_len", seq_len, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("steps", steps, 1)
+    check_int("seed", seed, 0)
+    if n < seq_len + 2:
+        raise ValueError(f"n must exceed seq_len + 1 = {seq_len + 1}; got {n}")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n - seq_len - 1, (steps, batch_size), generator=g)
+
+
+def text_batch(text: torch.Tensor, offsets: torch.Tensor,
+               seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets (``B x seq_len`` int64) starting at ``offsets``."""
+    idx = offsets.to(text.device)[:, None] + torch.arange(seq_len + 1, device=text.device)
+    chunk = text[idx].long()
+    return chunk[:, :-1], chunk[:, 1:]
+

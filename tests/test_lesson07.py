@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from amp_lessons.lessons import l07_fp8 as L
+from amp_lessons.ui import fp8_plots as U
 
 HAS_TORCHAO = L.torchao_version() is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
@@ -535,23 +536,23 @@ def _titles(fig):
 
 
 def test_error_figure(digits_tensors):
-    fig = L.error_figure(L.error_table(digits_tensors))
+    fig = U.error_figure(L.error_table(digits_tensors))
     title, (x, y) = _titles(fig)
     assert "FP8" in title and "tensor" in x and "%" in y
     assert len(fig.data) == 6 and fig.layout.yaxis.type == "log"
     with pytest.raises(ValueError, match="rows"):
-        L.error_figure([])
+        U.error_figure([])
 
 
 def test_speed_figure_measured_and_not():
-    fig = L.speed_figure(_speed_rows())
+    fig = U.speed_figure(_speed_rows())
     title, (x, y) = _titles(fig)
     assert "speed-up" in title and "width" in x and "(x" in y
     assert [t.name for t in fig.data] == ["float8 tensorwise", "float8 rowwise"]
-    empty = L.speed_figure(L.speed_sweep((32,), support=CPU))
+    empty = U.speed_figure(L.speed_sweep((32,), support=CPU))
     assert not empty.data and "not measured" in empty.layout.annotations[-1].text
     with pytest.raises(ValueError, match="rows"):
-        L.speed_figure([])
+        U.speed_figure([])
 
 
 def test_loss_comparison_never_decides_on_a_diverged_or_unpaired_run():
@@ -575,14 +576,14 @@ def test_loss_figure():
     runs.append(dict(_run("tensorwise", 0, 1.51), losses=[3.0, 2.1, 1.51]))
     runs.append({"label": "float8 rowwise, seed 0", "recipe": "rowwise", "seed": 0,
                  "status": "not run: no torchao"})
-    fig = L.loss_figure(runs, smooth=1)
+    fig = U.loss_figure(runs, smooth=1)
     assert "bf16 against FP8" in fig.layout.title.text
     assert fig.layout.xaxis.title.text == "step" and "nats" in fig.layout.yaxis.title.text
     assert "nats" in fig.layout.yaxis2.title.text
     names = [t.name for t in fig.data]
     assert "tensorwise, seed 0 minus bf16" in names and len(names) == 5
     with pytest.raises(ValueError, match="trained"):
-        L.loss_figure(runs[3:])
+        U.loss_figure(runs[3:])
 
 
 def test_loss_figure_names_an_fp32_baseline():
@@ -590,7 +591,7 @@ def test_loss_figure_names_an_fp32_baseline():
     runs = [dict(_run("bf16", s, 1.5 + s / 100), label=f"fp32, seed {s}",
                  losses=[3.0, 2.0, 1.5 + s / 100]) for s in range(2)]
     runs.append(dict(_run("tensorwise", 0, 1.51), losses=[3.0, 2.1, 1.51]))
-    fig = L.loss_figure(runs, smooth=1)
+    fig = U.loss_figure(runs, smooth=1)
     assert "fp32 against FP8" in fig.layout.title.text and "bf16" not in fig.layout.title.text
     names = [t.name for t in fig.data]
     assert any(n.endswith("minus fp32") for n in names)

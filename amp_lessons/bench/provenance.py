@@ -12,7 +12,7 @@ import importlib
 import inspect
 import platform
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 

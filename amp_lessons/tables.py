@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._validate import is_int, is_real
 
@@ -259,3 +259,59 @@ def json_safe(obj):
     if callable(getattr(obj, "item", None)) and tuple(getattr(obj, "shape", (1,))) == ():
         return json_safe(obj.item())
     return str(obj)
+
+
+# --- lesson 05's tables: techniques against fp32, the largest batch per card ------------------
+
+
+def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
+    """``technique_table`` rows as a table to show and publish: step time, throughput, memory,
+    memory and time against the fp32 row, and the share of the step the GPU sat idle (host and
+    launch overhead; None where a number is missing)."""
+    ok = {r.get("technique", r.get("label")): r for r in rows if r.get("status") == "ok"}
+    base = ok.get("fp32")
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    out = []
+    for r in rows:
+        good = r.get("status") == "ok"
+        out.append({
+            "technique": r.get("technique", r.get("label")),
+            "batch": r.get("config", {}).get("batch_size"),
+            "step ms": r.get("step_ms") if good else None,
+            "img/s": r.get("img_per_s") if good else None,
+            "memory GiB": r.get("memory_gib") if good else None,
+            "memory x fp32": ratio(r.get("memory_gib"), base.get("memory_gib"))
+            if good and base else None,
+            "time x fp32": ratio(r.get("step_ms"), base.get("step_ms")) if good and base else None,
+            "GPU idle %": 100 * r["gpu_idle_fraction"]
+            if good and r.get("gpu_idle_fraction") is not None else None,
+            "status": "ok" if good else f"{r.get('status')}: {r.get('reason')}"})
+    return out
+
+
+def largest_batch_report_rows(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
+    """``largest_batch_table`` rows pivoted to one row per card, one column per technique (the
+    largest batch in images; None where skipped). Returns ``rows``, ``columns`` and ``note``
+    (the search's resolution and every reason a cell was skipped or capped, once each)."""
+    if not rows:
+        raise ValueError("rows must hold at least one largest_batch_table row")
+    techniques = list(dict.fromkeys(r["technique"] for r in rows))
+    cards = sorted({r["card_gb"] for r in rows})
+    table = []
+    for card in cards:
+        line: Dict[str, object] = {"card (GB)": f"{card:g}"}
+        for t in techniques:
+            cell = next((r for r in rows if r["card_gb"] == card and r["technique"] == t), None)
+            line[t] = cell["largest_batch"] if cell and cell["status"] == "ok" else None
+        table.append(line)
+    reasons = list(dict.fromkeys(f"{r['technique']}: {r['reason']}" for r in rows if r["reason"]))
+    how = sorted({r["how"].split(" at ")[0] for r in rows if r["how"]})
+    steps = sorted({r["resolution"] for r in rows if r["resolution"]})
+    note = (f"Images per training step; searched in steps of {', '.join(map(str, steps))} "
+            f"images ({'; '.join(how)}). " if steps else "") + \
+        (f"Not measured or capped: {'; '.join(reasons)}." if reasons else "")
+    return {"rows": table, "columns": ["card (GB)"] + techniques, "note": note.strip()}
+

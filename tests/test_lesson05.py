@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import amp_lessons.bench.cards  # noqa: F401 (bench.cards below)
 from amp_lessons import bench, claims
 from amp_lessons import bench as measure
 from amp_lessons import models as M
@@ -90,7 +91,7 @@ def _fake(fixed, per_image):
 @pytest.fixture
 def no_gc(monkeypatch):
     """The search frees memory after every trial (gc.collect: slow, and nothing to free here)."""
-    monkeypatch.setattr(L, "free_memory", lambda *a, **k: None)
+    monkeypatch.setattr(bench.cards, "free_memory", lambda *a, **k: None)
     monkeypatch.setattr(bench.search, "free_memory", lambda *a, **k: None)
 
 
@@ -110,6 +111,19 @@ def test_largest_batch_bisects_to_the_exact_answer(cap, start, limit, no_gc):
         assert expected + 1 in fails or expected < start  # the boundary itself was tried
     assert len(found.trials) <= 2 * math.ceil(math.log2(limit + 1)) + 2
     assert all(b in ran for b in fits)  # a trial runs the step (twice)
+
+
+@pytest.mark.parametrize("predicted", [0, 1, 20, 37, 38, 60, 999, 5000])
+def test_verified_batch_walks_from_the_prediction_to_the_exact_answer(predicted, no_gc):
+    fixed, per, cap, limit = 100, 7, 1000, 1000
+    expected = (cap - fixed) // per  # 128
+    found = bench.search.verified_batch(lambda b: (lambda: None), cap, predicted, limit=limit,
+                                        peak_bytes=_fake(fixed, per))
+    assert found.batch_size == min(expected, limit)
+    assert len(found.trials) <= 2 * math.ceil(math.log2(limit + 1)) + 2
+    exact = bench.search.verified_batch(lambda b: (lambda: None), cap, expected, limit=limit,
+                                        peak_bytes=_fake(fixed, per))
+    assert len(exact.trials) == 2  # a right prediction is verified in two trials
 
 
 def test_largest_batch_survives_a_real_out_of_memory_error(no_gc):
@@ -142,7 +156,7 @@ def test_largest_batch_table_on_the_cpu_follows_the_counted_line(monkeypatch, no
     """On a CPU the search runs on the counted memory line: the answer is the largest multiple
     of the resolution whose counted peak stays under the card."""
     lines = {"fp32": (0.05 * measure.GIB, 2 ** 20), "bf16 + checkpointing": (0.06 * measure.GIB, 2 ** 18)}
-    monkeypatch.setattr(L, "counted_memory_model", lambda config, device: dict(
+    monkeypatch.setattr(bench.cards, "counted_memory_model", lambda config, device: dict(
         zip(("fixed_bytes", "bytes_per_image"), lines[config.label])))
     rows = L.largest_batch_table((0.2, 0.4), tuple(lines), device="cpu", resolution_parts=4,
                                  **TINY)
@@ -155,13 +169,14 @@ def test_largest_batch_table_on_the_cpu_follows_the_counted_line(monkeypatch, no
         assert r["status"] == "ok" and r["how"].startswith("counted") and r["reason"] == ""
         assert res >= 1 and res & (res - 1) == 0 and r["largest_batch"] % res == 0
         assert fixed + per * r["largest_batch"] <= cap < fixed + per * (r["largest_batch"] + res)
-        assert 2 <= r["trials"] <= 8
+        assert 2 <= r["trials"] <= 4  # the fit predicts; the trials verify
+        assert r["predicted"] >= r["largest_batch"]
     assert rows[1]["largest_batch"] > rows[0]["largest_batch"] > 100
     assert rows[2]["largest_batch"] > rows[0]["largest_batch"]
 
 
 def test_largest_batch_table_skips_with_the_reason(monkeypatch, no_gc):
-    monkeypatch.setattr(L, "skip_reason", lambda config, device: "no such hardware here")
+    monkeypatch.setattr(bench.cards, "skip_reason", lambda config, device: "no such hardware here")
     rows = L.largest_batch_table((8, 16), ("AMP",), device="cpu", **TINY)
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     assert all(r["reason"] == "no such hardware here" and r["largest_batch"] is None
@@ -175,8 +190,8 @@ def test_largest_batch_table_rejects_bad_settings():
         L.largest_batch_table((8, -1), device="cpu")
     with pytest.raises(ValueError, match="technique"):
         L.largest_batch_table((8,), ("fp8",), device="cpu")
-    with pytest.raises(ValueError, match="time_budget_s"):
-        L.largest_batch_table((8,), device="cpu", time_budget_s=0)
+    with pytest.raises(ValueError, match="resolution_parts"):
+        L.largest_batch_table((8,), device="cpu", resolution_parts=0)
     with pytest.raises(ValueError, match="cudnn_benchmark"):
         L.technique_configs(["fp32"], cudnn_benchmark="yes")
 

@@ -23,14 +23,16 @@ def free_memory(device=None, reset_compiler: bool = False) -> None:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for a CUDA (or CPU allocator) out-of-memory error, whatever its class."""
+    """True for an out-of-memory error, whatever its class: CUDA's or the CPU allocator's, and
+    cuDNN's or cuBLAS's own words for it (``CUDNN_STATUS_ALLOC_FAILED``,
+    ``CUBLAS_STATUS_ALLOC_FAILED``). The one classifier every measurement uses."""
     oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
     if isinstance(exc, (oom, MemoryError)):
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in text
-                                              or "cuda_error_out_of_memory" in text)
-
+                                              or "cuda_error_out_of_memory" in text
+                                              or "alloc_failed" in text)
 
 
 def free_bytes(device=None) -> Optional[int]:

@@ -46,27 +46,9 @@ class LargestBatch:
 
 
 
-def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: int, device=None,
-                  start: int = 1, limit: int = 4096,
-                  peak_bytes: Optional[Callable[[int], int]] = None) -> LargestBatch:
-    """The largest batch size whose training step runs within ``cap_bytes`` of memory.
-
-    ``make_step(batch_size)`` builds what one trial needs and returns a callable that runs a
-    training step (it is called twice, so optimizer state exists on the second). The search
-    doubles from ``start`` until a trial fails or ``limit`` is reached, then bisects between the
-    last batch that fit and the first that did not. On a GPU ``memory_cap`` enforces the cap;
-    elsewhere ``peak_bytes(batch_size)`` (a fake memory model, for tests) says what a trial needs.
-    Out-of-memory errors are caught and memory is released after every trial.
-    """
-    check_int("start", start, 1)
-    check_int("limit", limit, start)
-    if not isinstance(cap_bytes, int) or cap_bytes < 1:
-        raise ValueError(f"cap_bytes must be an integer >= 1; got {cap_bytes!r}")
-    device = as_device(device)
-    cuda = device.type == "cuda" and peak_bytes is None
-    if not cuda and peak_bytes is None:
-        raise ValueError("peak_bytes is required when device is not a CUDA device")
-    result = LargestBatch(0, cap_bytes)
+def _trial_runner(make_step, cap_bytes: int, device, cuda: bool, peak_bytes,
+                  result: LargestBatch) -> Callable[[int], bool]:
+    """``fits(batch)``: one trial of the search (two training steps), recorded in ``result``."""
 
     def fits(batch: int) -> bool:
         trial = {"batch_size": batch, "fits": False, "peak_gib": None, "reason": ""}
@@ -96,6 +78,32 @@ def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: i
             free_memory(device if cuda else None)
         result.trials.append(trial)
         return bool(trial["fits"])
+
+    return fits
+
+
+def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: int, device=None,
+                  start: int = 1, limit: int = 4096,
+                  peak_bytes: Optional[Callable[[int], int]] = None) -> LargestBatch:
+    """The largest batch size whose training step runs within ``cap_bytes`` of memory.
+
+    ``make_step(batch_size)`` builds what one trial needs and returns a callable that runs a
+    training step (it is called twice, so optimizer state exists on the second). The search
+    doubles from ``start`` until a trial fails or ``limit`` is reached, then bisects between the
+    last batch that fit and the first that did not. On a GPU ``memory_cap`` enforces the cap;
+    elsewhere ``peak_bytes(batch_size)`` (a fake memory model, for tests) says what a trial needs.
+    Out-of-memory errors are caught and memory is released after every trial.
+    """
+    check_int("start", start, 1)
+    check_int("limit", limit, start)
+    if not isinstance(cap_bytes, int) or cap_bytes < 1:
+        raise ValueError(f"cap_bytes must be an integer >= 1; got {cap_bytes!r}")
+    device = as_device(device)
+    cuda = device.type == "cuda" and peak_bytes is None
+    if not cuda and peak_bytes is None:
+        raise ValueError("peak_bytes is required when device is not a CUDA device")
+    result = LargestBatch(0, cap_bytes)
+    fits = _trial_runner(make_step, cap_bytes, device, cuda, peak_bytes, result)
 
     with memory_cap(cap_bytes, device) if cuda else nullcontext():
         good, bad = 0, None
@@ -145,3 +153,50 @@ def predicted_batch(fit: Dict[str, float], cap_bytes: float, limit: int) -> int:
     check_int("limit", limit, 1)
     batch = int((cap_bytes - fit["fixed"]) // fit["per_sample"])
     return max(0, min(limit, batch))
+
+
+def verified_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: int,
+                   predicted: int, device=None, limit: int = 4096,
+                   peak_bytes: Optional[Callable[[int], int]] = None) -> LargestBatch:
+    """The largest batch under ``cap_bytes``, searched from a prediction (``fit_batch_memory``).
+
+    The first trial runs at ``predicted``; from there the search gallops (1, 2, 4... batches) up
+    while trials fit, or down while they do not, then bisects between the last batch that fit and
+    the first that did not. With a good prediction that is two or three trials, whatever the
+    card. Trials are ``largest_batch``'s: two training steps, out-of-memory errors caught, memory
+    released after each; ``memory_cap`` enforces the cap on a GPU, ``peak_bytes`` elsewhere.
+    """
+    check_int("limit", limit, 1)
+    check_int("predicted", predicted, 0)
+    if not isinstance(cap_bytes, int) or cap_bytes < 1:
+        raise ValueError(f"cap_bytes must be an integer >= 1; got {cap_bytes!r}")
+    device = as_device(device)
+    cuda = device.type == "cuda" and peak_bytes is None
+    if not cuda and peak_bytes is None:
+        raise ValueError("peak_bytes is required when device is not a CUDA device")
+    result = LargestBatch(0, cap_bytes)
+    fits = _trial_runner(make_step, cap_bytes, device, cuda, peak_bytes, result)
+    with memory_cap(cap_bytes, device) if cuda else nullcontext():
+        first = max(1, min(limit, predicted))
+        if fits(first):
+            good, bad, jump = first, None, 1
+            while good < limit:
+                nxt = min(limit, good + jump)
+                if fits(nxt):
+                    good, jump = nxt, jump * 2
+                else:
+                    bad = nxt
+                    break
+        else:
+            good, bad, jump = 0, first, 1
+            while bad > 1:
+                nxt = max(1, bad - jump)
+                if fits(nxt):
+                    good = nxt
+                    break
+                bad, jump = nxt, jump * 2
+        while bad is not None and bad - good > 1:  # bisect between what fit and what did not
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if fits(mid) else (good, mid)
+    result.batch_size = good
+    return result

@@ -10,26 +10,27 @@ from __future__ import annotations
 
 import math
 import tempfile
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .. import claims, models
 from .._validate import check_choice, check_int, is_int, is_real
-from ..data import digits, digits_loaders, synthetic_images
+from ..data import digits, digits_loaders
 from ..env import allocatable_bytes
-from ..bench import (GIB, MODELS, BenchConfig, LargestBatch, SavedActivations, build_model,
-                       build_optimizer, free_memory, hand_step, is_out_of_memory, largest_batch,
-                       optimizer_state_tensors, ratio, run_configs, settings_caption, skip_reason,
-                       standard_settings, tensor_bytes)
-from ..precision import as_device, check_precision, native_tf32, precision_settings
-from ..tables import format_value
-from ..trainer import Hooks, ScalerSettings, Trainer, TrainConfig
+from ..bench import (GIB, BenchConfig, free_memory, ratio, run_configs,
+                     settings_caption, standard_settings)
+from ..bench.accumulation import (accumulation_equivalence,  # noqa: F401 (lesson API)
+                                  accumulation_memory)
+from ..checkpointing import (checkpoint_equivalence,  # noqa: F401 (the lesson's API)
+                             checkpoint_sequential_pitfall, deterministic_kernels)
+from ..bench.cards import largest_per_card
+from ..bench.counted import counted_memory_model, counted_step_memory  # noqa: F401
+from ..precision import as_device, check_precision, native_tf32
+from ..tables import (format_value, largest_batch_report_rows,  # noqa: F401 (lesson API)
+                      technique_report_rows)
+from ..trainer import ScalerSettings, Trainer, TrainConfig
 
 LESSON = "05"
 
@@ -133,215 +134,7 @@ def technique_configs(techniques: Sequence[str] = tuple(TECHNIQUES), model: str 
 
 # --- the checkpoint_sequential pitfall, and checkpointing done per block -------------------------
 
-def checkpoint_sequential_pitfall(segments: int = 4, image_size: int = 32, batch_size: int = 2,
-                                  device=None, seed: int = 0,
-                                  model: str = "resnet50") -> Dict[str, object]:
-    """``checkpoint_sequential`` over torchvision's ResNet-50 children: the error, and why.
-
-    The children (conv1, bn1, relu, maxpool, layer1..4, avgpool, then flatten and fc) are cut
-    into ``segments`` equal segments, as ``torch.utils.checkpoint.checkpoint_sequential(...,
-    use_reentrant=False)`` does; with 4 or more, one segment starts with the stem's
-    ``ReLU(inplace=True)``, which overwrites that segment's input: the tensor the checkpoint keeps
-    to replay the segment in backward. Returns ``error`` (the message, "" if backward ran),
-    ``segments`` (module names per segment; the last runs without checkpointing),
-    ``inplace_first`` (checkpointed segments that start with an in-place module) and
-    ``batchnorm_updates_per_step``: how often bn1's statistics moved in one step once the ReLU
-    is made out-of-place (2: recomputation runs BatchNorm again). ``model="resnet18"`` uses
-    torchvision's ResNet-18, whose stem is the same (a quicker run on a CPU).
-    """
-    from collections import OrderedDict
-
-    import torchvision.models
-    from torch.utils.checkpoint import checkpoint_sequential
-
-    check_choice("model", model, ("resnet18", "resnet50"))
-
-    check_int("segments", segments, 2)
-    check_int("image_size", image_size, 32)
-    check_int("batch_size", batch_size, 2)
-    device = as_device(device)
-    torch.manual_seed(seed)
-    net = getattr(torchvision.models, model)(weights=None, num_classes=10).to(device).train()
-    children = list(net.named_children())
-    seq = nn.Sequential(OrderedDict(children[:-1] + [("flatten", nn.Flatten())] + children[-1:]))
-    names = list(seq._modules)
-    if segments > len(names):
-        raise ValueError(f"segments must be in [2, {len(names)}]; got {segments}")
-    size = len(names) // segments  # the split checkpoint_sequential makes
-    cut = size * (segments - 1)
-    parts = [names[i:i + size] for i in range(0, cut, size)] + [names[cut:]]
-    inplace_first = [p for p in parts[1:-1] if getattr(seq._modules[p[0]], "inplace", False)]
-    x, y = synthetic_images(batch_size, image_size, 10, device, seed=seed)
-
-    def step() -> None:
-        out = checkpoint_sequential(seq, segments, x, use_reentrant=False)
-        F.cross_entropy(out, y).backward()
-        net.zero_grad(set_to_none=True)
-
-    error = ""
-    try:
-        step()
-    except RuntimeError as exc:
-        text = str(exc).strip()
-        error = f"{type(exc).__name__}: {text.split(' Hint:')[0]}"
-    net.relu.inplace = False  # the stem's ReLU out of place: the segments no longer clash
-    before = int(net.bn1.num_batches_tracked)
-    step()
-    updates = int(net.bn1.num_batches_tracked) - before
-    del net, seq, x, y
-    free_memory(device)
-    return {"error": error, "segments": parts, "inplace_first": inplace_first,
-            "batchnorm_updates_per_step": updates}
-
-
-def _batchnorm_buffers(model: nn.Module) -> List[torch.Tensor]:
-    return [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            for name, b in m.named_buffers() if name != "num_batches_tracked"]
-
-
-def _relative_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    worst = 0.0
-    for s, t in zip(a, b):
-        s, t = s.detach().double(), t.detach().double()
-        worst = max(worst, float((s - t).abs().max() / t.abs().max().clamp_min(1e-12)))
-    return worst
-
-
-@contextmanager
-def deterministic_kernels() -> Iterator[None]:
-    """cuDNN in deterministic mode, benchmark off (restored on exit), so two runs of the same
-    step on a GPU give the same bits, as they do on a CPU."""
-    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
-
-
-def checkpoint_equivalence(model: str = "resnet18", checkpoint: str = "block",
-                           image_size: int = 32, batch_size: int = 4, num_classes: int = 10,
-                           device=None, seed: int = 0) -> Dict[str, object]:
-    """One SGD step of a plain ResNet and of the same weights checkpointed, compared.
-
-    Three models start from the same weights: plain, checkpointed with ``checkpoint`` (a mode
-    of ``models.CHECKPOINT_MODES``; ``models.Checkpointed`` keeps BatchNorm statistics still
-    during recomputation) and checkpointed without that fix (``models.without_batchnorm_fix``).
-    Returns ``loss_diff`` (absolute), ``grad_rel_diff`` and ``weight_rel_diff`` (largest
-    relative difference over parameters after the step), ``bn_rel_diff`` and
-    ``bn_rel_diff_without_fix`` (running mean and variance against the plain model), and the
-    ``num_batches_tracked`` of bn1 in the first residual block for each: 1, 1 and 2.
-    """
-    check_choice("model", model, ("resnet18", "resnet50"))
-    check_choice("checkpoint", checkpoint, tuple(m for m in models.CHECKPOINT_MODES if m))
-    device = as_device(device)
-    x, y = synthetic_images(batch_size, image_size, num_classes, device, seed=seed)
-    out: Dict[str, object] = {"model": model, "checkpoint": checkpoint}
-    nets = {}
-    with deterministic_kernels():
-        for name, mode in (("plain", None), ("checkpointed", checkpoint),
-                           ("without_fix", checkpoint)):
-            torch.manual_seed(seed)  # same construction order, so the same initial weights
-            net = MODELS[model](num_classes=num_classes, checkpoint=mode).to(device).train()
-            if name == "without_fix":
-                models.without_batchnorm_fix(net)
-            opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            grads = [p.grad.detach().clone() for p in net.parameters()]
-            opt.step()
-            nets[name] = (net, float(loss.detach()), grads)
-    plain, ckpt, unfixed = nets["plain"], nets["checkpointed"], nets["without_fix"]
-
-    def first_block_bn1(net: nn.Module) -> int:
-        bn = [m for n, m in net.named_modules() if n.startswith("layer1")
-              and isinstance(m, nn.BatchNorm2d)][0]
-        return int(bn.num_batches_tracked)
-
-    out.update(
-        loss_diff=abs(ckpt[1] - plain[1]),
-        grad_rel_diff=_relative_diff(ckpt[2], plain[2]),
-        weight_rel_diff=_relative_diff(list(ckpt[0].parameters()), list(plain[0].parameters())),
-        bn_rel_diff=_relative_diff(_batchnorm_buffers(ckpt[0]), _batchnorm_buffers(plain[0])),
-        bn_rel_diff_without_fix=_relative_diff(_batchnorm_buffers(unfixed[0]),
-                                               _batchnorm_buffers(plain[0])),
-        batches_tracked={"plain": first_block_bn1(plain[0]),
-                         "checkpointed": first_block_bn1(ckpt[0]),
-                         "checkpointed without the fix": first_block_bn1(unfixed[0])})
-    del nets, plain, ckpt, unfixed
-    free_memory(device)
-    return out
-
-
 # --- memory counted tensor by tensor (CPUs have no peak-memory counter) -------------------------
-
-def counted_step_memory(config: BenchConfig, device=None,
-                        batch_size: Optional[int] = None) -> Dict[str, int]:
-    """What a training step of ``config`` holds at its peak, counted tensor by tensor, in bytes.
-
-    For devices without an allocator to read (a CPU): ``state_bytes`` (parameters, gradients,
-    optimizer state), ``kept_bytes`` (tensors saved for backward, the inputs that checkpointed
-    units keep included), ``recompute_bytes`` (what the largest checkpointed unit saves while
-    it is recomputed in backward, 0 without checkpointing) and ``peak_bytes``, their sum. A
-    model of the peak, not a measurement of it: temporaries and allocator overhead are left out.
-    """
-    device = as_device(device)
-    batch = config.batch_size if batch_size is None else batch_size
-    check_int("batch_size", batch, 1)
-    if config.checkpoint == "sac":
-        raise ValueError("checkpoint 'sac' cannot be counted: the tensors selective checkpointing "
-                         "saves bypass saved-tensor hooks; measure it on a GPU (one of "
-                         f"{', '.join(str(m) for m in models.CHECKPOINT_MODES if m != 'sac')})")
-    with precision_settings(config.precision, device):
-        torch.manual_seed(0)
-        model = build_model(config, device)
-        optimizer = build_optimizer(config, model.parameters())
-        x, y = synthetic_images(batch, config.image_size, config.num_classes, device,
-                                channels_last=config.channels_last)
-        params = list(model.parameters())
-        step = hand_step(model, optimizer, config.precision, device)
-        recompute = [0]
-
-        def measure_unit(unit, args, output):
-            # the unit's input is already counted: checkpoint saves it through the outer hooks
-            t = args[0]
-            with torch.enable_grad(), SavedActivations(exclude=params) as inner, \
-                    models.KeepBatchNormStats(unit.module):
-                unit.module(t.detach().requires_grad_())
-            recompute[0] = max(recompute[0], inner.bytes)
-
-        handles = [m.register_forward_hook(measure_unit) for m in model.modules()
-                   if isinstance(m, models.Checkpointed)]
-        try:
-            with SavedActivations(exclude=params) as kept:
-                loss = step.forward(x, y)
-        finally:
-            for h in handles:
-                h.remove()
-        step.backward(loss)
-        grads = tensor_bytes(p.grad for p in params if p.grad is not None)
-        step.update()  # creates the optimizer state that every later step holds
-        if not optimizer_state_tensors(optimizer):  # fp16: GradScaler skipped that first step
-            step(x, y)
-        state = (tensor_bytes(params) + grads
-                 + tensor_bytes(optimizer_state_tensors(optimizer)))
-        kept_bytes = kept.bytes
-    del model, optimizer, step, x, y, loss
-    free_memory(device)
-    return {"state_bytes": state, "kept_bytes": kept_bytes, "recompute_bytes": recompute[0],
-            "peak_bytes": state + kept_bytes + recompute[0]}
-
-
-def counted_memory_model(config: BenchConfig, device=None,
-                         batch_sizes: Sequence[int] = (2, 4)) -> Dict[str, float]:
-    """A straight line through ``counted_step_memory`` at two batch sizes:
-    ``peak_bytes(b) = fixed_bytes + bytes_per_image * b`` (what the CPU's simulated cards use)."""
-    if len(batch_sizes) != 2 or batch_sizes[0] >= batch_sizes[1]:
-        raise ValueError(f"batch_sizes must be two increasing batch sizes; got {batch_sizes!r}")
-    lo, hi = (counted_step_memory(config, device, b)["peak_bytes"] for b in batch_sizes)
-    per_image = max(0.0, (hi - lo) / (batch_sizes[1] - batch_sizes[0]))
-    return {"fixed_bytes": lo - per_image * batch_sizes[0], "bytes_per_image": per_image}
-
 
 # --- memory against time per technique (claim R8), and the frontier ------------------------------
 
@@ -571,81 +364,26 @@ def card_advice(rows: Sequence[Dict[str, object]], card_gib: float,
 
 # --- the largest batch per simulated card (claim R10) -------------------------------------------
 
-def _allocation_failure(exc: BaseException) -> bool:
-    text = str(exc).upper()
-    return is_out_of_memory(exc) or "ALLOC_FAILED" in text
-
-
-def _gpu_trials(config: BenchConfig, device: torch.device):
-    """A model and optimizer that live through every trial (they would be on the card anyway);
-    ``make(batch)`` returns a callable that runs one training step on a fresh batch."""
-    torch.manual_seed(0)
-    model = build_model(config, device)
-    optimizer = build_optimizer(config, model.parameters())
-
-    def make(batch: int) -> Callable[[], object]:
-        model.zero_grad(set_to_none=True)  # a failed trial may have left gradients behind
-        step = hand_step(model, optimizer, config.precision, device)
-        x, y = synthetic_images(batch, config.image_size, config.num_classes, device,
-                                channels_last=config.channels_last)
-
-        def run():
-            try:
-                return step(x, y)
-            except RuntimeError as exc:
-                if _allocation_failure(exc):  # cuDNN/cuBLAS say so in their own words
-                    raise MemoryError(str(exc)) from None
-                raise
-
-        return run
-
-    return model, optimizer, make
-
-
-def _reserved_peak(make: Callable[[int], Callable[[], object]], batch: int,
-                   device: torch.device) -> int:
-    free_memory(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    run = make(batch)
-    run()
-    run()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_reserved(device)
-    del run
-    free_memory(device)
-    return peak
-
-
-def _card_row(card: float, technique: str, **values) -> Dict[str, object]:
-    row = {"card_gb": card, "technique": technique, "largest_batch": None, "resolution": None,
-           "peak_gib": None, "trials": 0, "seconds": 0.0, "status": "ok", "reason": "",
-           "how": ""}
-    row.update(values)
-    return row
-
-
 def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
                         techniques: Sequence[str] = CARD_TECHNIQUES, device=None,
                         model: str = "resnet50", image_size: int = 224, num_classes: int = 1000,
-                        settings: Optional[Dict[str, object]] = None,
-                        time_budget_s: Optional[float] = None, resolution_parts: int = 16,
+                        settings: Optional[Dict[str, object]] = None, resolution_parts: int = 16,
                         max_batch: int = 8192) -> List[Dict[str, object]]:
-    """The largest batch that trains per simulated card size and technique, with ``largest_batch``.
+    """The largest batch that trains per simulated card size and technique
+    (``bench.cards.largest_per_card``).
 
-    Memory format and optimizer come from ``settings`` (``measure.STANDARD``); cuDNN autotuning
-    is off in the search (it tries many batch sizes, and each would be tuned again). On a GPU each card is simulated by capping this process's allocator at ``card`` GiB
-    (``memory_cap``); a card larger than the device is skipped with the reason. The model and
-    optimizer are built once per technique and stay through the search (they would be on the
-    card anyway). Two uncapped steps at small batches predict the answer; the search then runs
-    in units of ``resolution`` images (the largest power of two at most the prediction divided
-    by ``resolution_parts``) from just below the prediction, so each card takes a handful of
-    trials of two steps each.
-    ``time_budget_s`` is shared equally among the techniques; cards left when a technique's share
-    is spent are skipped with the reason (largest cards first, since cards run smallest first).
+    Memory format and optimizer come from ``settings`` (``bench.STANDARD``); cuDNN autotuning
+    is off in the search (it tries many batch sizes, and each would be tuned again). On a GPU
+    each card is simulated by capping this process's allocator at ``card`` GiB
+    (``bench.memory_cap``); a card larger than the device is skipped with the reason. Peak memory
+    is fitted against the batch from a few uncapped batches, and each card's prediction is
+    verified under its cap, in units of ``resolution`` images (the largest power of two at most
+    the prediction divided by ``resolution_parts``): a handful of trials of two steps each, so
+    every card that fits on the device gets its cell.
 
     On a CPU there is no allocator to cap: the same search runs on ``counted_memory_model``
     (memory counted tensor by tensor at two batch sizes) instead, without running steps.
-    One row per card and technique: ``largest_batch`` (images; None if skipped),
+    One row per card and technique: ``largest_batch`` (images; None if skipped), ``predicted``,
     ``resolution``, ``peak_gib`` (of the largest trial that fit), ``trials``, ``seconds``,
     ``status`` ("ok" | "skipped"), ``reason`` and ``how`` (what enforced the cap).
     """
@@ -655,159 +393,22 @@ def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
         raise ValueError(f"card_sizes_gb must hold numbers > 0 (GB); got {card_sizes_gb!r}")
     check_int("resolution_parts", resolution_parts, 1)
     check_int("max_batch", max_batch, 1)
-    if time_budget_s is not None and not (is_real(time_budget_s) and time_budget_s > 0):
-        raise ValueError(f"time_budget_s must be None or > 0 seconds; got {time_budget_s!r}")
     cards = sorted(cards)
     device = as_device(device)
-    cuda = device.type == "cuda"
-    total_gib = allocatable_bytes(device) / GIB if cuda else None  # a simulated card's
+    total_gib = allocatable_bytes(device) / GIB if device.type == "cuda" else None
     configs = technique_configs(techniques, model=model, batch_size=8, image_size=image_size,
                                 num_classes=num_classes, settings=settings,
                                 cudnn_benchmark=False, device=device)
-    share = time_budget_s / len(configs) if time_budget_s else None
     rows: List[Dict[str, object]] = []
     old_benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False  # no autotuning per new batch size
     try:
         for config in configs:
-            rows += _largest_for_technique(config, cards, device, total_gib, share,
-                                           resolution_parts, max_batch)
+            rows += largest_per_card(config, cards, device, total_gib, resolution_parts,
+                                     max_batch)
     finally:
         torch.backends.cudnn.benchmark = old_benchmark
     return rows
-
-
-def _largest_for_technique(config: BenchConfig, cards: Sequence[float], device: torch.device,
-                           total_gib: Optional[float], share: Optional[float],
-                           resolution_parts: int, max_batch: int) -> List[Dict[str, object]]:
-    reason = skip_reason(config, device)
-    if reason is None:
-        try:
-            check_precision(config.precision, device)
-        except ValueError as exc:
-            reason = str(exc)
-    if reason:
-        return [_card_row(c, config.label, status="skipped", reason=reason) for c in cards]
-    start = time.perf_counter()
-    cuda = device.type == "cuda"
-    rows: List[Dict[str, object]] = []
-    model = optimizer = make = None
-    with precision_settings(config.precision, device):
-        try:
-            if cuda:
-                lo, hi = 8, 32
-                try:
-                    model, optimizer, make = _gpu_trials(config, device)
-                    free_memory(device)
-                    make(2)()  # optimizer state exists from here on
-                    p_lo, p_hi = (_reserved_peak(make, b, device) for b in (lo, hi))
-                except Exception as exc:  # noqa: BLE001 - a device too small for the prediction
-                    if not is_out_of_memory(exc):
-                        raise
-                    return [_card_row(c, config.label, status="skipped",
-                                      reason=f"out of memory at batch {hi} without any cap")
-                            for c in cards]
-                per_image = (p_hi - p_lo) / (hi - lo)
-                fixed = p_lo - per_image * lo
-                peak_bytes, how = None, "CUDA allocator capped at {card:g} GiB"
-            else:
-                line = counted_memory_model(config, device)
-                fixed, per_image = line["fixed_bytes"], line["bytes_per_image"]
-                make = lambda b: (lambda: None)  # noqa: E731 - the model decides, no step runs
-                peak_bytes = lambda b: int(fixed + per_image * b)  # noqa: E731
-                how = "counted memory model (a CPU has no allocator cap)"
-            for card in cards:
-                if cuda and card > total_gib:
-                    rows.append(_card_row(card, config.label, status="skipped",
-                                          reason=f"this device has {total_gib:.1f} GiB: a "
-                                                 f"{card:g} GB card cannot be simulated"))
-                    continue
-                if share is not None and time.perf_counter() - start > share:
-                    rows.append(_card_row(card, config.label, status="skipped",
-                                          reason=f"left out: this technique's share of the "
-                                                 f"time budget ({share:.0f} s) was spent"))
-                    continue
-                t0 = time.perf_counter()
-                predicted = max(1.0, (card * GIB - fixed) / max(per_image, 1.0))
-                resolution = 1
-                while resolution * 2 <= predicted / resolution_parts:
-                    resolution *= 2
-                first = max(1, int(0.85 * predicted / resolution))
-                limit = max(first, min(max_batch // resolution,
-                                       math.ceil(1.5 * predicted / resolution)))
-                found = largest_batch(
-                    lambda k, r=resolution: make(k * r), int(card * GIB),
-                    device=device if cuda else None, start=first, limit=limit,
-                    peak_bytes=None if cuda else (lambda k, r=resolution: peak_bytes(k * r)))
-                rows.append(_finish_row(card, config.label, found, resolution,
-                                        limit * resolution, time.perf_counter() - t0,
-                                        how.format(card=card)))
-        finally:
-            del model, optimizer, make
-            free_memory(device)
-    return rows
-
-
-def _finish_row(card: float, technique: str, found: LargestBatch, resolution: int, limit: int,
-                seconds: float, how: str) -> Dict[str, object]:
-    batch = found.batch_size * resolution
-    fit = [t for t in found.trials if t["fits"] and t["batch_size"] == found.batch_size]
-    row = _card_row(card, technique, largest_batch=batch, resolution=resolution,
-                    peak_gib=fit[-1]["peak_gib"] if fit else None, trials=len(found.trials),
-                    seconds=seconds, how=how)
-    if batch == 0:
-        row["reason"] = "not even the smallest batch fits"
-    elif batch >= limit:
-        row["reason"] = f"fits at the search limit ({limit}): the largest batch is at least this"
-    return row
-
-
-def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
-    """``technique_table`` rows as a table to show and publish: step time, throughput, memory,
-    memory and time against the fp32 row, and the share of the step the GPU sat idle (host and
-    launch overhead; None where a number is missing)."""
-    ok = _by_technique(rows)
-    base = ok.get("fp32")
-    out = []
-    for r in rows:
-        good = r.get("status") == "ok"
-        out.append({
-            "technique": r.get("technique", r.get("label")),
-            "batch": r.get("config", {}).get("batch_size"),
-            "step ms": r.get("step_ms") if good else None,
-            "img/s": r.get("img_per_s") if good else None,
-            "memory GiB": r.get("memory_gib") if good else None,
-            "memory x fp32": ratio(r.get("memory_gib"), base.get("memory_gib"))
-            if good and base else None,
-            "time x fp32": ratio(r.get("step_ms"), base.get("step_ms")) if good and base else None,
-            "GPU idle %": 100 * r["gpu_idle_fraction"]
-            if good and r.get("gpu_idle_fraction") is not None else None,
-            "status": "ok" if good else f"{r.get('status')}: {r.get('reason')}"})
-    return out
-
-
-def largest_batch_report_rows(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
-    """``largest_batch_table`` rows pivoted to one row per card, one column per technique (the
-    largest batch in images; None where skipped). Returns ``rows``, ``columns`` and ``note``
-    (the search's resolution and every reason a cell was skipped or capped, once each)."""
-    if not rows:
-        raise ValueError("rows must hold at least one largest_batch_table row")
-    techniques = list(dict.fromkeys(r["technique"] for r in rows))
-    cards = sorted({r["card_gb"] for r in rows})
-    table = []
-    for card in cards:
-        line: Dict[str, object] = {"card (GB)": f"{card:g}"}
-        for t in techniques:
-            cell = next((r for r in rows if r["card_gb"] == card and r["technique"] == t), None)
-            line[t] = cell["largest_batch"] if cell and cell["status"] == "ok" else None
-        table.append(line)
-    reasons = list(dict.fromkeys(f"{r['technique']}: {r['reason']}" for r in rows if r["reason"]))
-    how = sorted({r["how"].split(" at ")[0] for r in rows if r["how"]})
-    steps = sorted({r["resolution"] for r in rows if r["resolution"]})
-    note = (f"Images per training step; searched in steps of {', '.join(map(str, steps))} "
-            f"images ({'; '.join(how)}). " if steps else "") + \
-        (f"Not measured or capped: {'; '.join(reasons)}." if reasons else "")
-    return {"rows": table, "columns": ["card (GB)"] + techniques, "note": note.strip()}
 
 
 def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> Dict[str, object]:
@@ -943,158 +544,6 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
 
 
 # --- gradient accumulation: memory per micro-batch count (claim R9) ------------------------------
-
-class _ForwardSaved:
-    """Bytes saved for backward by each forward of ``model`` (a fresh count per call)."""
-
-    def __init__(self, model: nn.Module):
-        self.exclude = list(model.parameters())
-        self.counts: List[int] = []
-        self._active: List[SavedActivations] = []
-        self.handles = [model.register_forward_pre_hook(self._pre),
-                        model.register_forward_hook(self._post)]
-
-    def _pre(self, module, args):
-        saved = SavedActivations(exclude=self.exclude)
-        saved.__enter__()
-        self._active.append(saved)
-
-    def _post(self, module, args, output):
-        saved = self._active.pop()
-        saved.__exit__(None, None, None)
-        self.counts.append(saved.bytes)
-
-    def abandon(self) -> None:
-        """Close the counts a failed forward left open (its hooks would stay installed)."""
-        while self._active:
-            self._active.pop().__exit__(None, None, None)
-
-    def remove(self) -> None:
-        self.abandon()
-        for h in self.handles:
-            h.remove()
-
-
-def accumulation_memory(micro_batch: int = 32, counts: Sequence[int] = (1, 2, 4, 8),
-                        precision: str = "fp16", device=None, model: str = "resnet50",
-                        image_size: int = 224, num_classes: int = 1000,
-                        channels_last: bool = False) -> List[Dict[str, object]]:
-    """Memory of one optimizer step with ``n`` micro-batches of ``micro_batch`` (the trainer's
-    ``accumulate=n``) against one batch of ``n * micro_batch``, for each ``n`` in ``counts``.
-
-    Each row: ``micro_batches``, ``effective_batch``, the step's ``accumulated_peak_gib`` (peak
-    allocated on a GPU, None on a CPU), ``accumulated_saved_gib`` (largest bytes saved for
-    backward by one forward, counted), ``accumulated_step_ms``, and the same three for the one
-    big batch (``one_batch_*``; ``one_batch_status`` says "out of memory" where it did not fit).
-    Each is the second of two steps, so optimizer state and lazy buffers exist.
-    """
-    check_int("micro_batch", micro_batch, 1)
-    counts = list(counts)
-    if not counts or any(not is_int(n) or n < 1 for n in counts):
-        raise ValueError(f"counts must hold whole numbers >= 1; got {counts!r}")
-    counts = [int(n) for n in counts]
-    check_choice("model", model, ("resnet18", "resnet50"))
-    device = as_device(device)
-    precision = check_precision(precision, device)
-    torch.manual_seed(0)
-    net = MODELS[model](num_classes=num_classes).to(device)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    # batches wait on the host, as a loader's would: one micro-batch is on the device at a time
-    x_all, y_all = synthetic_images(micro_batch * max(counts), image_size, num_classes, "cpu")
-    counter = _ForwardSaved(net)
-
-    def two_steps(n_micro: int, size: int) -> Dict[str, object]:
-        net.zero_grad(set_to_none=True)  # a step that ran out of memory may have left some
-        trainer = Trainer(net, opt, TrainConfig(precision=precision, accumulate=n_micro,
-                                                channels_last=channels_last, progress=False,
-                                                seed=None, track_grad_norm=False),
-                          device=device)
-        batches = [(x_all[i * size:(i + 1) * size], y_all[i * size:(i + 1) * size])
-                   for i in range(n_micro)]
-        try:
-            trainer.train_step(batches)
-            counter.counts.clear()
-            record = trainer.train_step(batches)
-            peak = record.peak_memory_bytes
-            return {"peak_gib": peak / GIB if peak is not None else None,
-                    "saved_gib": max(counter.counts) / GIB, "step_ms": 1e3 * record.time_s,
-                    "status": "ok"}
-        except Exception as exc:  # noqa: BLE001
-            if not is_out_of_memory(exc):
-                raise
-            return {"peak_gib": None, "saved_gib": None, "step_ms": None,
-                    "status": "out of memory"}
-        finally:
-            counter.abandon()
-            del trainer
-            free_memory(device)
-
-    rows = []
-    try:
-        for n in counts:
-            acc = two_steps(n, micro_batch)
-            one = two_steps(1, n * micro_batch)
-            rows.append({"micro_batches": n, "micro_batch": micro_batch,
-                         "effective_batch": n * micro_batch,
-                         "accumulated_peak_gib": acc["peak_gib"],
-                         "accumulated_saved_gib": acc["saved_gib"],
-                         "accumulated_step_ms": acc["step_ms"],
-                         "one_batch_peak_gib": one["peak_gib"],
-                         "one_batch_saved_gib": one["saved_gib"],
-                         "one_batch_step_ms": one["step_ms"],
-                         "one_batch_status": one["status"]})
-    finally:
-        counter.remove()
-        del net, opt
-        free_memory(device)
-    return rows
-
-
-def accumulation_equivalence(model: str = "mlp", precision: str = "fp32", micro_batch: int = 16,
-                             micro_batches: int = 4, device=None,
-                             seed: int = 0) -> Dict[str, object]:
-    """One optimizer step of the trainer on ``micro_batches`` micro-batches of ``micro_batch``
-    digits (``accumulate=micro_batches``) against one step on the same examples as one batch.
-
-    ``model`` is a digits model of ``models.build_digits_model`` ("mlp" has no BatchNorm;
-    "cnn" has, and BatchNorm normalises each micro-batch by its own statistics, so the two
-    differ by more than rounding there). Returns ``loss_diff``, ``grad_rel_diff`` (largest
-    relative difference of the gradients, unscaled), ``weight_rel_diff`` (after the step), the
-    ``scale`` each used and whether either step was ``skipped``.
-    """
-    check_int("micro_batch", micro_batch, 1)
-    check_int("micro_batches", micro_batches, 1)
-    device = as_device(device)
-    precision = check_precision(precision, device)
-
-    class KeepGrads(Hooks):
-        grads: List[torch.Tensor] = []
-
-        def after_unscale(self, trainer_):
-            self.grads = [p.grad.detach().clone() for p in trainer_.model.parameters()]
-
-    results = []
-    for n in (micro_batches, 1):
-        torch.manual_seed(seed)
-        net, size = models.build_digits_model(model)
-        x, y = digits("train", size, device)
-        x, y = x[:micro_batch * micro_batches], y[:micro_batch * micro_batches]
-        hook = KeepGrads()
-        trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                          TrainConfig(precision=precision, accumulate=n, progress=False,
-                                      seed=None, track_grad_norm=False),
-                          device=device, hooks=[hook])
-        size_each = len(x) // n
-        record = trainer.train_step([(x[i * size_each:(i + 1) * size_each],
-                                      y[i * size_each:(i + 1) * size_each]) for i in range(n)])
-        results.append((float(record.loss), hook.grads, list(net.parameters()),
-                        float(record.scale), bool(record.skipped)))
-    (la, ga, pa, sa, ka), (lb, gb, pb, sb, kb) = results
-    return {"model": model, "precision": precision, "micro_batch": micro_batch,
-            "micro_batches": micro_batches, "loss_diff": abs(la - lb),
-            "grad_rel_diff": _relative_diff(ga, gb), "weight_rel_diff": _relative_diff(pa, pb),
-            "scale": (sa, sb), "skipped": (ka, kb)}
-
 
 @claims.decides("R9")
 def verdict_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str, object]] = None,

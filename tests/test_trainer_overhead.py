@@ -38,7 +38,7 @@ def test_smoke_run_writes_json_and_stays_bitwise(bench, tmp_path, capsys):
     variants = {r["variant"]: r for r in net["rows"]}
     assert {"hand-written", "hand-written (again)", "trainer, defaults", "trainer, lean",
             "lean, nonfinite='raise'",
-            "trainer lean, foreach AdamW, skip by host decision"} <= set(variants)
+            "trainer lean, foreach SGD, skip by host decision"} <= set(variants)
     for row in net["rows"]:
         low, high = row["cost_ci95_pct"]
         assert low <= row["cost_pct"] <= high

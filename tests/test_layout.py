@@ -10,8 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "amp_lessons"
-ENGINE = sorted(p for p in PKG.glob("*.py")) + sorted((PKG / "ui").glob("*.py")) + \
-    sorted((PKG / "doctor").glob("*.py"))
+ENGINE = (sorted(p for p in PKG.glob("*.py")) + sorted((PKG / "ui").glob("*.py"))
+          + sorted((PKG / "doctor").glob("*.py"))
+          + sorted((PKG / "exercises").glob("*.py")))  # the graders are engine-side
 LESSONS = sorted((PKG / "lessons").glob("l[0-9][0-9]_*.py"))
 ALL = ENGINE + LESSONS + [PKG / "lessons" / "__init__.py"]
 CLAIM_ID = re.compile(r"\b(claim_[a-z0-9]+|[RB]\d{1,2}[a-d]?)\b")

@@ -1,0 +1,133 @@
+"""Lesson 01's exercises: predict fp16 rounding, find the smallest loss scale that flushes no
+gradient, keep an fp32 master weight. Graded with ``amp_lessons.formats``."""
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .. import formats
+from .check import Check, is_blank, number, passed, unanswered, wrong
+
+PREDICT = "Exercise 1 (predict, then run): fp16 rounding"
+SCALE = "Exercise 2 (find it): the smallest loss scale that flushes nothing"
+MASTER = "Exercise 3 (implement): an fp32 master weight"
+
+
+def fp16_truths() -> dict:
+    """What fp16 really gives: ``1 + 1e-4`` and the sum of 0.01 added 1,000 times (from 0)."""
+    return {"one_plus": float(formats.accumulate(1e-4, 1, "fp16", start=1.0)[-1]),
+            "hundredths": float(formats.accumulate(0.01, 1000, "fp16", start=0.0)[-1])}
+
+
+def check_fp16_predictions(one_plus, hundredths) -> Check:
+    """Grade the two predictions: ``one_plus`` (fp16 ``1 + 1e-4``) exactly, ``hundredths`` (the
+    fp16 sum of 0.01 added 1,000 times) within 0.03 of what fp16 computes."""
+    hint = ("fp16 has 10 mantissa bits: next to 1.0 its values are 2**-10 = 0.000977 apart, and a "
+            "sum rounds to the nearest of them; the gap doubles at every power of two (2, 4, 8...)")
+    if is_blank(one_plus) or is_blank(hundredths):
+        return unanswered(PREDICT, hint)
+    a, b = number(one_plus), number(hundredths)
+    if a is None or b is None:
+        return wrong(PREDICT, f"both answers must be numbers; got {one_plus!r} and {hundredths!r}",
+                     hint)
+    truth = fp16_truths()
+    if a != truth["one_plus"]:
+        return wrong(PREDICT, f"fp16 gives 1 + 1e-4 = {truth['one_plus']!r}, not {a!r}",
+                     "1e-4 is less than half the gap 2**-10 between 1.0 and the next fp16 value, "
+                     "so the sum rounds back to 1.0: the update is lost (swamping)")
+    if abs(b - truth["hundredths"]) > 0.03:
+        if b == 10.0:
+            why = ("10.0 is the exact sum; in fp16 every addition rounds, and above 8 the gap is "
+                   "2**-7 = 0.0078, so each 0.01 lands a little off and the errors add up")
+        else:
+            why = hint
+        return wrong(PREDICT, f"fp16's sum is {truth['hundredths']:.6g}, your prediction "
+                     f"{b:.6g} is off by {abs(b - truth['hundredths']):.3g}", why)
+    return passed(PREDICT, f"1 + 1e-4 = {truth['one_plus']!r} and the sum is "
+                  f"{truth['hundredths']:.6g} in fp16 (exact: 10)")
+
+
+def smallest_safe_exponent(grads, exponents: Sequence[int] = range(0, 33), fmt: str = "fp16"):
+    """The smallest ``k`` whose scale ``2**k`` flushes no nonzero gradient to zero in ``fmt``
+    (``formats.scale_sweep``), or None when every scale tried flushes some."""
+    rows = formats.scale_sweep(grads, exponents, fmt)
+    return next((r["k"] for r in rows if r["flushed"] == 0), None)
+
+
+def check_scale_exponent(k, grads) -> Check:
+    """Grade ``k``: the smallest loss-scale exponent at which fp16 flushes none of ``grads``."""
+    hint = ("al.formats.scaled_fractions(grads, 2.0**k, 'fp16')['flushed'] is the share a scale "
+            "of 2**k still flushes to zero: try k = 0, 1, 2, ... until it reads 0")
+    if is_blank(k):
+        return unanswered(SCALE, hint)
+    if not isinstance(k, int) or isinstance(k, bool):
+        return wrong(SCALE, f"k must be an integer exponent (the scale is 2**k); got {k!r}", hint)
+    best = smallest_safe_exponent(grads)
+    if best is None:
+        return wrong(SCALE, "no scale up to 2**32 keeps every gradient here", hint)
+    at_k = formats.scaled_fractions(grads, 2.0 ** k, "fp16")
+    if k < best:
+        return wrong(SCALE, f"at 2**{k}, {at_k['flushed']:.3%} of the nonzero gradients are still "
+                     f"flushed to zero", "a larger scale moves every gradient up by the same "
+                     "factor: keep raising k")
+    if k > best:
+        over = f" and {at_k['overflow']:.3%} overflow" if at_k["overflow"] else ""
+        return wrong(SCALE, f"2**{k} flushes nothing{over}, but so does a smaller scale",
+                     "the smallest safe scale leaves the most headroom below 65504: lower k "
+                     "until one more step down flushes a gradient")
+    return passed(SCALE, f"2**{best} is the smallest scale that flushes none of these "
+                  f"gradients ({at_k['overflow']:.3%} overflow at it)")
+
+
+def reference_master_weight(start: float, update: float, steps: int) -> float:
+    """The reference solution: an fp32 master weight, each step adding an fp16 update, and
+    the fp16 copy of the model cast from it at the end."""
+    master = torch.tensor(start, dtype=torch.float32)
+    u = torch.tensor(update, dtype=torch.float16)
+    for _ in range(steps):
+        master = master + u.float()
+    return float(master.half())
+
+
+def _fp16_only(start: float, update: float, steps: int) -> float:
+    w = torch.tensor(start, dtype=torch.float16)
+    for _ in range(steps):
+        w = w + torch.tensor(update, dtype=torch.float16)
+    return float(w)
+
+
+def _update_in_fp32_weight_in_fp16(start: float, update: float, steps: int) -> float:
+    w = torch.tensor(start, dtype=torch.float16)
+    for _ in range(steps):
+        w = (w.float() + update).half()
+    return float(w)
+
+
+WRONG_MASTER = {"fp16 weight": _fp16_only, "rounded to fp16 every step": _update_in_fp32_weight_in_fp16}
+
+
+def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-4,
+                        steps: int = 1000) -> Check:
+    """Grade ``train(start, update, steps) -> float``: it must keep an fp32 master weight and end
+    where ``formats.accumulate`` (fp32 weight, fp16 update) ends, cast to fp16."""
+    hint = ("keep the running weight in torch.float32 and add the fp16 update to it cast up "
+            "(u.float()); cast to fp16 only for the copy the model computes with, at the end")
+    try:
+        got = train(start, update, steps) if callable(train) else train
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(MASTER, f"train raised {type(exc).__name__}: {exc}", hint)
+    if is_blank(got):
+        return unanswered(MASTER, hint)
+    v = number(got)
+    if v is None:
+        return wrong(MASTER, f"train must return the final weight as a number; got {got!r}", hint)
+    master = formats.accumulate(update, steps, "fp32", start=start, update_fmt="fp16")[-1]
+    want = float(torch.tensor(master, dtype=torch.float32).half())
+    fp16 = float(formats.accumulate(update, steps, "fp16", start=start)[-1])
+    if v == want:
+        return passed(MASTER, f"the weight moved from {start} to {v:.6g}; stored in fp16 it "
+                      f"would have stayed at {fp16:.6g}")
+    if v == fp16:
+        return wrong(MASTER, f"the weight stayed at {v:.6g}: every update was swamped", hint)
+    return wrong(MASTER, f"the weight ended at {v:.6g}; an fp32 master ends at {want:.6g}",
+                 "rounding the weight to fp16 after every step loses the update again: only "
+                 "the master (fp32) accumulates")

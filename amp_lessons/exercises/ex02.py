@@ -1,0 +1,248 @@
+"""Lesson 02's exercises: name the dtypes autocast gives, fix a loop with three bugs (graded
+bitwise against ``trainer.Trainer``), write an autograd Function that survives autocast."""
+import functools
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..precision import as_device, check_precision
+from ..trainer import ScalerSettings, TrainConfig, Trainer
+from .check import Check, is_blank, passed, same_code, skipped, unanswered, wrong
+
+DTYPES = "Exercise 1 (predict, then run): dtypes under autocast"
+LOOP = "Exercise 2 (fix the bug): a loop with three bugs"
+FUNCTION = "Exercise 3 (implement): an autograd Function that survives autocast"
+LAYERS = ("fc1", "norm", "fc2", "loss")
+LOOP_STEPS, LOOP_INIT_SCALE, LOOP_CLIP = 20, 2.0 ** 24, 1.0
+
+
+def _low_dtype(device_type: str) -> torch.dtype:
+    return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
+def _kind(value) -> Optional[str]:
+    """"16-bit" or "fp32" for what a learner may write (a dtype or its name), else None."""
+    if isinstance(value, torch.dtype):
+        return "16-bit" if value in (torch.float16, torch.bfloat16) else (
+            "fp32" if value == torch.float32 else None)
+    name = str(value).strip().lower().replace("torch.", "")
+    if name in ("16-bit", "16", "fp16", "bf16", "float16", "bfloat16", "half", "low"):
+        return "16-bit"
+    if name in ("fp32", "32", "float32", "float", "32-bit"):
+        return "fp32"
+    return None
+
+
+def autocast_dtypes(device=None) -> Dict[str, torch.dtype]:
+    """What a Linear -> LayerNorm -> Linear model and its cross-entropy loss return under
+    autocast on ``device`` (fp16 on CUDA, bf16 on a CPU), from forward hooks."""
+    device = as_device(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)).to(device)
+    names = dict(zip(("fc1", "norm", "fc2"), model))
+    seen: Dict[str, torch.dtype] = {}
+    hooks = [m.register_forward_hook(lambda mod, i, out, n=n: seen.__setitem__(n, out.dtype))
+             for n, m in names.items()]
+    x, y = torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)
+    with torch.autocast(device.type, dtype=_low_dtype(device.type)):
+        seen["loss"] = F.cross_entropy(model(x), y).dtype
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def check_autocast_dtypes(answer: Dict[str, object], device=None) -> Check:
+    """Grade ``answer`` ({"fc1", "norm", "fc2", "loss"} -> "16-bit" | "fp32" or a dtype) against
+    ``autocast_dtypes(device)``."""
+    hint = ("autocast casts per operation: matmuls (Linear) run in the 16-bit type; ops that sum "
+            "many values (softmax, cross-entropy; on CUDA also layer_norm) run in fp32")
+    if is_blank(answer):
+        return unanswered(DTYPES, hint)
+    if not isinstance(answer, dict) or set(answer) != set(LAYERS):
+        return wrong(DTYPES, f"answer must be a dict with the keys {', '.join(LAYERS)}", hint)
+    real = autocast_dtypes(device)
+    for name in LAYERS:
+        said, got = _kind(answer[name]), _kind(real[name])
+        if said is None:
+            return wrong(DTYPES, f"{name}: write '16-bit' or 'fp32' (or a torch dtype); got "
+                         f"{answer[name]!r}", hint)
+        if said != got:
+            why = {"fc1": "a Linear is a matmul: autocast's first list, the 16-bit one",
+                   "fc2": "a Linear is a matmul: autocast's first list, the 16-bit one",
+                   "loss": "cross_entropy is on autocast's fp32 list: log and sum need range",
+                   "norm": ("on CUDA layer_norm is on the fp32 list; CPU autocast keeps it in "
+                            "its 16-bit type" if got == "fp32" or as_device(device).type == "cpu"
+                            else hint)}[name]
+            return wrong(DTYPES, f"{name} returns {real[name]} here, not {said}", why)
+    return passed(DTYPES, ", ".join(f"{n}: {real[n]}" for n in LAYERS))
+
+
+def buggy_loop(model, optimizer, scheduler, batches, device_type, init_scale):
+    model.half()
+    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
+    for x, y in batches:
+        with torch.autocast(device_type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def reference_loop(model, optimizer, scheduler, batches, device_type, init_scale):
+    """The reference solution: fp32 weights, clip after ``unscale_``, and the scheduler steps
+    only where the scaler did not skip (its scale did not drop)."""
+    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
+    for x, y in batches:
+        with torch.autocast(device_type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if scaler.get_scale() >= scale:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _loop_setup(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 64, generator=g).to(device),
+                torch.randint(0, 10, (32,), generator=g).to(device)) for _ in range(LOOP_STEPS)]
+    return model, optimizer, scheduler, batches
+
+
+@functools.lru_cache(maxsize=4)
+def trainer_result(device=None):
+    """The weights (a state dict) and the last learning rate after ``Trainer`` ran the loop's
+    20 steps (fp16, GradScaler from 2**24, clip_norm 1.0, the scheduler skipping skipped
+    steps). Cached per device: every check compares against the same run."""
+    device = as_device(device)
+    model, optimizer, scheduler, batches = _loop_setup(device)
+    config = TrainConfig(precision="fp16", scaler=ScalerSettings(init_scale=LOOP_INIT_SCALE),
+                         clip_norm=LOOP_CLIP, progress=False, seed=None, track_memory=False)
+    trainer = Trainer(model, optimizer, config, scheduler=scheduler)
+    for batch in batches:
+        trainer.train_step([batch])
+    return {k: v.clone() for k, v in model.state_dict().items()}, scheduler.get_last_lr()[0]
+
+
+def check_fixed_loop(loop: Callable, device=None) -> Check:
+    """Run ``loop(model, optimizer, scheduler, batches, device_type, init_scale)`` for 20 fp16
+    steps and compare the weights bitwise with ``Trainer`` on the same model and data."""
+    hint = ("three bugs: .half() on the model (autocast wants fp32 weights), clipping before "
+            "scaler.unscale_ (it clips the scaled gradients), and the scheduler stepping on "
+            "steps the scaler skipped (its scale dropped)")
+    if same_code(loop, buggy_loop):
+        return unanswered(LOOP, hint)
+    device = as_device(device)
+    try:
+        check_precision("fp16", device)
+    except ValueError as exc:
+        return skipped(LOOP, f"fp16 AMP cannot run here: {exc}")
+    model, optimizer, scheduler, batches = _loop_setup(device)
+    try:
+        loop(model, optimizer, scheduler, batches, device.type, LOOP_INIT_SCALE)
+    except Exception as exc:  # noqa: BLE001 - the learner's loop: report, do not crash
+        if "FP16 gradients" in str(exc) or any(p.dtype == torch.float16 for p in model.parameters()):
+            return wrong(LOOP, f"the loop raised {type(exc).__name__}: {exc}",
+                         "GradScaler cannot unscale fp16 gradients: drop .half() and let "
+                         "autocast cast per operation, the weights stay fp32")
+        return wrong(LOOP, f"the loop raised {type(exc).__name__}: {exc}", hint)
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return wrong(LOOP, "the weights are not fp32 after the loop", "drop .half()")
+    ref, ref_lr = trainer_result(device)
+    lr = scheduler.get_last_lr()[0]
+    if lr != ref_lr:
+        return wrong(LOOP, f"the learning rate ends at {lr:.4g}; the trainer's at {ref_lr:.4g}",
+                     "the scheduler stepped on skipped steps: compare scaler.get_scale() before "
+                     "and after scaler.update() and step the scheduler only if it did not drop")
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 ref.values()))
+    if not same:
+        return wrong(LOOP, f"the weights after {LOOP_STEPS} steps differ from the trainer's",
+                     "clip after scaler.unscale_(optimizer): before it, the gradients are "
+                     "multiplied by the scale and clip_grad_norm_ shrinks them far too much")
+    return passed(LOOP, f"after {LOOP_STEPS} steps your weights equal the trainer's bit for bit "
+                  f"(final learning rate {lr:.4g})")
+
+
+def reference_function(device_type: str):
+    """The reference solution: a matmul Function whose forward and backward run under the
+    caller's autocast state (``torch.amp.custom_fwd`` / ``custom_bwd``)."""
+    class MatMul(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type=device_type)
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a.mm(b)
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type=device_type)
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return grad.mm(b.t()), a.t().mm(grad)
+    return MatMul
+
+
+def undecorated_function():
+    """A typical wrong answer: the same Function without custom_fwd / custom_bwd."""
+    class MatMul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a.mm(b)
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return grad.mm(b.t()), a.t().mm(grad)
+    return MatMul
+
+
+def check_autograd_function(fn, device=None) -> Check:
+    """Grade ``fn`` (a ``torch.autograd.Function`` computing ``a @ b``): under autocast its
+    forward and backward must run, and its gradients match fp32 autograd's to 16-bit rounding."""
+    hint = ("decorate forward with @torch.amp.custom_fwd(device_type=env.device_type) and backward "
+            "with @torch.amp.custom_bwd(device_type=env.device_type): backward then runs under "
+            "the same autocast state as forward did")
+    device = as_device(device)
+    if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
+        return unanswered(FUNCTION, hint) if is_blank(fn) else wrong(
+            FUNCTION, f"expected a torch.autograd.Function subclass; got {fn!r}", hint)
+    g = torch.Generator().manual_seed(0)
+    a0, b0 = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    a, b = a0.to(device).requires_grad_(), b0.to(device).requires_grad_()
+    a0, b0 = a0.detach().clone(), b0.detach().clone()
+    try:
+        with torch.autocast(device.type, dtype=_low_dtype(device.type)):
+            out = fn.apply(a, b)
+        if out is None:
+            return unanswered(FUNCTION, hint)
+        out.float().square().sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the learner's Function: report, do not crash
+        return wrong(FUNCTION, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hint)
+    ra, rb = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    ref = ra.mm(rb)
+    ref.square().sum().backward()
+    if out.shape != ref.shape or not torch.allclose(out.float().cpu(), ref.detach(), rtol=0.05,
+                                                    atol=0.05):
+        return wrong(FUNCTION, "forward does not compute a @ b", "return a.mm(b)")
+    for name, got, want in (("a", a.grad, ra.grad), ("b", b.grad, rb.grad)):
+        if got is None or not torch.allclose(got.float().cpu(), want, rtol=0.05, atol=0.1):
+            return wrong(FUNCTION, f"the gradient of {name} is wrong",
+                         "d(a@b)/da is grad @ b.T and d(a@b)/db is a.T @ grad")
+    return passed(FUNCTION, f"forward ran in {out.dtype} under autocast; backward ran and both "
+                  f"gradients match fp32 autograd")
+

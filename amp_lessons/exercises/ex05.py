@@ -1,0 +1,240 @@
+"""Lesson 05's exercises: gradient accumulation (checked against one large batch), activation
+checkpointing (checked against the plain forward: same gradients, fewer saved tensors), and a
+resume that keeps the scaler's state (checked against an uninterrupted ``Trainer`` run)."""
+import io
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..precision import as_device, check_precision
+from ..trainer import ScalerSettings, TrainConfig, Trainer
+from .check import Check, is_blank, passed, skipped, unanswered, wrong
+
+ACCUMULATE = "Exercise 1 (implement): gradient accumulation"
+CHECKPOINT = "Exercise 2 (implement): activation checkpointing"
+RESUME = "Exercise 3 (implement): a resume that keeps the scaler's state"
+RESUME_STEPS, RESUME_AT = 12, 6
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+def _data(n: int = 32, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def reference_accumulate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batches: int):
+    """The reference solution: split the batch, divide each micro-batch's loss by their number,
+    call backward on each (gradients add up in ``.grad``)."""
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        (F.cross_entropy(model(xs), ys) / micro_batches).backward()
+
+
+def _no_division(model, x, y, micro_batches):
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        F.cross_entropy(model(xs), ys).backward()
+
+
+def _zero_each_time(model, x, y, micro_batches):
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        model.zero_grad()
+        (F.cross_entropy(model(xs), ys) / micro_batches).backward()
+
+
+WRONG_ACCUMULATE = {"loss not divided": _no_division, "gradients zeroed per micro-batch":
+                    _zero_each_time}
+
+
+def _grads(model):
+    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+
+
+def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Check:
+    """Grade ``fn(model, x, y, micro_batches)``: the gradients it leaves must equal one backward
+    over the whole batch (a model without BatchNorm: to float rounding)."""
+    hint = ("loop over x.chunk(micro_batches) and y.chunk(micro_batches); divide each loss by "
+            "micro_batches before backward; do not zero the gradients in between")
+    device = as_device(device)
+    x, y = (t.to(device) for t in _data())
+    big = _mlp().to(device)
+    F.cross_entropy(big(x), y).backward()
+    model = _mlp().to(device)
+    try:
+        fn(model, x, y, micro_batches)
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(ACCUMULATE, f"{type(exc).__name__}: {exc}", hint)
+    mine, want = _grads(model), _grads(big)
+    if all(g is None for g in mine):
+        return unanswered(ACCUMULATE, hint)
+    if any(g is None for g in mine):
+        return wrong(ACCUMULATE, "some parameters got no gradient", hint)
+    ratio = float(mine[0].norm() / want[0].norm())
+    if all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(mine, want)):
+        return passed(ACCUMULATE, f"{micro_batches} micro-batches give the gradients of one "
+                      f"batch of {len(x)}")
+    if abs(ratio - micro_batches) < 0.05 * micro_batches:
+        return wrong(ACCUMULATE, f"the gradients are {ratio:.2f}x those of one large batch",
+                     "each micro-batch's loss is a mean over its own samples: divide it by "
+                     "micro_batches, or the sum is micro_batches times too large")
+    return wrong(ACCUMULATE, f"the gradients differ from one large batch's (norm ratio "
+                 f"{ratio:.2f})", "only the last micro-batch counts if the gradients are zeroed "
+                 "in between: backward adds into .grad, zero once per optimizer step")
+
+
+def reference_checkpointed_forward(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The reference solution: each block through ``checkpoint(..., use_reentrant=False)``."""
+    for block in blocks:
+        x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    return x
+
+
+def _saved_bytes(forward: Callable) -> tuple:
+    """(output, bytes the autograd graph saved for backward) of ``forward()``."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return out, total[0]
+
+
+def check_checkpointing(fn: Callable, device=None) -> Check:
+    """Grade ``fn(blocks, x) -> output``: it must give the plain forward's output and gradients
+    and save less for backward (the graph's saved tensors, counted by a saved-tensors hook)."""
+    hint = ("out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) for each "
+            "block: only the block's input is kept, its insides are recomputed in backward")
+    device = as_device(device)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                           for _ in range(4)).to(device)
+    x = torch.randn(16, 64, device=device)
+
+    def plain():
+        h = x
+        for b in blocks:
+            h = b(h)
+        return h
+    out, plain_bytes = _saved_bytes(plain)
+    out.square().mean().backward()
+    want = _grads(blocks)
+    blocks.zero_grad(set_to_none=True)
+    try:
+        mine, mine_bytes = _saved_bytes(lambda: fn(blocks, x))
+        if mine is None:
+            return unanswered(CHECKPOINT, hint)
+        mine.square().mean().backward()
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        if "does not require grad" in str(exc):
+            hint = ("use_reentrant=True runs the block under no_grad and, with an input that "
+                    "needs no gradient, nothing reaches the weights: pass use_reentrant=False")
+        return wrong(CHECKPOINT, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hint)
+    got = _grads(blocks)
+    if any(g is None for g in got):
+        return wrong(CHECKPOINT, "the blocks' weights got no gradient",
+                     "with use_reentrant=True and an input that needs no gradient, nothing "
+                     "reaches the weights: pass use_reentrant=False")
+    if not torch.allclose(mine, out) or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                                                  for a, b in zip(got, want)):
+        return wrong(CHECKPOINT, "the output or the gradients differ from the plain forward's",
+                     "checkpointing must recompute exactly the same blocks on the same input")
+    if mine_bytes > plain_bytes / 2:
+        return wrong(CHECKPOINT, f"the graph saved {mine_bytes:,} bytes, the plain forward "
+                     f"{plain_bytes:,}: nothing was checkpointed", hint)
+    return passed(CHECKPOINT, f"same gradients; the graph saved {mine_bytes:,} bytes instead of "
+                  f"{plain_bytes:,}")
+
+
+def reference_save(model, optimizer, scaler) -> dict:
+    """The reference solution, saving: model, optimizer and scaler state."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict()}
+
+
+def reference_load(state: dict, model, optimizer, scaler) -> None:
+    """The reference solution, loading: all three back."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+
+
+def _save_without_scaler(model, optimizer, scaler):
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def _load_without_scaler(state, model, optimizer, scaler):
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def _save_model_only(model, optimizer, scaler):
+    return {"model": model.state_dict()}
+
+
+def _load_model_only(state, model, optimizer, scaler):
+    model.load_state_dict(state["model"])
+
+
+WRONG_RESUME = {"no scaler state": (_save_without_scaler, _load_without_scaler),
+                "model only": (_save_model_only, _load_model_only)}
+
+
+def _trainer(seed: int, device) -> Trainer:
+    model = _mlp(seed).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    config = TrainConfig(precision="fp16", progress=False, seed=None, track_memory=False,
+                         scaler=ScalerSettings(init_scale=2.0 ** 10, growth_interval=2))
+    return Trainer(model, opt, config)
+
+
+def check_resume(save: Callable, load: Callable, device=None) -> Check:
+    """Grade ``save(model, optimizer, scaler) -> dict`` and ``load(state, model, optimizer,
+    scaler)``: a run stopped at step 6 of 12, saved (through ``torch.save`` and
+    ``torch.load(weights_only=True)``) and loaded into fresh objects, must continue exactly as
+    the uninterrupted run: same losses and loss scales, bit for bit."""
+    hint = ("save model.state_dict(), optimizer.state_dict() and scaler.state_dict(); load each "
+            "with its load_state_dict: the scaler's scale and growth count are part of the run")
+    device = as_device(device)
+    try:
+        check_precision("fp16", device)
+    except ValueError as exc:
+        return skipped(RESUME, f"fp16 AMP cannot run here: {exc}")
+    batches = [_data(16, seed) for seed in range(RESUME_STEPS)]
+    full = _trainer(0, device)
+    want = [full.train_step([b]) for b in batches]
+    first = _trainer(0, device)
+    for b in batches[:RESUME_AT]:
+        first.train_step([b])
+    try:
+        state = save(first.model, first.optimizer, first.scaler)
+        if is_blank(state):
+            return unanswered(RESUME, hint)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        second = _trainer(1, device)  # other initial weights: only what was saved can match
+        load(state, second.model, second.optimizer, second.scaler)
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(RESUME, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hint)
+    got = [second.train_step([b]) for b in batches[RESUME_AT:]]
+    for i, (a, b) in enumerate(zip(got, want[RESUME_AT:]), start=RESUME_AT):
+        if float(a.scale) != float(b.scale):
+            return wrong(RESUME, f"step {i}: the resumed run used a loss scale of "
+                         f"{float(a.scale):g}, the uninterrupted run {float(b.scale):g}",
+                         "the scaler restarted from init_scale: save scaler.state_dict() and "
+                         "load it with scaler.load_state_dict()")
+        if float(a.loss) != float(b.loss):
+            return wrong(RESUME, f"step {i}: loss {float(a.loss):.6f} after resuming, "
+                         f"{float(b.loss):.6f} without the interruption",
+                         "the weights or SGD's momentum buffers did not come back: save and "
+                         "load optimizer.state_dict() as well as the model's")
+    return passed(RESUME, f"steps {RESUME_AT}-{RESUME_STEPS - 1} after resuming: same losses "
+                  f"and loss scales as the uninterrupted run, bit for bit")

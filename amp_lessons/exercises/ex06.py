@@ -1,0 +1,259 @@
+"""Lesson 06's exercises: write the DDP + ``fully_shard`` script and run it with torchrun on two
+CPU processes (gloo); predict the model state each rank holds under DDP, ZeRO-1 and FSDP2;
+compute scaling efficiency as the lesson's sweep does."""
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from .check import Check, is_blank, number, passed, unanswered, within, wrong
+
+SCRIPT = "Exercise 1 (implement): DDP and fully_shard, run with torchrun"
+STATE = "Exercise 2 (predict, then run): model state per rank"
+EFFICIENCY = "Exercise 3 (implement): scaling efficiency"
+MIB = 2 ** 20
+PROCESSES = 2
+
+_HEAD = '''\
+# Run by torchrun, one copy per process (two CPU processes, gloo):
+#   python -m torch.distributed.run --standalone --nproc_per_node 2 this_file.py OUT.json
+import json, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4 and 2.5
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def make_model():
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+def train(model, rank, autocast, steps=5):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)  # each rank trains on its own batches
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+'''
+
+_STUB_BODY = '''\
+# TODO 1: join the process group (backend "gloo": CPU processes)
+...
+rank = dist.get_rank()
+
+# TODO 2: wrap make_model() in DDP, then train it under autocast
+ddp = ...
+ddp_losses = train(ddp, rank, autocast=True)
+
+# TODO 3: shard make_model() with fully_shard: each nn.Linear first, then the whole model,
+#         with a MixedPrecisionPolicy: parameters gathered in bf16, gradients reduced in fp32
+fsdp = ...
+fsdp_losses = train(fsdp, rank, autocast=False)  # the policy casts: no autocast needed
+'''
+
+REFERENCE_BODY = '''\
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+ddp = DDP(make_model())  # gradients are averaged across ranks during backward
+ddp_losses = train(ddp, rank, autocast=True)
+
+fsdp = make_model()
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for layer in fsdp:
+    if isinstance(layer, nn.Linear):
+        fully_shard(layer, mp_policy=policy)  # one unit per layer: gathered one at a time
+fully_shard(fsdp, mp_policy=policy)           # the root: whatever is left, and the hooks
+fsdp_losses = train(fsdp, rank, autocast=False)
+'''
+
+_TAIL = '''
+# The report the check reads (leave as is)
+def local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+inner = ddp.module if isinstance(ddp, DDP) else ddp
+report = {"rank": rank, "world_size": dist.get_world_size(), "ddp": isinstance(ddp, DDP),
+          "ddp_losses": ddp_losses, "fsdp_losses": fsdp_losses,
+          "ddp_checksum": sum(float(p.detach().double().sum()) for p in inner.parameters()),
+          "fsdp_local": sum(local(p).numel() for p in fsdp.parameters()),
+          "full": sum(p.numel() for p in make_model().parameters()),
+          "fsdp_units": sum(isinstance(m, FSDPModule) for m in fsdp.modules()),
+          "fsdp_output": str(fsdp(torch.randn(2, 32)).dtype)}
+reports = [None] * dist.get_world_size()
+dist.all_gather_object(reports, report)
+if rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(reports, f)
+dist.destroy_process_group()
+'''
+
+STUB = _HEAD + _STUB_BODY + _TAIL
+REFERENCE = _HEAD + REFERENCE_BODY + _TAIL
+WRONG_SCRIPTS = {
+    "no DDP wrapper": REFERENCE.replace("ddp = DDP(make_model())", "ddp = make_model()"),
+    "root only": REFERENCE.replace("        fully_shard(layer, mp_policy=policy)", "        pass"),
+}
+
+
+def _last_error(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if "Error" in ln and ":" in ln]
+    return lines[-1][:300] if lines else (text.strip().splitlines() or ["no output"])[-1][:300]
+
+
+def run_script(source: str, timeout_s: float = 180.0) -> dict:
+    """Write ``source`` to a temporary file and run it with torchrun on two CPU processes (gloo,
+    no GPU visible). Returns ``{"returncode", "reports", "error"}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, out = Path(tmp) / "ddp_fsdp.py", Path(tmp) / "out.json"
+        path.write_text(source)
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH"))
+                                              if p),
+                   PYTHONWARNINGS="ignore")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={PROCESSES}", str(path), str(out)]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=timeout_s, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            return {"returncode": None, "reports": None,
+                    "error": f"the script did not finish within {timeout_s:.0f} s"}
+        reports = json.loads(out.read_text()) if out.exists() else None
+        return {"returncode": done.returncode, "reports": reports,
+                "error": _last_error(done.stderr + done.stdout) if done.returncode else ""}
+
+
+def check_script(source: str, timeout_s: float = 180.0) -> Check:
+    """Run the learner's script (``source``) with torchrun on two CPU processes and grade what
+    its report says: DDP kept the ranks' weights identical, FSDP2 sharded them (one unit per
+    Linear plus the root) and gathered them in bf16, every loss finite."""
+    hint = ("dist.init_process_group('gloo'); ddp = DDP(make_model()); then fsdp = make_model(), "
+            "policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype="
+            "torch.float32), fully_shard(layer, mp_policy=policy) for each nn.Linear and "
+            "fully_shard(fsdp, mp_policy=policy) last")
+    if is_blank(source) or source.strip() == STUB.strip() or "\n...\n" in source \
+            or "= ...\n" in source:
+        return unanswered(SCRIPT, hint)
+    result = run_script(source, timeout_s)
+    if result["returncode"] != 0 or not result["reports"]:
+        return wrong(SCRIPT, f"torchrun failed: {result['error']}", hint)
+    return grade_reports(result["reports"])
+
+
+def grade_reports(reports: Sequence[Mapping]) -> Check:
+    """Grade the ranks' reports of a finished script run (see ``check_script``)."""
+    hint = ("dist.init_process_group('gloo'); ddp = DDP(make_model()); then fsdp = make_model(), "
+            "policy = MixedPrecisionPolicy(...), fully_shard each nn.Linear, then the model")
+    if len(reports) != PROCESSES or any(r["world_size"] != PROCESSES for r in reports):
+        return wrong(SCRIPT, f"expected {PROCESSES} ranks; the report has {len(reports)}", hint)
+    losses = [x for r in reports for x in r["ddp_losses"] + r["fsdp_losses"]]
+    if not all(math.isfinite(x) for x in losses):
+        return wrong(SCRIPT, "a loss is inf or NaN", hint)
+    sums = [r["ddp_checksum"] for r in reports]
+    if not all(r["ddp"] for r in reports) or max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+        return wrong(SCRIPT, "after training, the ranks' DDP weights differ",
+                     "each rank saw other batches and no one averaged the gradients: wrap the "
+                     "model in DDP(...) so backward all-reduces them")
+    full, local = reports[0]["full"], [r["fsdp_local"] for r in reports]
+    if sum(local) > 1.01 * full or max(local) > 0.6 * full:
+        return wrong(SCRIPT, f"each rank holds {max(local):,} of the {full:,} FSDP parameters: "
+                     f"nothing is sharded", "fully_shard(module) replaces the parameters with "
+                     "DTensors split across the ranks")
+    units = reports[0]["fsdp_units"]
+    if units < 4:
+        return wrong(SCRIPT, f"{units} FSDP2 unit(s); expected one per nn.Linear plus the root",
+                     "call fully_shard on each nn.Linear before the whole model: one big unit "
+                     "gathers every parameter at once, which is what sharding tries to avoid")
+    if reports[0]["fsdp_output"] != "torch.bfloat16":
+        return wrong(SCRIPT, f"the FSDP2 model computes in {reports[0]['fsdp_output']}",
+                     "pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                     "reduce_dtype=torch.float32) to every fully_shard call")
+    return passed(SCRIPT, f"{PROCESSES} ranks: DDP weights identical after training; FSDP2 "
+                  f"holds {local} of {full:,} parameters per rank in {units} units, computing "
+                  f"in bf16")
+
+
+def reference_state_per_rank(n_params: int, world_size: int) -> dict:
+    """The reference solution, in MiB: fp32 weights (4 B), gradients (4 B) and AdamW's two
+    moments (8 B); ZeRO-1 shards the moments, FSDP2 all three."""
+    n = n_params / MIB
+    return {"ddp": 16 * n, "zero": 8 * n + 8 * n / world_size, "fsdp2": 16 * n / world_size}
+
+
+def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, float],
+                         world_size: int) -> Check:
+    """Grade ``answer`` ({"ddp", "zero", "fsdp2"} -> MiB of parameters + gradients + optimizer
+    state on one rank) against ``measured`` (the sweep's ``model_state_mib`` per strategy at
+    ``world_size`` processes), within 10% (ZeRO splits whole tensors, so shards are uneven)."""
+    hint = ("per parameter in fp32: 4 bytes of weight, 4 of gradient, 8 of AdamW state (two "
+            "moments), 16 in all; decide for each strategy which of the three it splits across "
+            "the N ranks")
+    why = {"ddp": "DDP replicates everything: all 16 bytes per parameter on every rank",
+           "zero": "ZeRO stage 1 splits only the optimizer state: 4 + 4 + 8/N bytes",
+           "fsdp2": "FSDP2 splits weights, gradients and optimizer state: 16/N bytes"}
+    if is_blank(answer):
+        return unanswered(STATE, hint)
+    if not isinstance(answer, Mapping) or set(answer) != set(why):
+        return wrong(STATE, f"answer must be a dict with the keys {', '.join(why)}", hint)
+    for key in why:
+        got = number(answer[key])
+        if got is None:
+            return wrong(STATE, f"{key}: expected MiB as a number; got {answer[key]!r}", hint)
+        if measured.get(key) is None:
+            continue
+        if not within(got, measured[key], 0.10):
+            return wrong(STATE, f"{key} at {world_size} process(es): you said {got:,.0f} MiB, "
+                         f"measured {measured[key]:,.0f}", why[key])
+    return passed(STATE, ", ".join(f"{k} {measured[k]:,.0f} MiB" for k in why
+                                   if measured.get(k) is not None) + " per rank")
+
+
+def reference_efficiency(per_s_1: float, per_s_n: float, n: int) -> float:
+    """The reference solution: N processes' throughput over N times one process's."""
+    return per_s_n / (n * per_s_1)
+
+
+def check_efficiency(fn: Callable, summary: Sequence[Mapping]) -> Check:
+    """Grade ``fn(per_s_1, per_s_n, n)`` against the ``efficiency`` of every multi-process row of
+    a sweep's ``summary()`` (its ``label``, ``world_size``, ``per_s``)."""
+    hint = ("efficiency = (throughput of N processes) / (N x throughput of one): 1.0 means N "
+            "processes did N times the work")
+    single = {r["label"]: r["per_s"] for r in summary if r["world_size"] == 1}
+    rows = [r for r in summary if r["world_size"] > 1 and r.get("efficiency") is not None
+            and r["label"] in single]
+    if not rows:
+        raise ValueError("summary must hold a config run on 1 and on more processes")
+    for r in rows:
+        try:
+            got = fn(single[r["label"]], r["per_s"], r["world_size"])
+        except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+            return wrong(EFFICIENCY, f"{type(exc).__name__}: {exc}", hint)
+        if is_blank(got):
+            return unanswered(EFFICIENCY, hint)
+        v = number(got)
+        if v is None or not math.isclose(v, r["efficiency"], rel_tol=1e-9):
+            speedup = r["per_s"] / single[r["label"]]
+            why = ("that is the speed-up; divide it by the number of processes"
+                   if v is not None and math.isclose(v, speedup, rel_tol=1e-9) else hint)
+            return wrong(EFFICIENCY, f"{r['label']} on {r['world_size']} processes: you give "
+                         f"{got!r}, the sweep {r['efficiency']:.4f}", why)
+    return passed(EFFICIENCY, f"matches the sweep on {len(rows)} rows")

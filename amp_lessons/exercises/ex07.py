@@ -1,0 +1,138 @@
+"""Lesson 07's exercises: per-tensor and per-row amax scaling (graded against the e4m3 format's
+limits in ``amp_lessons.formats``), and a module filter for ``convert_to_float8_training``
+(graded against a conversion plan: which Linear layers to keep in bf16, and why)."""
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .. import formats
+from .check import Check, is_blank, passed, unanswered, wrong
+
+TENSOR = "Exercise 1 (implement): per-tensor amax scaling"
+ROW = "Exercise 2 (implement): per-row amax scaling"
+FILTER = "Exercise 3 (implement): which layers to convert"
+
+
+def e4m3_max() -> float:
+    """The largest finite e4m3 value (448), from ``formats``."""
+    return formats.get_format("e4m3").max
+
+
+def test_tensor(seed: int = 0) -> torch.Tensor:
+    """Rows at very different magnitudes, one outlier, negative values: what a scale must
+    handle."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 64, generator=g) * torch.logspace(-4, 1, 8).unsqueeze(1)
+    x[3, 5] = -900.0
+    return x
+
+
+def reference_per_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The reference solution: e4m3's max over the tensor's largest magnitude."""
+    return e4m3_max() / x.abs().max()
+
+
+def reference_per_row(x: torch.Tensor) -> torch.Tensor:
+    """The reference solution: one scale per row, shape (rows, 1)."""
+    return e4m3_max() / x.abs().amax(dim=-1, keepdim=True)
+
+
+def _round_trip_error(x: torch.Tensor, scale: torch.Tensor) -> float:
+    back = formats.round_to(x.double() * scale.double(), "e4m3") / scale.double()
+    return float(((back - x.double()).abs() / x.double().abs().clamp(min=1e-30)).median())
+
+
+WRONG_TENSOR = {"inverted": lambda x: x.abs().max() / 448.0,
+                "no abs": lambda x: 448.0 / x.max(),
+                "e5m2's max": lambda x: 57344.0 / x.abs().max()}
+WRONG_ROW = {"per column": lambda x: 448.0 / x.abs().amax(dim=0, keepdim=True),
+             "per tensor": lambda x: 448.0 / x.abs().max()}
+
+
+def _scale_hint(x, got, want, what):
+    g = torch.as_tensor(got, dtype=torch.float64)
+    w = torch.as_tensor(want, dtype=torch.float64)
+    if torch.allclose(g, 1 / w, rtol=1e-4):
+        return "that is the inverse: the scale multiplies x up to e4m3's max, so max / amax"
+    if torch.allclose(g, w * 57344.0 / e4m3_max(), rtol=1e-4):
+        return "57344 is e5m2's max (gradients); forward tensors use e4m3, whose max is 448"
+    return f"amax is the largest |x| ({what}): use x.abs(), not x, so negative outliers count"
+
+
+def check_per_tensor_scale(fn: Callable) -> Check:
+    """Grade ``fn(x) -> scale``: e4m3's max over ``amax(|x|)`` (a 0-dim tensor or a number)."""
+    hint = "scale = 448 / x.abs().max(): the largest magnitude lands on e4m3's largest value"
+    x = test_tensor()
+    try:
+        got = fn(x)
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(TENSOR, f"{type(exc).__name__}: {exc}", hint)
+    if is_blank(got):
+        return unanswered(TENSOR, hint)
+    want = reference_per_tensor(x)
+    try:
+        g = torch.as_tensor(got, dtype=torch.float64).reshape(())
+    except (RuntimeError, TypeError, ValueError):
+        return wrong(TENSOR, f"expected one scale for the whole tensor; got {got!r}", hint)
+    if not torch.allclose(g, want.double(), rtol=1e-4):
+        return wrong(TENSOR, f"scale {float(g):.4g}; max/amax is {float(want):.4g}",
+                     _scale_hint(x, g, want, "over the whole tensor"))
+    return passed(TENSOR, f"scale {float(want):.4g}; median relative error after an e4m3 round "
+                  f"trip {_round_trip_error(x, want):.2%}")
+
+
+def check_per_row_scale(fn: Callable) -> Check:
+    """Grade ``fn(x) -> scales``: one e4m3 scale per row, shape ``(rows, 1)``."""
+    hint = ("448 / x.abs().amax(dim=-1, keepdim=True): one amax per row, kept as a column so it "
+            "broadcasts over the row")
+    x = test_tensor()
+    try:
+        got = fn(x)
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(ROW, f"{type(exc).__name__}: {exc}", hint)
+    if is_blank(got):
+        return unanswered(ROW, hint)
+    want = reference_per_row(x)
+    g = torch.as_tensor(got, dtype=torch.float64)
+    if g.shape != want.shape:
+        what = ("one scale per column: amax over dim 0 mixes the rows" if g.numel() == x.shape[1]
+                else "one scale for the whole tensor" if g.numel() == 1 else f"shape {tuple(g.shape)}")
+        return wrong(ROW, f"expected shape {tuple(want.shape)}; got {what}", hint)
+    if not torch.allclose(g, want.double(), rtol=1e-4):
+        return wrong(ROW, "the scales differ from max / amax of each row",
+                     _scale_hint(x, g, want, "of each row"))
+    tensor_err = _round_trip_error(x, reference_per_tensor(x))
+    return passed(ROW, f"median relative error after an e4m3 round trip {_round_trip_error(x, want):.2%} "
+                  f"(one scale for the tensor: {tensor_err:.2%})")
+
+
+def wrong_filter_all_linear(module: nn.Module, fqn: str) -> bool:
+    """A typical wrong answer: convert every Linear."""
+    return isinstance(module, nn.Linear)
+
+
+def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping]) -> Check:
+    """Grade ``fn(module, fqn) -> bool`` (torchao's ``module_filter_fn``: True = convert to FP8)
+    on every ``nn.Linear`` of ``model`` against ``plan`` (rows with ``layer``, ``precision``
+    "float8" | "bf16" and ``reason``)."""
+    hint = ("keep in bf16 the first and the last Linear, any layer with a dimension not "
+            "divisible by 16, and small layers (in or out features under the width where FP8 "
+            "pays); convert the rest")
+    rows = {r["layer"]: r for r in plan}
+    try:
+        answers = {name: fn(m, name) for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear)}
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(FILTER, f"{type(exc).__name__}: {exc}", hint)
+    if all(v is None or v is Ellipsis for v in answers.values()):
+        return unanswered(FILTER, hint)
+    for name, said in answers.items():
+        want = rows[name]["precision"] == "float8"
+        if bool(said) != want:
+            verb = "converts" if said else "keeps"
+            return wrong(FILTER, f"your filter {verb} {name} ({rows[name]['in']} -> "
+                         f"{rows[name]['out']}); the plan says {rows[name]['precision']}",
+                         rows[name]["reason"])
+    n = sum(r["precision"] == "float8" for r in plan)
+    return passed(FILTER, f"{n} of {len(plan)} Linear layers to FP8, as the plan says")

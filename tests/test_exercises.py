@@ -1,0 +1,314 @@
+"""Every exercise, graded three ways: the reference solution passes, the untouched stub says
+"not answered yet" with its hint, and each typical wrong answer fails with the hint that names
+its mistake (never a bare False)."""
+import torch
+import pytest
+from torch import nn
+
+import amp_lessons as al
+from amp_lessons.exercises import ex01, ex02, ex03, ex04, ex05, ex06, ex07
+from amp_lessons.exercises.check import Check, is_blank, same_code
+from amp_lessons.lessons import l03_scaler, l07_fp8
+from amp_lessons.trainer import ScalerSettings
+
+
+def assert_wrong(check, *fragments):
+    assert check.status == "wrong" and not check, check
+    assert check.hint and all(f in check.message + check.hint for f in fragments), check
+
+
+def assert_unanswered(check):
+    assert check.status == "not answered yet" and check.hint, check
+    assert "not answered yet" in repr(check) and "hint:" in repr(check)
+
+
+# --- the result type --------------------------------------------------------------------------
+def test_check_renders_as_text_and_is_true_only_when_passed():
+    ok, bad = Check("E", "passed", "fine"), Check("E", "wrong", "off by one", "count again")
+    assert ok and not bad and ok.passed
+    assert repr(ok) == "[x] E: passed: fine" and "hint: count again" in repr(bad)
+    with pytest.raises(ValueError, match="status must be one of"):
+        Check("E", "maybe")
+
+
+def test_blank_answers_and_unedited_code():
+    assert is_blank(None) and is_blank(...) and is_blank({"a": None}) and not is_blank(0)
+    assert same_code(ex02.buggy_loop, ex02.buggy_loop)
+    assert not same_code(ex02.reference_loop, ex02.buggy_loop)
+
+
+# --- lesson 01 --------------------------------------------------------------------------------
+def test_ex01_predictions():
+    t = ex01.fp16_truths()
+    assert t["one_plus"] == 1.0 and 9.9 < t["hundredths"] < 10.0
+    assert ex01.check_fp16_predictions(t["one_plus"], round(t["hundredths"], 2))
+    assert_unanswered(ex01.check_fp16_predictions(None, None))
+    assert_wrong(ex01.check_fp16_predictions(1.0001, t["hundredths"]), "rounds back to 1.0")
+    assert_wrong(ex01.check_fp16_predictions(1.0, 10.0), "exact sum")
+
+
+def test_ex01_scale_exponent():
+    grads = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 1e-6
+    k = ex01.smallest_safe_exponent(grads)
+    assert al.formats.scaled_fractions(grads, 2.0 ** k)["flushed"] == 0
+    assert al.formats.scaled_fractions(grads, 2.0 ** (k - 1))["flushed"] > 0
+    assert ex01.check_scale_exponent(k, grads)
+    assert_unanswered(ex01.check_scale_exponent(None, grads))
+    assert_wrong(ex01.check_scale_exponent(0, grads), "keep raising k")
+    assert_wrong(ex01.check_scale_exponent(k + 4, grads), "lower k")
+    assert_wrong(ex01.check_scale_exponent(2.0 ** k, grads), "integer exponent")
+
+
+def test_ex01_master_weight():
+    assert ex01.check_master_weight(ex01.reference_master_weight)
+    assert_unanswered(ex01.check_master_weight(lambda start, update, steps: None))
+    for bad in ex01.WRONG_MASTER.values():
+        assert_wrong(ex01.check_master_weight(bad), "swamped", "torch.float32")
+
+
+# --- lesson 02 --------------------------------------------------------------------------------
+def test_ex02_dtypes():
+    real = ex02.autocast_dtypes("cpu")
+    assert ex02.check_autocast_dtypes(dict(real), "cpu")
+    assert ex02.check_autocast_dtypes({"fc1": "16-bit", "norm": "16-bit", "fc2": "bf16",
+                                       "loss": "fp32"}, "cpu")
+    assert_unanswered(ex02.check_autocast_dtypes(dict.fromkeys(ex02.LAYERS), "cpu"))
+    assert_wrong(ex02.check_autocast_dtypes({"fc1": "fp32", "norm": "16-bit", "fc2": "16-bit",
+                                             "loss": "fp32"}, "cpu"), "matmul")
+    assert_wrong(ex02.check_autocast_dtypes({"fc1": "16-bit", "norm": "16-bit", "fc2": "16-bit",
+                                             "loss": "16-bit"}, "cpu"), "fp32 list")
+
+
+def _one_bug(bug):
+    """The reference loop with one of the three bugs put back."""
+    import torch.nn.functional as F
+
+    def loop(model, optimizer, scheduler, batches, device_type, init_scale):
+        if bug == "half":
+            model.half()
+        scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
+        for x, y in batches:
+            with torch.autocast(device_type, dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            if bug == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.unscale_(optimizer)
+            if bug != "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            if bug == "scheduler" or scaler.get_scale() >= scale:
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    return loop
+
+
+def test_ex02_fixed_loop_matches_the_trainer_bitwise():
+    assert ex02.check_fixed_loop(ex02.reference_loop, "cpu")
+    assert_unanswered(ex02.check_fixed_loop(ex02.buggy_loop, "cpu"))
+    assert_wrong(ex02.check_fixed_loop(_one_bug("half"), "cpu"), ".half()")
+    assert_wrong(ex02.check_fixed_loop(_one_bug("scheduler"), "cpu"), "skipped steps")
+    assert_wrong(ex02.check_fixed_loop(_one_bug("clip"), "cpu"), "clip after scaler.unscale_")
+
+
+def test_ex02_autograd_function():
+    assert ex02.check_autograd_function(ex02.reference_function("cpu"), "cpu")
+    assert_unanswered(ex02.check_autograd_function(None, "cpu"))
+    assert_wrong(ex02.check_autograd_function(ex02.undecorated_function(), "cpu"), "custom_bwd")
+
+
+# --- lesson 03 --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scaler_runs():
+    settings = ScalerSettings(init_scale=2.0 ** 24, growth_interval=2)
+    demo = l03_scaler.train_with_scaler(settings, 20, evaluate=False)
+    floor = l03_scaler.train_with_scaler(ScalerSettings(), 19, injection_rate=1.0,
+                                         evaluate=False)
+    healthy = l03_scaler.train_with_scaler(ScalerSettings(init_scale=2.0 ** 8), 10,
+                                           evaluate=False)
+    return settings, demo, floor, healthy
+
+
+def test_ex03_update_rule_replays_a_run(scaler_runs):
+    settings, demo, _, _ = scaler_runs
+    assert any(demo.skipped) and len(set(demo.scales)) > 3
+    assert ex03.check_update_rule(ex03.reference_update, demo.scales, demo.skipped, settings)
+    assert_unanswered(ex03.check_update_rule(lambda *a: None, demo.scales, demo.skipped,
+                                             settings))
+    for bad in ex03.WRONG_RULES.values():
+        assert_wrong(ex03.check_update_rule(bad, demo.scales, demo.skipped, settings),
+                     "growth_interval")
+
+
+def test_ex03_trace_causes(scaler_runs):
+    _, demo, floor, healthy = scaler_runs
+    traces = {"A": (floor.scales, floor.skipped), "B": (demo.scales, demo.skipped),
+              "C": (healthy.scales, healthy.skipped)}
+    right = {"A": "inf or NaN every step", "B": "init_scale too high", "C": "healthy"}
+    assert ex03.check_trace_causes(right, traces)
+    assert_unanswered(ex03.check_trace_causes(dict.fromkeys(traces), traces))
+    assert_wrong(ex03.check_trace_causes({**right, "A": "init_scale too high",
+                                          "B": "inf or NaN every step"}, traces), "never recovers")
+    assert_wrong(ex03.check_trace_causes({**right, "C": "too big"}, traces), "the causes are")
+
+
+def test_ex03_steps_below_one(scaler_runs):
+    floor = scaler_runs[2]
+    assert ex03.first_below_one(floor.scales) == 17
+    assert ex03.check_steps_below_one(17, floor.scales)
+    assert_unanswered(ex03.check_steps_below_one(None, floor.scales))
+    assert_wrong(ex03.check_steps_below_one(16, floor.scales), "not below 1")
+    assert_wrong(ex03.check_steps_below_one(8, floor.scales), "2**(16 - i)")
+
+
+# --- lesson 04 --------------------------------------------------------------------------------
+def test_ex04_state_bytes_and_activation_ratio():
+    model = al.models.resnet18(num_classes=10)
+    ref = ex04.reference_state_bytes(model)
+    n = sum(p.numel() for p in model.parameters())
+    row = {"params_gib": 4 * n / 2 ** 30, "grads_gib": 4 * n / 2 ** 30,
+           "optimizer_state_gib": 4 * n / 2 ** 30}
+    assert ex04.check_state_bytes(ref, row)
+    assert_unanswered(ex04.check_state_bytes(dict.fromkeys(ref), row))
+    assert_wrong(ex04.check_state_bytes({k: v / 2 for k, v in ref.items()}, row), "16 bits")
+    assert_wrong(ex04.check_state_bytes({k: v / 2 ** 30 for k, v in ref.items()}, row), "GiB")
+    amp, fp32 = {"activations_gib": 1.05}, {"activations_gib": 2.0}
+    assert ex04.check_activation_ratio(0.5, amp, fp32)
+    assert_unanswered(ex04.check_activation_ratio(None, amp, fp32))
+    assert_wrong(ex04.check_activation_ratio(1.0, amp, fp32), "does save")
+    assert_wrong(ex04.check_activation_ratio(0.25, amp, fp32), "halves")
+
+
+def test_ex04_channels_last():
+    assert ex04.check_channels_last(ex04.reference_channels_last)
+    assert_unanswered(ex04.check_channels_last(lambda model, x: None))
+    assert_wrong(ex04.check_channels_last(lambda m, x: (m, x)), "NCHW")
+    assert_wrong(ex04.check_channels_last(
+        lambda m, x: (m.to(memory_format=torch.channels_last), x)), "input")
+
+
+# --- lesson 05 --------------------------------------------------------------------------------
+def test_ex05_accumulation():
+    assert ex05.check_accumulation(ex05.reference_accumulate)
+    assert_unanswered(ex05.check_accumulation(lambda model, x, y, n: None))
+    assert_wrong(ex05.check_accumulation(ex05.WRONG_ACCUMULATE["loss not divided"]), "4.00x")
+    assert_wrong(ex05.check_accumulation(ex05.WRONG_ACCUMULATE["gradients zeroed per micro-batch"]),
+                 "zeroed")
+
+
+def test_ex05_checkpointing():
+    assert ex05.check_checkpointing(ex05.reference_checkpointed_forward)
+    assert_unanswered(ex05.check_checkpointing(lambda blocks, x: None))
+
+    def plain(blocks, x):
+        for b in blocks:
+            x = b(x)
+        return x
+    assert_wrong(ex05.check_checkpointing(plain), "nothing was checkpointed")
+
+    def reentrant(blocks, x):
+        for b in blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True)
+        return x
+    with pytest.warns(UserWarning):
+        assert_wrong(ex05.check_checkpointing(reentrant), "use_reentrant=False")
+
+
+def test_ex05_resume_keeps_the_scaler():
+    assert ex05.check_resume(ex05.reference_save, ex05.reference_load)
+    assert_unanswered(ex05.check_resume(lambda m, o, s: None, lambda *a: None))
+    for save, load in ex05.WRONG_RESUME.values():
+        assert_wrong(ex05.check_resume(save, load), "scaler.state_dict()")
+
+    def load_no_optimizer(state, model, optimizer, scaler):
+        model.load_state_dict(state["model"])
+        scaler.load_state_dict(state["scaler"])
+    assert_wrong(ex05.check_resume(ex05.reference_save, load_no_optimizer), "optimizer.state_dict()")
+
+
+# --- lesson 06 --------------------------------------------------------------------------------
+def test_ex06_stub_is_unanswered_without_running():
+    assert_unanswered(ex06.check_script(ex06.STUB))
+    assert "init_process_group" not in ex06.STUB and "fully_shard(layer" in ex06.REFERENCE
+
+
+@pytest.fixture(scope="module")
+def reference_reports():
+    result = ex06.run_script(ex06.REFERENCE)
+    assert result["returncode"] == 0, result["error"]
+    return result["reports"]
+
+
+@pytest.mark.slow
+def test_ex06_script_runs_with_torchrun_on_two_cpu_processes(reference_reports):
+    assert ex06.grade_reports(reference_reports), ex06.grade_reports(reference_reports)
+    assert [r["rank"] for r in reference_reports] == [0, 1]
+
+
+@pytest.mark.slow
+def test_ex06_script_without_ddp_fails_with_its_hint():
+    assert_wrong(ex06.check_script(ex06.WRONG_SCRIPTS["no DDP wrapper"]), "wrap the model in DDP")
+
+
+def test_ex06_reports_of_typical_mistakes(reference_reports):
+    one_unit = [dict(r, fsdp_units=1) for r in reference_reports]
+    assert_wrong(ex06.grade_reports(one_unit), "on each nn.Linear")
+    fp32 = [dict(r, fsdp_output="torch.float32") for r in reference_reports]
+    assert_wrong(ex06.grade_reports(fp32), "param_dtype=torch.bfloat16")
+    unsharded = [dict(r, fsdp_local=r["full"]) for r in reference_reports]
+    assert_wrong(ex06.grade_reports(unsharded), "nothing is sharded")
+    assert "root only" in ex06.WRONG_SCRIPTS
+
+
+def test_ex06_state_per_rank():
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    held = al.distributed.local_state_bytes(model, opt)
+    n = sum(p.numel() for p in model.parameters())
+    ddp = sum(held.values()) / ex06.MIB  # one process's full copy, measured
+    assert abs(ddp / ex06.reference_state_per_rank(n, 1)["ddp"] - 1) < 0.01  # + AdamW's steps
+    measured = {"ddp": ddp, "zero": ddp * 12 / 16, "fsdp2": ddp / 2}
+    assert ex06.check_state_per_rank(ex06.reference_state_per_rank(n, 2), measured, 2)
+    assert_unanswered(ex06.check_state_per_rank(dict.fromkeys(measured), measured, 2))
+    assert_wrong(ex06.check_state_per_rank({**measured, "zero": ddp / 2}, measured, 2),
+                 "only the optimizer state")
+    assert_wrong(ex06.check_state_per_rank({**measured, "fsdp2": ddp}, measured, 2), "16/N")
+
+
+def test_ex06_efficiency():
+    summary = [{"label": "ddp bf16", "world_size": 1, "per_s": 100.0, "efficiency": 1.0},
+               {"label": "ddp bf16", "world_size": 2, "per_s": 190.0, "efficiency": 0.95}]
+    assert ex06.check_efficiency(ex06.reference_efficiency, summary)
+    assert_unanswered(ex06.check_efficiency(lambda a, b, n: None, summary))
+    assert_wrong(ex06.check_efficiency(lambda a, b, n: b / a, summary), "speed-up")
+    with pytest.raises(ValueError, match="1 and on more"):
+        ex06.check_efficiency(ex06.reference_efficiency, summary[:1])
+
+
+# --- lesson 07 --------------------------------------------------------------------------------
+def test_ex07_scales_match_the_lessons_amax_scale():
+    x = ex07.test_tensor()
+    assert torch.allclose(ex07.reference_per_tensor(x), l07_fp8.amax_scale(x, "e4m3"))
+    assert torch.allclose(ex07.reference_per_row(x), l07_fp8.amax_scale(x, "e4m3", "rowwise"))
+    assert ex07.check_per_tensor_scale(ex07.reference_per_tensor)
+    assert ex07.check_per_row_scale(ex07.reference_per_row)
+    assert_unanswered(ex07.check_per_tensor_scale(lambda x: None))
+    assert_unanswered(ex07.check_per_row_scale(lambda x: None))
+    hints = {"inverted": "inverse", "no abs": "x.abs()", "e5m2's max": "e5m2"}
+    for name, bad in ex07.WRONG_TENSOR.items():
+        assert_wrong(ex07.check_per_tensor_scale(bad), hints[name])
+    assert_wrong(ex07.check_per_row_scale(ex07.WRONG_ROW["per column"]), "per column")
+    assert_wrong(ex07.check_per_row_scale(ex07.WRONG_ROW["per tensor"]), "whole tensor")
+
+
+def test_ex07_module_filter():
+    model = l07_fp8.mlp_stack(256, blocks=2)
+    plan = l07_fp8.conversion_plan(model, min_features=256)
+    assert ex07.check_module_filter(l07_fp8.module_filter(plan), model, plan)
+    assert_unanswered(ex07.check_module_filter(lambda m, fqn: None, model, plan))
+    assert_wrong(ex07.check_module_filter(ex07.wrong_filter_all_linear, model, plan),
+                 "first layer")

@@ -157,10 +157,12 @@ def test_ex03_trace_causes(scaler_runs):
 def test_ex03_steps_below_one(scaler_runs):
     floor = scaler_runs[2]
     assert ex03.first_below_one(floor.scales) == 17
-    assert ex03.check_steps_below_one(17, floor.scales)
-    assert_unanswered(ex03.check_steps_below_one(None, floor.scales))
-    assert_wrong(ex03.check_steps_below_one(16, floor.scales), "not below 1")
-    assert_wrong(ex03.check_steps_below_one(8, floor.scales), "2**(16 - i)")
+    assert ex03.overflow_trace(ScalerSettings(), 19) == floor.scales  # the trainer's own trace
+    assert ex03.check_steps_below_one(17, ScalerSettings())
+    assert_unanswered(ex03.check_steps_below_one(None, ScalerSettings()))
+    assert_wrong(ex03.check_steps_below_one(16, ScalerSettings()), "not below 1")
+    assert_wrong(ex03.check_steps_below_one(8, ScalerSettings()), "backoff_factor")
+    assert ex03.check_steps_below_one(4, ScalerSettings(init_scale=8.0))
 
 
 # --- lesson 04 --------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from .. import formats
 from .check import Check, is_blank, number, passed, unanswered, wrong
 
 PREDICT = "Exercise 1 (predict, then run): fp16 rounding"
-SCALE = "Exercise 2 (find it): the smallest loss scale that flushes nothing"
-MASTER = "Exercise 3 (implement): an fp32 master weight"
+SCALE = "Exercise 3 (find it): the smallest loss scale that flushes nothing"
+MASTER = "Exercise 2 (implement): an fp32 master weight"
 
 
 def fp16_truths() -> dict:

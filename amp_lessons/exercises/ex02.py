@@ -11,9 +11,9 @@ from ..precision import as_device, check_precision
 from ..trainer import ScalerSettings, TrainConfig, Trainer
 from .check import Check, is_blank, passed, same_code, skipped, unanswered, wrong
 
-DTYPES = "Exercise 1 (predict, then run): dtypes under autocast"
-LOOP = "Exercise 2 (fix the bug): a loop with three bugs"
-FUNCTION = "Exercise 3 (implement): an autograd Function that survives autocast"
+DTYPES = "Exercise 2 (predict, then run): dtypes under autocast"
+LOOP = "Exercise 3 (fix the bug): a loop with three bugs"
+FUNCTION = "Exercise 1 (implement): an autograd Function that survives autocast"
 LAYERS = ("fc1", "norm", "fc2", "loss")
 LOOP_STEPS, LOOP_INIT_SCALE, LOOP_CLIP = 20, 2.0 ** 24, 1.0
 
@@ -168,13 +168,16 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
         return wrong(LOOP, f"the learning rate ends at {lr:.4g}; the trainer's at {ref_lr:.4g}",
                      "the scheduler stepped on skipped steps: compare scaler.get_scale() before "
                      "and after scaler.update() and step the scheduler only if it did not drop")
-    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                 ref.values()))
+    # bitwise on a CPU; on a GPU within rounding (kernels may pick other reduction orders)
+    same = all(torch.equal(a, b) if device.type == "cpu" else
+               torch.allclose(a, b.to(a.device), rtol=1e-3, atol=1e-5)
+               for a, b in zip(model.state_dict().values(), ref.values()))
     if not same:
         return wrong(LOOP, f"the weights after {LOOP_STEPS} steps differ from the trainer's",
                      "clip after scaler.unscale_(optimizer): before it, the gradients are "
                      "multiplied by the scale and clip_grad_norm_ shrinks them far too much")
-    return passed(LOOP, f"after {LOOP_STEPS} steps your weights equal the trainer's bit for bit "
+    how = "bit for bit" if device.type == "cpu" else "to rounding"
+    return passed(LOOP, f"after {LOOP_STEPS} steps your weights equal the trainer's {how} "
                   f"(final learning rate {lr:.4g})")
 
 

@@ -1,16 +1,17 @@
 """Lesson 03's exercises: implement GradScaler's update rule and replay a run's skips to its exact
 scale trace; match scale traces to their causes; predict when a scale that halves every step
 falls below 1. Graded against the scale traces the trainer recorded."""
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+import math
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from ..trainer import ScalerSettings
 from .check import Check, is_blank, passed, unanswered, wrong
 
 RULE = "Exercise 1 (implement): GradScaler's update rule"
-CAUSES = "Exercise 2 (match): three scale traces and their causes"
-FLOOR = "Exercise 3 (predict, then run): a scale that halves every step"
+CAUSES = "Exercise 3 (match): three scale traces and their causes"
+FLOOR = "Exercise 2 (predict, then run): a scale that halves every step"
 CAUSE_NAMES = ("init_scale too high", "inf or NaN every step", "healthy")
-SETTLING = 5  # a run that skips its first 5+ steps in a row started with too high a scale
+SETTLING = 3  # a run that skips its first 3+ steps in a row started with too high a scale
 
 
 def reference_update(scale: float, tracker: int, found_inf: bool, growth_factor: float,
@@ -130,23 +131,44 @@ def first_below_one(scales: Sequence[float]) -> Optional[int]:
     return next((i for i, s in enumerate(scales) if s < 1), None)
 
 
-def check_steps_below_one(answer, scales: Sequence[float]) -> Check:
-    """Grade ``answer``: the first step at which a run whose every step overflows uses a scale
-    below 1 (``scales`` is that run's trace, from 65536 = 2**16 halving each step)."""
-    hint = ("step 0 uses the initial scale 2**16; every skipped step halves it (backoff_factor "
-            "0.5), so step i uses 2**(16 - i)")
+def overflow_trace(settings: ScalerSettings, steps: int = 40) -> list:
+    """The scales a run with ``settings`` uses when every step overflows (``reference_update``
+    replayed with every step skipped)."""
+    return replay(reference_update, [settings.init_scale] * steps, [True] * steps, settings)
+
+
+def check_steps_below_one(answer, settings: ScalerSettings) -> Check:
+    """Grade ``answer``: the first step at which a run with ``settings`` whose every step
+    overflows uses a scale below 1 (``overflow_trace``)."""
+    k = math.log2(settings.init_scale)
+    hint = (f"step 0 uses init_scale = 2**{k:g}; every skipped step multiplies the scale by "
+            f"backoff_factor = {settings.backoff_factor:g}, so step i uses init_scale * "
+            f"{settings.backoff_factor:g}**i")
     if is_blank(answer):
         return unanswered(FLOOR, hint)
+    scales = overflow_trace(settings, 4 * int(max(k, 1)) + 8)
     truth = first_below_one(scales)
     if truth is None:
-        raise ValueError("scales never fall below 1: pass the trace of a run whose every step "
-                         "overflows")
+        raise ValueError("settings whose scale never falls below 1 while every step overflows")
     if not isinstance(answer, int) or isinstance(answer, bool):
         return wrong(FLOOR, f"answer must be a step number (an int); got {answer!r}", hint)
     if answer != truth:
-        off = ("the scale reaches exactly 1 at step 16, and 1 is not below 1"
+        off = (f"step {truth - 1} uses {scales[truth - 1]:g}, which is not below 1"
                if answer == truth - 1 else hint)
-        return wrong(FLOOR, f"the run first used a scale below 1 at step {truth}, not {answer}",
-                     off)
-    return passed(FLOOR, f"step {truth} used {float(scales[truth]):g}: the scale now shrinks the "
-                  f"gradients, and no step of this run ever updates the weights")
+        return wrong(FLOOR, f"the first scale below 1 is used at step {truth}, not {answer}", off)
+    return passed(FLOOR, f"step {truth} uses {scales[truth]:g}: the scale now shrinks the "
+                  f"gradients, and no step of such a run ever updates the weights")
+
+
+def traces_text(traces: Mapping[str, Tuple[Sequence[float], Sequence[bool]]],
+                first: int = 12) -> str:
+    """Each trace's first ``first`` scales as powers of two (``x`` marks a skipped step), with
+    its skipped-step count and last scale: what the learner reads to match the causes."""
+    lines = []
+    for letter in sorted(traces):
+        scales, skipped = traces[letter]
+        steps = " ".join(f"{math.log2(s):g}{'x' if k else ''}"
+                         for s, k in zip(scales[:first], skipped[:first]))
+        lines.append(f"{letter}: log2(scale) per step: {steps} ...  skipped {sum(map(bool, skipped))} "
+                     f"of {len(skipped)}, last scale {float(scales[-1]):g}")
+    return "\n".join(lines)

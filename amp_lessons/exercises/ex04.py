@@ -6,7 +6,7 @@ import torch
 
 from ..models import SmallCNN
 from ..precision import as_device
-from .check import Check, is_blank, number, passed, unanswered, within, wrong
+from .check import Check, is_blank, number, passed, skipped, unanswered, within, wrong
 
 STATE = "Exercise 1 (predict, then run): bytes of weights, gradients and momentum"
 RATIO = "Exercise 2 (predict, then run): AMP's activation memory against fp32's"
@@ -28,6 +28,9 @@ def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
             "the weights fp32, so each copy is 4 bytes per parameter")
     if is_blank(answer):
         return unanswered(STATE, hint)
+    if row is None or any(row.get(c) is None for c in KEYS.values()):
+        return skipped(STATE, "the row was not measured here: "
+                       f"{(row or {}).get('status', 'no such row')}")
     if not isinstance(answer, Mapping) or set(answer) != set(KEYS):
         return wrong(STATE, f"answer must be a dict with the keys {', '.join(KEYS)}", hint)
     for key, column in KEYS.items():
@@ -54,10 +57,16 @@ def check_activation_ratio(answer, amp_row: Mapping, fp32_row: Mapping) -> Check
     got = number(answer)
     if got is None:
         return wrong(RATIO, f"answer must be a number; got {answer!r}", hint)
+    if any(r is None or not r.get("activations_gib") for r in (amp_row, fp32_row)):
+        return skipped(RATIO, "the two rows were not both measured here")
     measured = amp_row["activations_gib"] / fp32_row["activations_gib"]
     if not within(got, measured, 0.05):
         why = ("AMP does not move the activations out of memory: it halves their bytes"
                if got < 0.4 else "AMP does save activation memory" if got >= 0.9 else hint)
+        if measured > 1:
+            why = ("at this run's tiny sizes the saved tensors are mostly autocast's 16-bit "
+                   "copies of the weights (counted with the saved activations), not activations: "
+                   "read the table's saved-activations column for both rows")
         return wrong(RATIO, f"measured {measured:.3f}, you said {got:.3f}", why)
     return passed(RATIO, f"measured {measured:.3f}: {amp_row['activations_gib']:.3g} GiB against "
                   f"{fp32_row['activations_gib']:.3g} GiB")

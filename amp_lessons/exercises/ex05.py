@@ -12,8 +12,8 @@ from ..precision import as_device, check_precision
 from ..trainer import ScalerSettings, TrainConfig, Trainer
 from .check import Check, is_blank, passed, skipped, unanswered, wrong
 
-ACCUMULATE = "Exercise 1 (implement): gradient accumulation"
-CHECKPOINT = "Exercise 2 (implement): activation checkpointing"
+ACCUMULATE = "Exercise 2 (implement): gradient accumulation"
+CHECKPOINT = "Exercise 1 (implement): activation checkpointing"
 RESUME = "Exercise 3 (implement): a resume that keeps the scaler's state"
 RESUME_STEPS, RESUME_AT = 12, 6
 

@@ -233,6 +233,8 @@ def test_ex05_resume_keeps_the_scaler():
 # --- lesson 06 --------------------------------------------------------------------------------
 def test_ex06_stub_is_unanswered_without_running():
     assert_unanswered(ex06.check_script(ex06.STUB))
+    assert_unanswered(ex06.check_script(ex06.STUB_BODY))
+    assert ex06.full_script(ex06.REFERENCE_BODY) == ex06.REFERENCE
     assert "init_process_group" not in ex06.STUB and "fully_shard(layer" in ex06.REFERENCE
 
 
@@ -251,7 +253,8 @@ def test_ex06_script_runs_with_torchrun_on_two_cpu_processes(reference_reports):
 
 @pytest.mark.slow
 def test_ex06_script_without_ddp_fails_with_its_hint():
-    assert_wrong(ex06.check_script(ex06.WRONG_SCRIPTS["no DDP wrapper"]), "wrap the model in DDP")
+    body = ex06.REFERENCE_BODY.replace("ddp = DDP(make_model())", "ddp = make_model()")
+    assert_wrong(ex06.check_script(body), "wrap the model in DDP")  # a body, as in the notebook
 
 
 def test_ex06_reports_of_typical_mistakes(reference_reports):
@@ -287,8 +290,7 @@ def test_ex06_efficiency():
     assert ex06.check_efficiency(ex06.reference_efficiency, summary)
     assert_unanswered(ex06.check_efficiency(lambda a, b, n: None, summary))
     assert_wrong(ex06.check_efficiency(lambda a, b, n: b / a, summary), "speed-up")
-    with pytest.raises(ValueError, match="1 and on more"):
-        ex06.check_efficiency(ex06.reference_efficiency, summary[:1])
+    assert ex06.check_efficiency(ex06.reference_efficiency, summary[:1]).status == "skipped"
 
 
 # --- lesson 07 --------------------------------------------------------------------------------

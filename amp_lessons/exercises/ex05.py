@@ -207,8 +207,6 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
     except ValueError as exc:
         return skipped(RESUME, f"fp16 AMP cannot run here: {exc}")
     batches = [_data(16, seed) for seed in range(RESUME_STEPS)]
-    full = _trainer(0, device)
-    want = [full.train_step([b]) for b in batches]
     first = _trainer(0, device)
     for b in batches[:RESUME_AT]:
         first.train_step([b])
@@ -224,6 +222,8 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
         load(state, second.model, second.optimizer, second.scaler)
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(RESUME, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hint)
+    full = _trainer(0, device)
+    want = [full.train_step([b]) for b in batches]
     got = [second.train_step([b]) for b in batches[RESUME_AT:]]
     for i, (a, b) in enumerate(zip(got, want[RESUME_AT:]), start=RESUME_AT):
         if float(a.scale) != float(b.scale):

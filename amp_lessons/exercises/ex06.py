@@ -4,6 +4,7 @@ compute scaling efficiency as the lesson's sweep does."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -131,12 +132,16 @@ def run_script(source: str, timeout_s: float = 180.0) -> dict:
                    PYTHONWARNINGS="ignore")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={PROCESSES}", str(path), str(out)]
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s, cwd=tmp)
-        except subprocess.TimeoutExpired:
-            return {"returncode": None, "reports": None,
-                    "error": f"the script did not finish within {timeout_s:.0f} s"}
+        for attempt in range(2):  # once more if another job took the rendezvous port
+            try:
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                      timeout=timeout_s, cwd=tmp)
+            except subprocess.TimeoutExpired:
+                return {"returncode": None, "reports": None,
+                        "error": f"the script did not finish within {timeout_s:.0f} s"}
+            busy = re.search(r"address already in use|EADDRINUSE|rendezvous", done.stderr, re.I)
+            if done.returncode == 0 or not busy:
+                break
         reports = json.loads(out.read_text()) if out.exists() else None
         return {"returncode": done.returncode, "reports": reports,
                 "error": _last_error(done.stderr + done.stdout) if done.returncode else ""}

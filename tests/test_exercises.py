@@ -1,8 +1,11 @@
 """Every exercise, graded three ways: the reference solution passes, the untouched stub says
 "not answered yet" with its hint, and each typical wrong answer fails with the hint that names
 its mistake (never a bare False)."""
-import torch
+from pathlib import Path
+
+import nbformat
 import pytest
+import torch
 from torch import nn
 
 import amp_lessons as al
@@ -317,3 +320,27 @@ def test_ex07_module_filter():
     assert_unanswered(ex07.check_module_filter(lambda m, fqn: None, model, plan))
     assert_wrong(ex07.check_module_filter(ex07.wrong_filter_all_linear, model, plan),
                  "first layer")
+
+
+# --- the notebooks --------------------------------------------------------------------------------
+LESSONS_WITH_EXERCISES = sorted(Path(__file__).resolve().parent.parent.glob("notebooks/0[1-7]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES, ids=lambda p: p.name[:2])
+def test_each_lesson_has_three_graded_exercises_and_questions_before_checks(path):
+    nb = nbformat.read(path, as_version=4)
+    cells = nb.cells
+    exercises = [i for i, c in enumerate(cells) if "exercise" in c.metadata.get("tags", [])]
+    assert len(exercises) >= 3, f"{path.name}: {len(exercises)} exercise cells"
+    module = f"ex{path.name[:2]}."
+    for i in exercises:
+        check = cells[i + 1]
+        assert check.cell_type == "code" and module in check.source and "check_" in check.source, \
+            f"{path.name}: the cell after exercise cell {i} does not grade it"
+    heads = [c.source.splitlines()[0] for c in cells if c.cell_type == "markdown" and c.source]
+    sections = [h for h in heads if h.startswith("## ")]
+    assert sections[-2:] == ["## Questions", "## Checks"], sections[-3:]
+    questions = next(c.source for c in cells if c.cell_type == "markdown"
+                     and c.source.startswith("## Questions"))
+    assert 5 <= questions.count("<details>") <= 10
+    assert questions.count("<details>") == questions.count("</details>")

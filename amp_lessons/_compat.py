@@ -23,9 +23,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf", "forget_step", "cap_growth_tracker", "init_scale",
-           "reset_scale",
-           "supports_found_inf", "step_skipping", "NonFiniteCheck"]
+__all__ = ["FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf", "forget_step",
+           "cap_growth_tracker", "init_scale", "reset_scale", "supports_found_inf",
+           "step_skipping", "NonFiniteCheck"]
 
 
 #: whether this torch's GradScaler lets its per-step inf/NaN flag be read

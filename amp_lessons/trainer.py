@@ -343,8 +343,8 @@ class Trainer:
         damped = [g["dampening"] for g in groups if g.get("dampening", 0)]
         if damped:
             raise ValueError(f"dampening must be 0 for fused SGD when skipped steps are possible "
-                             f"(fp16 with GradScaler, or nonfinite='skip'): its momentum is "
-                             f"corrupted by a skipped first step, and only a zero buffer with "
+                             f"(fp16 with GradScaler, or nonfinite 'skip'/'raise'): its momentum "
+                             f"is corrupted by a skipped first step, and only a zero buffer with "
                              f"dampening 0 fixes that; got {damped[0]!r}: use foreach=True, "
                              f"dampening=0 or nonfinite='ignore'")
         prime_momentum_buffers(self.optimizer)

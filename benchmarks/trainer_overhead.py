@@ -521,7 +521,8 @@ def markdown(doc) -> str:
                          f"{'yes' if r['bitwise_equal_to_reference'] else 'NO'} |")
         lines.append("")
     if doc["goals"]:
-        lines += ["| goal | cost | 95% up to | floor | met | resolved |", "|---|---:|---:|---:|---|---|"]
+        lines += ["| goal | cost | 95% up to | floor | met | resolved |",
+                  "|---|---:|---:|---:|---|---|"]
         for g in doc["goals"]:
             lines.append(f"| {g['network']} {g['variant']} <= {g['goal_pct']}% | "
                          f"{g['cost_pct']:+.2f}% | {g['ci95_high_pct']:+.2f}% | "

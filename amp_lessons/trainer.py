@@ -217,9 +217,11 @@ class Trainer:
     ``scheduler`` steps once per optimizer step that was not skipped. ``hooks``: Hooks instances.
     Attributes: model, optimizer, scheduler, scaler (a GradScaler, enabled only for fp16), config,
     history (a History), step (optimizer steps taken, skipped ones included), epoch (finished
-    epochs). Under fp16 (and with ``nonfinite="skip"``), a fused SGD gets zero momentum buffers
-    before its first step (see ``prime_momentum_buffers``; param groups added later are not
-    primed). The optimizer must own every trainable parameter of the model (ValueError if not).
+    epochs). Under fp16 (and with ``nonfinite`` "skip" or "raise"), a fused SGD gets zero
+    momentum buffers before its first step (see ``prime_momentum_buffers``; param groups added
+    later are not primed). The optimizer must own every trainable parameter of the model
+    (ValueError if not). ``wait()`` waits for queued steps (and reports a pending non-finite step
+    under "raise"); hooks cancel a step with ``cancel_step(reason)``.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,

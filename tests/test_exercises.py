@@ -1,6 +1,7 @@
 """Every exercise, graded three ways: the reference solution passes, the untouched stub says
 "not answered yet" with its hint, and each typical wrong answer fails with the hint that names
 its mistake (never a bare False)."""
+import linecache
 from pathlib import Path
 
 import nbformat
@@ -38,6 +39,24 @@ def test_blank_answers_and_unedited_code():
     assert is_blank(None) and is_blank(...) and is_blank({"a": None}) and not is_blank(0)
     assert same_code(ex02.buggy_loop, ex02.buggy_loop)
     assert not same_code(ex02.reference_loop, ex02.buggy_loop)
+    source = ex02_stub_source()  # defined as IPython does: the cell's text in linecache
+    linecache.cache["<lesson 02 cell>"] = (len(source), None, source.splitlines(True),
+                                           "<lesson 02 cell>")
+    namespace = {"torch": torch, "F": torch.nn.functional}
+    exec(compile(source, "<lesson 02 cell>", "exec"), namespace)
+    assert same_code(namespace["my_loop"], ex02.buggy_loop)
+    fixed = source.replace("    model.half()\n", "")
+    linecache.cache["<fixed cell>"] = (len(fixed), None, fixed.splitlines(True), "<fixed cell>")
+    exec(compile(fixed, "<fixed cell>", "exec"), namespace)
+    assert not same_code(namespace["my_loop"], ex02.buggy_loop)
+
+
+def ex02_stub_source():
+    """The fix-the-bug stub as lesson 02's exercise cell holds it."""
+    nb = nbformat.read(next(Path(__file__).resolve().parent.parent.glob("notebooks/02_*.ipynb")),
+                       as_version=4)
+    return next(c.source for c in nb.cells if "exercise" in c.metadata.get("tags", [])
+                and c.source.startswith("def my_loop"))
 
 
 # --- lesson 01 --------------------------------------------------------------------------------
@@ -152,6 +171,8 @@ def test_ex03_trace_causes(scaler_runs):
               "C": (healthy.scales, healthy.skipped)}
     right = {"A": "inf or NaN every step", "B": "init_scale too high", "C": "healthy"}
     assert ex03.check_trace_causes(right, traces)
+    text = ex03.traces_text(traces)
+    assert text.count("\n") == 2 and "A: log2(scale) per step: 16x 15x" in text
     assert_unanswered(ex03.check_trace_causes(dict.fromkeys(traces), traces))
     assert_wrong(ex03.check_trace_causes({**right, "A": "init_scale too high",
                                           "B": "inf or NaN every step"}, traces), "never recovers")

@@ -4,7 +4,10 @@ A ``Check`` renders as plain text in a notebook (its ``repr``), so the cell afte
 shows "passed", "wrong: what is wrong + a hint", "not answered yet + the hint", or "skipped: why"
 and never a bare ``False``. ``bool(check)`` is True only for a pass.
 """
+import ast
 import dataclasses
+import inspect
+import textwrap
 from typing import Any, Callable, Optional
 
 STATUSES = ("passed", "wrong", "not answered yet", "skipped")
@@ -78,13 +81,36 @@ def is_blank(answer: Any) -> bool:
     return False
 
 
+def _function_ast(fn: Callable) -> Optional[str]:
+    """``fn``'s definition as an AST dump without its name, docstring, comments or line numbers
+    (None where its source cannot be read)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    node.name, node.decorator_list = "_", []
+    first = node.body[0] if node.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+            and isinstance(first.value.value, str):
+        node.body = node.body[1:]
+    return ast.dump(node)
+
+
 def same_code(fn: Callable, reference: Callable) -> bool:
-    """True when ``fn`` compiles to exactly ``reference``'s code (an unedited fix-the-bug stub)."""
-    a, b = getattr(fn, "__code__", None), getattr(reference, "__code__", None)
-    if a is None or b is None:
+    """True when ``fn`` is ``reference`` as written (an unedited fix-the-bug stub): the same
+    syntax tree, whatever the name, docstring, comments or layout. Falls back to comparing
+    bytecode where a source cannot be read."""
+    a, b = _function_ast(fn), _function_ast(reference)
+    if a is not None and b is not None:
+        return a == b
+    ca, cb = getattr(fn, "__code__", None), getattr(reference, "__code__", None)
+    if ca is None or cb is None:
         return False
-    return (a.co_code, a.co_names, a.co_varnames) == (b.co_code, b.co_names, b.co_varnames) and \
-        repr(a.co_consts) == repr(b.co_consts)
+    return (ca.co_code, ca.co_names, ca.co_varnames) == (cb.co_code, cb.co_names, cb.co_varnames) \
+        and repr(ca.co_consts) == repr(cb.co_consts)
 
 
 def number(value: Any) -> Optional[float]:

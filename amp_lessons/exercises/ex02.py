@@ -80,6 +80,7 @@ def check_autocast_dtypes(answer: Dict[str, object], device=None) -> Check:
 
 
 def buggy_loop(model, optimizer, scheduler, batches, device_type, init_scale):
+    """The fix-the-bug exercise's stub, exactly as lesson 02 shows it: three bugs."""
     model.half()
     scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
     for x, y in batches:

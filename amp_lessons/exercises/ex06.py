@@ -209,6 +209,10 @@ def grade_reports(reports: Sequence[Mapping]) -> Check:
                   f"in bf16")
 
 
+def _mib(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def reference_state_per_rank(n_params: int, world_size: int) -> dict:
     """The reference solution, in MiB: fp32 weights (4 B), gradients (4 B) and AdamW's two
     moments (8 B); ZeRO-1 shards the moments, FSDP2 all three."""
@@ -240,9 +244,9 @@ def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, flo
         if measured.get(key) is None:
             continue
         if not within(got, measured[key], 0.10):
-            return wrong(STATE, f"{key} at {world_size} process(es): you said {got:,.0f} MiB, "
-                         f"measured {measured[key]:,.0f}", why[key])
-    return passed(STATE, ", ".join(f"{k} {measured[k]:,.0f} MiB" for k in why
+            return wrong(STATE, f"{key} at {world_size} process(es): you said {_mib(got)} MiB, "
+                         f"measured {_mib(measured[key])}", why[key])
+    return passed(STATE, ", ".join(f"{k} {_mib(measured[k])} MiB" for k in why
                                    if measured.get(k) is not None) + " per rank")
 
 

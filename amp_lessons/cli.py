@@ -217,6 +217,39 @@ def _cmd_readme(args) -> int:
     return 0
 
 
+# --- explain ----------------------------------------------------------------------------------
+
+def _add_explain(sub) -> None:
+    p = sub.add_parser("explain", help="where a published table's numbers came from",
+                       description="Print the path from a table the notebooks publish (e.g. "
+                                   "lesson05.techniques) to the code that measured it (functions "
+                                   "with file and line), the configurations, device, torch and "
+                                   "the run, from the committed notebooks.")
+    p.add_argument("key", nargs="?", default=None,
+                   help="a published key; without one, every key the notebooks publish")
+    p.set_defaults(func=_cmd_explain)
+
+
+def _cmd_explain(args) -> int:
+    from .bench.provenance import explain, producers
+    from .report import collect
+    from .runner import course_notebooks
+
+    try:
+        published = collect(course_notebooks())
+    except (OSError, ValueError) as exc:
+        return fail("explain", str(exc))
+    keys = [args.key] if args.key else list(dict.fromkeys(r["key"] for r in published))
+    for i, key in enumerate(keys):
+        try:
+            producers(key)
+        except ValueError as exc:
+            return fail("explain", str(exc))
+        found = [r for r in published if r["key"] == key]
+        print(("\n" if i else "") + explain(key, found[-1] if found else None))
+    return 0
+
+
 # --- claims and figure images --------------------------------------------------------------------
 
 def _add_claims(sub) -> None:
@@ -538,8 +571,8 @@ def _add_doctor(sub) -> None:
 
 
 # One ``_add_<command>(subparsers)`` function per subcommand, defined above in its own section.
-_COMMANDS = [_add_run_notebooks, _add_rehearse, _add_readme, _add_claims, _add_figure_images, _add_bench, _add_train,
-             _add_doctor]
+_COMMANDS = [_add_run_notebooks, _add_rehearse, _add_readme, _add_explain, _add_claims,
+             _add_figure_images, _add_bench, _add_train, _add_doctor]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import importlib
 import logging
 import math
 import statistics
@@ -34,7 +35,11 @@ import torch
 from torch import nn
 
 from ._validate import check_bool, check_choice, check_int, check_real
-from .bench import (SavedActivations, Step, free_memory, is_out_of_memory, tensor_bytes)
+from .bench import (BenchConfig, SavedActivations, Step, free_memory,
+                    is_out_of_memory, optimizer_state_tensors, tensor_bytes)
+from .bench.config import OPTIMIZER_IMPLS, OPTIMIZERS
+from .bench.steps import build_optimizer as configured_optimizer
+from .precision import as_device
 from .bench.timer import time_steps
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
@@ -512,3 +517,98 @@ def memory_rows(rows: Sequence[dict]) -> List[dict]:
                     "bytes per parameter": model_state * MIB / r["params"],
                     "peak MiB": r.get("peak_mib")})
     return out
+
+
+# --- optimizers under AMP: skipped steps, the dtype Adam computes in, torch.optim._multi_tensor --
+
+
+def skipped_step_check(optimizer: str = "sgd", impl: str = "fused", device=None,
+                       size: int = 1024, prime_momentum: bool = False) -> Dict[str, object]:
+    """Does a step that GradScaler skips leave the optimizer exactly as it was?
+
+    One parameter vector, two steps: the first step's gradient holds an inf (GradScaler skips
+    it, as it does early in fp16 training while the scale settles), the second is finite. The
+    parameters after step two are compared with those of the for-loop optimizer, which skips
+    cleanly. Returns ``max_abs_diff`` (0.0 when ``impl`` agrees), ``finite`` and
+    ``state_after_skip`` (whether the skipped step created optimizer state).
+    ``prime_momentum=True`` applies the course's workaround (zero SGD momentum buffers before the
+    first step) to a fused SGD being checked; ``primed`` says whether it was applied."""
+    if not isinstance(prime_momentum, bool):
+        raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("impl", impl, OPTIMIZER_IMPLS)
+    check_int("size", size, 2)
+    device = as_device(device)
+    results = {}
+    primed = prime_momentum and optimizer == "sgd" and impl == "fused"
+
+    def state_count(opt) -> int:  # state tensors of the parameter's size (not step counters)
+        return sum(1 for t in optimizer_state_tensors(opt) if t.numel() > 1)
+
+    for name in ("for-loop", impl):
+        p = nn.Parameter(torch.linspace(-1, 1, size, device=device))
+        opt = configured_optimizer(BenchConfig(optimizer=optimizer, impl=name), [p],
+                                   prime_momentum=prime_momentum and name == impl)
+        before = state_count(opt)  # primed buffers exist before any step
+        scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
+        bad = torch.ones(size, device=device)
+        bad[0] = float("inf")
+        state_after_skip = None
+        for c in (bad, torch.ones(size, device=device)):
+            scaler.scale((p * c).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if state_after_skip is None:
+                state_after_skip = state_count(opt) > before
+        results[name] = (p.detach().clone(), state_after_skip)
+    ref, got = results["for-loop"][0], results[impl][0]
+    diff = (got - ref).abs().max().item() if torch.isfinite(got).all() else float("inf")
+    return {"optimizer": optimizer, "impl": impl, "primed": primed, "device": str(device),
+            "max_abs_diff": diff, "finite": bool(torch.isfinite(got).all()),
+            "state_after_skip": results[impl][1],
+            "reference_state_after_skip": results["for-loop"][1]}
+
+
+def adam_precision_facts(device=None) -> Dict[str, object]:
+    """Which dtype Adam computes in under AMP (does its eps ever meet float16?).
+
+    One autocast step of a small model with Adam (fp16 on a GPU, bf16 on a CPU): parameters,
+    gradients and Adam's state are float32, so eps never meets float16. For contrast, what
+    float16 would make of 1e-8 and 1e-7."""
+    device = as_device(device)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        out = model(torch.randn(4, 8, device=device))
+    out.float().pow(2).mean().backward()
+    grad_dtype = model[0].weight.grad.dtype
+    opt.step()
+    state = opt.state[model[0].weight]
+    return {"autocast_dtype": str(dtype), "activation_dtype": str(out.dtype),
+            "param_dtype": str(model[0].weight.dtype), "grad_dtype": str(grad_dtype),
+            "exp_avg_sq_dtype": str(state["exp_avg_sq"].dtype),
+            "eps_1e-8_in_fp16": float(torch.tensor(1e-8, dtype=torch.float16)),
+            "eps_1e-7_in_fp16": float(torch.tensor(1e-7, dtype=torch.float16)),
+            "eps_1e-8_in_fp32": float(torch.tensor(1e-8, dtype=torch.float32))}
+
+
+def multi_tensor_status() -> Dict[str, object]:
+    """``torch.optim._multi_tensor``: does it exist in this PyTorch, and what is it?
+
+    Where it exists, its ``Adam`` is built on one dummy parameter to read what it really is:
+    a subclass of ``torch.optim.Adam`` and the ``foreach`` setting it fixes."""
+    try:
+        mod = importlib.import_module("torch.optim._multi_tensor")
+    except ImportError as exc:
+        return {"exists": False, "has_adam": False, "subclass_of_adam": False, "foreach": None,
+                "error": f"{type(exc).__name__}: {exc}"}
+    adam = getattr(mod, "Adam", None)
+    out = {"exists": True, "has_adam": adam is not None, "subclass_of_adam": False,
+           "foreach": None, "error": ""}
+    if adam is not None:
+        out["subclass_of_adam"] = isinstance(adam, type) and issubclass(adam, torch.optim.Adam)
+        out["foreach"] = adam([nn.Parameter(torch.zeros(1))]).defaults.get("foreach")
+    return out
+

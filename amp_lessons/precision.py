@@ -7,11 +7,13 @@ these (trainer, measure, distributed, the lessons) imports it from here.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from functools import lru_cache
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
 from .env import default_device, device_capability, simulated_card
 
@@ -183,3 +185,63 @@ def precision_settings(precision: str, device: Device = None):
         yield
     finally:
         _set_tf32(before)
+
+
+# --- autocast, op by op: the error of half-precision ops, what autocast lets a user change ------
+
+
+def autocast_error_by_op(device=None, dtype="fp16",
+                         logit_scales: Sequence[float] = (1.0, 8.0, 32.0),
+                         seed: int = 0) -> List[Dict[str, object]]:
+    """Relative error of ops under autocast against a float64 reference, on random inputs.
+
+    A 3x3 convolution and a linear layer (the bulk of a ResNet) against scaled dot-product
+    attention whose logits are made larger by ``logit_scale`` (sharper softmax, as trained
+    attention gets): the error is ``||out - ref|| / ||ref||``, inf where the output overflows.
+    ``dtype``: "fp16", "bf16" or the torch dtype. Each row names the ``device`` it ran on."""
+    dtype = HALF_DTYPES.get(dtype, dtype)
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be 'fp16', 'bf16', torch.float16 or torch.bfloat16; "
+                         f"got {dtype!r}")
+    device = as_device(device)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+        out = out.double().cpu()
+        if not torch.isfinite(out).all():
+            return float("inf")
+        return float((out - ref).norm() / ref.norm())
+
+    def row(op, scale, out, ref):
+        return {"op": op, "logit_scale": scale, "out_dtype": str(out.dtype),
+                "rel_error": rel(out, ref), "device": device.type}
+
+    rows = []
+    x, w = rand(8, 64, 32, 32), rand(64, 64, 3, 3, scale=(1 / 576) ** 0.5)
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        out = F.conv2d(x.float().to(device), w.float().to(device), padding=1)
+    rows.append(row("conv2d 3x3, 64 channels", None, out, F.conv2d(x, w, padding=1)))
+    a, b = rand(1024, 1024), rand(1024, 1024, scale=1 / 32)
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        out = F.linear(a.float().to(device), b.t().contiguous().float().to(device))
+    rows.append(row("linear 1024x1024", None, out, a @ b))
+    for scale in logit_scales:
+        q, k, v = rand(4, 8, 256, 64) * scale, rand(4, 8, 256, 64), rand(4, 8, 256, 64)
+        ref = torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1) @ v
+        with torch.autocast(device_type=device.type, dtype=dtype):
+            out = F.scaled_dot_product_attention(q.float().to(device), k.float().to(device),
+                                                 v.float().to(device))
+        rows.append(row("attention (SDPA), 256 tokens", scale, out, ref))
+    return rows
+
+
+def autocast_op_list_api() -> Dict[str, object]:
+    """What ``torch.autocast`` lets a user change, read from its signature on this torch: its
+    parameters, and whether any of them is an op list (a "changed op list")."""
+    params = [p for p in inspect.signature(torch.autocast.__init__).parameters if p != "self"]
+    listy = [p for p in params if any(w in p.lower() for w in ("op", "list", "cast_policy"))]
+    return {"parameters": params, "op_list_parameters": listy}
+

@@ -79,7 +79,9 @@ def show_table(rows: Sequence[Mapping], columns=None, title: str = "", note: str
 def result_bundle(key: str, rows: Sequence[Mapping], title: str,
                   columns: Optional[Sequence[str]] = None, note: str = "") -> Dict[str, object]:
     """The display bundle ``publish`` shows: an HTML and a text table for people (the README
-    gets Markdown from the JSON), the rows as JSON for the README builder."""
+    gets Markdown from the JSON), the rows as JSON for the README builder, and ``provenance``
+    (``bench.provenance.record``: the functions that produced the table, the configurations,
+    device and torch) for ``python -m amp_lessons explain KEY``."""
     if not isinstance(key, str) or not _KEY.match(key):
         raise ValueError(f"key must be lowercase letters, digits, '.', '_' or '-'; got {key!r}")
     if not title:
@@ -88,7 +90,10 @@ def result_bundle(key: str, rows: Sequence[Mapping], title: str,
     if not rows:
         raise ValueError("rows must hold at least one row")
     columns = list(columns or rows[0].keys())
-    payload = {"key": key, "title": title, "columns": columns, "rows": rows, "note": note}
+    from .bench.provenance import record  # what produced the table, kept inside its bundle
+
+    payload = {"key": key, "title": title, "columns": columns, "rows": rows, "note": note,
+               "provenance": record(key, rows)}
     shown = table_bundle(rows, columns, title, note, cell=_cell)
     return {**shown, RESULT_MIME: json.loads(json.dumps(payload, default=str))}
 

@@ -10,6 +10,7 @@ from amp_lessons import bench as measure, claims, formats
 from amp_lessons._validate import check_bool, check_int, check_real, is_int, is_real
 from amp_lessons.lessons import l01_ranges as L01
 from amp_lessons.lessons import l03_scaler as L03
+from amp_lessons.ui import scaler_panels as U03
 from amp_lessons.lessons import l04_resnet50 as L04
 from amp_lessons.trainer import ScalerSettings
 from amp_lessons.ui import widgets
@@ -132,11 +133,11 @@ def test_negated_text(text, flipped):
 def test_scaler_panel_refuses_starting_values_its_controls_would_clamp(kwargs, match):
     kwargs.setdefault("steps", 5)
     with pytest.raises(ValueError, match=match):
-        L03.scaler_panel(figure_mode="output", background=False, **kwargs)
+        U03.scaler_panel(figure_mode="output", background=False, **kwargs)
 
 
 def test_scaler_panel_keeps_starting_values_in_range():
-    p = L03.scaler_panel(steps=7, settings=ScalerSettings(init_scale=2.0 ** 20, growth_factor=3.0,
+    p = U03.scaler_panel(steps=7, settings=ScalerSettings(init_scale=2.0 ** 20, growth_factor=3.0,
                                                           backoff_factor=0.25),
                          injection_rate=0.3, figure_mode="output", background=False)
     s = p.settings()

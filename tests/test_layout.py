@@ -11,12 +11,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "amp_lessons"
 ENGINE = (sorted(p for p in PKG.glob("*.py")) + sorted((PKG / "ui").glob("*.py"))
-          + sorted((PKG / "doctor").glob("*.py"))
+          + sorted((PKG / "doctor").glob("*.py")) + sorted((PKG / "bench").glob("*.py"))
           + sorted((PKG / "exercises").glob("*.py")))  # the graders are engine-side
 LESSONS = sorted((PKG / "lessons").glob("l[0-9][0-9]_*.py"))
 ALL = ENGINE + LESSONS + [PKG / "lessons" / "__init__.py"]
 CLAIM_ID = re.compile(r"\b(claim_[a-z0-9]+|[RB]\d{1,2}[a-d]?)\b")
 MAX_ENGINE_LINES = 900
+MAX_LESSON_LINES = 700
 
 
 def rel(p: Path) -> str:
@@ -33,6 +34,48 @@ def test_engine_and_ui_modules_never_mention_a_claim_id(path):
 def test_engine_modules_stay_small(path):
     n = len(path.read_text().splitlines())
     assert n <= MAX_ENGINE_LINES, f"{rel(path)} has {n} lines (at most about {MAX_ENGINE_LINES})"
+
+
+UI_LIBRARIES = ("ipywidgets", "plotly")
+
+
+def _ui_imports(source: str):
+    """(line, module) of every import of ipywidgets, plotly or ui.widgets in ``source``, at the
+    top or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if isinstance(node, ast.ImportFrom) and (node.module or "").lstrip(".") == "ui":
+            names += [f"ui.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] in UI_LIBRARIES or name.lstrip(".").endswith("ui.widgets") \
+                    or name == "ui.widgets":
+                found.append((node.lineno, name))
+    return found
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=rel)
+def test_lesson_modules_stay_under_700_lines(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LESSON_LINES, (f"{rel(path)} has {n} lines (at most {MAX_LESSON_LINES}): move "
+                                   f"measurement code to bench/, figures to ui/, table shaping to "
+                                   f"tables.py")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=rel)
+def test_lesson_modules_import_neither_ipywidgets_nor_plotly(path):
+    """Lessons return results; ``ui/`` draws them (figures and panels)."""
+    found = _ui_imports(path.read_text())
+    assert not found, f"{rel(path)} imports {found}: figures and panels live in ui/"
+
+
+def test_the_ui_import_rule_sees_every_form():
+    assert [m for _, m in _ui_imports("import plotly.graph_objects as go")] == ["plotly.graph_objects"]
+    assert _ui_imports("def f():\n    import ipywidgets as w\n")
+    assert _ui_imports("from ..ui import widgets\n")
+    assert _ui_imports("from ..ui.widgets import ScalerPanel\n")
+    assert not _ui_imports("from ..ui.plots import pow2_text\nimport torch\n")
 
 
 TORCH_BASES = {"Module", "Function", "Optimizer", "_LRScheduler", "LRScheduler", "Dataset",

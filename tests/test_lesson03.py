@@ -13,6 +13,7 @@ import torch
 
 from amp_lessons import claims, formats
 from amp_lessons.lessons import l03_scaler as L
+from amp_lessons.ui import scaler_panels as U
 from amp_lessons.trainer import ScalerSettings
 from amp_lessons.ui import widgets as W
 
@@ -119,13 +120,13 @@ def test_step_table_text_explains_each_update():
     run = _fake_run("t", [True, False, False])
     run.scales, run.final_scale = [8.0, 4.0, 4.0], 8.0
     run.injected = [True, False, False]
-    text = L.step_table_text(run, first=3)
+    text = U.step_table_text(run, first=3)
     lines = text.splitlines()
     assert "yes*" in lines[1] and "backed off x0.5 -> 2^2 = 4" in lines[1]
     assert "kept the scale" in lines[2] and "grew x2 -> 2^3 = 8" in lines[3]
     assert "injected" in lines[-1]
     with pytest.raises(ValueError, match="first"):
-        L.step_table_text(run, first=0)
+        U.step_table_text(run, first=0)
 
 
 def test_scale_window_from_the_format_limits():
@@ -330,7 +331,7 @@ def test_steadier_with_a_non_finite_loss_decides_nothing():
 # ---- the notebook's panels on real runs ------------------------------------------------------------
 
 def test_scaler_panel_trains_through_the_trainer():
-    p = L.scaler_panel(SETUP, steps=8, figure_mode="output", background=False)
+    p = U.scaler_panel(SETUP, steps=8, figure_mode="output", background=False)
     assert p.settings() == L.measured_defaults("cpu")
     p.init_scale.value = 24              # 2^24: the MLP's gradients overflow at first
     p.run_button.click()
@@ -341,7 +342,7 @@ def test_scaler_panel_trains_through_the_trainer():
 
 
 def test_scaler_panel_rate_change_mid_run_reaches_the_injector():
-    p = L.scaler_panel(SETUP, steps=10, figure_mode="output", background=False)
+    p = U.scaler_panel(SETUP, steps=10, figure_mode="output", background=False)
     real = p._run_fn
 
     def run(settings, steps, rate, on_step):
@@ -357,7 +358,7 @@ def test_scaler_panel_rate_change_mid_run_reaches_the_injector():
 
 
 def test_scaler_panel_reset_during_a_long_run_is_quick():
-    p = L.scaler_panel(SETUP, steps=100_000, figure_mode="output", background=True)
+    p = U.scaler_panel(SETUP, steps=100_000, figure_mode="output", background=True)
     p.run_button.click()
     time.sleep(1.0)
     assert p.running
@@ -375,7 +376,7 @@ def test_panel_overhead_is_linear_in_steps():
     started = time.perf_counter()
     L.train_with_scaler(settings, 600, SETUP, evaluate=False)
     bare = time.perf_counter() - started
-    p = L.scaler_panel(SETUP, steps=600, figure_mode="output", background=False)
+    p = U.scaler_panel(SETUP, steps=600, figure_mode="output", background=False)
     started = time.perf_counter()
     p.run()
     panel = time.perf_counter() - started
@@ -385,13 +386,13 @@ def test_panel_overhead_is_linear_in_steps():
 
 def test_preset_panel_and_histogram_panel_builders():
     presets = {"a": ScalerSettings(), "b": ScalerSettings(init_scale=2.0 ** 20)}
-    p = L.preset_panel(presets, steps=4, setup=SETUP, figure_mode="output", background=False)
+    p = U.preset_panel(presets, steps=4, setup=SETUP, figure_mode="output", background=False)
     runs = p.run()
     assert list(runs) == ["a", "b"] and all(isinstance(r, L.ScalerRun) for r in runs.values())
     assert runs["a"].losses[0] == runs["b"].losses[0]
     assert "<table" in p.table.value
     mags = {"fc": np.abs(np.random.default_rng(0).normal(0, 1e-3, 100)).astype(np.float32)}
-    h = L.histogram_panel(mags, scale_log2=4, figure_mode="output")
+    h = U.histogram_panel(mags, scale_log2=4, figure_mode="output")
     assert isinstance(h, W.HistogramPanel) and h.loss_scale == 16.0
 
 

@@ -1,8 +1,8 @@
 """What produced a published table, and how to ask (``python -m amp_lessons explain KEY``).
 
-``PRODUCERS`` maps every key a notebook publishes (``report.publish``) to the chain of functions
-from the lesson function that built the table down to the code that measured it (the timer for a
-timed table). ``report.publish`` stores ``record(key)`` inside the published bundle: that chain
+``amp_lessons.lessons.PUBLISHED`` maps every key a notebook publishes (``report.publish``) to the
+chain of functions from the lesson function that built the table down to the code that measured
+it (the timer for a timed table). ``report.publish`` stores ``record(key)`` inside the published bundle: that chain
 with each function's module, file and line, the device, the torch version and the
 configurations of the rows; the notebook's run record says which run. ``explain`` prints it.
 """
@@ -12,60 +12,19 @@ import importlib
 import inspect
 import platform
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-_TIMED = ("amp_lessons.bench.runner.measure", "amp_lessons.bench.steps.hand_step",
-          "amp_lessons.bench.timer.time_steps")
-_VERDICT = ("amp_lessons.report.publish_verdicts", "amp_lessons.claims.Verdict")
+MEASURED: Dict[str, Dict[str, object]] = {}  # label -> configuration, of every measured row
 
-# key (or a key prefix ending in ".") -> functions, outermost first
-PRODUCERS: Dict[str, Sequence[str]] = {
-    "lesson01.fp16-gradients": ("amp_lessons.lessons.l01_ranges.gradient_table",),
-    "lesson02.fp32_vs_amp": ("amp_lessons.lessons.l02_amp_loop.compare_fp32_amp",
-                             "amp_lessons.bench.steps.hand_step",
-                             "amp_lessons.bench.timer.time_steps"),
-    "lesson03.presets": ("amp_lessons.lessons.l03_scaler.compare_presets",
-                         "amp_lessons.lessons.l03_scaler.train_with_scaler",
-                         "amp_lessons.trainer.Trainer.train_step"),
-    "lesson04.resnet": ("amp_lessons.lessons.l04_resnet50.lesson_configs",
-                        "amp_lessons.bench.runner.run_configs") + _TIMED
-                       + ("amp_lessons.bench.rows.published_rows",),
-    "lesson04.claim-r6": ("amp_lessons.lessons.l04_resnet50.compare_r6",
-                          "amp_lessons.bench.runner.run_configs") + _TIMED,
-    "lesson05.techniques": ("amp_lessons.lessons.l05_checkpointing.technique_table",
-                            "amp_lessons.lessons.l05_checkpointing.technique_report_rows",
-                            "amp_lessons.bench.runner.run_configs") + _TIMED,
-    "lesson05.frontier": ("amp_lessons.lessons.l05_checkpointing.frontier_rows",
-                          "amp_lessons.lessons.l05_checkpointing.technique_table") + _TIMED,
-    "lesson05.card_advice": ("amp_lessons.lessons.l05_checkpointing.card_advice",
-                             "amp_lessons.lessons.l05_checkpointing.technique_table") + _TIMED,
-    "lesson05.largest_batch": ("amp_lessons.lessons.l05_checkpointing.largest_batch_report_rows",
-                               "amp_lessons.lessons.l05_checkpointing.largest_batch_table",
-                               "amp_lessons.bench.search.fit_batch_memory",
-                               "amp_lessons.bench.search.largest_batch",
-                               "amp_lessons.bench.oom.memory_cap"),
-    "lesson05.accumulation_plan": ("amp_lessons.lessons.l05_checkpointing.accumulation_plan",
-                                   "amp_lessons.lessons.l05_checkpointing.largest_batch_table",
-                                   "amp_lessons.bench.search.largest_batch"),
-    "lesson06.cnn-wrapping": ("amp_lessons.lessons.l06_multi_gpu.cnn_wrapping_table",),
-    "lesson06.transformer-scaling": ("amp_lessons.lessons.l06_multi_gpu.transformer_table",),
-    "lesson06.claim_r10c": ("amp_lessons.lessons.l06_multi_gpu.claim_r10c_rows",),
-    "lesson07.speed": ("amp_lessons.lessons.l07_fp8.speed_report_rows",
-                       "amp_lessons.lessons.l07_fp8.speed_sweep",
-                       "amp_lessons.lessons.l07_fp8.time_recipe",
-                       "amp_lessons.bench.timer.time_steps"),
-    "lesson07.accuracy": ("amp_lessons.lessons.l07_fp8.accuracy_report_rows",
-                          "amp_lessons.lessons.l07_fp8.accuracy_runs",
-                          "amp_lessons.lessons.l07_fp8.train_gpt"),
-    "lesson08.recipes": ("amp_lessons.lessons.l08_weights.recipe_rows",),
-    "lesson08.choice": ("amp_lessons.lessons.l08_weights.choice_rows",),
-    "lesson09.summary": ("amp_lessons.doctor.report.summary_rows",),
-    "lesson09.resnet_vs_lesson04": ("amp_lessons.doctor.speed.resnet_rows",
-                                    "amp_lessons.bench.runner.run_configs") + _TIMED,
-    "claims.": _VERDICT,
-}
+
+def remember(label: str, config: Mapping[str, object]) -> None:
+    """Note that a row labelled ``label`` was measured with ``config`` (``runner.measure`` calls
+    this), so a table published later that names the label records its configuration."""
+    if not isinstance(label, str) or not isinstance(config, Mapping):
+        raise ValueError(f"label must be a string and config a mapping; got {label!r}, {config!r}")
+    MEASURED[label] = dict(config)
 
 
 def producers(key: str) -> Sequence[str]:
@@ -73,12 +32,14 @@ def producers(key: str) -> Sequence[str]:
     ``key``; a ``ValueError`` names the known keys for a key no notebook publishes."""
     if not isinstance(key, str):
         raise ValueError(f"key must be a string; got {key!r}")
-    if key in PRODUCERS:
-        return PRODUCERS[key]
-    for prefix, chain in PRODUCERS.items():
+    from ..lessons import PUBLISHED
+
+    if key in PUBLISHED:
+        return PUBLISHED[key]
+    for prefix, chain in PUBLISHED.items():
         if prefix.endswith(".") and key.startswith(prefix):
             return chain
-    raise ValueError(f"key must be a published table's key ({', '.join(sorted(PRODUCERS))}); "
+    raise ValueError(f"key must be a published table's key ({', '.join(sorted(PUBLISHED))}); "
                      f"got {key!r}")
 
 
@@ -114,15 +75,28 @@ def locate(dotted: str) -> Dict[str, object]:
 
 def record(key: str, rows: Sequence[Mapping] = (), device: Optional[str] = None) -> Dict[str, object]:
     """What ``report.publish`` stores beside a table: the producing functions (module, file,
-    line), the configurations of the rows (where rows carry one), device and torch version."""
-    chain = [locate(name) for name in producers(key)]
-    configs = [dict(r["config"]) for r in rows if isinstance(r, Mapping)
-               and isinstance(r.get("config"), Mapping)]
+    line), the configurations of the rows (a row's own ``config``, or the configuration measured
+    under a label the row names, ``remember``), device and torch version."""
+    try:
+        chain = [locate(name) for name in producers(key)]
+        missing = ""
+    except ValueError as exc:  # a table no lesson declares: kept, and said so
+        chain, missing = [], str(exc)
+    configs: List[Dict[str, object]] = []
+    for r in rows:
+        if not isinstance(r, Mapping):
+            continue
+        found = [dict(r["config"])] if isinstance(r.get("config"), Mapping) else \
+            [MEASURED[v] for v in r.values() if isinstance(v, str) and v in MEASURED]
+        configs += [c for c in found if c not in configs]
     if device is None:
         device = (torch.cuda.get_device_name() if torch.cuda.is_available()
                   else platform.processor() or platform.machine() or "CPU")
-    return {"produced_by": chain, "configurations": configs, "device": device,
-            "torch": torch.__version__, "cuda": torch.version.cuda}
+    out = {"produced_by": chain, "configurations": configs, "device": device,
+           "torch": torch.__version__, "cuda": torch.version.cuda}
+    if missing:
+        out["unexplained"] = missing
+    return out
 
 
 def explain(key: str, published: Optional[Mapping] = None) -> str:

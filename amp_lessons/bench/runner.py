@@ -15,6 +15,7 @@ from .._validate import check_bool, check_int
 from ..data import synthetic_images
 from ..env import allocatable_bytes
 from ..precision import precision_settings
+from . import provenance as _provenance
 from .config import BenchConfig, skip_reason
 from .memory import GIB, memory_breakdown, optimizer_state_tensors, tensor_bytes
 from .oom import free_memory, is_out_of_memory
@@ -108,6 +109,7 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
     if reason:
         return _empty_row(config, "skipped", reason)
     t0 = time.perf_counter()
+    _provenance.remember(config.label, asdict(config))
     old_benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = config.cudnn_benchmark
     try:

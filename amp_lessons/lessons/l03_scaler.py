@@ -8,12 +8,11 @@ shown with ``ui.plots``/``ui.widgets``:
   an inf into a gradient at a chosen rate (overflow on demand).
 - ``scaler_presets`` / ``compare_presets`` / ``comparison_rows``: PyTorch's defaults (measured),
   article R's tuned set and NVIDIA's ResNet-50 settings on the same run.
-- ``GradientCapture`` / ``capture_gradients`` / ``fraction_rows`` / ``scale_window``: real
-  per-layer gradients against fp16's range.
+- ``GradientCapture`` / ``capture_gradients``: real per-layer gradients (against fp16's range:
+  ``formats.fraction_rows``, ``formats.scale_window``).
 - ``verdict_r2``, ``verdict_r3``, ``verdict_b4``: the claims this lesson decides, as
   ``claims.Verdict``.
-- ``scaler_panel`` / ``preset_panel`` / ``histogram_panel``: the notebook's live panels
-  (``ui.widgets``), wired to this lesson's runs.
+- ``panel_runner``: what the notebook's live panels (``ui.scaler_panels``) run.
 """
 from __future__ import annotations
 
@@ -26,12 +25,12 @@ import torch
 from .. import claims
 from .._validate import is_int, is_real
 from ..data import digits_loaders
-from ..formats import gradient_summary, scale_sweep
+from ..formats import fraction_rows, scale_window  # noqa: F401 (the lesson's API)
 from ..models import DIGITS_MODELS, build_digits_model, resnet50
 from ..precision import as_device
 from ..tables import plural
 from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer
-from ..ui import widgets
+
 from ..ui.plots import lost_shares, pow2_text
 
 LESSON = "03"
@@ -446,52 +445,6 @@ def scale_factor_error(device_type: str = "cpu") -> str:
     return ""
 
 
-def step_table_text(run: ScalerRun, first: int = 20) -> str:
-    """The first ``first`` steps of a run as text: the scale each step used, whether it was
-    skipped (and whether an overflow was injected), and what ``update()`` then did to the scale
-    (backed off, grew, or kept it)."""
-    if not is_int(first) or first < 1:
-        raise ValueError(f"first must be an integer >= 1; got {first!r}")
-    nxt = run.scales[1:] + [run.final_scale]
-    lines = [f"{'step':>4}  {'scale used':>16}  {'skipped':>7}  {'loss':>8}  update() then"]
-    for i in range(min(first, len(run.steps))):
-        s, after = run.scales[i], nxt[i]
-        if after is None or after == s:
-            what = "kept the scale"
-        elif after < s:
-            what = f"backed off x{after / s:g} -> {pow2_text(after)}"
-        else:
-            what = f"grew x{after / s:g} -> {pow2_text(after)}"
-        skip = ("yes*" if run.injected[i] else "yes") if run.skipped[i] else "no"
-        lines.append(f"{run.steps[i]:>4}  {pow2_text(s):>16}  {skip:>7}  {run.losses[i]:>8.4f}  {what}")
-    if any(run.injected[:first]):
-        lines.append("* an inf was injected into this step's gradients")
-    return "\n".join(lines)
-
-
-def scale_window(magnitudes_by_layer: Mapping[str, np.ndarray], fmt: str = "fp16",
-                 exponents: Sequence[int] = range(-8, 41)) -> dict:
-    """Where a loss scale 2^k keeps these gradients in ``fmt``: ``no_flush_from`` (the smallest k
-    at which no nonzero value is flushed to zero), ``no_overflow_up_to`` (the largest k with no
-    overflow), and the fractions at k = 0 (no scaling). None where no k in ``exponents`` does."""
-    rows = scale_sweep(list(magnitudes_by_layer.values()), exponents, fmt)
-    no_flush = [r["k"] for r in rows if r["flushed"] == 0]
-    no_over = [r["k"] for r in rows if r["overflow"] == 0]
-    at_one = next((r for r in rows if r["k"] == 0), None)
-    return {"no_flush_from": min(no_flush) if no_flush else None,
-            "no_overflow_up_to": max(no_over) if no_over else None,
-            "at_scale_1": at_one}
-
-
-def fraction_rows(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float,
-                  fmt: str = "fp16") -> List[dict]:
-    """Per layer: its values, nonzero values, and the fractions of the nonzero ones that ``fmt``
-    flushes to zero, makes subnormal, or overflows once multiplied by ``scale``
-    (``formats.gradient_summary`` without its ``all`` row)."""
-    return [{k: r[k] for k in ("layer", "values", "nonzero", "flushed", "subnormal", "overflow")}
-            for r in gradient_summary(magnitudes_by_layer, scale, fmt)[:-1]]
-
-
 # ---- the claims lesson 03 decides ------------------------------------------------------------------
 
 @claims.decides("R2")
@@ -701,7 +654,7 @@ def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, large
                                   "largest_loss_difference": diff}, cannot_decide=short)
 
 
-# ---- the notebook's panels ----------------------------------------------------------------------
+# ---- what the notebook's panels run (ui.scaler_panels builds them) -----------------------------
 
 def panel_runner(setup: RunSetup = RunSetup()) -> Callable:
     """What a ``widgets.ScalerPanel`` runs: ``run(settings, steps, injection_rate, on_step)``
@@ -721,39 +674,6 @@ def panel_runner(setup: RunSetup = RunSetup()) -> Callable:
                                  evaluate=False, injector=injector)
 
     return run
-
-
-def scaler_panel(setup: RunSetup = RunSetup(), steps: int = 60,
-                 settings: Optional[ScalerSettings] = None, injection_rate: float = 0.0,
-                 figure_mode: str = "auto", background: bool = True) -> widgets.ScalerPanel:
-    """Lesson 03's scaler panel (``widgets.ScalerPanel``) over ``setup``'s runs, its knobs at
-    ``settings`` (PyTorch's defaults, measured, when None)."""
-    defaults = measured_defaults(setup.torch_device.type)
-    return widgets.ScalerPanel(panel_runner(setup), defaults, steps=steps, settings=settings,
-                               injection_rate=injection_rate, figure_mode=figure_mode,
-                               background=background)
-
-
-def preset_panel(presets: Optional[Mapping[str, ScalerSettings]] = None, steps: int = 100,
-                 setup: RunSetup = RunSetup(), injection_rate: float = 0.0,
-                 figure_mode: str = "auto", background: bool = True) -> widgets.PresetComparison:
-    """The preset comparison panel (``widgets.PresetComparison``): each ticked preset trained
-    by ``train_with_scaler`` on ``setup``'s seed and data (``scaler_presets`` when None)."""
-    presets = dict(presets or scaler_presets(setup.torch_device.type))
-
-    def run(name: str, settings: ScalerSettings, n_steps: int, rate: float) -> ScalerRun:
-        return train_with_scaler(settings, n_steps, setup, rate, name=name)
-
-    return widgets.PresetComparison(presets, run, steps=steps, injection_rate=injection_rate,
-                                    figure_mode=figure_mode, background=background,
-                                    table_note=PRESET_NOTE)
-
-
-def histogram_panel(magnitudes_by_layer: Mapping[str, np.ndarray], scale_log2: int = 0,
-                    fmt: str = "fp16", figure_mode: str = "auto") -> widgets.HistogramPanel:
-    """The gradient histogram panel (``widgets.HistogramPanel``) over captured gradients
-    (``capture_gradients``)."""
-    return widgets.HistogramPanel(magnitudes_by_layer, scale_log2, fmt, figure_mode=figure_mode)
 
 
 def lost_line(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float, fmt: str = "fp16",

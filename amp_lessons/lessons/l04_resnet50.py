@@ -8,23 +8,22 @@ profile they all read "not decided here" with the reason.
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .. import claims, models
 from .. import trainer as training
 from .._validate import check_choice, check_int
 from ..data import TensorBatches, digits
-from ..bench import (COMPILE_MODES, OPTIMIZER_IMPLS, OPTIMIZERS, STANDARD, BenchConfig,
-                       build_optimizer, find_row, free_memory, optimizer_state_tensors, ratio)
-from ..precision import HALF_DTYPES, PRECISIONS, as_device, native_bf16
+from ..bench import (COMPILE_MODES, OPTIMIZERS, STANDARD, BenchConfig, build_optimizer, find_row,
+                     free_memory, ratio)
+from ..optim import (adam_precision_facts, multi_tensor_status,  # noqa: F401 (the lesson's API)
+                     skipped_step_check)
+from ..precision import (HALF_DTYPES, PRECISIONS, as_device, autocast_error_by_op,  # noqa: F401
+                         autocast_op_list_api, native_bf16)
 from ..tables import percent, plural
 
 LESSON = "04"
@@ -129,54 +128,6 @@ LAYOUT_COLUMNS = (("label", "precision"), ("nchw_img_per_s", "NCHW img/s"),
                   ("channels_last_gain", "gain x"))
 
 
-def skipped_step_check(optimizer: str = "sgd", impl: str = "fused", device=None,
-                       size: int = 1024, prime_momentum: bool = False) -> Dict[str, object]:
-    """Does a step that GradScaler skips leave the optimizer exactly as it was?
-
-    One parameter vector, two steps: the first step's gradient holds an inf (GradScaler skips
-    it, as it does early in fp16 training while the scale settles), the second is finite. The
-    parameters after step two are compared with those of the for-loop optimizer, which skips
-    cleanly. Returns ``max_abs_diff`` (0.0 when ``impl`` agrees), ``finite`` and
-    ``state_after_skip`` (whether the skipped step created optimizer state).
-    ``prime_momentum=True`` applies the course's workaround (zero SGD momentum buffers before the
-    first step) to a fused SGD being checked; ``primed`` says whether it was applied."""
-    if not isinstance(prime_momentum, bool):
-        raise ValueError(f"prime_momentum must be True or False; got {prime_momentum!r}")
-    check_choice("optimizer", optimizer, OPTIMIZERS)
-    check_choice("impl", impl, OPTIMIZER_IMPLS)
-    check_int("size", size, 2)
-    device = as_device(device)
-    results = {}
-    primed = prime_momentum and optimizer == "sgd" and impl == "fused"
-
-    def state_count(opt) -> int:  # state tensors of the parameter's size (not step counters)
-        return sum(1 for t in optimizer_state_tensors(opt) if t.numel() > 1)
-
-    for name in ("for-loop", impl):
-        p = nn.Parameter(torch.linspace(-1, 1, size, device=device))
-        opt = build_optimizer(BenchConfig(optimizer=optimizer, impl=name), [p],
-                              prime_momentum=prime_momentum and name == impl)
-        before = state_count(opt)  # primed buffers exist before any step
-        scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
-        bad = torch.ones(size, device=device)
-        bad[0] = float("inf")
-        state_after_skip = None
-        for c in (bad, torch.ones(size, device=device)):
-            scaler.scale((p * c).sum()).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            if state_after_skip is None:
-                state_after_skip = state_count(opt) > before
-        results[name] = (p.detach().clone(), state_after_skip)
-    ref, got = results["for-loop"][0], results[impl][0]
-    diff = (got - ref).abs().max().item() if torch.isfinite(got).all() else float("inf")
-    return {"optimizer": optimizer, "impl": impl, "primed": primed, "device": str(device),
-            "max_abs_diff": diff, "finite": bool(torch.isfinite(got).all()),
-            "state_after_skip": results[impl][1],
-            "reference_state_after_skip": results["for-loop"][1]}
-
-
 # --- accuracy on real data (claims R4, R5, R7 and the parity table) -----------------------------
 
 RESNET_DIGITS_MODELS = {"resnet50": models.resnet50, "resnet18": models.resnet18,
@@ -264,54 +215,6 @@ ACCURACY_COLUMNS = (("label", "run"), ("accuracy", "test acc (autocast)"),
 
 
 # --- claim R12: how sensitive is each op to half precision? -------------------------------------
-
-def autocast_error_by_op(device=None, dtype="fp16",
-                         logit_scales: Sequence[float] = (1.0, 8.0, 32.0),
-                         seed: int = 0) -> List[Dict[str, object]]:
-    """Relative error of ops under autocast against a float64 reference, on random inputs.
-
-    A 3x3 convolution and a linear layer (the bulk of a ResNet) against scaled dot-product
-    attention whose logits are made larger by ``logit_scale`` (sharper softmax, as trained
-    attention gets): the error is ``||out - ref|| / ||ref||``, inf where the output overflows.
-    ``dtype``: "fp16", "bf16" or the torch dtype. Each row names the ``device`` it ran on."""
-    dtype = HALF_DTYPES.get(dtype, dtype)
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be 'fp16', 'bf16', torch.float16 or torch.bfloat16; "
-                         f"got {dtype!r}")
-    device = as_device(device)
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
-
-    def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-        out = out.double().cpu()
-        if not torch.isfinite(out).all():
-            return float("inf")
-        return float((out - ref).norm() / ref.norm())
-
-    def row(op, scale, out, ref):
-        return {"op": op, "logit_scale": scale, "out_dtype": str(out.dtype),
-                "rel_error": rel(out, ref), "device": device.type}
-
-    rows = []
-    x, w = rand(8, 64, 32, 32), rand(64, 64, 3, 3, scale=(1 / 576) ** 0.5)
-    with torch.autocast(device_type=device.type, dtype=dtype):
-        out = F.conv2d(x.float().to(device), w.float().to(device), padding=1)
-    rows.append(row("conv2d 3x3, 64 channels", None, out, F.conv2d(x, w, padding=1)))
-    a, b = rand(1024, 1024), rand(1024, 1024, scale=1 / 32)
-    with torch.autocast(device_type=device.type, dtype=dtype):
-        out = F.linear(a.float().to(device), b.t().contiguous().float().to(device))
-    rows.append(row("linear 1024x1024", None, out, a @ b))
-    for scale in logit_scales:
-        q, k, v = rand(4, 8, 256, 64) * scale, rand(4, 8, 256, 64), rand(4, 8, 256, 64)
-        ref = torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1) @ v
-        with torch.autocast(device_type=device.type, dtype=dtype):
-            out = F.scaled_dot_product_attention(q.float().to(device), k.float().to(device),
-                                                 v.float().to(device))
-        rows.append(row("attention (SDPA), 256 tokens", scale, out, ref))
-    return rows
-
 
 # --- when can this run decide? ------------------------------------------------------------------
 
@@ -651,49 +554,6 @@ def verdict_r7(runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> cl
                          cannot_decide=gate)
 
 
-def adam_precision_facts(device=None) -> Dict[str, object]:
-    """Claim R5's "fp16 division by zero": which dtype Adam computes in under AMP.
-
-    One autocast step of a small model with Adam (fp16 on a GPU, bf16 on a CPU): parameters,
-    gradients and Adam's state are float32, so eps never meets float16. For contrast, what
-    float16 would make of 1e-8 and 1e-7."""
-    device = as_device(device)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
-    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
-    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    with torch.autocast(device_type=device.type, dtype=dtype):
-        out = model(torch.randn(4, 8, device=device))
-    out.float().pow(2).mean().backward()
-    grad_dtype = model[0].weight.grad.dtype
-    opt.step()
-    state = opt.state[model[0].weight]
-    return {"autocast_dtype": str(dtype), "activation_dtype": str(out.dtype),
-            "param_dtype": str(model[0].weight.dtype), "grad_dtype": str(grad_dtype),
-            "exp_avg_sq_dtype": str(state["exp_avg_sq"].dtype),
-            "eps_1e-8_in_fp16": float(torch.tensor(1e-8, dtype=torch.float16)),
-            "eps_1e-7_in_fp16": float(torch.tensor(1e-7, dtype=torch.float16)),
-            "eps_1e-8_in_fp32": float(torch.tensor(1e-8, dtype=torch.float32))}
-
-
-def multi_tensor_status() -> Dict[str, object]:
-    """Claim R5's ``torch.optim._multi_tensor``: does it exist in this PyTorch, and what is it?
-
-    Where it exists, its ``Adam`` is built on one dummy parameter to read what it really is:
-    a subclass of ``torch.optim.Adam`` and the ``foreach`` setting it fixes."""
-    try:
-        mod = importlib.import_module("torch.optim._multi_tensor")
-    except ImportError as exc:
-        return {"exists": False, "has_adam": False, "subclass_of_adam": False, "foreach": None,
-                "error": f"{type(exc).__name__}: {exc}"}
-    adam = getattr(mod, "Adam", None)
-    out = {"exists": True, "has_adam": adam is not None, "subclass_of_adam": False,
-           "foreach": None, "error": ""}
-    if adam is not None:
-        out["subclass_of_adam"] = isinstance(adam, type) and issubclass(adam, torch.optim.Adam)
-        out["foreach"] = adam([nn.Parameter(torch.zeros(1))]).defaults.get("foreach")
-    return out
-
-
 @claims.decides("R5")
 def verdict_r5(facts: Dict[str, object], multi_tensor: Dict[str, object],
                runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> claims.Verdict:
@@ -728,14 +588,6 @@ def verdict_r5(facts: Dict[str, object], multi_tensor: Dict[str, object],
     return claims.decide("R5", LESSON, measured, held, why or "the premise held on this torch",
                          {"state_dtype": state_dtype, "multi_tensor_plain": plain,
                           "best_variant_gain": best}, cannot_decide=reason)
-
-
-def autocast_op_list_api() -> Dict[str, object]:
-    """What ``torch.autocast`` lets a user change, read from its signature on this torch: its
-    parameters, and whether any of them is an op list (claim R12's "changed op list")."""
-    params = [p for p in inspect.signature(torch.autocast.__init__).parameters if p != "self"]
-    listy = [p for p in params if any(w in p.lower() for w in ("op", "list", "cast_policy"))]
-    return {"parameters": params, "op_list_parameters": listy}
 
 
 @claims.decides("R12")

@@ -47,10 +47,10 @@ from ..bench.float8 import (FP8_RECIPES, INSTALL_HINT, MIN_CAPABILITY,  # noqa: 
                             quiet, speed_sweep, support_reason, time_recipe, torchao_version)
 from ..bench.memory import GIB
 from ..bench.oom import free_memory, is_out_of_memory  # noqa: F401
-from ..formats import (FP8_FORMATS as FORMATS, FP8_USE as FORMAT_USE,  # noqa: F401
-                       SCALINGS, TENSOR_KINDS, amax_scale, error_summary, fake_quantize, from_fp8, fp8_max,
-                       quantization_error, to_fp8)
-from ..formats import fp8_format_facts as format_facts  # noqa: F401 (lesson API)
+from ..fp8 import FP8_FORMATS as FORMATS, FP8_USE as FORMAT_USE  # noqa: F401 (lesson API)
+from ..fp8 import (SCALINGS, TENSOR_KINDS, amax_scale, error_summary,  # noqa: F401
+                   fake_quantize, from_fp8, fp8_max, quantization_error, to_fp8)
+from ..fp8 import fp8_format_facts as format_facts  # noqa: F401 (the lesson's API)
 from ..report import show_table
 from ..tables import not_compared, plural, text_table
 

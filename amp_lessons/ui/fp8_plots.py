@@ -7,8 +7,8 @@ from typing import List, Mapping, Optional, Sequence
 
 from ..bench.float8 import FP8_RECIPES, NOT_MEASURED
 from .._validate import check_int
-from ..formats import FP8_FORMATS as FORMATS
-from ..formats import SCALINGS, TENSOR_KINDS, error_summary
+from ..fp8 import FP8_FORMATS as FORMATS
+from ..fp8 import SCALINGS, TENSOR_KINDS, error_summary
 from ..tables import plural
 
 

@@ -264,12 +264,25 @@ def json_safe(obj):
 # --- lesson 05's tables: techniques against fp32, the largest batch per card ------------------
 
 
+def shown_technique(row: Mapping[str, Any]) -> str:
+    """A technique's name as a table shows it: "fp32" becomes "TF32" where the row ran with TF32
+    tensor-core math (precision "tf32" on a GPU; lesson 04's "fp32, TF32 on"); fp32 stays fp32
+    only where the math is fp32 (a CPU, a GPU without TF32)."""
+    name = str(row.get("technique", row.get("label", "")))
+    precision = row.get("precision") or (row.get("config") or {}).get("precision")
+    if precision == "tf32" and row.get("device_type") == "cuda" and name.startswith("fp32"):
+        return "TF32" + name[len("fp32"):]
+    return name
+
+
 def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
     """``technique_table`` rows as a table to show and publish: step time, throughput, memory,
-    memory and time against the fp32 row, and the share of the step the GPU sat idle (host and
+    memory and time against the fp32 row (named TF32 where it ran with TF32 math:
+    ``shown_technique``), and the share of the step the GPU sat idle (host and
     launch overhead; None where a number is missing)."""
     ok = {r.get("technique", r.get("label")): r for r in rows if r.get("status") == "ok"}
     base = ok.get("fp32")
+    base_name = shown_technique(base) if base else "fp32"
 
     def ratio(a, b):
         return a / b if a is not None and b else None
@@ -278,14 +291,15 @@ def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, o
     for r in rows:
         good = r.get("status") == "ok"
         out.append({
-            "technique": r.get("technique", r.get("label")),
+            "technique": shown_technique(r),
             "batch": r.get("config", {}).get("batch_size"),
             "step ms": r.get("step_ms") if good else None,
             "img/s": r.get("img_per_s") if good else None,
             "memory GiB": r.get("memory_gib") if good else None,
-            "memory x fp32": ratio(r.get("memory_gib"), base.get("memory_gib"))
+            f"memory x {base_name}": ratio(r.get("memory_gib"), base.get("memory_gib"))
             if good and base else None,
-            "time x fp32": ratio(r.get("step_ms"), base.get("step_ms")) if good and base else None,
+            f"time x {base_name}": ratio(r.get("step_ms"), base.get("step_ms")) if good and base
+            else None,
             "GPU idle %": 100 * r["gpu_idle_fraction"]
             if good and r.get("gpu_idle_fraction") is not None else None,
             "status": "ok" if good else f"{r.get('status')}: {r.get('reason')}"})
@@ -299,19 +313,22 @@ def largest_batch_report_rows(rows: Sequence[Dict[str, object]]) -> Dict[str, ob
     if not rows:
         raise ValueError("rows must hold at least one largest_batch_table row")
     techniques = list(dict.fromkeys(r["technique"] for r in rows))
+    shown = {r["technique"]: shown_technique(r) for r in rows}
     cards = sorted({r["card_gb"] for r in rows})
     table = []
     for card in cards:
         line: Dict[str, object] = {"card (GB)": f"{card:g}"}
         for t in techniques:
             cell = next((r for r in rows if r["card_gb"] == card and r["technique"] == t), None)
-            line[t] = cell["largest_batch"] if cell and cell["status"] == "ok" else None
+            line[shown[t]] = cell["largest_batch"] if cell and cell["status"] == "ok" else None
         table.append(line)
-    reasons = list(dict.fromkeys(f"{r['technique']}: {r['reason']}" for r in rows if r["reason"]))
+    reasons = list(dict.fromkeys(f"{shown[r['technique']]}: {r['reason']}" for r in rows
+                                 if r["reason"]))
     how = sorted({r["how"].split(" at ")[0] for r in rows if r["how"]})
     steps = sorted({r["resolution"] for r in rows if r["resolution"]})
     note = (f"Images per training step; searched in steps of {', '.join(map(str, steps))} "
             f"images ({'; '.join(how)}). " if steps else "") + \
         (f"Not measured or capped: {'; '.join(reasons)}." if reasons else "")
-    return {"rows": table, "columns": ["card (GB)"] + techniques, "note": note.strip()}
+    return {"rows": table, "columns": ["card (GB)"] + [shown[t] for t in techniques],
+            "note": note.strip()}
 

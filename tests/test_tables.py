@@ -114,3 +114,19 @@ def test_not_compared_says_measured_and_why():
     assert tables.not_compared(" no CUDA GPU ") == "measured, not compared: no CUDA GPU"
     with pytest.raises(ValueError, match="why must say"):
         tables.not_compared("")
+
+
+def test_shown_technique_says_tf32_only_where_the_math_is_tf32():
+    from amp_lessons.tables import shown_technique, technique_report_rows
+
+    gpu = {"technique": "fp32 + checkpointing", "config": {"precision": "tf32"}, "device_type": "cuda"}
+    assert shown_technique(gpu) == "TF32 + checkpointing"
+    assert shown_technique(dict(gpu, device_type="cpu")) == "fp32 + checkpointing"
+    assert shown_technique(dict(gpu, config={"precision": "fp32"})) == "fp32 + checkpointing"
+    assert shown_technique({"technique": "AMP", "precision": "fp16", "device_type": "cuda"}) == "AMP"
+    rows = [dict(gpu, technique="fp32", status="ok", step_ms=2.0, memory_gib=4.0, img_per_s=1.0),
+            {"technique": "AMP", "config": {"precision": "fp16"}, "device_type": "cuda",
+             "status": "ok", "step_ms": 1.0, "memory_gib": 2.0, "img_per_s": 2.0}]
+    table = technique_report_rows(rows)
+    assert [r["technique"] for r in table] == ["TF32", "AMP"]
+    assert table[1]["memory x TF32"] == 0.5 and table[1]["time x TF32"] == 0.5

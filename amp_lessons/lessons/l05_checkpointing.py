@@ -29,7 +29,7 @@ from ..bench.cards import largest_per_card
 from ..bench.counted import counted_memory_model, counted_step_memory  # noqa: F401
 from ..precision import as_device, check_precision, native_tf32
 from ..tables import (format_value, largest_batch_report_rows,  # noqa: F401 (lesson API)
-                      technique_report_rows)
+                      shown_technique, technique_report_rows)
 from ..trainer import ScalerSettings, Trainer, TrainConfig
 
 LESSON = "05"
@@ -188,8 +188,9 @@ def technique_caption(rows: Sequence[Dict[str, object]]) -> str:
         raise ValueError("rows must hold at least one technique_table row")
     settings = rows[0].get("settings") or standard_settings()
     memory = next((r["memory_source"] for r in rows if r.get("memory_source")), "not measured")
-    return (f"{settings_caption(settings)}; fp32 with TF32 tensor-core math where the GPU has it; "
-            f"AMP = fp16 autocast + GradScaler; memory: {memory}")
+    return (f"{settings_caption(settings)}; TF32 = fp32 storage with TF32 tensor-core math (lesson "
+            f"04's \"fp32, TF32 on\"; fp32 where there is none); AMP = fp16 autocast + GradScaler; "
+            f"memory: {memory}")
 
 
 def _range_verdict(measured: float, low: float, high: float, what: str) -> str:
@@ -317,11 +318,11 @@ def frontier_rows(rows: Sequence[Dict[str, object]],
     ref, base = ok.get(reference), ok.get(baseline)
     out = []
     for name, r in sorted(ok.items(), key=lambda kv: kv[1]["step_ms"]):
-        out.append({"technique": name,
+        out.append({"technique": shown_technique(r),
                     "checkpoint": TECHNIQUES.get(name, {}).get("checkpoint") or "-",
                     "img/s": r["img_per_s"], "memory GiB": r["memory_gib"],
-                    f"memory x {baseline}": ratio(r["memory_gib"], base["memory_gib"]) if base
-                    else None,
+                    f"memory x {shown_technique(base) if base else baseline}":
+                    ratio(r["memory_gib"], base["memory_gib"]) if base else None,
                     f"time x {reference}": ratio(r["step_ms"], ref["step_ms"]) if ref else None,
                     "on the frontier": "yes" if name in front else "no"})
     return out
@@ -352,7 +353,7 @@ def card_advice(rows: Sequence[Dict[str, object]], card_gib: float,
             measured_batch = r["config"]["batch_size"]
             memory = r["state_gib"] + (r["memory_gib"] - r["state_gib"]) * b / measured_batch
             if memory <= card_gib:
-                fits.append((r["step_ms"] / measured_batch, name, memory))
+                fits.append((r["step_ms"] / measured_batch, shown_technique(r), memory))
         fits.sort()
         pick = fits[0] if fits else None
         out.append({"batch": b, "pick": pick[1] if pick else None,
@@ -404,8 +405,8 @@ def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
     torch.backends.cudnn.benchmark = False  # no autotuning per new batch size
     try:
         for config in configs:
-            rows += largest_per_card(config, cards, device, total_gib, resolution_parts,
-                                     max_batch)
+            rows += [dict(r, precision=config.precision, device_type=device.type) for r in
+                     largest_per_card(config, cards, device, total_gib, resolution_parts, max_batch)]
     finally:
         torch.backends.cudnn.benchmark = old_benchmark
     return rows

@@ -65,15 +65,21 @@ def test_agreement_and_summary():
     assert L.summary({"m": _report(mine)})[0]["fastest (decided)"] == "not decided"
 
 
+def test_the_repository_cheat_sheet_renders():
+    if L.CHEAT_SHEET.is_file():
+        text = L.cheat_sheet()
+        assert "### Which precision" in text and "<!--" not in text
+
+
 def test_cheat_sheet_and_fingerprint(monkeypatch, tmp_path):
     monkeypatch.setattr(L, "CHEAT_SHEET", tmp_path / "missing.md")
     monkeypatch.setattr(L, "REPO", tmp_path)
     assert L.CHEAT_SHEET_URL in L.cheat_sheet()
     (tmp_path / "README.md").write_text("# x\n\n## Cheat sheet\n\n| a |\n\n## Next\nno\n")
     assert L.cheat_sheet() == "## Cheat sheet\n\n| a |\n"
-    (tmp_path / "sheet.md").write_text("# Cheat sheet\n")
+    (tmp_path / "sheet.md").write_text("<!-- note\nfor maintainers -->\n### Chart\n")
     monkeypatch.setattr(L, "CHEAT_SHEET", tmp_path / "sheet.md")
-    assert L.cheat_sheet() == "# Cheat sheet\n"
+    assert L.cheat_sheet() == "### Chart\n"
     net = torch.nn.Linear(2, 2)
     before = L.fingerprint(net)
     assert L.unchanged(net, before)

@@ -42,7 +42,10 @@ def cheat_sheet() -> str:
     ``## Cheat sheet`` section; where the package was installed without the repository (Colab,
     Kaggle), a line with its address instead."""
     if CHEAT_SHEET.is_file():
-        return CHEAT_SHEET.read_text(encoding="utf-8")
+        text = CHEAT_SHEET.read_text(encoding="utf-8")
+        if text.lstrip().startswith("<!--"):  # the maintainers' note at its top
+            text = text.split("-->", 1)[1].lstrip("\n")
+        return text
     readme = REPO / "README.md"
     text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
     if "\n## Cheat sheet" in text:

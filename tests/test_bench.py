@@ -531,3 +531,24 @@ def test_fit_batch_memory_predicts_the_largest_batch():
 
 def test_free_bytes_is_none_off_a_gpu():
     assert M.free_bytes("cpu") is None and M.free_bytes(None) is None
+
+
+def test_cupti_teardown_is_asked_for_during_a_profile_and_undone(monkeypatch):
+    import os
+
+    from amp_lessons.bench import timer
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.setattr(timer.torch.version, "cuda", "13.0")
+    with timer.cupti_teardown():
+        assert os.environ["TEARDOWN_CUPTI"] == "1"
+    assert "TEARDOWN_CUPTI" not in os.environ
+    monkeypatch.setattr(timer.torch.version, "cuda", "12.4")  # a teardown can crash graphs there
+    with timer.cupti_teardown():
+        assert "TEARDOWN_CUPTI" not in os.environ
+    monkeypatch.setattr(timer.torch.version, "cuda", "13.0")
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")  # set by torch or the user: left alone
+    with timer.cupti_teardown():
+        assert os.environ["TEARDOWN_CUPTI"] == "0"
+    with timer.cupti_teardown(enabled=False):
+        assert os.environ["TEARDOWN_CUPTI"] == "0"

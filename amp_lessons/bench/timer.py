@@ -6,11 +6,14 @@ under the profiler), ``idle_fraction`` (the share of a step the device sat idle)
 repeats disagree by more than ``NOISY_SPREAD`` (10%) decides nothing (``claims.rows_timing_gate``)."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import re
 import statistics
 import time
 import warnings
-from typing import Callable, Dict, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -79,7 +82,8 @@ def device_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device=None
     small); the union of the device events' intervals, divided by ``steps``, is the busy time.
     Against the timed median step this gives the share of the step the GPU sat idle waiting for
     the host (``gpu_idle_fraction``). None where ``device`` is not a GPU (``activity="cpu"``
-    measures CPU operator time instead, for tests).
+    measures CPU operator time instead, for tests). CUPTI is released when the session ends
+    (``cupti_teardown``), so the pass leaves no cost behind for steps timed later.
     """
     check_int("steps", steps, 1)
     check_choice("activity", activity, ("cuda", "cpu"))
@@ -89,9 +93,9 @@ def device_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device=None
     kind = {"cuda": ProfilerActivity.CUDA, "cpu": ProfilerActivity.CPU}[activity]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d: None)
     sync(device)
-    with warnings.catch_warnings():  # one profiling cycle: its "clears events" notice is moot
+    with warnings.catch_warnings(), cupti_teardown(activity == "cuda"):
         warnings.filterwarnings("ignore", message=".*Profiler clears events")
-        with profile(activities=[kind]) as prof:
+        with profile(activities=[kind]) as prof:  # one cycle: its "clears events" notice is moot
             for _ in range(steps):
                 step(x, y)
             sync(device)
@@ -99,6 +103,27 @@ def device_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device=None
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
              if getattr(e.device_type, "name", str(e.device_type)).upper().endswith(wanted)]
     return interval_union(spans) / 1e3 / steps
+
+
+@contextlib.contextmanager
+def cupti_teardown(enabled: bool = True) -> Iterator[None]:
+    """Within the block, a profiler session that ends releases CUPTI (``TEARDOWN_CUPTI=1``).
+
+    Kineto leaves CUPTI attached after a session unless told otherwise, and an attached CUPTI
+    slows every later kernel launch (10-20% on a host-bound step, pytorch/pytorch#144455): the
+    profiler pass of one row would slow the timed steps of every row after it. Not on CUDA
+    older than 12.6, where a teardown can crash a later CUDA graph (torch keeps CUPTI there),
+    nor where the variable is already set; the previous value comes back on exit.
+    """
+    version = tuple(int(v) for v in re.findall(r"\d+", torch.version.cuda or "0")[:2])
+    if not enabled or version < (12, 6) or "TEARDOWN_CUPTI" in os.environ:
+        yield
+        return
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TEARDOWN_CUPTI", None)
 
 
 def idle_fraction(busy_ms: Optional[float], step_ms: Optional[float]) -> Optional[float]:

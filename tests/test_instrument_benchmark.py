@@ -1,0 +1,55 @@
+"""benchmarks/instrument.py on the CPU (tiny sizes): the plain loop, its twin, the engine's step
+and the engine's timer run interleaved and are written with their costs and the noise floor; the
+plain loop and the engine's step train the same weights to the same result. The numbers mean
+nothing here; the H200 run decides (issue 21)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "instrument.py"
+
+
+@pytest.fixture(scope="module")
+def instrument():
+    spec = importlib.util.spec_from_file_location("instrument", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bootstrap_gives_the_median_and_an_interval_around_it(instrument):
+    med, lo, hi = instrument.bootstrap([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert med == 3.0 and lo <= med <= hi and 1.0 <= lo and hi <= 5.0
+    assert instrument.bootstrap([2.0] * 4) == (2.0, 2.0, 2.0)
+
+
+def test_the_plain_loop_and_the_engine_step_train_alike(instrument):
+    from amp_lessons import bench
+
+    config = bench.BenchConfig(model="resnet18", precision="bf16", channels_last=True,
+                               batch_size=2, image_size=32, num_classes=10, impl="foreach")
+    torch.manual_seed(0)
+    state = bench.MODELS["resnet18"](num_classes=10).state_dict()
+    x, y = bench.runner.synthetic_images(2, 32, 10, "cpu", channels_last=True)
+    plain = instrument.plain_loop(config, torch.device("cpu"), state)
+    engine = instrument.engine_step(config, torch.device("cpu"), state)
+    a = [float(plain(x, y)) for _ in range(2)]
+    b = [float(engine(x, y)) for _ in range(2)]
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_smoke_run_writes_every_variant(instrument, tmp_path):
+    out = tmp_path / "instrument.json"
+    assert instrument.main(["--smoke", "--configs", "fastest", "--rounds", "2", "--steps", "1",
+                            "--warmup", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (result,) = doc["configs"]
+    assert [v["variant"] for v in result["variants"]] == [instrument.AGAIN, instrument.ENGINE,
+                                                          instrument.TIMER]
+    assert result["rounds"] == 2 and result["floor_pct"] >= 0
+    assert result["measure_row"]["status"] == "ok" and result["plain_after_profiler_img_per_s"] > 0
+    with pytest.raises(SystemExit):
+        instrument.main(["--smoke", "--rounds", "1"])

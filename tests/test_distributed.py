@@ -485,5 +485,5 @@ def test_runs_that_cannot_run_here_are_skipped_with_the_reason(monkeypatch):
     assert result.skipped == [{"label": "f", "world_size": 1, "reason": "no fsdp2 here"}]
     with pytest.raises(KeyError, match="skipped, no fsdp2 here"):
         result.find("f", 1)
-    assert "not run: f on 1 processes: no fsdp2 here" in result.notes()
+    assert "not run: f on 1 process: no fsdp2 here" in result.notes()
     assert result.find("d", 1)["efficiency"] == pytest.approx(1.0)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ..tables import format_value, html_table, json_safe, percent
+from ..files import write_atomic
 
 # scoped to the report's <div>, so a notebook's own styles stay as they are
 CSS = (".amp-doctor table{border-collapse:collapse;margin:.4em 0 1em;font-size:13px}"
@@ -164,7 +165,5 @@ class DoctorReport:
         suffix = path.suffix.lower()
         if suffix not in (".json", ".html", ".htm"):
             raise ValueError(f"path must end in .json, .html or .htm; got '{path}'")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json() if suffix == ".json" else self.to_html(figure_html),
-                        encoding="utf-8")
-        return path
+        return write_atomic(path, self.to_json() if suffix == ".json" else self.to_html(figure_html),
+                            what="doctor report")

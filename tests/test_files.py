@@ -28,6 +28,8 @@ REPO = PACKAGE.parent
 ALLOWED_WRITERS = {
     "files.py": "the atomic writer itself",
     "_launch.py": "results of distributed worker processes, in a private temporary folder",
+    "ex05.py": "torch.save into an io.BytesIO: a checkpoint round trip in memory, no file",
+    "ex06.py": "the learner's script, written into a private temporary folder for torchrun",
 }
 
 

@@ -264,6 +264,14 @@ def json_safe(obj):
 # --- lesson 05's tables: techniques against fp32, the largest batch per card ------------------
 
 
+def _noisy(row: Mapping[str, Any]) -> str:
+    from .bench.timer import NOISY_SPREAD  # at call time: bench imports this module
+
+    spread = row.get("spread")
+    return (f"noisy: repeats differ by {100 * spread:.0f}%, decides nothing"
+            if is_real(spread) and spread > NOISY_SPREAD else "")
+
+
 def shown_technique(row: Mapping[str, Any]) -> str:
     """A technique's name as a table shows it: "fp32" becomes "TF32" where the row ran with TF32
     tensor-core math (precision "tf32" on a GPU; lesson 04's "fp32, TF32 on"); fp32 stays fp32
@@ -302,7 +310,10 @@ def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, o
             else None,
             "GPU idle %": 100 * r["gpu_idle_fraction"]
             if good and r.get("gpu_idle_fraction") is not None else None,
-            "status": "ok" if good else f"{r.get('status')}: {r.get('reason')}"})
+            "repeat spread %": 100 * r["spread"] if good and r.get("spread") is not None
+            else None,
+            "status": ("ok" if not _noisy(r) else f"ok ({_noisy(r)})") if good
+            else f"{r.get('status')}: {r.get('reason')}"})
     return out
 
 

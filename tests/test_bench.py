@@ -552,3 +552,12 @@ def test_cupti_teardown_is_asked_for_during_a_profile_and_undone(monkeypatch):
         assert os.environ["TEARDOWN_CUPTI"] == "0"
     with timer.cupti_teardown(enabled=False):
         assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+def test_a_noisy_row_says_so_in_its_published_status():
+    rows = [{"label": "a", "status": "ok", "img_per_s": 1.0, "spread": 0.25},
+            {"label": "b", "status": "ok", "img_per_s": 1.0, "spread": 0.02}]
+    out = M.published_rows(rows)
+    assert out[0]["status"].startswith("ok (noisy: repeats differ by 25%")
+    assert out[1]["status"] == "ok" and out[1]["repeat spread"] == "2%"
+    assert M.noisy(rows[0]) and M.noisy(rows[1]) is None and M.noisy({}) is None

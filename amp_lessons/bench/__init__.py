@@ -17,8 +17,8 @@ from .config import (COMPILE_MODES, LOOPS, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS, 
 from .memory import (GIB, SavedActivations, memory_breakdown, optimizer_state_tensors,
                      storage_key, tensor_bytes)
 from .oom import free_bytes, free_memory, is_out_of_memory, memory_cap
-from .rows import (DEFAULT_COLUMNS, MEMORY_COLUMNS, MeasuredRow, find_row, published_rows, ratio,
-                   results_document, with_ratios)
+from .rows import (DEFAULT_COLUMNS, MEMORY_COLUMNS, MeasuredRow, find_row, noisy, published_rows,
+                   ratio, results_document, with_ratios)
 from .runner import ROW_KEYS, compare_loops, measure, run_configs
 from .search import LargestBatch, batch_size_for, fit_batch_memory, largest_batch
 from .steps import Step, build_model, build_optimizer, cuda_graph_step, hand_step, trainer_step

@@ -10,6 +10,7 @@ import torch
 
 from ..precision import as_device
 from ..tables import json_safe, percent
+from .timer import NOISY_SPREAD
 
 
 class MeasuredRow(TypedDict, total=False):
@@ -64,13 +65,25 @@ DEFAULT_COLUMNS = (("label", "configuration"), ("img_per_s", "img/s"),
                    ("memory_ratio", "mem x fp32"), ("activations_gib", "act. GiB"),
                    ("optimizer_state_gib", "opt. GiB"),
                    ("gpu_idle_fraction", "GPU idle", lambda v: percent(v, 1.0)),
+                   ("spread", "repeat spread", lambda v: percent(min(v, 1.0), 1.0)),
                    ("status", "status"))
+
+
+def noisy(row: Dict[str, object]) -> Optional[str]:
+    """Why ``row``'s timing decides nothing because its repeats disagree (``spread`` over
+    ``timer.NOISY_SPREAD``), or None."""
+    spread = row.get("spread")
+    if isinstance(spread, (int, float)) and spread > NOISY_SPREAD:
+        return (f"noisy: repeats differ by {100 * spread:.0f}% (over "
+                f"{100 * NOISY_SPREAD:.0f}%), decides nothing")
+    return None
 
 
 def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -> List[Dict[str, object]]:
     """Rows keyed by column heading, for ``report.publish`` (the README's results section): the
     columns and status text of ``tables.text_table``; numbers stay numbers, except in a column
-    with a format function (a share: ``"0.61%"``, never rounded to zero), which gives its text."""
+    with a format function (a share: ``"0.61%"``, never rounded to zero), which gives its text.
+    A row whose repeats disagree by over 10% says so in its status (``noisy``)."""
     columns = [c for c in columns if any(c[0] in r for r in rows)]
     if not columns:
         raise ValueError("columns must name at least one key present in the rows")
@@ -79,6 +92,8 @@ def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -
         v = r.get(c[0])
         if c[0] == "status" and v != "ok" and r.get("reason"):
             return f"{v}: {r['reason']}"
+        if c[0] == "status" and v == "ok" and noisy(r):
+            return f"ok ({noisy(r)})"
         return c[2](v) if len(c) > 2 and callable(c[2]) and v is not None else v
     return [{c[1]: cell(r, c) for c in columns} for r in rows]
 

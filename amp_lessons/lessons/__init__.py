@@ -50,7 +50,7 @@ PUBLISHED: Dict[str, Sequence[str]] = {
                        "amp_lessons.bench.float8.measure_float8",
                        "amp_lessons.bench.timer.time_steps"),
     "lesson07.accuracy": (_L + "l07_fp8.accuracy_report_rows", _L + "l07_fp8.accuracy_runs",
-                          _L + "l07_fp8.train_gpt"),
+                          "amp_lessons.bench.float8.train_gpt"),
     "lesson08.recipes": (_L + "l08_weights.report_rows", _L + "l08_weights.run_recipes",
                          "amp_lessons.optim.train_recipe", "amp_lessons.bench.timer.time_steps"),
     "lesson08.choice": (_L + "l08_weights.choice_table", _L + "l08_weights.memory_table",

@@ -27,9 +27,8 @@ support), the figures in ``ui.fp8_plots``; this module holds the lesson's experi
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +41,10 @@ from .. import models as _models
 from .._validate import check_choice, check_int, check_positive, is_real
 from ..bench.float8 import (FP8_RECIPES, INSTALL_HINT, MIN_CAPABILITY,  # noqa: F401 (lesson API)
                             NOT_MEASURED, RECIPES, TORCHAO_REQUIREMENT, Float8Config, FP8Support,
-                            check_ints, compile_blocks, convert_to_float8, float8_api,
+                            check_ints, compile_blocks, conversion_plan, convert_to_float8,
+                            evaluate, float8_api, lr_factor, module_filter, train_gpt,
                             float8_config, float8_layers, fp8_support, measure_float8, mlp_stack,
                             quiet, speed_sweep, support_reason, time_recipe, torchao_version)
-from ..bench.memory import GIB
 from ..bench.oom import free_memory, is_out_of_memory  # noqa: F401
 from ..fp8 import FP8_FORMATS as FORMATS, FP8_USE as FORMAT_USE  # noqa: F401 (lesson API)
 from ..fp8 import (SCALINGS, TENSOR_KINDS, amax_scale, error_summary,  # noqa: F401
@@ -189,128 +188,6 @@ def smallest_paying_width(rows: Sequence[Mapping], recipe: str = "tensorwise",
 
 # --- 3. accuracy: a small GPT on the standard library's source -----------------------------------
 
-def _lr_factor(step: int, steps: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(steps - warmup, 1)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, text: torch.Tensor, seq_len: int, batch_size: int = 16,
-             batches: int = 8, amp_dtype: Optional[torch.dtype] = torch.bfloat16) -> float:
-    """Mean next-token loss on fixed batches of held-out ``text`` (the same batches every run)."""
-    check_int("batches", batches, 1)
-    offsets = batch_offsets(len(text), seq_len, batch_size, batches, seed=1234)
-    was_training = model.training
-    model.eval()
-    losses = []
-    for row in offsets:
-        x, y = text_batch(text, row, seq_len)
-        with torch.autocast(text.device.type, dtype=amp_dtype or torch.float32,
-                            enabled=amp_dtype is not None):
-            losses.append(_models.lm_loss(model(x), y))
-    model.train(was_training)
-    return float(torch.stack(losses).mean())
-
-
-def train_gpt(corpus: Corpus, recipe: str = "bf16", seed: int = 0, steps: int = 2000,
-              batch_size: int = 32, model_kwargs: Optional[Mapping] = None, lr: float = 1e-3,
-              warmup_steps: int = 100, eval_batches: int = 16,
-              device: Union[str, torch.device, None] = None,
-              amp_dtype: Optional[torch.dtype] = torch.bfloat16, emulate: bool = False,
-              keep_high_precision: Sequence[str] = ("first", "last"),
-              compile: bool = False) -> dict:
-    """Train a ``TinyTransformer`` on ``corpus`` in bf16 or a torchao float8 recipe.
-
-    AdamW (betas 0.9/0.95, weight decay 0.1), linear warm-up then cosine decay to 10%, gradients
-    clipped at 1. ``seed`` fixes both the initial weights and the batch order, so two recipes with
-    one seed differ only in their arithmetic. FP8 runs convert every block's Linear layers except
-    the first and last ones (``keep_high_precision``); ``emulate`` runs FP8 numerics without FP8
-    tensor cores. ``amp_dtype=None`` trains in fp32 (a GPU without bf16).
-
-    ``compile=True`` compiles each transformer block on its own (as the speed sweep does; every
-    recipe the same way, so runs still differ only in their arithmetic). In eager mode torchao's
-    casts are dozens of small kernels per layer, which made FP8 four times slower than bf16 on
-    this small model; compiled, they fuse. The held-out loss is computed with the uncompiled
-    blocks (no second compilation for inference). Returns the per-step losses, the final loss
-    (mean of the last 10% of steps), the held-out loss, the time of the first step (which
-    compiles), the time per step after it, and peak memory.
-    """
-    check_choice("recipe", recipe, RECIPES)
-    check_int("seed", seed, 0)
-    check_int("steps", steps, 1)
-    check_int("warmup_steps", warmup_steps, 0)
-    check_positive("lr", lr)
-    kwargs = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, seq_len=64)
-    kwargs.update(model_kwargs or {})
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    cuda = device.type == "cuda"
-    free_memory()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(seed)
-    model = _models.TinyTransformer(**kwargs).to(device)
-    converted: List[str] = []
-    if recipe != "bf16":
-        plan = conversion_plan(model, min_features=16, keep_first="first" in keep_high_precision,
-                               keep_last="last" in keep_high_precision)
-        convert_to_float8(model, recipe, module_filter(plan), emulate=emulate)
-        converted = float8_layers(model)
-    seq_len = kwargs["seq_len"]
-    train = corpus.train.to(device)
-    val = corpus.val.to(device)
-    offsets = batch_offsets(len(train), seq_len, batch_size, steps, seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=cuda)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, warmup_steps))
-    losses = torch.zeros(steps, device=device)
-    originals = compile_blocks(model.blocks) if compile else None
-    first_s = 0.0
-    started = time.perf_counter()
-    try:
-        with quiet():
-            for step in range(steps):
-                x, y = text_batch(train, offsets[step], seq_len)
-                with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
-                                    enabled=amp_dtype is not None):
-                    loss = _models.lm_loss(model(x), y)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sched.step()
-                losses[step] = loss.detach()
-                if step == 0:
-                    if cuda:
-                        torch.cuda.synchronize(device)
-                    first_s = time.perf_counter() - started
-            if cuda:
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - started
-    finally:
-        if originals is not None:
-            for i, block in enumerate(originals):
-                model.blocks[i] = block
-            torch._dynamo.reset()  # fresh caches for the next run: no recompile limit reached
-    with quiet():
-        val_loss = evaluate(model, val, seq_len, batch_size, eval_batches, amp_dtype)
-    curve = losses.float().cpu().tolist()
-    tail = curve[-max(1, steps // 10):]
-    label = "bf16" if recipe == "bf16" else f"float8 {recipe}" + (" (emulated)" if emulate else "")
-    if recipe == "bf16" and amp_dtype is None:
-        label = "fp32"
-    return {"label": f"{label}, seed {seed}", "recipe": recipe, "seed": seed, "steps": steps,
-            "losses": curve, "final_loss": statistics.fmean(tail), "val_loss": val_loss,
-            "seconds": seconds, "first_step_s": first_s,
-            "ms_per_step": 1e3 * (seconds - first_s) / (steps - 1) if steps > 1 else 1e3 * seconds,
-            "compiled": bool(compile),
-            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
-            "params": model.parameter_count(), "float8_layers": len(converted),
-            "emulated": bool(emulate and recipe != "bf16"),
-            "finite": all(math.isfinite(v) for v in curve), "status": "trained"}
-
-
 def accuracy_runs(corpus: Corpus, seeds: Sequence[int] = (0, 1, 2),
                   fp8_recipes: Sequence[str] = ("tensorwise",),
                   support: Optional[FP8Support] = None, **train_kwargs) -> List[dict]:
@@ -398,42 +275,6 @@ def accuracy_table(runs: Sequence[Mapping]) -> List[dict]:
 
 
 # --- 4. what not to convert: the module filter ---------------------------------------------------
-
-def conversion_plan(model: nn.Module, min_features: int = 2048, keep_first: bool = True,
-                    keep_last: bool = True) -> List[dict]:
-    """Which ``nn.Linear`` layers of ``model`` to train in FP8, and why the others stay in bf16.
-
-    Kept in bf16: the first and the last Linear (next to the embedding and the logits, where
-    quantization error costs the most accuracy), layers with a dimension not divisible by 16
-    (FP8 GEMMs require it), and small layers (a dimension under ``min_features``: the casts and
-    scales cost more time than the FP8 GEMM saves). Works on a model on the meta device.
-    """
-    check_int("min_features", min_features, 1)
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    rows = []
-    for i, (name, m) in enumerate(linears):
-        k, n = m.in_features, m.out_features
-        if keep_first and i == 0:
-            reason = "first layer: errors here reach every layer after it"
-        elif keep_last and i == len(linears) - 1:
-            reason = "last layer: produces the logits the loss reads"
-        elif k % 16 or n % 16:
-            reason = "a dimension not divisible by 16 (FP8 GEMMs need multiples of 16)"
-        elif min(k, n) < min_features:
-            reason = f"small: {min(k, n):,} < {min_features:,} features, casts cost more than FP8 saves"
-        else:
-            reason = ""
-        rows.append({"layer": name, "in": k, "out": n, "params": k * n,
-                     "precision": "bf16" if reason else "float8",
-                     "reason": reason or f"large GEMM: both dimensions >= {min_features:,}"})
-    return rows
-
-
-def module_filter(plan: Sequence[Mapping]) -> Callable[[nn.Module, str], bool]:
-    """torchao's ``module_filter_fn`` for a ``conversion_plan``: True for the layers to convert."""
-    chosen = frozenset(r["layer"] for r in plan if r["precision"] == "float8")
-    return lambda module, fqn: fqn in chosen
-
 
 def torchao_auto_filter(recipe: str = "tensorwise") -> Optional[Callable[[nn.Module, str], bool]]:
     """torchao's own size heuristic (``_auto_filter_for_recipe``, measured on H100s), or None where

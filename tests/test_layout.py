@@ -70,6 +70,18 @@ def test_lesson_modules_import_neither_ipywidgets_nor_plotly(path):
     assert not found, f"{rel(path)} imports {found}: figures and panels live in ui/"
 
 
+ENGINE_ONLY = re.compile(r"cuda\.Event|max_memory_(allocated|reserved)|reset_peak_memory_stats|"
+                         r"OutOfMemoryError|empty_cache|gc\.collect|mem_get_info|torch\.profiler|"
+                         r"set_per_process_memory_fraction")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=rel)
+def test_lesson_modules_define_no_timing_memory_or_out_of_memory_logic(path):
+    """Timers, peak-memory counters, out-of-memory handling and memory release live in bench/."""
+    found = sorted({m.group(0) for m in ENGINE_ONLY.finditer(path.read_text())})
+    assert not found, f"{rel(path)} uses {found}: measure through amp_lessons.bench"
+
+
 def test_the_ui_import_rule_sees_every_form():
     assert [m for _, m in _ui_imports("import plotly.graph_objects as go")] == ["plotly.graph_objects"]
     assert _ui_imports("def f():\n    import ipywidgets as w\n")

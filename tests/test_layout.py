@@ -71,7 +71,7 @@ def test_lesson_modules_import_neither_ipywidgets_nor_plotly(path):
 
 
 ENGINE_ONLY = re.compile(r"cuda\.Event|max_memory_(allocated|reserved)|reset_peak_memory_stats|"
-                         r"OutOfMemoryError|empty_cache|gc\.collect|mem_get_info|torch\.profiler|"
+                         r"OutOfMemoryError|empty_cache|gc\.collect|mem_get_info|profile\(activities|"
                          r"set_per_process_memory_fraction")
 
 

@@ -39,7 +39,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -56,6 +55,7 @@ from ._launch import (BACKENDS, WORLD_SIZES, RankContext, available_world_sizes,
                       default_backend, describe_world, device_slots, free_port, init_rank, launch,
                       leave_now)
 from ._validate import check_bool, check_choice, check_int, check_seed, is_real
+from .bench.timer import time_steps
 from .data import synthetic_images
 from .precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision
 from .tables import plural, text_table
@@ -385,23 +385,13 @@ def _step_loss(trainer: Trainer, batches) -> torch.Tensor:
 
 
 def _time_steps(step: Callable, n: int, device) -> Tuple[List[float], List[torch.Tensor]]:
-    losses, times = [], []
-    if device.type == "cuda":
-        events = []
-        for _ in range(n):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            losses.append(step())
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) / 1000 for s, e in events]
-    else:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            losses.append(step())
-            times.append(time.perf_counter() - t0)
-    return times, losses
+    """``n`` steps timed by the engine's one timer (``bench.time_steps``: CUDA events on a GPU),
+    in seconds, with what each step returned."""
+    if n == 0:
+        return [], []
+    timed = time_steps(lambda _x, _y: step(), None, None, warmup=0, steps=n, device=device,
+                       reset_peak=False, keep_losses=True)
+    return [ms / 1e3 for ms in timed["times_ms"]], timed["losses"]
 
 
 def _as_float(v) -> float:

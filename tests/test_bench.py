@@ -561,3 +561,14 @@ def test_a_noisy_row_says_so_in_its_published_status():
     assert out[0]["status"].startswith("ok (noisy: repeats differ by 25%")
     assert out[1]["status"] == "ok" and out[1]["repeat spread"] == "2%"
     assert M.noisy(rows[0]) and M.noisy(rows[1]) is None and M.noisy({}) is None
+
+
+def test_time_steps_keeps_every_timed_steps_output_when_asked():
+    calls = iter(range(100))
+    out = M.time_steps(lambda x, y: torch.tensor(float(next(calls))), torch.zeros(1), None,
+                       warmup=2, steps=3, device="cpu", keep_losses=True)
+    assert [float(v) for v in out["losses"]] == [2.0, 3.0, 4.0] and out["loss"] == 4.0
+    assert "losses" not in M.time_steps(lambda x, y: None, torch.zeros(1), None, warmup=0,
+                                        steps=1, device="cpu")
+    with pytest.raises(ValueError, match="keep_losses"):
+        M.time_steps(lambda x, y: None, torch.zeros(1), None, keep_losses="yes")

@@ -22,18 +22,23 @@ from .._validate import check_choice, check_int, is_real
 
 
 def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5,
-               steps: int = 15, device=None, reset_peak: bool = True) -> Dict[str, object]:
+               steps: int = 15, device=None, reset_peak: bool = True,
+               keep_losses: bool = False) -> Dict[str, object]:
     """Run ``warmup`` untimed steps, then time ``steps`` steps one by one.
 
     On a GPU each step is bracketed by CUDA events (device time, no host sync inside the loop);
     on a CPU by ``time.perf_counter``. Returns ``times_ms`` (per step), ``loss`` (last, float)
     and ``timer``. With ``reset_peak`` the GPU's peak-memory counter is reset after the warm-up
     (leave it off to count memory set aside during the warm-up, such as a CUDA graph's pool).
+    ``keep_losses``: also return ``losses``, what every timed step returned (not synchronised).
     """
     check_int("warmup", warmup, 0)
     check_int("steps", steps, 1)
     if not isinstance(reset_peak, bool):
         raise ValueError(f"reset_peak must be True or False; got {reset_peak!r}")
+    if not isinstance(keep_losses, bool):
+        raise ValueError(f"keep_losses must be True or False; got {keep_losses!r}")
+    kept = []
     device = torch.device(device) if device is not None else x.device
     loss = None
     for _ in range(warmup):
@@ -48,6 +53,8 @@ def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5
             starts[i].record()
             loss = step(x, y)
             ends[i].record()
+            if keep_losses:
+                kept.append(loss)
         torch.cuda.synchronize(device)
         times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
         timer = "CUDA events"
@@ -57,9 +64,14 @@ def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5
             t0 = time.perf_counter()
             loss = step(x, y)
             times.append((time.perf_counter() - t0) * 1e3)
+            if keep_losses:
+                kept.append(loss)
         timer = "perf_counter"
-    return {"times_ms": times, "loss": float(loss) if loss is not None else float("nan"),
-            "timer": timer}
+    out = {"times_ms": times, "loss": float(loss) if loss is not None else float("nan"),
+           "timer": timer}
+    if keep_losses:
+        out["losses"] = kept
+    return out
 
 
 def interval_union(intervals: Iterable[Sequence[float]]) -> float:

@@ -55,6 +55,7 @@ from ._launch import (BACKENDS, WORLD_SIZES, RankContext, available_world_sizes,
                       default_backend, describe_world, device_slots, free_port, init_rank, launch,
                       leave_now)
 from ._validate import check_bool, check_choice, check_int, check_seed, is_real
+from .bench.memory import GIB
 from .bench.timer import time_steps
 from .data import synthetic_images
 from .precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision
@@ -74,7 +75,7 @@ __all__ = [  # the launcher's names (from _launch) and this module's own
 STRATEGIES = ("ddp", "ddp_zero", "fsdp2")
 OPTIMIZERS = ("sgd", "adamw")
 MODELS = ("mlp", "small_cnn", "resnet18", "resnet50", "tiny_transformer")
-MIB, GIB = 2**20, 2**30
+MIB = 2**20
 
 # How fsdp2 wraps a model (``shard_units``: residual or transformer blocks), see ``fsdp2_shard``.
 FSDP_WRAPS = {

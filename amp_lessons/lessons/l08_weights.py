@@ -36,6 +36,7 @@ from .. import formats
 from .. import models as _models
 from .. import optim
 from .._validate import check_int, check_real, is_real
+from ..bench.memory import GIB
 from ..tables import text_table
 from . import l07_fp8
 
@@ -45,7 +46,6 @@ REFERENCE = "fp32 master"
 TORCH_RECIPES = ("fp32 master", "bf16", "bf16 + stochastic rounding", "bf16 + Kahan")
 LOWBIT_RECIPES = ("8-bit state", "4-bit state", "FP8 state")
 ALL_RECIPES = TORCH_RECIPES + LOWBIT_RECIPES
-GIB = 2 ** 30
 # Cards a learner meets, with the memory a process can use and whether bf16 is native.
 CARDS = (("T4 (Colab, Kaggle)", 15, False), ("RTX 4090", 24, True), ("A100 40GB", 40, True),
          ("H100 / A100 80GB", 80, True), ("H200", 141, True))

@@ -4,10 +4,14 @@
 - ``steps``: the model, the optimizer and the training step a row times (``hand_step``...);
 - ``timer``: the one timer (``time_steps``), the GPU's busy time and the repeat spread;
 - ``memory``: memory accounting (bytes per storage, saved activations, the step's breakdown);
+- ``counted``: memory counted tensor by tensor where there is no peak counter (a CPU);
 - ``oom``: the one out-of-memory classifier, the one free-memory answer, memory caps;
 - ``runner``: one configuration measured (``measure``), many (``run_configs``), loops compared;
-- ``rows``: the measured row (``MeasuredRow``), ratios, the published form of a table;
-- ``search``: a batch that fits, the largest batch under a memory cap;
+- ``rows``: the measured row (``MeasuredRow``), ratios, the published form of a table, ``noisy``;
+- ``search``: a batch that fits, memory fitted against batch, the largest batch under a cap;
+- ``cards``: the largest batch per simulated card (fit, then verify under each card's cap);
+- ``accumulation``: gradient accumulation's memory and equivalence;
+- ``float8``: FP8 support, float8 conversion, the MLP-stack speed sweep, the small GPT runs;
 - ``provenance``: what produced a published table (``explain``).
 
 Everything public is importable from ``amp_lessons.bench`` itself.

@@ -99,8 +99,9 @@ def largest_per_card(config: BenchConfig, cards: Sequence[float], device: torch.
                     peaks = {b: reserved_peak(make, b, device) for b in FIT_BATCHES}
                     try:
                         fit = fit_batch_memory(peaks)
-                    except ValueError:  # the allocator's blocks hid the growth: the search
-                        fit = {"fixed": 0.0, "per_sample": 1.0}  # gallops down from its limit
+                    except ValueError:  # the allocator's blocks hid the growth: count all
+                        top = FIT_BATCHES[-1]  # of the largest batch's peak as per-sample (a
+                        fit = {"fixed": 0.0, "per_sample": max(peaks[top] / top, 1.0)}  # low guess)
                 except Exception as exc:  # noqa: BLE001 - a device too small for the fit
                     if not is_out_of_memory(exc):
                         raise

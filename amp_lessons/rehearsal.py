@@ -453,10 +453,12 @@ def _sources(lessons: Sequence[Dict[str, object]]) -> str:
                      for source, n in by_source.items())
 
 
-def markdown(doc: Dict[str, object]) -> str:
+def markdown(doc: Dict[str, object], course: Sequence[str] = ()) -> str:
     """The rehearsal as a README table: per lesson, whether it completed on the simulated card,
     its time there, its GPU-busy time, the estimated time on the real card, its peak memory, and
-    the rows it could not run; then where the estimate comes from."""
+    the rows it could not run; then where the estimate comes from. Notebooks named in ``course``
+    that the record does not hold get a row saying they were not rehearsed yet, so the table
+    never implies that a lesson missing from it passed."""
     check_record(doc)
     facts = doc["card_facts"]
     if not doc.get("lessons"):
@@ -476,6 +478,10 @@ def markdown(doc: Dict[str, object]) -> str:
             "-" if est is None else f"about {max(1, round(est / 60))} min",
             "-" if peak is None else f"{peak / 1024:.1f} GiB",
             markdown_text(not_run, in_table=True)]) + " |")
+    held = {r["notebook"] for r in doc["lessons"]}
+    for name in course:
+        if name not in held:
+            lines.append(f"| {name.split('_')[0]} | not rehearsed yet | - | - | - | - | - |")
     pub = doc.get("published", PUBLISHED)
     card, host = pub[doc["card"]], pub["host"]
     lines.append("")
@@ -495,7 +501,9 @@ def with_rehearsal(text: str, doc: Dict[str, object], name: str = "the README") 
     """``text`` (a README) with its rehearsal block (between ``README_START`` and
     ``README_END``) rebuilt from ``doc``. ValueError naming ``name`` when the markers are
     missing."""
-    block = README_START + "\n" + markdown(doc) + "\n" + README_END
+    from .runner import course_notebooks  # runner imports this module: import on use
+    course = [p.name for p in course_notebooks()]
+    block = README_START + "\n" + markdown(doc, course) + "\n" + README_END
     return replace_block(text, README_START, README_END, block, "rehearsal", name)
 
 

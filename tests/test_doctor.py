@@ -124,6 +124,11 @@ def test_report_html_json_and_figure(report, tmp_path):
     assert doc["findings"] and doc["layers"][0]["layer"] == "0"
     fig = doctor_plots.ranges_figure(report)
     assert fig.layout.title.text and len(fig.data) == 4 and fig.layout.yaxis.type == "log"
+    # each limit's label sits on its own line: on a log axis an annotation's y is log10(value)
+    import math
+    labels = {a.text.rsplit(" ", 1)[0]: a.y for a in fig.layout.annotations}
+    assert labels["fp16 max"] == pytest.approx(math.log10(65504.0))
+    assert len({round(y, 3) for y in labels.values()}) == len(labels) == len(doctor_plots.LIMITS)
     bars = doctor_plots.speed_figure(report)
     assert bars.data[0].y[0] > 0 and bars.data[0].text[0] == "not decided"
     page = tmp_path / "r.html"

@@ -1,6 +1,7 @@
 """Figures of the doctor's report (lesson 09): pure builders from a ``DoctorReport``."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import plotly.graph_objects as go
@@ -37,9 +38,12 @@ def ranges_figure(report, title: Optional[str] = None) -> go.Figure:
                                  hovertemplate="%{x}<br>%{y:.3g}<extra>" + label + "</extra>"))
     for label, fmt, key, color in LIMITS:
         value = getattr(formats.get_format(fmt), key)
-        fig.add_hline(y=value, line=dict(color=color, dash="dot", width=1),
-                      annotation_text=f"{label} {value:.3g}", annotation_position="top left",
-                      annotation_font_size=10)
+        fig.add_hline(y=value, line=dict(color=color, dash="dot", width=1))
+        # plotly places a line's own annotation at the raw value on a log axis (every label then
+        # lands near 10^0): an annotation on a log axis takes log10 of the value
+        fig.add_annotation(x=0, xref="paper", xanchor="left", y=math.log10(value), yref="y",
+                           yanchor="bottom", text=f"{label} {value:.3g}", showarrow=False,
+                           font=dict(size=10, color=color))
     fig.update_yaxes(type="log", exponentformat="power")
     fig.update_xaxes(showticklabels=len(names) <= 60, tickangle=-60)
     title = title or (f"{report.model}: per-layer ranges against fp16 and e4m3 (gradients at the "

@@ -374,3 +374,12 @@ def test_each_lesson_has_three_graded_exercises_and_questions_before_checks(path
                      and c.source.startswith("## Questions"))
     assert 5 <= questions.count("<details>") <= 10
     assert questions.count("<details>") == questions.count("</details>")
+
+
+def test_ex06_a_rank_dying_in_teardown_after_a_complete_report_still_counts():
+    abort = "terminate called without an active exception\nChildFailedError:"
+    complete = [{"rank": 0}, {"rank": 1}]
+    assert ex06._aborted_at_exit(abort, complete)
+    assert not ex06._aborted_at_exit(abort, [{"rank": 0}, None])  # a rank never reported
+    assert not ex06._aborted_at_exit(abort, None)  # no report at all
+    assert not ex06._aborted_at_exit("RuntimeError: boom", complete)  # a real failure

@@ -88,7 +88,7 @@ def test_lesson03_panel_in_jupyterlab(chromium, lab):
         assert after[0]["name"] == "loss scale" and after[0]["y"][0] == target
         assert len(after[0]["x"]) == len(before[0]["x"])  # same number of steps
         text = summary.inner_text()
-        assert re.search(r"Run 2: skipped \d+ of \d+ steps", text), text
+        assert re.search(r"Run 2: skipped [\d,]+ of [\d,]+ steps", text), text
 
         # a value typed into an integer field is kept as typed and refused next to the field
         _type(page, panel, ".amp-growth-interval", "2.5")
@@ -136,7 +136,7 @@ def test_lesson03_long_run_is_linear_responsive_and_resets_quickly(chromium, lab
         typing_lag = time.monotonic() - typed
         _type(page, panel, ".amp-growth-interval", "2000")
 
-        page.wait_for_function(f"el => /Run 2: skipped \\d+ of {LONG_STEPS} steps/"
+        page.wait_for_function(f"el => /Run 2: skipped [\\d,]+ of {LONG_STEPS:,} steps/"
                                f".test(el.textContent)", arg=summary.element_handle(),
                                timeout=300_000)
         in_browser = time.monotonic() - started

@@ -19,15 +19,11 @@ recipe needs it.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-import importlib
-import logging
 import math
 import statistics
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -40,6 +36,7 @@ from .bench import (BenchConfig, SavedActivations, Step, free_memory,
 from .bench.config import OPTIMIZER_IMPLS, OPTIMIZERS
 from .bench.steps import build_optimizer as configured_optimizer
 from .precision import as_device
+from .bench.float8 import quiet, torchao_version  # noqa: F401 (one definition, also optim's API)
 from .bench.timer import time_steps
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
@@ -251,32 +248,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # --- recipes ---------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence log lines and warnings that torch.compile and torchao print on first use
-    (C++-extension notices, caching hints), so a lesson's output holds its results only."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(previous)
-
-
-def torchao_version() -> Optional[str]:
-    """torchao's version where it is installed and imports, else None (it is optional)."""
-    if importlib.util.find_spec("torchao") is None:
-        return None
-    try:
-        with quiet():
-            module = importlib.import_module("torchao")
-    except Exception:  # noqa: BLE001 - a broken install counts as not installed
-        return None
-    return str(getattr(module, "__version__", "unknown"))
-
 
 @dataclass(frozen=True)
 class WeightRecipe:

@@ -889,3 +889,12 @@ def fraction_rows(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float,
     return [{k: r[k] for k in ("layer", "values", "nonzero", "flushed", "subnormal", "overflow")}
             for r in gradient_summary(magnitudes_by_layer, scale, fmt)[:-1]]
 
+
+def lost_shares(magnitudes_by_layer: Mapping[str, object], scale: float, fmt: str = "fp16") -> dict:
+    """Shares (text from ``tables.percent``: a nonzero count never reads as 0%) of the nonzero
+    gradient values ``fmt`` flushes, makes subnormal, keeps normal, overflows at ``scale``."""
+    c = scaled_counts(list(magnitudes_by_layer.values()), scale, fmt)
+    n = c["nonzero"]
+    out = {k: (percent(c[k], n) if n else "n/a")
+           for k in ("flushed", "subnormal", "normal", "overflow", "underflow")}
+    return dict(out, nonzero=n)

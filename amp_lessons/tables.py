@@ -343,3 +343,18 @@ def largest_batch_report_rows(rows: Sequence[Dict[str, object]]) -> Dict[str, ob
     return {"rows": table, "columns": ["card (GB)"] + [shown[t] for t in techniques],
             "note": note.strip()}
 
+
+def pow2_text(value: float, html: bool = False) -> str:
+    """``65536`` as ``2^16 = 65,536`` (``2<sup>16</sup> = 65,536`` with ``html``), other positive
+    values as ``2^15.29 = 40,000``; ``0`` as ``0 (underflowed)``: a loss scale halved past the
+    smallest float is zero, and must not read as "not measured"."""
+    if value is None:
+        return "n/a"
+    if value == 0:
+        return "0 (underflowed)"
+    if not math.isfinite(value) or value < 0:
+        return str(value)
+    k = math.log2(value)
+    exp = f"{k:.0f}" if abs(k - round(k)) < 1e-9 else f"{k:.2f}"
+    shown = f"{value:,.0f}" if value >= 1 and value == int(value) else f"{value:.6g}"
+    return f"2<sup>{exp}</sup> = {shown}" if html else f"2^{exp} = {shown}"

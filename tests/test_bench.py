@@ -533,6 +533,17 @@ def test_free_bytes_is_none_off_a_gpu():
     assert M.free_bytes("cpu") is None and M.free_bytes(None) is None
 
 
+def test_wall_clock_times_the_whole_block_even_when_it_raises():
+    import time
+    with M.wall_clock() as clock:
+        assert math.isnan(clock["seconds"])  # no reading before the block ends
+        time.sleep(0.02)
+    assert 0.015 < clock["seconds"] < 5
+    with pytest.raises(RuntimeError), M.wall_clock() as failed:
+        raise RuntimeError("stop")
+    assert failed["seconds"] >= 0
+
+
 def test_cupti_teardown_is_asked_for_during_a_profile_and_undone(monkeypatch):
     import os
 

@@ -27,7 +27,7 @@ from .runner import ROW_KEYS, compare_loops, measure, run_configs
 from .search import LargestBatch, batch_size_for, fit_batch_memory, largest_batch
 from .steps import Step, build_model, build_optimizer, cuda_graph_step, hand_step, trainer_step
 from .timer import (NOISY_SPREAD, device_busy_ms, idle_fraction, interval_union, repeat_spread,
-                    summarize_times, time_steps)
+                    summarize_times, time_steps, wall_clock)
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in (
     "config", "memory", "oom", "rows", "runner", "search", "steps", "timer", "provenance")]

@@ -118,6 +118,18 @@ def device_busy_ms(step: Callable, x: torch.Tensor, y: torch.Tensor, device=None
 
 
 @contextlib.contextmanager
+def wall_clock() -> Iterator[Dict[str, float]]:
+    """Wall-clock seconds of a whole block (a training run's duration, not a step time: steps are
+    timed by ``time_steps``): ``with wall_clock() as clock: ...`` then ``clock["seconds"]``."""
+    clock = {"seconds": float("nan")}
+    t0 = time.perf_counter()
+    try:
+        yield clock
+    finally:
+        clock["seconds"] = time.perf_counter() - t0
+
+
+@contextlib.contextmanager
 def cupti_teardown(enabled: bool = True) -> Iterator[None]:
     """Within the block, a profiler session that ends releases CUPTI (``TEARDOWN_CUPTI=1``).
 

@@ -25,13 +25,12 @@ import torch
 from .. import claims
 from .._validate import is_int, is_real
 from ..data import digits_loaders
-from ..formats import fraction_rows, scale_window  # noqa: F401 (the lesson's API)
+from ..formats import fraction_rows, lost_shares, scale_window  # noqa: F401 (the lesson's API)
 from ..models import DIGITS_MODELS, build_digits_model, resnet50
 from ..precision import as_device
-from ..tables import plural
+from ..tables import plural, pow2_text
 from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer
 
-from ..ui.plots import lost_shares, pow2_text
 
 LESSON = "03"
 
@@ -679,7 +678,7 @@ def panel_runner(setup: RunSetup = RunSetup()) -> Callable:
 def lost_line(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float, fmt: str = "fp16",
               layer: Optional[str] = None) -> str:
     """What ``fmt`` loses of the nonzero gradients (of one ``layer``, or all) at ``scale``, in
-    words: ``plots.lost_shares``, so a nonzero count never reads as 0%."""
+    words: ``formats.lost_shares``, so a nonzero count never reads as 0%."""
     chosen = {layer: magnitudes_by_layer[layer]} if layer is not None else magnitudes_by_layer
     s = lost_shares(chosen, scale, fmt)
     return f"{s['flushed']} flushed, {s['subnormal']} subnormal, {s['overflow']} overflow"

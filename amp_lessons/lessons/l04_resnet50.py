@@ -9,7 +9,6 @@ profile they all read "not decided here" with the reason.
 from __future__ import annotations
 
 import math
-import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -19,7 +18,7 @@ from .. import trainer as training
 from .._validate import check_choice, check_int
 from ..data import TensorBatches, digits
 from ..bench import (COMPILE_MODES, OPTIMIZERS, STANDARD, BenchConfig, build_optimizer, find_row,
-                     free_memory, ratio)
+                     free_memory, ratio, wall_clock)
 from ..optim import (adam_precision_facts, multi_tensor_status,  # noqa: F401 (the lesson's API)
                      skipped_step_check)
 from ..precision import (HALF_DTYPES, PRECISIONS, as_device, autocast_error_by_op,  # noqa: F401
@@ -191,10 +190,10 @@ def digits_accuracy(model: str = "resnet18", precision: str = "fp32", device=Non
     run = training.Trainer(net, opt, training.TrainConfig(precision=precision, progress=False,
                                                           seed=None),
                            device=device, scheduler=scheduler)
-    t0 = time.perf_counter()
-    history = run.fit(train, epochs=epochs)
-    same = run.evaluate(test)
-    fp32 = run.evaluate(test, precision="fp32")
+    with wall_clock() as clock:
+        history = run.fit(train, epochs=epochs)
+        same = run.evaluate(test)
+        fp32 = run.evaluate(test, precision="fp32")
     losses = [r.loss for r in history]
     last = history.epochs[-1]["train_loss"] if getattr(history, "epochs", None) else None
     skipped = getattr(history, "skipped_steps", 0)
@@ -202,7 +201,7 @@ def digits_accuracy(model: str = "resnet18", precision: str = "fp32", device=Non
                final_loss=float(last if last is not None else losses[-1]),
                skipped_steps=skipped if isinstance(skipped, int) else len(skipped or []),
                steps=len(losses), test_examples=int(same["examples"]),
-               seconds=time.perf_counter() - t0)
+               seconds=clock["seconds"])
     del run, net, opt, scheduler
     free_memory(device)
     return row

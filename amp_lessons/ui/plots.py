@@ -17,25 +17,10 @@ from plotly.subplots import make_subplots
 
 from .. import formats
 from .._validate import is_int
-from ..tables import percent
+from ..formats import lost_shares  # noqa: F401 (re-exported: figures and panels use it)
+from ..tables import percent, pow2_text  # noqa: F401 (re-exported)
 
 TEMPLATE = "plotly_white"
-
-
-def pow2_text(value: float, html: bool = False) -> str:
-    """``65536`` as ``2^16 = 65,536`` (``2<sup>16</sup> = 65,536`` with ``html``), other positive
-    values as ``2^15.29 = 40,000``; ``0`` as ``0 (underflowed)``: a loss scale halved past the
-    smallest float is zero, and must not read as "not measured"."""
-    if value is None:
-        return "n/a"
-    if value == 0:
-        return "0 (underflowed)"
-    if not math.isfinite(value) or value < 0:
-        return str(value)
-    k = math.log2(value)
-    exp = f"{k:.0f}" if abs(k - round(k)) < 1e-9 else f"{k:.2f}"
-    shown = f"{value:,.0f}" if value >= 1 and value == int(value) else f"{value:.6g}"
-    return f"2<sup>{exp}</sup> = {shown}" if html else f"2^{exp} = {shown}"
 
 
 def styled(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 420) -> go.Figure:
@@ -354,20 +339,6 @@ def _histogram_data(magnitudes_by_layer, scale, x_range):
         bins = np.clip(bins, lo, hi - 1)  # out-of-range values land in the end bins
         counts = np.bincount(bins - lo, minlength=hi - lo)[: hi - lo]
         out[name] = (edges[:-1] + 0.5, counts, zeros)
-    return out
-
-
-def lost_shares(magnitudes_by_layer: Mapping[str, object], scale: float,
-                fmt: str = "fp16") -> dict:
-    """The shares of the nonzero gradient values that ``fmt`` flushes to zero, makes subnormal,
-    keeps normal and overflows at ``scale``, as text from ``tables.percent`` (a nonzero count
-    never reads as 0%; below 0.001% the count is given), plus ``nonzero``: how many there are.
-    The histogram's title and the loss-scale explorer's summary both show these."""
-    c = formats.scaled_counts(list(magnitudes_by_layer.values()), scale, fmt)
-    n = c["nonzero"]
-    out = {k: (percent(c[k], n) if n else "n/a")
-           for k in ("flushed", "subnormal", "normal", "overflow", "underflow")}
-    out["nonzero"] = n
     return out
 
 

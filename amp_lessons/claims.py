@@ -319,6 +319,15 @@ def not_decided(claim_id: str, lesson: str, measured: str, because: str,
     return decide(claim_id, lesson, measured, None, because, numbers)
 
 
+def at_least(says: str, value: float, threshold: float, unit: str = "%", digits: int = 0,
+             note: str = "") -> Part:
+    """The part of a claim that asks for ``value >= threshold``, its why written as the
+    comparison (``"48% >= 40%"``, ``"1.36x < 1.5x against ..."``, ``note`` appended)."""
+    held = bool(value >= threshold)
+    return Part(says, held, f"{value:.{digits}f}{unit} {'>=' if held else '<'} {threshold:g}{unit}"
+                            f"{note}")
+
+
 def one_sided(measured: float, claimed_low: float, claimed_high: float, unit: str,
               larger_is_better: bool = True) -> Tuple[bool, Optional[str]]:
     """A one-sided rule on a claimed range ("saves 20-30%", "costs about 30%"): ``(held,

@@ -270,3 +270,11 @@ def test_rows_timing_gate():
         claims.rows_timing_gate()
     with pytest.raises(ValueError, match="measured rows"):
         claims.rows_timing_gate("row")
+
+
+def test_at_least_writes_the_comparison_on_both_sides_of_its_threshold():
+    from amp_lessons import claims as C
+    held = C.at_least("saves memory", 48.2, 40)
+    assert held.held is True and held.why == "48% >= 40%"
+    missed = C.at_least("faster", 1.36, 1.5, "x", 2, " against the default fp32")
+    assert missed.held is False and missed.why == "1.36x < 1.5x against the default fp32"

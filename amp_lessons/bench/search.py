@@ -82,6 +82,20 @@ def _trial_runner(make_step, cap_bytes: int, device, cuda: bool, peak_bytes,
     return fits
 
 
+def _search_setup(make_step, cap_bytes, device, peak_bytes):
+    """What both searches start from: the checked cap, the device, whether the real allocator
+    is capped (CUDA without a fake ``peak_bytes``), an empty result and its trial function."""
+    if not isinstance(cap_bytes, int) or cap_bytes < 1:
+        raise ValueError(f"cap_bytes must be an integer >= 1; got {cap_bytes!r}")
+    device = as_device(device)
+    cuda = device.type == "cuda" and peak_bytes is None
+    if not cuda and peak_bytes is None:
+        raise ValueError("peak_bytes is required when device is not a CUDA device")
+    result = LargestBatch(0, cap_bytes)
+    return device, cuda, result, _trial_runner(make_step, cap_bytes, device, cuda, peak_bytes,
+                                               result)
+
+
 def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: int, device=None,
                   start: int = 1, limit: int = 4096,
                   peak_bytes: Optional[Callable[[int], int]] = None) -> LargestBatch:
@@ -96,14 +110,7 @@ def largest_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: i
     """
     check_int("start", start, 1)
     check_int("limit", limit, start)
-    if not isinstance(cap_bytes, int) or cap_bytes < 1:
-        raise ValueError(f"cap_bytes must be an integer >= 1; got {cap_bytes!r}")
-    device = as_device(device)
-    cuda = device.type == "cuda" and peak_bytes is None
-    if not cuda and peak_bytes is None:
-        raise ValueError("peak_bytes is required when device is not a CUDA device")
-    result = LargestBatch(0, cap_bytes)
-    fits = _trial_runner(make_step, cap_bytes, device, cuda, peak_bytes, result)
+    device, cuda, result, fits = _search_setup(make_step, cap_bytes, device, peak_bytes)
 
     with memory_cap(cap_bytes, device) if cuda else nullcontext():
         good, bad = 0, None
@@ -168,14 +175,7 @@ def verified_batch(make_step: Callable[[int], Callable[[], object]], cap_bytes: 
     """
     check_int("limit", limit, 1)
     check_int("predicted", predicted, 0)
-    if not isinstance(cap_bytes, int) or cap_bytes < 1:
-        raise ValueError(f"cap_bytes must be an integer >= 1; got {cap_bytes!r}")
-    device = as_device(device)
-    cuda = device.type == "cuda" and peak_bytes is None
-    if not cuda and peak_bytes is None:
-        raise ValueError("peak_bytes is required when device is not a CUDA device")
-    result = LargestBatch(0, cap_bytes)
-    fits = _trial_runner(make_step, cap_bytes, device, cuda, peak_bytes, result)
+    device, cuda, result, fits = _search_setup(make_step, cap_bytes, device, peak_bytes)
     with memory_cap(cap_bytes, device) if cuda else nullcontext():
         first = max(1, min(limit, predicted))
         if fits(first):

@@ -334,11 +334,9 @@ def verdict_b1(default: Dict[str, object], fp16: Dict[str, object],
         reason = "peak memory was not measured on this device"
     parts = []
     if reason is None:
-        parts = [claims.Part("saves about 50% of memory", saving >= 40,
-                             f"{saving:.0f}% {'>=' if saving >= 40 else '<'} 40%"),
-                 claims.Part("trains 1.5 to 2x faster", speedup >= 1.5,
-                             f"{speedup:.2f}x {'>=' if speedup >= 1.5 else '<'} 1.5x against "
-                             f"the default fp32")]
+        parts = [claims.at_least("saves about 50% of memory", saving, 40),
+                 claims.at_least("trains 1.5 to 2x faster", speedup, 1.5, "x", 2,
+                                 " against the default fp32")]
     return claims.decide("B1", LESSON, measured, None, "" if parts else "-", parts=parts,
                          numbers=_numbers({"speedup": speedup, "memory_saving_pct": saving}),
                          cannot_decide=reason,
@@ -368,11 +366,8 @@ def verdict_b2(default: Dict[str, object], fp16: Dict[str, object],
         reason = "peak memory was not measured on this device"
     parts = []
     if reason is None:
-        parts = [claims.Part("over 40% less memory", saving >= 40,
-                             f"{saving:.0f}% {'>=' if saving >= 40 else '<'} 40% (article: 43%)"),
-                 claims.Part("about 39% less time", shorter >= 30,
-                             f"{shorter:.0f}% {'>=' if shorter >= 30 else '<'} 30% (article: "
-                             f"40%)")]
+        parts = [claims.at_least("over 40% less memory", saving, 40, note=" (article: 43%)"),
+                 claims.at_least("about 39% less time", shorter, 30, note=" (article: 40%)")]
     batch = (fp16.get("config") or {}).get("batch_size", "?")
     return claims.decide("B2", LESSON, measured, None, "" if parts else "-", parts=parts,
                          numbers=_numbers({"memory_saving_pct": saving,

@@ -13,12 +13,17 @@ EXPECTED = ["01_fp16_ranges_and_underflow.ipynb", "02_basic_amp_loop.ipynb",
             "05_checkpointing_and_accumulation.ipynb", "06_multi_gpu.ipynb",
             "07_fp8_training.ipynb", "08_weights_and_optimizer_state.ipynb",
             "09_your_model.ipynb"]
-# Lessons whose committed outputs come from a run on a CPU: their code changed in a session that
-# had spent its GPU time (30 minutes a session). They run anywhere ("any; CPU is fine"), so the
-# CPU run is a real one, recorded as such in the notebook's metadata (device, profile: the full
-# profile where it ran in minutes on the CPU, else quick); the next GPU run must remove the entry
-# (the test below fails once a listed notebook carries a GPU run).
-AWAITING_GPU_RUN = {}  # notebooks whose latest run is not yet a full GPU run, and why
+# Lessons whose committed outputs are not a full GPU run of their current sources, and why: their
+# code changed in a session that had spent its GPU time (30 minutes a session), so they keep the
+# outputs they had (a CPU run recorded as such, or the previous GPU run with the new cells not yet
+# executed). The full-GPU-run test is an expected failure for them (strict: once the GPU run is
+# committed it passes, and the entry must go).
+AWAITING_GPU_RUN = {
+    "07_fp8_training.ipynb": "its exercises, takeaways and Questions (issue 28) landed from "
+                             "docs/awaiting_gpu_run/ without a GPU run: the committed outputs are "
+                             "the 2026-11-30 H200 run of the older sources; the lead runs it on the "
+                             "H200 and then removes this entry",
+}
 WARNING_TEXT = re.compile(r"\b\w*Warning\b|\bwarn(ing)?:", re.IGNORECASE)
 
 
@@ -34,9 +39,18 @@ def test_lessons_are_the_designed_ones():
 
 @pytest.fixture(params=NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def nb(request):
-    notebook = nbformat.read(request.param, as_version=4)
-    notebook["_name"] = request.param.name
+    return _read(request.param)
+
+
+def _read(path):
+    notebook = nbformat.read(path, as_version=4)
+    notebook["_name"] = path.name
     return notebook
+
+
+GPU_RUN_CASES = [p if p.name not in AWAITING_GPU_RUN else pytest.param(
+    p, marks=pytest.mark.xfail(strict=True, reason=f"awaiting its GPU run: {AWAITING_GPU_RUN[p.name]}"))
+    for p in NOTEBOOKS]
 
 
 def test_title_cell(nb):
@@ -74,16 +88,12 @@ def test_no_device_literal(nb):
             assert '"cuda"' not in cell.source and "'cuda'" not in cell.source, cell.source[:80]
 
 
-def test_outputs_come_from_a_full_gpu_run(nb):
+@pytest.mark.parametrize("path", GPU_RUN_CASES, ids=_ids(NOTEBOOKS))
+def test_outputs_come_from_a_full_gpu_run(path):
+    nb = _read(path)
     run = nb.metadata.get("amp_lessons", {}).get("run")
     assert run, "notebook has no recorded run: execute it with `python -m amp_lessons run-notebooks`"
-    name = nb["_name"]
-    if name in AWAITING_GPU_RUN:
-        assert not run["device"].startswith("cuda"), \
-            f"{name} now carries a GPU run: remove it from AWAITING_GPU_RUN"
-        assert run["profile"] in ("quick", "full"), run
-    else:
-        assert run["profile"] == "full" and run["device"].startswith("cuda"), run
+    assert run["profile"] == "full" and run["device"].startswith("cuda"), run
     assert run["device_name"] and run["torch"] and run["date"]
     counts = [c.execution_count for c in nb.cells if c.cell_type == "code" and c.execution_count]
     assert counts == sorted(counts) and len(set(counts)) == len(counts), "outputs out of order"

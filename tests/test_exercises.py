@@ -344,19 +344,10 @@ def test_ex07_module_filter():
 
 
 # --- the notebooks --------------------------------------------------------------------------------
-# A lesson whose exercise cells are written but whose committed notebook still holds its previous
-# GPU run (the new cells need a GPU run before they can be committed), and where they wait.
-AWAITING_GPU_RUN = {"07": "docs/awaiting_gpu_run/07_fp8_training.ipynb: its full H200 run did not fit "
-                          "the session's device time"}
-LESSONS_WITH_EXERCISES = [
-    p if p.name[:2] not in AWAITING_GPU_RUN else pytest.param(
-        p, marks=pytest.mark.xfail(strict=True, reason=AWAITING_GPU_RUN[p.name[:2]]))
-    for p in sorted(Path(__file__).resolve().parent.parent.glob("notebooks/0[1-7]_*.ipynb"))]
+LESSONS_WITH_EXERCISES = sorted(Path(__file__).resolve().parent.parent.glob("notebooks/0[1-7]_*.ipynb"))
 
 
-@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES + sorted(
-    (Path(__file__).resolve().parent.parent / "docs" / "awaiting_gpu_run").glob("0[1-9]_*.ipynb")),
-    ids=lambda p: ("awaiting-" if "awaiting" in str(p) else "") + Path(p).name[:2])
+@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES, ids=lambda p: Path(p).name[:2])
 def test_each_lesson_has_three_graded_exercises_and_questions_before_checks(path):
     nb = nbformat.read(path, as_version=4)
     cells = nb.cells

@@ -259,7 +259,7 @@ def loss_comparison(runs: Sequence[Mapping], min_steps: int = 1000) -> dict:
     if steps < min_steps:
         reasons.append(f"{plural(steps, 'step')} {'is' if steps == 1 else 'are'} too few to "
                        f"compare final losses "
-                       f"(this comparison needs at least {min_steps})")
+                       f"(this comparison needs at least {min_steps:,})")
     return {"bf16_final": finals, "spread": spread, "steps": steps, "rows": rows,
             "decided": not reasons, "reason": "; ".join(reasons)}
 

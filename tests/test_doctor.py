@@ -10,6 +10,7 @@ from torch import nn
 
 import amp_lessons as al
 from amp_lessons import formats
+from amp_lessons.bench.float8 import conversion_plan, fp8_support
 from amp_lessons.cli import main
 from amp_lessons.doctor import compiled, dtype_trace, fp8, inputs, ranges, scale, speed
 from amp_lessons.doctor.report import DoctorReport
@@ -227,10 +228,28 @@ def test_compare_compiled_rows(monkeypatch):
 
 
 def test_fp8_and_compile_reasons():
+    assert fp8.fp8_unavailable("cpu") == fp8_support("cpu").reason  # the engine's words
     assert "no CUDA GPU" in fp8.fp8_unavailable("cpu")
     assert "GPU only" in compiled.compile_skip_reason("cpu")
     r = fp8.candidates(mlp(), "cpu", 2048)
     assert r["status"] == "no FP8 on this GPU" and r["layers"] == []
+    assert r["reason"] == fp8_support("cpu").reason
+
+
+def test_fp8_candidates_are_the_engines_conversion_plan(monkeypatch):
+    """Where FP8 runs, the doctor's layers are bench.float8.conversion_plan at the crossover width,
+    row for row (one filter, one set of reasons), with ``candidate`` where the plan says float8."""
+    monkeypatch.setattr(fp8, "fp8_unavailable", lambda device: None)
+    net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.Linear(256, 40),
+                        nn.Linear(40, 256), nn.Linear(256, 64), nn.Linear(64, 10))
+    r = fp8.candidates(net, "cpu", 128, "test")
+    plan = conversion_plan(net, min_features=128)
+    assert r["status"] == "measured" and r["linear_layers"] == 6
+    assert [{k: v for k, v in row.items() if k != "candidate"} for row in r["layers"]] == plan
+    assert [row["layer"] for row in r["layers"] if row["candidate"]] == ["2"]
+    assert r["reason"].startswith("1 of 6 Linear layers (")
+    assert "crossover width 128" in r["reason"]
+    assert fp8.candidates(net, "cpu", None)["status"] == "not decided"
 
 
 def test_cli_doctor_on_resnet18_writes_html_and_json(tmp_path, capsys):

@@ -138,7 +138,7 @@ class DoctorReport:
                  f"<h4>FP8 candidates: {e(self.fp8['status'])}</h4><p>{e(self.fp8['reason'])}</p>",
                  self.html_table(self.fp8.get("layers", []), (
                      ("layer", "Linear"), ("in", "in"), ("out", "out"),
-                     ("candidate", "FP8"), ("reason", "why"))) if self.fp8.get("layers") else "",
+                     ("precision", "trains in"), ("reason", "why"))) if self.fp8.get("layers") else "",
                  f"<h4>Layer ranges ({'every layer' if all_layers else 'the 12 nearest fp16 limits'}"
                  f"; gradients at the loss scale 2^{self.scale_exponent})</h4>",
                  self.html_table(self.layers if all_layers else self.riskiest_layers(),

@@ -8,9 +8,11 @@ One process per device, PyTorch's own engine:
   importable module, because a spawned process imports it by name.
 - ``RunConfig`` names one training run (model, strategy, precision, per-rank batch);
   ``run_experiments(grid(configs, world_sizes))`` trains each on 1, 2, 4... ranks inside one
-  launch (a sub-group per world size) and returns a ``SweepResult``: per-rank step time, peak
-  memory and the bytes of parameters, gradients and optimizer state each rank holds, gathered to
-  rank 0, with throughput and scaling efficiency against one process.
+  launch (a sub-group per world size) and returns a ``SweepResult``: per-rank step time with its
+  repeat spread, peak memory and the bytes of parameters, gradients and optimizer state each rank
+  holds, gathered to rank 0, with throughput and scaling efficiency against one process. The
+  timed steps run in three repeats (``timed_repeats``); a row whose repeats disagree by over 10%,
+  in time or in peak memory, says so (``row_noise``) and decides nothing.
 - Strategies, all trained by the shared ``Trainer`` (autocast, and a ``GradScaler`` of its own
   on every rank for fp16): ``"ddp"`` (``DistributedDataParallel``), ``"ddp_zero"`` (the same,
   with ``ZeroRedundancyOptimizer``: each rank keeps the optimizer state of its share of the
@@ -42,7 +44,7 @@ import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,7 +58,8 @@ from ._launch import (BACKENDS, WORLD_SIZES, RankContext, available_world_sizes,
                       leave_now)
 from ._validate import check_bool, check_choice, check_int, check_seed, is_real
 from .bench.memory import GIB
-from .bench.timer import time_steps
+from .bench.rows import noisy
+from .bench.timer import NOISY_SPREAD, REPEATS, repeat_spread, time_steps
 from .data import synthetic_images
 from .precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision
 from .tables import plural, text_table
@@ -69,7 +72,8 @@ __all__ = [  # the launcher's names (from _launch) and this module's own
     "STRATEGIES", "OPTIMIZERS", "MODELS", "FSDP_WRAPS", "BN_MIXUP", "RunConfig", "grid",
     "build_model", "parameter_count", "make_batch", "make_optimizer", "shard_units",
     "has_batchnorm", "fsdp2_shard", "fsdp_units", "fsdp2_available", "local_state_bytes",
-    "make_trainer", "run_one", "run_plan", "SweepResult", "run_experiments", "PER_RANK_COLUMNS",
+    "make_trainer", "repeat_blocks", "peak_spread", "timed_repeats", "row_noise", "run_one",
+    "run_plan", "SweepResult", "run_experiments", "PER_RANK_COLUMNS",
     "SUMMARY_COLUMNS", "main"]
 
 STRATEGIES = ("ddp", "ddp_zero", "fsdp2")
@@ -102,7 +106,8 @@ class RunConfig:
     is accepted for it) or ``bf16``. The run takes ``warmup`` untimed steps, then ``steps`` timed
     ones, on one fixed synthetic batch (the global batch of ``world_size * batch_size`` examples
     is made from ``seed``, and each rank takes its slice: one process with the whole batch sees
-    exactly what several see together). ``keep_params`` returns the trained parameters.
+    exactly what several see together); the timed steps are split into three repeats
+    (``timed_repeats``), so give at least 6 for a repeat spread. ``keep_params`` returns the trained parameters.
     ``fsdp_wrap`` (one of ``FSDP_WRAPS``) and ``reshard_after_forward`` say how ``fsdp2`` wraps
     the model (``fsdp2_shard``); other strategies ignore them.
     """
@@ -395,6 +400,71 @@ def _time_steps(step: Callable, n: int, device) -> Tuple[List[float], List[torch
     return [ms / 1e3 for ms in timed["times_ms"]], timed["losses"]
 
 
+def repeat_blocks(steps: int, repeats: int = REPEATS) -> List[int]:
+    """How many timed steps each repeat gets: ``steps`` split into ``repeats`` consecutive blocks
+    of ``steps // repeats`` as ``bench.repeat_spread`` splits them, the last one also taking the
+    remainder (which the spread leaves out); one block where there are fewer steps than
+    repeats."""
+    check_int("steps", steps, 1)
+    check_int("repeats", repeats, 1)
+    per = steps // repeats
+    return [steps] if per == 0 else [per] * (repeats - 1) + [steps - per * (repeats - 1)]
+
+
+def _settle(device) -> int:
+    """Bytes still allocated on ``device`` once every earlier step and run has let go of its
+    memory: garbage collected, the device synchronised and the allocator's pending frees
+    processed (``empty_cache`` frees blocks whose use on another stream, an NCCL collective's,
+    had not been seen to end), so a peak counted from here holds this run alone."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_spread(peaks: Sequence[float]) -> Optional[float]:
+    """How much the peaks of one run's repeats disagree: (largest - smallest) / largest; None
+    with fewer than two peaks or none above zero."""
+    peaks = [float(p) for p in peaks]
+    if len(peaks) < 2 or not max(peaks) > 0:
+        return None
+    return (max(peaks) - min(peaks)) / max(peaks)
+
+
+def timed_repeats(step: Callable, steps: int, warmup: int, device, settle: Callable[[], None]
+                  ) -> Dict[str, Any]:
+    """``warmup`` untimed steps, then ``steps`` timed ones in ``repeat_blocks(steps)`` repeats,
+    each repeat with its own peak memory (GPU), counted from the same state every time.
+
+    ``settle()`` runs before the last warm-up step (a barrier and ``_settle`` in a run): the
+    warm-up step after it refills the allocator's cache, so the timed steps pay no
+    ``cudaMalloc``. The peak counter is reset before each repeat. Returns ``times`` (seconds, per
+    step), ``losses`` (warm-up first), ``peaks`` (bytes per repeat; empty off GPUs), ``spread``
+    (``bench.repeat_spread`` of the step times) and ``peak_spread``.
+    """
+    cuda = device.type == "cuda"
+    _, warm = _time_steps(step, max(warmup - 1, 0), device)
+    settle()
+    if warmup:
+        warm += _time_steps(step, 1, device)[1]
+    times: List[float] = []
+    losses: List[torch.Tensor] = []
+    peaks: List[int] = []
+    for n in repeat_blocks(steps):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t, lo = _time_steps(step, n, device)  # synchronised at its end
+        times += t
+        losses += lo
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated(device))
+    return {"times": times, "warm_losses": warm, "losses": losses, "peaks": peaks,
+            "spread": repeat_spread(times),
+            "peak_spread": peak_spread(peaks)}
+
+
 def _as_float(v) -> float:
     return float(v.item() if isinstance(v, torch.Tensor) else v)
 
@@ -430,13 +500,17 @@ def _gradient_bytes(config: RunConfig, model: nn.Module, x, y, device) -> int:
 def run_one(ctx: RankContext, config: RunConfig, world_size: int, group=None) -> Dict[str, Any]:
     """Train ``config`` on this rank as one of ``world_size`` ranks of ``group``; one result row.
 
-    Called on every rank of ``group`` (``run_experiments`` does this). Peak memory is read after
-    ``reset_peak_memory_stats`` once the warm-up has created the optimizer state.
+    Called on every rank of ``group`` (``run_experiments`` does this). Timed as
+    ``timed_repeats``: the step times carry their repeat ``spread``; peak memory is read per
+    repeat after ``reset_peak_memory_stats`` (once the warm-up has created the optimizer state,
+    from a settled allocator), less what was still allocated before this run built its model,
+    and is the largest repeat's (``peak_spread``: how much the repeats' peaks disagree).
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device = ctx.device
     rank = dist.get_rank(group)
+    before = _settle(device)  # an earlier run's leftovers are not this run's memory
     torch.manual_seed(config.seed)
     with device:  # built where it trains: no slow CPU initialisation of large models
         model = build_model(config)
@@ -455,12 +529,13 @@ def run_one(ctx: RankContext, config: RunConfig, world_size: int, group=None) ->
                                    zero=config.strategy == "ddp_zero", group=group)
     trainer = make_trainer(config, model, optimizer, device)
     step = partial(_step_loss, trainer, [(x, y)])
-    _, warm_losses = _time_steps(step, config.warmup, device)
-    barrier(ctx, group)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times, losses = _time_steps(step, config.steps, device)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+    def settle():
+        barrier(ctx, group)
+        _settle(device)
+    timed = timed_repeats(step, config.steps, config.warmup, device, settle)
+    times, losses, warm_losses = timed["times"], timed["losses"], timed["warm_losses"]
+    peak = max(timed["peaks"]) - before if timed["peaks"] else None
     state = local_state_bytes(model, optimizer)
     state["grads"] = _gradient_bytes(config, model, x, y, device)
     median = statistics.median(times)
@@ -470,7 +545,9 @@ def run_one(ctx: RankContext, config: RunConfig, world_size: int, group=None) ->
         "fsdp_wrap": config.wrap_name.strip() or None, "fsdp_units": units,
         "device": _device_name(device), "batch_size": config.batch_size, "unit": config.unit,
         "step_ms": median * 1000, "per_rank_per_s": config.batch_size / median,
+        "spread": timed["spread"], "steps": config.steps, "warmup": config.warmup,
         "peak_gib": peak / GIB if peak is not None else None,
+        "peak_spread": timed["peak_spread"],
         "param_mib": state["params"] / MIB, "grad_mib": state["grads"] / MIB,
         "optimizer_state_mib": state["optimizer_state"] / MIB,
         "losses": [_as_float(v) for v in warm_losses + losses],
@@ -582,6 +659,8 @@ class SweepResult:
             held = max(r["param_mib"] + r["grad_mib"] + r["optimizer_state_mib"] for r in rs)
             slowest = max(r["step_ms"] for r in rs)
             peaks = [r["peak_gib"] for r in rs if r["peak_gib"] is not None]
+            spreads = [r["spread"] for r in rs if r.get("spread") is not None]
+            peak_spreads = [r["peak_spread"] for r in rs if r.get("peak_spread") is not None]
             first = rs[0]
             out.append({
                 "label": label, "model": first["model"], "strategy": first["strategy"],
@@ -595,7 +674,10 @@ class SweepResult:
                 "optimizer_state_mib": max(r["optimizer_state_mib"] for r in rs),
                 "model_state_mib": held,
                 "final_loss": statistics.mean(r["losses"][-1] for r in rs),
+                "spread": max(spreads) if spreads else None,
+                "peak_spread": max(peak_spreads) if peak_spreads else None,
             })
+            out[-1]["noisy"] = row_noise(out[-1]) or ""
         single = {s["label"]: s["per_s"] for s in out if s["world_size"] == 1}
         for s in out:
             base = single.get(s["label"])
@@ -629,10 +711,12 @@ class SweepResult:
             out.append({
                 "run": s["label"], "processes": s["world_size"],
                 f"throughput ({s['unit']}/s)": s["per_s"],
+                "repeat spread (%)": _pct(s["spread"]),
                 "scaling efficiency (%)": 100 * eff if eff is not None else None,
                 "peak memory per rank (GiB)": s["peak_gib"],
                 "weights + grads + optimizer state per rank (MiB)": s["model_state_mib"],
                 "optimizer state per rank (MiB)": s["optimizer_state_mib"],
+                "note": s["noisy"] or "",
             })
         return out
 
@@ -643,6 +727,22 @@ class SweepResult:
     def scaling_table(self) -> str:
         """The summary as text: throughput, efficiency and per-rank memory per world size."""
         return text_table(self.summary(), SUMMARY_COLUMNS)
+
+
+def _pct(share: Optional[float]) -> Optional[float]:
+    return 100 * share if share is not None else None
+
+
+def row_noise(row: Mapping[str, Any]) -> Optional[str]:
+    """Why a run's row decides nothing because its repeats disagree by over ``NOISY_SPREAD``:
+    its step times (``spread``, ``bench.noisy``'s words) or its peak memory (``peak_spread``);
+    None when both repeat."""
+    why = [noisy(row)]
+    share = row.get("peak_spread")
+    if isinstance(share, (int, float)) and share > NOISY_SPREAD:
+        why.append(f"noisy: peak memory of the repeats differs by {100 * share:.0f}% (over "
+                   f"{100 * NOISY_SPREAD:.0f}%), decides nothing")
+    return "; ".join(w for w in why if w) or None
 
 
 def run_experiments(plan: Sequence[Tuple[RunConfig, int]], backend: Optional[str] = None,
@@ -671,12 +771,15 @@ def run_experiments(plan: Sequence[Tuple[RunConfig, int]], backend: Optional[str
 
 PER_RANK_COLUMNS = (("label", "run"), ("world_size", "ranks"), ("rank", "rank"),
                     ("step_ms", "step ms"), ("per_rank_per_s", "examples/s"),
+                    ("spread", "repeat spread", "{:.0%}"),
                     ("peak_gib", "peak GiB"), ("param_mib", "params MiB"),
                     ("grad_mib", "grads MiB"), ("optimizer_state_mib", "opt. state MiB"))
 SUMMARY_COLUMNS = (("label", "run"), ("world_size", "ranks"), ("per_s", "examples/s"),
+                   ("spread", "repeat spread", "{:.0%}"),
                    ("efficiency", "scaling eff.", "{:.0%}"), ("peak_gib", "peak GiB/rank"),
                    ("model_state_mib", "state MiB/rank"),
-                   ("optimizer_state_mib", "opt. state MiB/rank"), ("final_loss", "last loss"))
+                   ("optimizer_state_mib", "opt. state MiB/rank"), ("final_loss", "last loss"),
+                   ("noisy", "note"))
 
 
 # --- torchrun / command line --------------------------------------------------------------------

@@ -231,6 +231,52 @@ def test_summary_efficiency_and_tables():
     assert published[0]["peak memory per rank (GiB)"] is None
 
 
+def test_repeat_blocks_and_peak_spread():
+    assert D.repeat_blocks(30) == [10, 10, 10] and D.repeat_blocks(10) == [3, 3, 4]
+    assert D.repeat_blocks(2) == [2] and D.repeat_blocks(7, repeats=1) == [7]
+    with pytest.raises(ValueError, match="steps"):
+        D.repeat_blocks(0)
+    assert D.peak_spread([6.0, 6.0, 6.0]) == 0.0
+    assert D.peak_spread([6.83, 6.02, 6.02]) == pytest.approx(0.81 / 6.83)
+    assert D.peak_spread([1.0]) is None and D.peak_spread([0, 0]) is None
+
+
+def test_timed_repeats_time_every_step_once_after_settling():
+    """Warm-up steps, the settle before the last of them, then the timed steps in three repeats:
+    every step runs once, in order, and the spread is the engine's repeat_spread."""
+    calls = []
+
+    def step():
+        calls.append("step")
+        return torch.tensor(float(calls.count("step")))
+    out = D.timed_repeats(step, 9, 3, torch.device("cpu"), lambda: calls.append("settle"))
+    assert calls == ["step", "step", "settle"] + ["step"] * 10
+    assert len(out["times"]) == 9 and len(out["losses"]) == 9 and len(out["warm_losses"]) == 3
+    assert [float(v) for v in out["losses"]] == [float(i) for i in range(4, 13)]
+    assert out["peaks"] == [] and out["peak_spread"] is None  # no peak counter on a CPU
+    assert out["spread"] == pytest.approx(D.repeat_spread(out["times"]))
+    few = D.timed_repeats(step, 3, 0, torch.device("cpu"), lambda: None)
+    assert len(few["times"]) == 3 and few["spread"] is None  # too few steps to tell
+
+
+def test_noisy_rows_say_so_in_every_table():
+    rows = _rows("a", 2, 10.0, 1.0, peak=2.0)
+    rows[0].update(spread=0.04, peak_spread=0.0)
+    rows[1].update(spread=0.03, peak_spread=0.2)
+    result = SweepResult(rows=rows, backend="nccl", launched=2)
+    s = result.find("a", 2)
+    assert s["spread"] == pytest.approx(0.04) and s["peak_spread"] == pytest.approx(0.2)
+    assert s["noisy"] == D.row_noise(s) and "peak memory of the repeats differs by 20%" in s["noisy"]
+    published = result.published_rows()[0]
+    assert published["repeat spread (%)"] == pytest.approx(4.0)
+    assert published["note"] == s["noisy"]
+    assert "repeat spread" in result.scaling_table() and "4%" in result.per_rank_table()
+    assert D.row_noise({"spread": 0.11}).startswith("noisy: repeats differ by 11%")
+    assert D.row_noise({"spread": 0.05, "peak_spread": 0.1}) is None
+    steady = SweepResult(rows=_rows("a", 1, 10.0, 1.0), backend="nccl", launched=1)
+    assert steady.find("a", 1)["noisy"] == "" and steady.published_rows()[0]["note"] == ""
+
+
 def test_scaling_and_memory_figures():
     from amp_lessons.ui import perf_plots as plots
     result = SweepResult(rows=_rows("a", 1, 10.0, 2.0) + _rows("a", 2, 10.0, 1.0, peak=0.5),

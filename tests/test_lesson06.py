@@ -151,6 +151,31 @@ def test_r10c_from_a_memory_model_validated_at_the_ranks_that_ran():
     assert not lesson.verdict_r10c(lesson.zero_savings(only, "base", "zero", 2)).decided
 
 
+def test_r10c_is_not_decided_where_a_peak_did_not_repeat():
+    """A run whose repeats' peaks differ by over 10% decides nothing (its time spread does not
+    matter to a memory claim); the reason names the run."""
+    rows = _rows("base", 8, 10.0, 8.0, 10.0) + _rows("zero", 8, 10.0, 4.0, 3.5)
+    for r in rows:
+        r["spread"] = 0.5  # noisy timing: irrelevant to peak memory
+    steady = SweepResult(rows=rows, backend="nccl", launched=8)
+    assert lesson.verdict_r10c(lesson.zero_savings(steady, "base", "zero", 8)).outcome == "held"
+    rows[-1]["peak_spread"] = 0.12  # one rank of the ZeRO run
+    savings = lesson.zero_savings(SweepResult(rows=rows, backend="nccl", launched=8),
+                                  "base", "zero", 8)
+    assert savings["noisy"].startswith("'zero' noisy: peak memory of the repeats differs by 12%")
+    v = lesson.verdict_r10c(savings)
+    assert v.outcome == "not decided here" and "did not repeat" in v.why
+
+
+def test_wrap_rows_carry_the_repeat_spread_and_say_when_it_is_too_wide():
+    ddp = lesson.WRAPPINGS[0][0]
+    rows = _rows(lesson.wrap_label(ddp, 4), 2, 10.0, 2.0)
+    rows[0]["spread"], rows[1]["spread"] = 0.02, 0.15  # the worse rank speaks for the run
+    row = lesson.wrap_rows(SweepResult(rows=rows, backend="nccl", launched=2))[0]
+    assert row["repeat spread (%)"] == pytest.approx(15.0)
+    assert "repeats differ by 15%" in row["note"] and "decides nothing" in row["note"]
+
+
 def test_r10c_is_not_decided_on_a_nan_saving():
     for bad in (float("nan"), -float("inf")):
         v = lesson.verdict_r10c(dict(_savings(10.0, 3.5, n=8), saved=bad))

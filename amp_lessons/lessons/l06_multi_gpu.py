@@ -84,8 +84,9 @@ def wrap_rows(result: multi.SweepResult) -> List[Dict[str, Any]]:
             "processes": s["world_size"], "batch per rank": batch, "wrapping": name,
             "FSDP units": s["fsdp_units"], f"throughput ({s['unit']}/s)": s["per_s"],
             "vs DDP": s["per_s"] / base if base else None,
+            "repeat spread (%)": 100 * s["spread"] if s["spread"] is not None else None,
             "scaling efficiency (%)": 100 * eff if eff is not None else None,
-            "peak memory per rank (GiB)": s["peak_gib"],
+            "peak memory per rank (GiB)": s["peak_gib"], "note": s["noisy"],
         })
     return rows
 
@@ -179,13 +180,16 @@ def zero_savings(result: multi.SweepResult, baseline: str, zero: str,
                  world_size: int) -> Dict[str, Any]:
     """What run ``zero`` saves per rank against ``baseline`` at ``world_size``: fractions of the
     optimizer state, of all model state (parameters + gradients + optimizer state) and, on GPUs,
-    of peak memory. ``saved`` is peak memory where it was measured, else model state."""
+    of peak memory. ``saved`` is peak memory where it was measured, else model state. ``noisy``
+    says which run's peak memory did not repeat between its repeats ("" when both did)."""
     base, z = result.find(baseline, world_size), result.find(zero, world_size)
 
     def saved(key):
         a, b = base.get(key), z.get(key)
         return 1 - b / a if a and b is not None else None
     out = {"world_size": world_size, "baseline": baseline, "zero": zero,
+           "noisy": "; ".join(f"'{r['label']}' {why}" for r in (base, z)  # its memory, not time
+                              if (why := multi.row_noise({"peak_spread": r.get("peak_spread")}))),
            "optimizer_state_mib": (base["optimizer_state_mib"], z["optimizer_state_mib"]),
            "model_state_mib": (base["model_state_mib"], z["model_state_mib"]),
            "peak_gib": (base["peak_gib"], z["peak_gib"]),
@@ -259,7 +263,8 @@ def verdict_r10c(savings: Mapping[str, Any],
     Decided on the measured saving where ``R10C_RANKS`` ran, else on the model's prediction when
     the model was validated at the counts that ran (the verdict says plainly that
     ``R10C_RANKS`` ranks did not run); one-sided: at least 60% holds. Not decided on one
-    process, on CPU processes (no GPU memory), or without a validated model.
+    process, on CPU processes (no GPU memory), where a run's peak memory did not repeat
+    (``savings["noisy"]``), or without a validated model.
     """
     low, high = R10C_RANGE
     s = savings["saved"]
@@ -279,6 +284,8 @@ def verdict_r10c(savings: Mapping[str, Any],
     elif savings["judged_on"] != "peak memory":
         cannot = ("measured on CPU processes: no GPU memory was measured, and AMP's part of the "
                   "saving (activations) is not counted; the claim is about GPU memory")
+    elif savings.get("noisy"):
+        cannot = f"the runs did not repeat: {savings['noisy']}"
     decided_on = s
     if cannot is None and n != R10C_RANKS:
         if model is None or not model.get("validated"):

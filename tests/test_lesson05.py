@@ -175,6 +175,38 @@ def test_largest_batch_table_on_the_cpu_follows_the_counted_line(monkeypatch, no
     assert rows[2]["largest_batch"] > rows[0]["largest_batch"]
 
 
+def test_largest_batch_search_is_not_bounded_by_its_prediction(monkeypatch, no_gc):
+    """A prediction far too low (a poor fit) still reaches the exact boundary: the search's only
+    limit is max_batch, so no cell ends as "at least" because the fit was off (the committed
+    run's 24 and 40 GB cells for AMP + checkpointing did)."""
+    limits = []
+    real = bench.cards.verified_batch
+
+    def spy(make, cap, predicted, device=None, limit=4096, peak_bytes=None):
+        limits.append(limit)
+        return real(make, cap, max(1, predicted // 4), device=device, limit=limit,
+                    peak_bytes=peak_bytes)  # the prediction made 4x too low
+    monkeypatch.setattr(bench.cards, "verified_batch", spy)
+    fixed, per = 0.05 * measure.GIB, 2 ** 20
+    monkeypatch.setattr(bench.cards, "counted_memory_model", lambda config, device: {
+        "fixed_bytes": fixed, "bytes_per_image": per})
+    rows = L.largest_batch_table((0.2, 0.4), ("fp32",), device="cpu", resolution_parts=4,
+                                 max_batch=4096, **TINY)
+    for r, limit in zip(rows, limits):
+        res = r["resolution"]
+        assert limit * res == 4096 and r["reason"] == ""
+        assert fixed + per * r["largest_batch"] <= r["card_gb"] * measure.GIB \
+            < fixed + per * (r["largest_batch"] + res)
+
+
+def test_refit_uses_every_measured_point_and_falls_back_to_a_low_guess():
+    line = {8: 1.0e9 + 8 * 2e7, 16: 1.0e9 + 16 * 2e7, 32: 1.0e9 + 32 * 2e7}
+    fit = bench.cards.refit({**line, 400: 1.0e9 + 400 * 2e7})
+    assert fit["per_sample"] == pytest.approx(2e7) and fit["fixed"] == pytest.approx(1e9)
+    flat = bench.cards.refit({8: 5e8, 16: 5e8, 32: 5e8})  # blocks hid the growth
+    assert flat == {"fixed": 0.0, "per_sample": pytest.approx(5e8 / 32)}
+
+
 def test_largest_batch_table_skips_with_the_reason(monkeypatch, no_gc):
     monkeypatch.setattr(bench.cards, "skip_reason", lambda config, device: "no such hardware here")
     rows = L.largest_batch_table((8, 16), ("AMP",), device="cpu", **TINY)

@@ -1,11 +1,12 @@
 """The largest batch per simulated card: for each configuration, peak memory is fitted against
 the batch from a few measured batches (``search.fit_batch_memory``; on a CPU the counted memory
 model), and the prediction for each card is verified with real training steps under the card's
-memory cap (``search.verified_batch``). Every card that fits on this device gets a cell: no time
-budget decides which searches run."""
+memory cap (``search.verified_batch``), which walks from the prediction to the boundary however
+far off the prediction was. Each verified boundary joins the fit for the larger cards. Every card
+that fits on this device gets its exact cell: no time budget and no search window decide which
+cells stay empty or only bounded."""
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -75,8 +76,12 @@ def largest_per_card(config: BenchConfig, cards: Sequence[float], device: torch.
     uncapped, on a GPU; ``counted_memory_model`` on a CPU); each card's prediction is then
     verified by training steps under the card's cap (``verified_batch``), in units of
     ``resolution`` images (the largest power of two at most the prediction divided by
-    ``resolution_parts``). A card larger than the device (``total_gib``) is skipped with the
-    reason; every other card gets its answer.
+    ``resolution_parts``), up to ``max_batch``: a low prediction costs a few more trials (the
+    search gallops), never a cell. On a GPU each card's verified boundary (the card's bytes at
+    the batch between the largest that fit and the first that did not) joins the fit, so larger
+    cards are predicted from measured points near them rather than from ``FIT_BATCHES`` alone. A
+    card larger than the device (``total_gib``) is skipped with the reason; every other card
+    gets its answer.
     """
     reason = skip_reason(config, device)
     if reason is None:
@@ -97,11 +102,7 @@ def largest_per_card(config: BenchConfig, cards: Sequence[float], device: torch.
                     free_memory(device)
                     make(2)()  # optimizer state exists from here on
                     peaks = {b: reserved_peak(make, b, device) for b in FIT_BATCHES}
-                    try:
-                        fit = fit_batch_memory(peaks)
-                    except ValueError:  # the allocator's blocks hid the growth: count all
-                        top = FIT_BATCHES[-1]  # of the largest batch's peak as per-sample (a
-                        fit = {"fixed": 0.0, "per_sample": max(peaks[top] / top, 1.0)}  # low guess)
+                    fit = refit(peaks)
                 except Exception as exc:  # noqa: BLE001 - a device too small for the fit
                     if not is_out_of_memory(exc):
                         raise
@@ -126,7 +127,7 @@ def largest_per_card(config: BenchConfig, cards: Sequence[float], device: torch.
                 resolution = 1
                 while resolution * 2 <= predicted / resolution_parts:
                     resolution *= 2
-                limit = max(1, min(max_batch // resolution, math.ceil(1.5 * predicted / resolution)))
+                limit = max(1, max_batch // resolution)
                 found = verified_batch(
                     lambda k, r=resolution: make(k * r), int(card * GIB),
                     int(predicted // resolution), device=device if cuda else None, limit=limit,
@@ -134,10 +135,24 @@ def largest_per_card(config: BenchConfig, cards: Sequence[float], device: torch.
                 rows.append(finish_row(card, config.label, found, resolution,
                                        limit * resolution, time.perf_counter() - t0,
                                        how.format(card=card), int(predicted)))
+                if cuda and 0 < found.batch_size < limit:  # the boundary, measured: refit
+                    peaks[(2 * found.batch_size + 1) * resolution // 2] = card * GIB
+                    fit = refit(peaks)
         finally:
             del model, optimizer, make
             free_memory(device)
     return rows
+
+
+def refit(peaks: Dict[int, float]) -> Dict[str, float]:
+    """``fit_batch_memory`` of ``peaks`` (batch -> bytes); where the allocator's blocks hid the
+    growth (no slope), all of the largest batch's peak counts as per-sample: a low prediction,
+    which the verified search walks up from."""
+    try:
+        return fit_batch_memory(peaks)
+    except ValueError:
+        top = max(peaks)
+        return {"fixed": 0.0, "per_sample": max(peaks[top] / top, 1.0)}
 
 
 def finish_row(card: float, technique: str, found: LargestBatch, resolution: int, limit: int,

@@ -107,7 +107,8 @@ class RunConfig:
     ones, on one fixed synthetic batch (the global batch of ``world_size * batch_size`` examples
     is made from ``seed``, and each rank takes its slice: one process with the whole batch sees
     exactly what several see together); the timed steps are split into three repeats
-    (``timed_repeats``), so give at least 6 for a repeat spread. ``keep_params`` returns the trained parameters.
+    (``timed_repeats``), so give at least 6 for a repeat spread. ``keep_params`` returns the
+    trained parameters.
     ``fsdp_wrap`` (one of ``FSDP_WRAPS``) and ``reshard_after_forward`` say how ``fsdp2`` wraps
     the model (``fsdp2_shard``); other strategies ignore them.
     """

@@ -265,11 +265,9 @@ def json_safe(obj):
 
 
 def _noisy(row: Mapping[str, Any]) -> str:
-    from .bench.timer import NOISY_SPREAD  # at call time: bench imports this module
+    from .bench.rows import noisy  # at call time: bench imports this module
 
-    spread = row.get("spread")
-    return (f"noisy: repeats differ by {100 * spread:.0f}%, decides nothing"
-            if is_real(spread) and spread > NOISY_SPREAD else "")
+    return noisy(row) or ""
 
 
 def shown_technique(row: Mapping[str, Any]) -> str:
@@ -281,6 +279,15 @@ def shown_technique(row: Mapping[str, Any]) -> str:
     if precision == "tf32" and row.get("device_type") == "cuda" and name.startswith("fp32"):
         return "TF32" + name[len("fp32"):]
     return name
+
+
+def technique_with_math(row: Optional[Mapping[str, Any]]) -> str:
+    """The fp32 technique's row as a sentence names it: "TF32 (fp32 storage with TF32 tensor-core
+    math: the same memory as fp32)" where it ran with TF32 math (``shown_technique``), "fp32"
+    where the math was fp32 (or no row)."""
+    name = shown_technique(row) if row else "fp32"
+    return name if name == "fp32" else (f"{name} (fp32 storage with TF32 tensor-core math: the "
+                                        f"same memory as fp32)")
 
 
 def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:

@@ -282,7 +282,7 @@ FP32 = _row("fp32", 20.0, 60.0)
 def test_claim_r8_verdicts_are_computed():
     # one-sided, in points of fp32's memory (20 GiB here): 11 -> 5 GiB saves 30 points
     held = L.verdict_r8([FP32, _row("AMP", 11.0, 100.0), _row("AMP + checkpointing", 5.0, 130.0)])
-    assert held.outcome == "held" and "30 points of the fp32 row's (TF32 math" in held.measured
+    assert held.outcome == "held" and "30 points of the fp32 row's)" in held.measured
     assert "+30%" in held.measured and held.numbers["points_of_fp32"] == pytest.approx(30.0)
     # 20 points is the threshold: 21 holds, 19 does not
     assert L.verdict_r8([FP32, _row("AMP", 11.0, 100.0),
@@ -623,6 +623,36 @@ def test_accumulation_plan():
                             {"card (GB)": "16", "fp32": None, "AMP": "4 x 256"}]
     with pytest.raises(ValueError, match="target_batch"):
         L.accumulation_plan(cards, 0)
+
+
+def test_every_lesson05_output_names_tf32_math_tf32():
+    """Where the "fp32" technique ran with TF32 math (precision tf32 on a GPU) every table, chart
+    and verdict of the lesson says TF32; fp32 stays fp32 only where the math is fp32 (a CPU)."""
+    tf32 = {"precision": "tf32", "device_type": "cuda"}
+    techniques = [dict(_row("fp32", 20.0, 100.0, 1000.0), **tf32),
+                  dict(_row("fp32 + checkpointing", 8.0, 130.0, 800.0), **tf32),
+                  _row("AMP", 11.0, 40.0, 3000.0), _row("AMP + checkpointing", 4.5, 55.0, 2300.0)]
+    cards = [dict({"card_gb": c, "technique": t, "largest_batch": b, "status": "ok",
+                   "reason": "", "how": "capped", "resolution": 8}, **(tf32 if t == "fp32" else {}))
+             for c, t, b in [(8, "fp32", 88), (8, "AMP", 176), (8, "AMP + checkpointing", 432),
+                             (16, "fp32", 184), (16, "AMP", 352), (16, "AMP + checkpointing", 800)]]
+    assert [r["technique"] for r in L.technique_report_rows(techniques)][:2] == \
+        ["TF32", "TF32 + checkpointing"]
+    assert L.largest_batch_report_rows(cards)["columns"][1] == "TF32"
+    assert L.accumulation_plan(cards, 1024)["columns"][1] == "TF32"
+    assert "TF32" in [t.name for t in P.largest_batch_chart(cards).data]
+    assert {"TF32", "TF32 + checkpointing"} <= {t.name for t in
+                                                 P.technique_memory_time(techniques).data}
+    r10a, r10b = L.verdict_r10(cards, techniques)[:2]
+    for v in (r10a, r10b):
+        assert "8 GB: TF32 88" in r10a.measured and "against TF32 (fp32 storage with TF32" \
+            in v.measured and "fp32 88" not in v.measured
+    only_fp32 = [dict(techniques[0], technique="fp32"), techniques[1]]
+    r8 = L.verdict_r8(only_fp32)
+    assert r8.measured.startswith("TF32 -> TF32 + checkpointing:") and "of the TF32 (" in r8.measured
+    cpu = [dict(r, device_type="cpu") for r in techniques]
+    assert [r["technique"] for r in L.technique_report_rows(cpu)][0] == "fp32"
+    assert L.technique_with_math(None) == "fp32"
 
 
 # --- the cheaper checkpointing modes and the frontier chart --------------------------------------

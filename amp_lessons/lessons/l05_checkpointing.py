@@ -29,7 +29,7 @@ from ..bench.cards import largest_per_card
 from ..bench.counted import counted_memory_model, counted_step_memory  # noqa: F401
 from ..precision import as_device, check_precision, native_tf32
 from ..tables import (format_value, largest_batch_report_rows,  # noqa: F401 (lesson API)
-                      shown_technique, technique_report_rows)
+                      shown_technique, technique_report_rows, technique_with_math)
 from ..trainer import ScalerSettings, Trainer, TrainConfig
 
 LESSON = "05"
@@ -73,9 +73,6 @@ R8_PAIRS = (("AMP", "AMP + checkpointing"),
             ("AMP + CUDA graph", "AMP + checkpointing + CUDA graph"),
             ("bf16", "bf16 + checkpointing"), ("fp32", "fp32 + checkpointing"))
 R10A_SAVED_PCT, R10B_SAVED_PCT = (50.0, 60.0), (40.0, 50.0)
-#: What the "fp32" technique computes in, said wherever a verdict names it: TF32 where the GPU has
-#: it (PyTorch's default for convolutions), plain fp32 elsewhere; its memory is the same either way.
-FP32_MATH = " (TF32 math where the GPU has it; the same memory)"
 
 
 def _check_techniques(techniques: Sequence[str]) -> List[str]:
@@ -266,10 +263,10 @@ def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     busy = [c for c in costs if claims.rows_timing_gate(*pair_rows(c)) is None]
     c = busy[0] if busy else costs[0]
     points, added = c["points_of_fp32"], c["time_added_pct"]
-    measured = (f"{c['pair']}: {c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
-                f"({c['memory_saved_pct']:.0f}% of AMP's memory, {points:.0f} points of the fp32 "
-                f"row's{FP32_MATH}), "
-                f"step time {added:+.0f}%")
+    pair = " -> ".join(shown_technique(r) for r in pair_rows(c))  # as the tables name them
+    measured = (f"{pair}: {c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
+                f"({c['memory_saved_pct']:.0f}% of AMP's memory, {points:.0f} points of the "
+                f"{technique_with_math(by_name.get('fp32'))} row's), step time {added:+.0f}%")
     if c.get("gpu_idle_fraction") is not None:
         measured += f" (GPU idle at most {c['gpu_idle_fraction']:.0%} of a step)"
     reason = claims.rows_timing_gate(*pair_rows(c))
@@ -421,6 +418,7 @@ def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> D
     if not rows:
         raise ValueError("rows must hold at least one largest_batch_table row")
     techniques = list(dict.fromkeys(r["technique"] for r in rows))
+    shown = {r["technique"]: shown_technique(r) for r in rows}  # TF32 where the math is TF32
     table = []
     for card in sorted({r["card_gb"] for r in rows}):
         line: Dict[str, object] = {"card (GB)": f"{card:g}"}
@@ -428,12 +426,12 @@ def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> D
             cell = next((r for r in rows if r["card_gb"] == card and r["technique"] == t), None)
             largest = cell["largest_batch"] if cell and cell["status"] == "ok" else None
             if not largest:
-                line[t] = None
+                line[shown[t]] = None
                 continue
             n = math.ceil(target_batch / largest)
-            line[t] = f"{n} x {math.ceil(target_batch / n)}"
+            line[shown[t]] = f"{n} x {math.ceil(target_batch / n)}"
         table.append(line)
-    return {"rows": table, "columns": ["card (GB)"] + techniques,
+    return {"rows": table, "columns": ["card (GB)"] + [shown[t] for t in techniques],
             "note": f"n x m: n micro-batches of m images per optimizer step (accumulate=n), the "
                     f"fewest that reach {target_batch} images with micro-batches that fit."}
 
@@ -480,8 +478,10 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
         return {r["technique"]: r["largest_batch"] for r in card_rows
                 if r["card_gb"] == card and r["status"] == "ok"}
 
+    shown = {r["technique"]: shown_technique(r) for r in card_rows}  # TF32 where the math is
+
     def describe(card: float) -> str:
-        return f"{card:g} GB: " + ", ".join(f"{t} {b}" for t, b in batches(card).items())
+        return f"{card:g} GB: " + ", ".join(f"{shown[t]} {b}" for t, b in batches(card).items())
 
     out = []
     small = [c for c in measured_cards if c < small_card_gb]
@@ -494,14 +494,15 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
         per_card = [b for b in (batches(c) for c in small) if b]
         # a tie counts: the recommendation fits as large a batch as anything measured
         wins = sum(1 for b in per_card if b.get(amp_ckpt, -1) == max(b.values()))
-        others = sorted({max(b, key=b.get) for b in per_card
+        others = sorted({shown[max(b, key=b.get)] for b in per_card
                          if b.get(amp_ckpt, -1) < max(b.values())})
         pick = (f"{amp_ckpt} fit the largest batch (ties included) on {wins} of {len(per_card)} "
                 f"such cards" + (f" ({', '.join(others)} larger on the rest)" if others else ""))
         out.append(claims.decide(
             "R10a", LESSON,
             "; ".join(describe(c) for c in small)
-            + f"; {amp_ckpt} saved {ckpt_saved:.0f}% against fp32{FP32_MATH} at the same batch{note}",
+            + f"; {amp_ckpt} saved {ckpt_saved:.0f}% against {technique_with_math(fp32)} at the "
+              f"same batch{note}",
             wins == len(per_card) and ckpt_saved >= R10A_SAVED_PCT[0],
             f"{pick}; " + _range_verdict(ckpt_saved, *R10A_SAVED_PCT, "memory saved"),
             numbers={"memory_saved_pct": ckpt_saved, "wins": wins, "cards": len(per_card)},
@@ -532,7 +533,8 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
         out.append(claims.decide(
             "R10b", LESSON,
             "; ".join(describe(c) for c in large)
-            + f"; {amp} saved {amp_saved:.0f}% against fp32{FP32_MATH} at the same batch{note}",
+            + f"; {amp} saved {amp_saved:.0f}% against {technique_with_math(fp32)} at the same "
+              f"batch{note}",
             amp_saved >= R10B_SAVED_PCT[0] and faster,
             _range_verdict(amp_saved, *R10B_SAVED_PCT, "memory saved") + speed,
             numbers={"memory_saved_pct": amp_saved}, cannot_decide=reason,

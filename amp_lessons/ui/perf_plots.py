@@ -8,7 +8,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import plotly.graph_objects as go
 
 from .._validate import is_real
-from ..tables import plural
+from ..tables import plural, shown_technique
 from .plots import preset_comparison, styled, with_caveat
 
 
@@ -152,13 +152,14 @@ def technique_memory_time(rows: Sequence[Mapping[str, Any]],
             hoverinfo="skip"))
     for i, (r, name) in enumerate(zip(shown, names)):
         star = name in frontier
+        label = shown_technique(r)  # TF32 where the fp32 technique ran with TF32 math
         fig.add_trace(go.Scatter(
-            x=[r["step_ms"]], y=[r["memory_gib"]], mode="markers+text", name=name,
-            text=[name], textposition=_L05_TEXT.get(name, "top center"),
+            x=[r["step_ms"]], y=[r["memory_gib"]], mode="markers+text", name=label,
+            text=[label], textposition=_L05_TEXT.get(name, "top center"),
             textfont=dict(size=10),
             marker=dict(size=14 if star else 10, color=_l05_color(name, i),
                         symbol="star" if star else "circle", line=dict(width=1, color="#333")),
-            hovertemplate=f"{name}<br>%{{x:,.1f}} ms per step<br>%{{y:.3f}} GiB<extra></extra>"))
+            hovertemplate=f"{label}<br>%{{x:,.1f}} ms per step<br>%{{y:.3f}} GiB<extra></extra>"))
     for label, gib in memory_lines.items():
         fig.add_hline(y=gib, line=dict(color="#C44", dash="dot", width=1),
                       annotation_text=label, annotation_position="top left",
@@ -167,8 +168,7 @@ def technique_memory_time(rows: Sequence[Mapping[str, Any]],
         fig.add_vline(x=ms, line=dict(color="#44C", dash="dot", width=1),
                       annotation_text=label, annotation_position="top right",
                       annotation_font_size=10)
-    left_out = [f"{r.get('technique', r.get('label', '?'))} ({r.get('status')})" for r in rows
-                if r not in shown]
+    left_out = [f"{shown_technique(r)} ({r.get('status')})" for r in rows if r not in shown]
     if left_out:
         title = f"{title}<br><sup>not measured here: {'; '.join(left_out)}</sup>"
     source = shown[0].get("memory_source") or "peak allocated"
@@ -205,11 +205,12 @@ def largest_batch_chart(rows: Sequence[Mapping[str, Any]],
               else None for c in cards]
         if all(y is None for y in ys):
             continue
-        fig.add_trace(go.Bar(x=labels, y=ys, name=t, marker_color=_l05_color(t, i),
+        name = shown_technique(next(iter(by_card.values())))  # TF32 where the math is TF32
+        fig.add_trace(go.Bar(x=labels, y=ys, name=name, marker_color=_l05_color(t, i),
                              text=[f"{y:,}" if y is not None else "" for y in ys],
                              textposition="outside", textangle=-90 if len(techniques) > 2 else 0,
                              textfont=dict(size=10), cliponaxis=False,
-                             hovertemplate=f"{t}<br>%{{x}} card: %{{y:,}} images<extra></extra>"))
+                             hovertemplate=f"{name}<br>%{{x}} card: %{{y:,}} images<extra></extra>"))
     skipped = sum(1 for r in rows if r["status"] != "ok")
     if skipped:
         title = f"{title}<br><sup>{skipped} card/technique pairs skipped (see the table)</sup>"

@@ -32,6 +32,8 @@ def no_gc(monkeypatch):
     (dict(optimizer="lamb"), "optimizer"), (dict(impl="apex"), "impl"),
     (dict(compile="fast"), "compile"), (dict(checkpoint="layer"), "checkpoint"),
     (dict(eps=0.0), "eps"), (dict(lr=-1.0), "lr"), (dict(loop="mine"), "loop"),
+    (dict(trainer_tracking="no"), "trainer_tracking"),
+    (dict(trainer_tracking=False), "trainer_tracking"),  # needs loop="trainer"
 ])
 def test_config_validation_names_the_setting(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -46,6 +48,20 @@ def test_labels_describe_the_configuration():
     assert adam.label == "bf16, Adam eps=1e-07 amsgrad"
     assert "layer3/4+fc in fp32" in BenchConfig(model="resnet50-selective").label
     assert BenchConfig(label="mine").label == "mine"
+
+
+def test_trainer_rows_turn_the_trainers_tracking_on_or_off():
+    lean = BenchConfig(precision="fp32", loop="trainer", trainer_tracking=False, **TINY)
+    assert lean.label.endswith("Trainer (track_grad_norm=False, track_memory=False)")
+    assert BenchConfig(loop="trainer").label.endswith(", Trainer")
+    for cfg, on in ((lean, False), (BenchConfig(precision="fp32", loop="trainer", **TINY), True)):
+        model = M.build_model(cfg, "cpu")
+        step = M.trainer_step(model, M.build_optimizer(cfg, model.parameters()), cfg, "cpu")
+        tcfg = step.trainer.config
+        assert tcfg.track_grad_norm is on and tcfg.track_memory is on
+        x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+        assert math.isfinite(float(step(x, y)))
+        assert (step.trainer.history[-1].grad_norm is None) is not on
 
 
 def test_optimizer_kernels_and_settings():

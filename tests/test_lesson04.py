@@ -73,6 +73,26 @@ def test_lesson_configs_cover_the_lesson_with_the_standard_settings():
             L.lesson_configs(compile_modes=bad)
 
 
+def test_trainer_fastest_config_writes_its_settings_out():
+    cfg = L.trainer_fastest_config("resnet18", 8, 32, precision="fp16")
+    assert (cfg.loop, cfg.compile, cfg.impl, cfg.channels_last, cfg.trainer_tracking) == (
+        "trainer", "reduce-overhead", "fused", True, False)
+    assert cfg.batch_size == 8 and cfg.cudnn_benchmark == measure.STANDARD["cudnn_benchmark"]
+    for words in ("fp16 + GradScaler", "channels_last", "SGD(fused=True)",
+                  "torch.compile(mode='reduce-overhead')", "batch 8",
+                  "TrainConfig(track_grad_norm=False, track_memory=False)"):
+        assert words in cfg.label
+    assert "bf16" in L.trainer_fastest_config(precision="bf16").label
+    table = L.lesson_configs("resnet18", 4, 32) + [cfg]
+    assert len({c.label for c in table}) == len(table)
+    row = measure.measure(cfg, "cpu", warmup=0, steps=1)  # not measured here, and says why
+    assert row["status"] == "skipped" and "GPU" in row["reason"]
+    with pytest.raises(ValueError, match="precision"):
+        L.trainer_fastest_config(precision="fp32")
+    with pytest.raises(ValueError, match="batch_size"):
+        L.trainer_fastest_config(batch_size=0)
+
+
 def _table_rows():
     cfgs = L.lesson_configs("resnet18", 8, 32, compile_precision=None)
     speed = {"fp32": 100.0, "tf32": 200.0, "fp16": 300.0, "bf16": 250.0}

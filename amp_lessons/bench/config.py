@@ -80,6 +80,7 @@ class BenchConfig:
     checkpoint: Optional[str] = None   # None, "block" or "stage" (activation checkpointing)
     loop: str = "hand"                 # "hand": hand-written loop; "trainer": Trainer.train_step
     cudnn_benchmark: bool = True       # let cuDNN pick the fastest convolution algorithms
+    trainer_tracking: bool = True      # loop="trainer" only: record grad norm and peak memory
 
     def __post_init__(self):
         for name, choices in (("model", tuple(MODELS)), ("precision", PRECISIONS),
@@ -92,13 +93,18 @@ class BenchConfig:
         fixed = {"batch_size": check_int("batch_size", self.batch_size, 1),
                  "image_size": check_int("image_size", self.image_size, 8),
                  "num_classes": check_int("num_classes", self.num_classes, 2)}
-        for name in ("channels_last", "amsgrad", "cuda_graph", "cudnn_benchmark"):
+        for name in ("channels_last", "amsgrad", "cuda_graph", "cudnn_benchmark",
+                     "trainer_tracking"):
             fixed[name] = check_bool(name, getattr(self, name))
         if self.lr is not None:
             fixed["lr"] = check_real("lr", self.lr, 0.0, low_open=True)
         fixed["eps"] = check_real("eps", self.eps, 0.0, 1.0, low_open=True, high_open=True)
         for name, value in fixed.items():  # NumPy scalars kept as plain Python values
             object.__setattr__(self, name, value)
+        if not self.trainer_tracking and self.loop != "trainer":
+            raise ValueError("trainer_tracking=False turns off the trainer's grad-norm and "
+                             "memory tracking: it needs loop='trainer'; got loop="
+                             f"{self.loop!r}")
         if not self.label:
             object.__setattr__(self, "label", self.describe())
 
@@ -126,7 +132,8 @@ class BenchConfig:
         if self.impl != "default" or self.optimizer != "sgd":
             parts.append(opt)
         if self.loop == "trainer":
-            parts.append("Trainer")
+            parts.append("Trainer" if self.trainer_tracking else
+                         "Trainer (track_grad_norm=False, track_memory=False)")
         return ", ".join(parts)
 
 

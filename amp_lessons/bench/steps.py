@@ -116,9 +116,12 @@ def hand_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str
 
 def trainer_step(model: nn.Module, optimizer: torch.optim.Optimizer, config: BenchConfig,
                  device) -> Step:
-    """A ``Step`` that calls the shared ``Trainer.train_step`` (lesson 02's trainer)."""
+    """A ``Step`` that calls the shared ``Trainer.train_step`` (lesson 02's trainer), with its
+    grad-norm and peak-memory tracking as ``config.trainer_tracking`` says."""
     tcfg = _trainer.TrainConfig(precision=config.precision, channels_last=config.channels_last,
-                                progress=False, seed=None)
+                                progress=False, seed=None,
+                                track_grad_norm=config.trainer_tracking,
+                                track_memory=config.trainer_tracking)
     trainer = _trainer.Trainer(model, optimizer, tcfg, device=device)
     base = hand_step(model, optimizer, config.precision, device)
     return Step(model, optimizer, trainer.scaler, base.forward, base.backward, base.update,

@@ -88,6 +88,26 @@ def optimized_row(rows: Sequence[Dict[str, object]]) -> Optional[Dict[str, objec
     return next((r for r in rows if r.get("label") == OPTIMIZED_LABEL), None)
 
 
+def trainer_fastest_config(model: str = "resnet50", batch_size: int = 512, image_size: int = 224,
+                           num_classes: int = 1000, precision: str = "fp16",
+                           cudnn_benchmark: bool = STANDARD["cudnn_benchmark"]) -> BenchConfig:
+    """The row measured through the course's ``Trainer`` on its fastest path: ``precision``
+    (fp16 + GradScaler or bf16), channels_last, fused SGD, ``torch.compile(mode=
+    "reduce-overhead")`` and the trainer's grad-norm and memory tracking off. ``batch_size``: the
+    notebook passes twice its table's batch where the card's memory allows. Its label writes
+    every setting out, to copy into ``TrainConfig``/``torch.compile``."""
+    check_choice("precision", precision, tuple(HALF_DTYPES))
+    check_int("batch_size", batch_size, 1)
+    name = {"fp16": "fp16 + GradScaler", "bf16": "bf16"}[precision]
+    label = (f"Trainer, fastest path: {name}, channels_last, SGD(fused=True), "
+             f"torch.compile(mode='reduce-overhead'), batch {batch_size}, "
+             f"TrainConfig(track_grad_norm=False, track_memory=False)")
+    return BenchConfig(label=label, model=model, precision=precision, channels_last=True,
+                       batch_size=batch_size, image_size=image_size, num_classes=num_classes,
+                       optimizer="sgd", impl="fused", compile="reduce-overhead", loop="trainer",
+                       trainer_tracking=False, cudnn_benchmark=cudnn_benchmark)
+
+
 def default_row(rows: Sequence[Dict[str, object]], model: str,
                 channels_last: bool = False) -> Optional[Dict[str, object]]:
     """fp32 as a learner gets it by default: the "fp32, TF32 on" row where it ran (PyTorch

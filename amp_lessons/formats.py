@@ -29,15 +29,16 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .tables import percent
+from .tables import percent, text_table
 
 __all__ = [
     "FormatInfo", "FORMATS", "FORMAT_NAMES", "get_format", "format_facts", "format_facts_text",
     "round_to", "RoundTrip", "round_trip", "Decoded", "decode", "bits_table_text",
     "Classification", "classify", "check_scale", "scaled_counts", "scaled_fractions",
-    "underflow_fraction", "scale_sweep", "gradient_summary", "gradient_summary_text",
-    "collect_gradients", "measure_limits", "accumulate", "KINDS", "band_limits", "SWAMPING_RUNS",
-    "swamping_runs", "swamping_rows", "best_scale_exponent", "scale_report", "ulp",
+    "underflow_fraction", "scale_sweep", "gradient_summary", "gradient_summary_rows",
+    "gradient_summary_text", "collect_gradients", "measure_limits", "accumulate", "KINDS",
+    "band_limits", "SWAMPING_RUNS", "swamping_runs", "swamping_rows", "best_scale_exponent",
+    "scale_report", "ulp",
 ]
 
 # --- the formats ---------------------------------------------------------------------------------
@@ -651,22 +652,21 @@ def gradient_summary(grads_by_layer: Mapping[str, TensorLike], scale: float = 1.
     return rows
 
 
-def gradient_summary_text(rows: Sequence[Mapping]) -> str:
-    """``gradient_summary`` rows as fixed-width text: shares of the nonzero values in percent
-    (``tables.percent``: a nonzero share never reads as 0; below 0.001% it gives the count)."""
-    head = ("layer", "values", "zeros", "min |g|", "median |g|", "max |g|", "flushed",
-            "subnormal", "normal", "overflow")
-
+def gradient_summary_rows(rows: Sequence[Mapping]) -> List[dict]:
+    """``gradient_summary`` rows as shown: |g| to 3 digits, shares of the nonzero values in
+    percent (``tables.percent``: a nonzero share never reads as 0; below 0.001%, the count)."""
     def share(r, key):
         n = r["nonzero"]
         return percent(round(r[key] * n), n) if n else "n/a"
+    return [{"layer": str(r["layer"]), "values": r["values"], "zeros": r["zeros"],
+             **{k: f"{r[k]:.3g}" for k in ("min |g|", "median |g|", "max |g|")},
+             **{k: share(r, k) for k in ("flushed", "subnormal", "normal", "overflow")}} for r in rows]
 
-    body = [(str(r["layer"]), str(r["values"]), str(r["zeros"]), f"{r['min |g|']:.3g}",
-             f"{r['median |g|']:.3g}", f"{r['max |g|']:.3g}", share(r, "flushed"),
-             share(r, "subnormal"), share(r, "normal"), share(r, "overflow")) for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    return "\n".join("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in
-                               enumerate(zip(line, widths))) for line in (head, *body))
+
+def gradient_summary_text(rows: Sequence[Mapping]) -> str:
+    """``gradient_summary_rows`` as a text table (counts right-aligned)."""
+    shown = gradient_summary_rows(rows)
+    return text_table(shown, list(shown[0]) if shown else None)
 
 
 # --- real gradients ------------------------------------------------------------------------------

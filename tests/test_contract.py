@@ -1,4 +1,6 @@
 """Every lesson notebook follows DESIGN.md's contract and carries the outputs of a full GPU run."""
+import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -112,3 +114,87 @@ def test_no_errors_or_stray_warnings_in_outputs(nb):
                 assert "raises-exception" in cell.metadata.get("tags", []), out.get("ename")
             if out.output_type == "stream" and not about_warnings:
                 assert not WARNING_TEXT.search(out.text), out.text[:300]
+
+
+# --- tables show as HTML -------------------------------------------------------------------------
+# A text table printed into a cell wraps mid-row in JupyterLab once it is wider than the window;
+# lessons show tables through report.show_table (HTML, the text as fallback). Only a cell whose
+# output nbval compares as text (# NBVAL_CHECK_OUTPUT) may print one.
+PACKAGE = Path(__file__).resolve().parent.parent / "amp_lessons"
+
+
+def _called(func):
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+
+def _aligns_columns(func) -> bool:
+    """Whether a function pads text into columns: ``ljust``/``rjust`` or an f-string width."""
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call) and _called(node.func) in ("ljust", "rjust"):
+            return True
+        if isinstance(node, ast.FormattedValue) and node.format_spec is not None:
+            spec = "".join(v.value if isinstance(v, ast.Constant) else "9"
+                           for v in node.format_spec.values)
+            if re.match(r"^.?[<>^]\d", spec):
+                return True
+    return False
+
+
+def text_table_producers():
+    """Names of the package's functions that return a text table: ``tables.text_table``, those
+    that pad text into columns themselves, and every function that returns what one of them
+    returns (to a fixpoint)."""
+    returned, producers = {}, {"text_table"}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = tree.body + [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
+        for node in top:  # module functions and methods (a nested helper is its function's part)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if _aligns_columns(node):
+                    producers.add(node.name)
+                returned.setdefault(node.name, set()).update(
+                    _called(c.func) for r in ast.walk(node) if isinstance(r, ast.Return) and r.value
+                    for c in ast.walk(r.value) if isinstance(c, ast.Call))
+    generic = set(dir(builtins)) | set(dir(str))  # format(), "".join(): no table by their name
+    producers -= generic
+    while True:
+        more = {name for name, called in returned.items() if called & producers} - producers - generic
+        if not more:
+            return producers
+        producers |= more
+
+
+def printed_text_tables(source: str, producers) -> list:
+    """The ``print(...)`` calls in a code cell's source whose arguments call a text-table
+    producer (IPython's ``%`` and ``!`` lines left out)."""
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                     for line in source.splitlines())
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Call) and _called(node.func) == "print":
+            inner = {_called(c.func) for arg in node.args for c in ast.walk(arg)
+                     if isinstance(c, ast.Call)}
+            if inner & producers:
+                found.append(ast.get_source_segment(code, node))
+    return found
+
+
+def test_the_table_rule_sees_what_prints_a_text_table():
+    producers = text_table_producers()
+    assert {"text_table", "format_rows", "overhead_table", "step_table_text",  # padded by hand
+            "gradient_summary_text", "bits_table_text"} <= producers
+    assert not {"show_table", "plural", "print", "format", "join", "line"} & producers
+    assert printed_text_tables("x = 1\nprint(lesson.format_rows(rows))", producers) == [
+        "print(lesson.format_rows(rows))"]
+    assert printed_text_tables("%time y = 2\nprint(f'{al.tables.text_table(r)}')", producers)
+    assert not printed_text_tables("lesson.show_rows(rows)\nprint(lesson.stall_line(t))", producers)
+
+
+def test_tables_show_as_html_outside_checked_cells(nb):
+    producers = text_table_producers()
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "NBVAL_CHECK_OUTPUT" not in cell.source:
+            printed = printed_text_tables(cell.source, producers)
+            assert not printed, (f"{nb['_name']} prints a text table outside a "
+                                 f"# NBVAL_CHECK_OUTPUT cell (show it with report.show_table or "
+                                 f"the lesson's show_* function): {printed}")

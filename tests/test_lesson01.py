@@ -59,3 +59,21 @@ def test_dtypes_under_autocast_on_cpu():
     assert d["logits"] == torch.bfloat16 and d["grad of logits"] == torch.bfloat16
     assert d["loss"] == torch.float32 and d["parameter .grad"] == torch.float32
     assert d["parameter"] == torch.float32
+
+
+def test_show_gradient_summary_shows_an_html_table_per_format(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    grads = {"fc": torch.tensor([1e-9, 1e-3, 0.0, 2.0])}
+    L.show_gradient_summary(grads, "fp16")
+    (bundle,) = shown
+    html = bundle["text/html"]
+    assert bundle["text/plain"].splitlines()[0] == "in fp16"
+    assert html.count("<tr>") == 3 and "<th" in html  # heading, fc, all
+    assert ">33.3%</td>" in html  # 1e-9 flushed: one of the three nonzero values
+    rows = al.formats.gradient_summary_rows(al.formats.gradient_summary(grads, fmt="fp16"))
+    assert rows[0]["values"] == 4 and rows[0]["zeros"] == 1 and rows[0]["max |g|"] == "2"
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        L.show_gradient_summary(grads, "fp12")

@@ -110,6 +110,22 @@ def test_overhead_summary_on_a_gpu_names_the_idle_share():
         L.overhead_table([])
 
 
+def test_show_overhead_shows_the_text_tables_rows_as_html(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    rows = _overhead_rows(idle=(0.6, 0.0004))
+    L.show_overhead(rows)
+    (bundle,) = shown
+    assert bundle["text/plain"] == L.overhead_table(rows)
+    assert bundle["text/html"].count("<tr>") == len(rows) + 1
+    assert "<th" in bundle["text/html"] and ">0.04%</td>" in bundle["text/html"]
+    assert ">+10.0%</td>" in bundle["text/html"]
+    with pytest.raises(ValueError, match="at least one step_overhead row"):
+        L.show_overhead([])
+
+
 def test_gpu_busy_is_not_measured_on_a_cpu():
     busy, note = L.gpu_busy(lambda x, y: None, torch.zeros(1), torch.zeros(1), "cpu")
     assert busy is None and note.startswith("not measured on a CPU")

@@ -129,6 +129,27 @@ def test_step_table_text_explains_each_update():
         U.step_table_text(run, first=0)
 
 
+def test_show_step_table_shows_the_steps_as_html(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    run = _fake_run("t", [True, False, False])
+    run.scales, run.final_scale = [8.0, 4.0, 4.0], 8.0
+    run.injected = [True, False, False]
+    U.show_step_table(run, first=2)
+    (bundle,) = shown
+    html = bundle["text/html"]
+    assert html.count("<tr>") == 3 and ">yes*</td>" in html and "grew x2" not in html
+    assert "backed off x0.5 -&gt; 2^2 = 4" in html and "injected" in html
+    assert [r["skipped"] for r in U.step_rows(run, first=3)] == ["yes*", "no", "no"]
+    run.injected = [False] * 3
+    U.show_step_table(run, first=3)
+    assert "injected" not in shown[-1]["text/html"] and "grew x2" in shown[-1]["text/html"]
+    with pytest.raises(ValueError, match="first"):
+        U.show_step_table(run, first=0)
+
+
 def test_scale_window_from_the_format_limits():
     mags = {"tiny": np.array([2.0 ** -30], dtype=np.float32),
             "big": np.array([1.0], dtype=np.float32)}

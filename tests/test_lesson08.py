@@ -332,3 +332,20 @@ def test_a_card_without_bf16_runs_fp16_autocast_and_says_what_it_skipped():
     choice = L.choice_table(table, memory, cards=(("T4", 15, False),), sizes=(1e8, 1e9))
     assert choice == [{"model": "0.1 B parameters", "T4": "fp32 master (16.0 B/param)"},
                       {"model": "1 B parameters", "T4": "shard it (lesson 06)"}]
+
+
+def test_show_rows_shows_an_html_table_in_the_lessons_number_style(monkeypatch, capsys):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    rows = [{"recipe": "bf16", "final loss": 1.23456, "peak MiB": None}]
+    L.show_rows(rows, ["recipe", "final loss"])
+    (bundle,) = shown
+    assert "<th" in bundle["text/html"] and ">1.235</td>" in bundle["text/html"]
+    assert "peak MiB" not in bundle["text/html"]
+    assert bundle["text/plain"] == L.format_rows(rows, ["recipe", "final loss"])
+    L.show_rows(rows)
+    assert ">-</td>" in shown[-1]["text/html"]
+    L.show_rows([])
+    assert capsys.readouterr().out == "(no rows)\n" and len(shown) == 2

@@ -19,6 +19,7 @@ from typing import Dict, Mapping, Sequence, Union
 import torch
 
 from .. import claims, formats
+from ..report import show_table
 
 LESSON = "01"
 
@@ -161,3 +162,10 @@ def dtypes_under_autocast(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
 
 #: The claims this lesson decides, derived from its ``claims.decides`` declarations.
 DECIDES = claims.decided_in(__name__)
+
+
+def show_gradient_summary(grads: Mapping, fmt: str) -> None:
+    """Show ``formats.gradient_summary`` of captured gradients in ``fmt`` as the notebook's table
+    (``report.show_table``: HTML, the text table as the fallback), titled by the format."""
+    rows = formats.gradient_summary_rows(formats.gradient_summary(grads, fmt=fmt))
+    show_table(rows, list(rows[0]), title=f"in {fmt}")

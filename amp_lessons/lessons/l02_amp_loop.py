@@ -25,6 +25,7 @@ from ..doctor.dtype_trace import AutocastReport, autocast_report, dtype_label  #
 from ..models import build_digits_model
 from ..precision import Device, as_device, check_precision, normalize_precision, precision_settings
 from ..recipes import train_digits
+from ..report import show_table
 from ..tables import percent, text_table
 from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
 
@@ -196,18 +197,29 @@ def loops_agree(precision: str = "fp16", steps: int = 5, model: str = "cnn", wid
     return {"precision": p, "steps": steps, "equal": equal, "max_abs_diff": diff}
 
 
-def overhead_table(rows: Sequence[Mapping]) -> str:
-    """``step_overhead`` rows as a text table (idle share via ``tables.percent``, so a small
-    nonzero share never reads 0%)."""
+OVERHEAD_COLUMNS = (("precision", "precision"), ("loop", "loop"),
+                    ("step_ms", "step (ms, median)", ".3f"), ("gpu_busy_ms", "GPU busy (ms)", ".3f"),
+                    ("idle", "GPU idle"), ("cost", "vs hand loop"))
+
+
+def overhead_rows(rows: Sequence[Mapping]) -> List[dict]:
+    """``step_overhead`` rows as shown under ``OVERHEAD_COLUMNS``: the idle share via
+    ``tables.percent`` (a small nonzero share never reads 0%), the trainer's cost in percent."""
     if not rows:
         raise ValueError("rows must hold at least one step_overhead row")
-    shown = [dict(r, idle=("n/a" if r["gpu_idle"] is None else percent(r["gpu_idle"], 1.0)),
-                  cost=("" if r["overhead_pct"] is None else f"{r['overhead_pct']:+.1f}%"))
-             for r in rows]
-    return text_table(shown, [("precision", "precision"), ("loop", "loop"),
-                              ("step_ms", "step (ms, median)", ".3f"),
-                              ("gpu_busy_ms", "GPU busy (ms)", ".3f"),
-                              ("idle", "GPU idle"), ("cost", "vs hand loop")])
+    return [dict(r, idle=("n/a" if r["gpu_idle"] is None else percent(r["gpu_idle"], 1.0)),
+                 cost=("" if r["overhead_pct"] is None else f"{r['overhead_pct']:+.1f}%"))
+            for r in rows]
+
+
+def overhead_table(rows: Sequence[Mapping]) -> str:
+    """``overhead_rows`` as a text table."""
+    return text_table(overhead_rows(rows), OVERHEAD_COLUMNS)
+
+
+def show_overhead(rows: Sequence[Mapping]) -> None:
+    """``overhead_rows`` as the notebook's table (``report.show_table``: HTML, text fallback)."""
+    show_table(overhead_rows(rows), OVERHEAD_COLUMNS)
 
 
 def _row(rows: Sequence[Mapping], precision: str, loop: str) -> Optional[Mapping]:

@@ -37,6 +37,7 @@ from .. import models as _models
 from .. import optim
 from .._validate import check_int, check_real, is_real
 from ..bench.memory import GIB
+from ..report import show_table
 from ..tables import text_table
 from . import l07_fp8
 
@@ -412,3 +413,12 @@ def format_rows(rows: Sequence[Mapping], columns: Optional[Sequence[str]] = None
     if not rows:
         return "(no rows)"
     return text_table(rows, list(columns or rows[0].keys()), cell=_cell)
+
+
+def show_rows(rows: Sequence[Mapping], columns: Optional[Sequence[str]] = None) -> None:
+    """Show rows in the notebook as a table (``report.show_table``: HTML, ``format_rows``'s text
+    as the fallback) in this lesson's number style; ``(no rows)`` where there are none."""
+    if not rows:
+        print("(no rows)")
+        return
+    show_table(rows, list(columns or rows[0].keys()), cell=_cell)

@@ -1,16 +1,17 @@
 """Lesson 03's panels: the scaler panel, the preset comparison and the gradient histogram
 (``widgets``), each wired to the lesson's training runs (``l03_scaler.panel_runner``,
-``train_with_scaler``), and a run's first steps as text (``step_table_text``). The lesson module
+``train_with_scaler``), and a run's first steps as a table (``show_step_table``; ``step_table_text``). The lesson module
 returns results; these show them."""
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional
 
 import numpy as np
 
 from ..lessons.l03_scaler import (PRESET_NOTE, RunSetup, ScalerRun, measured_defaults,
                                   panel_runner, scaler_presets, train_with_scaler)
 from .._validate import is_int
+from ..report import show_table
 from ..trainer import ScalerSettings
 from . import widgets
 from .plots import pow2_text
@@ -50,14 +51,19 @@ def histogram_panel(magnitudes_by_layer: Mapping[str, np.ndarray], scale_log2: i
 
 
 
-def step_table_text(run: ScalerRun, first: int = 20) -> str:
-    """The first ``first`` steps of a run as text: the scale each step used, whether it was
-    skipped (and whether an overflow was injected), and what ``update()`` then did to the scale
-    (backed off, grew, or kept it)."""
+STEP_COLUMNS = (("step", "step"), ("scale", "scale used"), ("skipped", "skipped"),
+                ("loss", "loss", ".4f"), ("update", "update() then"))
+INJECTED_NOTE = "* an inf was injected into this step's gradients"
+
+
+def step_rows(run: ScalerRun, first: int = 20) -> List[dict]:
+    """The first ``first`` steps of a run, a row each (``STEP_COLUMNS``): the scale each step
+    used, whether it was skipped (``yes*`` where an overflow was injected), its loss, and what
+    ``update()`` then did to the scale (backed off, grew, or kept it)."""
     if not is_int(first) or first < 1:
         raise ValueError(f"first must be an integer >= 1; got {first!r}")
     nxt = run.scales[1:] + [run.final_scale]
-    lines = [f"{'step':>4}  {'scale used':>16}  {'skipped':>7}  {'loss':>8}  update() then"]
+    rows = []
     for i in range(min(first, len(run.steps))):
         s, after = run.scales[i], nxt[i]
         if after is None or after == s:
@@ -67,8 +73,25 @@ def step_table_text(run: ScalerRun, first: int = 20) -> str:
         else:
             what = f"grew x{after / s:g} -> {pow2_text(after)}"
         skip = ("yes*" if run.injected[i] else "yes") if run.skipped[i] else "no"
-        lines.append(f"{run.steps[i]:>4}  {pow2_text(s):>16}  {skip:>7}  {run.losses[i]:>8.4f}  {what}")
-    if any(run.injected[:first]):
-        lines.append("* an inf was injected into this step's gradients")
+        rows.append({"step": run.steps[i], "scale": pow2_text(s), "skipped": skip,
+                     "loss": run.losses[i], "update": what})
+    return rows
+
+
+def step_table_text(run: ScalerRun, first: int = 20) -> str:
+    """``step_rows`` as text, one line a step (and ``INJECTED_NOTE`` where an inf was injected)."""
+    rows = step_rows(run, first)
+    lines = [f"{'step':>4}  {'scale used':>16}  {'skipped':>7}  {'loss':>8}  update() then"]
+    lines += [f"{r['step']:>4}  {r['scale']:>16}  {r['skipped']:>7}  {r['loss']:>8.4f}  {r['update']}"
+              for r in rows]
+    if any(r["skipped"] == "yes*" for r in rows):
+        lines.append(INJECTED_NOTE)
     return "\n".join(lines)
 
+
+def show_step_table(run: ScalerRun, first: int = 20) -> None:
+    """``step_rows`` as the notebook's table (``report.show_table``: HTML, the text table as the
+    fallback), with ``INJECTED_NOTE`` where an inf was injected."""
+    rows = step_rows(run, first)
+    show_table(rows, STEP_COLUMNS,
+               note=INJECTED_NOTE if any(r["skipped"] == "yes*" for r in rows) else "")

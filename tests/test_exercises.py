@@ -1,7 +1,10 @@
 """Every exercise, graded three ways: the reference solution passes, the untouched stub says
-"not answered yet" with its hint, and each typical wrong answer fails with the hint that names
-its mistake (never a bare False)."""
+"not answered yet" with its first hint only, and each typical wrong answer fails with the hint that
+names its mistake (never a bare False). The hints themselves: graded levels whose first never gives
+the answer away, read with ``exNN.hint(name, level)`` or unfolded in JupyterLab."""
+import html
 import linecache
+import re
 from pathlib import Path
 
 import nbformat
@@ -10,20 +13,32 @@ import torch
 from torch import nn
 
 import amp_lessons as al
-from amp_lessons.exercises import ex01, ex02, ex03, ex04, ex05, ex06, ex07
-from amp_lessons.exercises.check import Check, is_blank, same_code
+from amp_lessons.exercises import MODULES, ex01, ex02, ex03, ex04, ex05, ex06, ex07
+from amp_lessons.exercises.check import Check, Hints, hint_book, is_blank, same_code
 from amp_lessons.lessons import l03_scaler, l07_fp8
 from amp_lessons.trainer import ScalerSettings
 
 
-def assert_wrong(check, *fragments):
+def assert_wrong(check, *fragments, hints=None):
+    """A wrong answer whose message and first hint name the mistake (``fragments``); with
+    ``hints`` (the exercise's), that first hint is the mistake's own, not the exercise's nudge,
+    and the later levels are the exercise's, asked for with its ``hint`` call."""
     assert check.status == "wrong" and not check, check
     assert check.hint and all(f in check.message + check.hint for f in fragments), check
+    if hints is not None:
+        assert check.hint not in hints.levels, f"not specific to the mistake: {check.hint}"
+        assert check.hints[1:] == hints.levels[1:] and hints.call(2) in repr(check), check
+        assert all(level not in repr(check) for level in hints.levels[1:]), check
 
 
-def assert_unanswered(check):
+def assert_unanswered(check, hints=None):
+    """Not answered yet: the first hint only, and how to read the next one."""
     assert check.status == "not answered yet" and check.hint, check
-    assert "not answered yet" in repr(check) and "hint:" in repr(check)
+    assert "not answered yet" in repr(check) and "hint" in repr(check)
+    if hints is not None:
+        assert check.hints == hints.levels and check.hint in repr(check), check
+        assert all(level not in repr(check) for level in hints.levels[1:]), check
+        assert hints.call(2) in repr(check), check
 
 
 # --- the result type --------------------------------------------------------------------------
@@ -31,8 +46,127 @@ def test_check_renders_as_text_and_is_true_only_when_passed():
     ok, bad = Check("E", "passed", "fine"), Check("E", "wrong", "off by one", "count again")
     assert ok and not bad and ok.passed
     assert repr(ok) == "[x] E: passed: fine" and "hint: count again" in repr(bad)
+    assert bad.hints == ("count again",) and bad.hint == "count again" and ok.hint == ""
     with pytest.raises(ValueError, match="status must be one of"):
         Check("E", "maybe")
+
+
+def test_a_check_shows_one_level_and_says_how_to_read_the_next():
+    book = hint_book("ex99", {"demo": ("look at <b> & the table", "closer", "the answer: 42")})
+    check = ex02.unanswered("Exercise 9", book["demo"])
+    text = repr(check)
+    assert "hint 1 of 3: look at <b> & the table" in text and 'ex99.hint("demo", 2)' in text
+    assert "closer" not in text and "42" not in text
+    assert check.hint_at(3) == "the answer: 42"
+    for bad in (0, 4, 1.5):
+        with pytest.raises(ValueError, match=r"level must be a whole number in \[1, 3\]"):
+            check.hint_at(bad)
+    mistake = ex02.wrong("Exercise 9", "off by one", book["demo"].after("count from 0"))
+    assert mistake.hints == ("count from 0", "closer", "the answer: 42")
+    assert "hint 1 of 3: count from 0" in repr(mistake) and "closer" not in repr(mistake)
+    with pytest.raises(ValueError, match="2 or more"):
+        Hints("ex99", "one", ("only one level",))
+
+
+def test_the_html_repr_escapes_and_unfolds_each_later_level():
+    book = hint_book("ex99", {"demo": ("look at <b> & the table", "use <i>x</i>", "the answer")})
+    page = ex02.unanswered("Exercise <9>", book["demo"])._repr_html_()
+    assert "<b>" not in page.replace("<b>[", "").replace("<b>hint", "")  # only our own bold
+    assert "look at &lt;b&gt; &amp; the table" in page and "use &lt;i&gt;x&lt;/i&gt;" in page
+    assert "Exercise &lt;9&gt;" in page
+    assert page.count("<details>") == page.count("</details>") == 2  # levels 2 and 3 fold
+    first, *later = page.split("<details>")
+    assert "look at" in first and "use &lt;i&gt;" not in first and "the answer" in later[1]
+    assert "<details>" not in ex02.passed("E", "fine")._repr_html_()
+    assert "<details>" not in ex02.skipped("E", "no <GPU>")._repr_html_()
+    assert "no &lt;GPU&gt;" in ex02.skipped("E", "no <GPU>")._repr_html_()
+    real = ex02.check_fixed_loop(ex02.buggy_loop, "cpu")._repr_html_()
+    assert html.escape(ex02.HINTS["loop"].levels[2]) in real.split("<details>")[2]
+
+
+# --- the hints --------------------------------------------------------------------------------
+EXERCISES = [(m, name) for m, module in MODULES.items() for name in module.HINTS]
+
+
+def test_every_lesson_has_graded_hints_and_a_hint_reader_that_checks_its_input():
+    for key, module in MODULES.items():
+        assert len(module.HINTS) >= 3, key
+        for name, hints in module.HINTS.items():
+            assert hints.module == key and hints.name == name and len(hints.levels) >= 2
+            assert len(set(hints.levels)) == len(hints.levels)
+            for level, text in enumerate(hints.levels, start=1):
+                got = module.hint(name, level)
+                assert got == text and repr(got).startswith(f"{name}, hint {level} of ")
+        name, n = next(iter(module.HINTS)), len(next(iter(module.HINTS.values())).levels)
+        for bad in (0, n + 1, "2", True):
+            with pytest.raises(ValueError, match=rf"level must be a whole number in \[1, {n}\]"):
+                module.hint(name, bad)
+        with pytest.raises(ValueError, match="exercise must be one of"):
+            module.hint("no such exercise", 1)
+
+
+def _first_below_one():
+    return ex03.first_below_one(ex03.overflow_trace(ScalerSettings(), 40))
+
+
+# What would give each exercise away: values of the reference solutions and the key tokens of their
+# code or rule. The first hint level must say none of them; the last level (near the answer) says at
+# least one, which proves the list is about the answer.
+ANSWER_TOKENS = {
+    ("ex01", "predict"): lambda: ["1.0", f"{ex01.fp16_truths()['hundredths']:.4g}", "swamp",
+                                  "rounds back"],
+    ("ex01", "master"): lambda: ["torch.float32", ".float()", ".half()", "master = master"],
+    ("ex01", "scale"): lambda: [str(ex01.smallest_safe_exponent(
+        torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 1e-6)), "2**-24",
+        "range(33)", "next(k", "k = 0, 1, 2"],
+    ("ex02", "function"): lambda: ["custom_fwd", "custom_bwd"],
+    ("ex02", "dtypes"): lambda: ["layer_norm", "'16-bit'", "'fp32'", "fp32 list",
+                                 "float32 list"],
+    ("ex02", "loop"): lambda: [".half()", "unscale_", "get_scale", "clip_grad_norm_",
+                               "scheduler.step()"],
+    ("ex03", "rule"): lambda: ["* backoff_factor", "*= backoff_factor", "by backoff_factor",
+                               "* growth_factor", "== growth_interval", "restarts at 0"],
+    ("ex03", "floor"): lambda: [str(_first_below_one()), "2**(a - i)", "**i", "step i uses",
+                                "16 + 1"],
+    ("ex03", "causes"): lambda: ["in a row", "never recover", "every step skipped", "burst"],
+    ("ex04", "state"): lambda: ["4 bytes", "4 * n", "float32", "fp32"],
+    ("ex04", "ratio"): lambda: ["0.5", "2 bytes", "half"],
+    ("ex04", "layout"): lambda: ["torch.channels_last", "contiguous", "memory_format="],
+    ("ex05", "checkpoint"): lambda: ["use_reentrant", "checkpoint(block"],
+    ("ex05", "accumulate"): lambda: ["/ micro_batches", "divide", "chunk", "micro_batches times"],
+    ("ex05", "resume"): lambda: ["scaler.state_dict", "optimizer.state_dict", "GradScaler",
+                                 "scaler"],
+    ("ex06", "script"): lambda: ["init_process_group", "DDP(make_model", "param_dtype",
+                                 "reduce_dtype", "fully_shard(layer", "gloo"],
+    ("ex06", "efficiency"): lambda: ["per_s_n / (n * per_s_1)", "/ (n", "n times", "n *"],
+    ("ex06", "state"): lambda: ["4 bytes", "16 bytes", "16 in all", "16/N", "/ N", "8 / N",
+                                "16 *"],
+    ("ex07", "tensor"): lambda: [f"{ex07.e4m3_max():g}", "x.abs().max()", ".abs()"],
+    ("ex07", "row"): lambda: ["dim=-1", "dim=1", "keepdim=True"],
+    ("ex07", "filter"): lambda: ["% 16", "multiple of 16", "MIN_FEATURES", "first and the last",
+                                 "names[0]"],
+}
+
+
+def _says(text, token):
+    """``token`` in ``text``, case-insensitive; a number only as a whole number (not the 6 of
+    fp16)."""
+    if re.fullmatch(r"[\d.]+", token):
+        return re.search(rf"(?<![\w.]){re.escape(token)}(?![\w]|\.\d)", text) is not None
+    return token.lower() in text.lower()
+
+
+def test_every_exercise_has_its_answer_tokens():
+    assert sorted(ANSWER_TOKENS) == sorted(EXERCISES)
+    assert _says("fp16 is 16 bits", "16") and not _says("fp16", "6") and _says("k = 6.", "6")
+
+
+@pytest.mark.parametrize("key", sorted(ANSWER_TOKENS), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_the_first_hint_does_not_give_the_answer_away(key):
+    hints = MODULES[key[0]].HINTS[key[1]]
+    tokens = ANSWER_TOKENS[key]()
+    assert not [t for t in tokens if _says(hints.levels[0], t)], hints.levels[0]
+    assert [t for t in tokens if _says(hints.levels[-1], t)], hints.levels[-1]
 
 
 def test_blank_answers_and_unedited_code():
@@ -64,9 +198,11 @@ def test_ex01_predictions():
     t = ex01.fp16_truths()
     assert t["one_plus"] == 1.0 and 9.9 < t["hundredths"] < 10.0
     assert ex01.check_fp16_predictions(t["one_plus"], round(t["hundredths"], 2))
-    assert_unanswered(ex01.check_fp16_predictions(None, None))
-    assert_wrong(ex01.check_fp16_predictions(1.0001, t["hundredths"]), "rounds back to 1.0")
-    assert_wrong(ex01.check_fp16_predictions(1.0, 10.0), "exact sum")
+    hints = ex01.HINTS["predict"]
+    assert_unanswered(ex01.check_fp16_predictions(None, None), hints)
+    assert_wrong(ex01.check_fp16_predictions(1.0001, t["hundredths"]), "rounds back to 1.0",
+                 hints=hints)
+    assert_wrong(ex01.check_fp16_predictions(1.0, 10.0), "exact sum", hints=hints)
 
 
 def test_ex01_scale_exponent():
@@ -75,17 +211,20 @@ def test_ex01_scale_exponent():
     assert al.formats.scaled_fractions(grads, 2.0 ** k)["flushed"] == 0
     assert al.formats.scaled_fractions(grads, 2.0 ** (k - 1))["flushed"] > 0
     assert ex01.check_scale_exponent(k, grads)
-    assert_unanswered(ex01.check_scale_exponent(None, grads))
-    assert_wrong(ex01.check_scale_exponent(0, grads), "keep raising k")
-    assert_wrong(ex01.check_scale_exponent(k + 4, grads), "lower k")
+    hints = ex01.HINTS["scale"]
+    assert_unanswered(ex01.check_scale_exponent(None, grads), hints)
+    assert_wrong(ex01.check_scale_exponent(0, grads), "keep raising k", hints=hints)
+    assert_wrong(ex01.check_scale_exponent(k + 4, grads), "lower k", hints=hints)
     assert_wrong(ex01.check_scale_exponent(2.0 ** k, grads), "integer exponent")
 
 
 def test_ex01_master_weight():
     assert ex01.check_master_weight(ex01.reference_master_weight)
-    assert_unanswered(ex01.check_master_weight(lambda start, update, steps: None))
+    assert_unanswered(ex01.check_master_weight(lambda start, update, steps: None),
+                      ex01.HINTS["master"])
     for bad in ex01.WRONG_MASTER.values():
-        assert_wrong(ex01.check_master_weight(bad), "swamped", "torch.float32")
+        assert_wrong(ex01.check_master_weight(bad), "swamped", "torch.float32",
+                     hints=ex01.HINTS["master"])
 
 
 # --- lesson 02 --------------------------------------------------------------------------------
@@ -94,11 +233,14 @@ def test_ex02_dtypes():
     assert ex02.check_autocast_dtypes(dict(real), "cpu")
     assert ex02.check_autocast_dtypes({"fc1": "16-bit", "norm": "16-bit", "fc2": "bf16",
                                        "loss": "fp32"}, "cpu")
-    assert_unanswered(ex02.check_autocast_dtypes(dict.fromkeys(ex02.LAYERS), "cpu"))
+    hints = ex02.HINTS["dtypes"]
+    assert_unanswered(ex02.check_autocast_dtypes(dict.fromkeys(ex02.LAYERS), "cpu"), hints)
     assert_wrong(ex02.check_autocast_dtypes({"fc1": "fp32", "norm": "16-bit", "fc2": "16-bit",
-                                             "loss": "fp32"}, "cpu"), "matmul")
+                                             "loss": "fp32"}, "cpu"), "matmul", hints=hints)
     assert_wrong(ex02.check_autocast_dtypes({"fc1": "16-bit", "norm": "16-bit", "fc2": "16-bit",
-                                             "loss": "16-bit"}, "cpu"), "fp32 list")
+                                             "loss": "16-bit"}, "cpu"), "fp32 list", hints=hints)
+    assert_wrong(ex02.check_autocast_dtypes({"fc1": "16-bit", "norm": "fp32", "fc2": "16-bit",
+                                             "loss": "fp32"}, "cpu"), "layer_norm", hints=hints)
 
 
 def _one_bug(bug):
@@ -128,18 +270,29 @@ def _one_bug(bug):
 
 
 def test_ex02_fixed_loop_matches_the_trainer_bitwise():
+    hints = ex02.HINTS["loop"]
     assert ex02.check_fixed_loop(ex02.reference_loop, "cpu")
-    assert_unanswered(ex02.check_fixed_loop(ex02.buggy_loop, "cpu"))
-    assert_wrong(ex02.check_fixed_loop(_one_bug("half"), "cpu"), ".half()")
+    assert_unanswered(ex02.check_fixed_loop(ex02.buggy_loop, "cpu"), hints)
+    half = ex02.check_fixed_loop(_one_bug("half"), "cpu")
     with pytest.warns(UserWarning, match="lr_scheduler.step"):  # torch notices it too
-        assert_wrong(ex02.check_fixed_loop(_one_bug("scheduler"), "cpu"), "skipped steps")
-    assert_wrong(ex02.check_fixed_loop(_one_bug("clip"), "cpu"), "clip after scaler.unscale_")
+        scheduler = ex02.check_fixed_loop(_one_bug("scheduler"), "cpu")
+    clip = ex02.check_fixed_loop(_one_bug("clip"), "cpu")
+    assert_wrong(half, ".half() bug", "delete the model.half()", hints=hints)
+    assert_wrong(scheduler, "scheduler bug", "get_scale()", hints=hints)
+    assert_wrong(clip, "clipping bug is the one left", "clip after scaler.unscale_", hints=hints)
+    # each says which bug remains and hints at that one only, not the list of three
+    others = {"half": ("clip", "scheduler"), "scheduler": ("half()", "clip"),
+              "clip": ("half()", "scheduler")}
+    for check, bug in ((half, "half"), (scheduler, "scheduler"), (clip, "clip")):
+        assert not [w for w in others[bug] if w in check.hint], (bug, check.hint)
 
 
 def test_ex02_autograd_function():
     assert ex02.check_autograd_function(ex02.reference_function("cpu"), "cpu")
-    assert_unanswered(ex02.check_autograd_function(None, "cpu"))
-    assert_wrong(ex02.check_autograd_function(ex02.undecorated_function(), "cpu"), "custom_bwd")
+    hints = ex02.HINTS["function"]
+    assert_unanswered(ex02.check_autograd_function(None, "cpu"), hints)
+    assert_wrong(ex02.check_autograd_function(ex02.undecorated_function(), "cpu"),
+                 "ran outside autocast", "decorator pair", hints=hints)
 
 
 # --- lesson 03 --------------------------------------------------------------------------------
@@ -158,11 +311,12 @@ def test_ex03_update_rule_replays_a_run(scaler_runs):
     settings, demo, _, _ = scaler_runs
     assert any(demo.skipped) and len(set(demo.scales)) > 3
     assert ex03.check_update_rule(ex03.reference_update, demo.scales, demo.skipped, settings)
+    hints = ex03.HINTS["rule"]
     assert_unanswered(ex03.check_update_rule(lambda *a: None, demo.scales, demo.skipped,
-                                             settings))
+                                             settings), hints)
     for bad in ex03.WRONG_RULES.values():
         assert_wrong(ex03.check_update_rule(bad, demo.scales, demo.skipped, settings),
-                     "growth_interval")
+                     "growth_interval", hints=hints)
 
 
 def test_ex03_trace_causes(scaler_runs):
@@ -173,9 +327,15 @@ def test_ex03_trace_causes(scaler_runs):
     assert ex03.check_trace_causes(right, traces)
     text = ex03.traces_text(traces)
     assert text.count("\n") == 2 and "A: log2(scale) per step: 16x 15x" in text
-    assert_unanswered(ex03.check_trace_causes(dict.fromkeys(traces), traces))
+    hints = ex03.HINTS["causes"]
+    assert_unanswered(ex03.check_trace_causes(dict.fromkeys(traces), traces), hints)
     assert_wrong(ex03.check_trace_causes({**right, "A": "init_scale too high",
-                                          "B": "inf or NaN every step"}, traces), "never recovers")
+                                          "B": "inf or NaN every step"}, traces),
+                 "trace A is not", "never recovered", hints=hints)
+    assert_wrong(ex03.check_trace_causes({**right, "B": "healthy"}, traces), "trace B",
+                 "steps in a row", hints=hints)
+    assert_wrong(ex03.check_trace_causes({**right, "C": "init_scale too high"}, traces),
+                 "trace C", "doing its job", hints=hints)
     assert_wrong(ex03.check_trace_causes({**right, "C": "too big"}, traces), "the causes are")
 
 
@@ -184,9 +344,10 @@ def test_ex03_steps_below_one(scaler_runs):
     assert ex03.first_below_one(floor.scales) == 17
     assert ex03.overflow_trace(ScalerSettings(), 19) == floor.scales  # the trainer's own trace
     assert ex03.check_steps_below_one(17, ScalerSettings())
-    assert_unanswered(ex03.check_steps_below_one(None, ScalerSettings()))
-    assert_wrong(ex03.check_steps_below_one(16, ScalerSettings()), "not below 1")
-    assert_wrong(ex03.check_steps_below_one(8, ScalerSettings()), "backoff_factor")
+    hints = ex03.HINTS["floor"]
+    assert_unanswered(ex03.check_steps_below_one(None, ScalerSettings()), hints)
+    assert_wrong(ex03.check_steps_below_one(16, ScalerSettings()), "not below 1", hints=hints)
+    assert_wrong(ex03.check_steps_below_one(8, ScalerSettings()), "backoff_factor", hints=hints)
     assert ex03.check_steps_below_one(4, ScalerSettings(init_scale=8.0))
 
 
@@ -198,67 +359,76 @@ def test_ex04_state_bytes_and_activation_ratio():
     row = {"params_gib": 4 * n / 2 ** 30, "grads_gib": 4 * n / 2 ** 30,
            "optimizer_state_gib": 4 * n / 2 ** 30}
     assert ex04.check_state_bytes(ref, row)
-    assert_unanswered(ex04.check_state_bytes(dict.fromkeys(ref), row))
-    assert_wrong(ex04.check_state_bytes({k: v / 2 for k, v in ref.items()}, row), "16 bits")
-    assert_wrong(ex04.check_state_bytes({k: v / 2 ** 30 for k, v in ref.items()}, row), "GiB")
+    state, ratio = ex04.HINTS["state"], ex04.HINTS["ratio"]
+    assert_unanswered(ex04.check_state_bytes(dict.fromkeys(ref), row), state)
+    assert_wrong(ex04.check_state_bytes({k: v / 2 for k, v in ref.items()}, row), "16 bits",
+                 hints=state)
+    assert_wrong(ex04.check_state_bytes({k: v / 2 ** 30 for k, v in ref.items()}, row), "GiB",
+                 hints=state)
     amp, fp32 = {"activations_gib": 1.05}, {"activations_gib": 2.0}
     assert ex04.check_activation_ratio(0.5, amp, fp32)
-    assert_unanswered(ex04.check_activation_ratio(None, amp, fp32))
-    assert_wrong(ex04.check_activation_ratio(1.0, amp, fp32), "does save")
-    assert_wrong(ex04.check_activation_ratio(0.25, amp, fp32), "halves")
+    assert_unanswered(ex04.check_activation_ratio(None, amp, fp32), ratio)
+    assert_wrong(ex04.check_activation_ratio(1.0, amp, fp32), "does save", hints=ratio)
+    assert_wrong(ex04.check_activation_ratio(0.25, amp, fp32), "halves", hints=ratio)
 
 
 def test_ex04_channels_last():
     assert ex04.check_channels_last(ex04.reference_channels_last)
-    assert_unanswered(ex04.check_channels_last(lambda model, x: None))
-    assert_wrong(ex04.check_channels_last(lambda m, x: (m, x)), "NCHW")
+    hints = ex04.HINTS["layout"]
+    assert_unanswered(ex04.check_channels_last(lambda model, x: None), hints)
+    assert_wrong(ex04.check_channels_last(lambda m, x: (m, x)), "NCHW", hints=hints)
     assert_wrong(ex04.check_channels_last(
-        lambda m, x: (m.to(memory_format=torch.channels_last), x)), "input")
+        lambda m, x: (m.to(memory_format=torch.channels_last), x)), "input", hints=hints)
 
 
 # --- lesson 05 --------------------------------------------------------------------------------
 def test_ex05_accumulation():
     assert ex05.check_accumulation(ex05.reference_accumulate)
-    assert_unanswered(ex05.check_accumulation(lambda model, x, y, n: None))
-    assert_wrong(ex05.check_accumulation(ex05.WRONG_ACCUMULATE["loss not divided"]), "4.00x")
+    hints = ex05.HINTS["accumulate"]
+    assert_unanswered(ex05.check_accumulation(lambda model, x, y, n: None), hints)
+    assert_wrong(ex05.check_accumulation(ex05.WRONG_ACCUMULATE["loss not divided"]), "4.00x",
+                 hints=hints)
     assert_wrong(ex05.check_accumulation(ex05.WRONG_ACCUMULATE["gradients zeroed per micro-batch"]),
-                 "zeroed")
+                 "zeroed", hints=hints)
 
 
 def test_ex05_checkpointing():
     assert ex05.check_checkpointing(ex05.reference_checkpointed_forward)
-    assert_unanswered(ex05.check_checkpointing(lambda blocks, x: None))
+    hints = ex05.HINTS["checkpoint"]
+    assert_unanswered(ex05.check_checkpointing(lambda blocks, x: None), hints)
 
     def plain(blocks, x):
         for b in blocks:
             x = b(x)
         return x
-    assert_wrong(ex05.check_checkpointing(plain), "nothing was checkpointed")
+    assert_wrong(ex05.check_checkpointing(plain), "nothing was checkpointed", hints=hints)
 
     def reentrant(blocks, x):
         for b in blocks:
             x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True)
         return x
     with pytest.warns(UserWarning):
-        assert_wrong(ex05.check_checkpointing(reentrant), "use_reentrant=False")
+        assert_wrong(ex05.check_checkpointing(reentrant), "use_reentrant=False", hints=hints)
 
 
 def test_ex05_resume_keeps_the_scaler():
     assert ex05.check_resume(ex05.reference_save, ex05.reference_load)
-    assert_unanswered(ex05.check_resume(lambda m, o, s: None, lambda *a: None))
+    hints = ex05.HINTS["resume"]
+    assert_unanswered(ex05.check_resume(lambda m, o, s: None, lambda *a: None), hints)
     for save, load in ex05.WRONG_RESUME.values():
-        assert_wrong(ex05.check_resume(save, load), "scaler.state_dict()")
+        assert_wrong(ex05.check_resume(save, load), "scaler.state_dict()", hints=hints)
 
     def load_no_optimizer(state, model, optimizer, scaler):
         model.load_state_dict(state["model"])
         scaler.load_state_dict(state["scaler"])
-    assert_wrong(ex05.check_resume(ex05.reference_save, load_no_optimizer), "optimizer.state_dict()")
+    assert_wrong(ex05.check_resume(ex05.reference_save, load_no_optimizer),
+                 "optimizer.state_dict()", hints=hints)
 
 
 # --- lesson 06 --------------------------------------------------------------------------------
 def test_ex06_stub_is_unanswered_without_running():
-    assert_unanswered(ex06.check_script(ex06.STUB))
-    assert_unanswered(ex06.check_script(ex06.STUB_BODY))
+    assert_unanswered(ex06.check_script(ex06.STUB), ex06.HINTS["script"])
+    assert_unanswered(ex06.check_script(ex06.STUB_BODY), ex06.HINTS["script"])
     assert ex06.full_script(ex06.REFERENCE_BODY) == ex06.REFERENCE
     assert "init_process_group" not in ex06.STUB and "fully_shard(layer" in ex06.REFERENCE
 
@@ -279,16 +449,18 @@ def test_ex06_script_runs_with_torchrun_on_two_cpu_processes(reference_reports):
 @pytest.mark.slow
 def test_ex06_script_without_ddp_fails_with_its_hint():
     body = ex06.REFERENCE_BODY.replace("ddp = DDP(make_model())", "ddp = make_model()")
-    assert_wrong(ex06.check_script(body), "wrap the model in DDP")  # a body, as in the notebook
+    assert_wrong(ex06.check_script(body), "wrap the model in DDP",  # a body, as in the notebook
+                 hints=ex06.HINTS["script"])
 
 
 def test_ex06_reports_of_typical_mistakes(reference_reports):
     one_unit = [dict(r, fsdp_units=1) for r in reference_reports]
-    assert_wrong(ex06.grade_reports(one_unit), "on each nn.Linear")
+    hints = ex06.HINTS["script"]
+    assert_wrong(ex06.grade_reports(one_unit), "on each nn.Linear", hints=hints)
     fp32 = [dict(r, fsdp_output="torch.float32") for r in reference_reports]
-    assert_wrong(ex06.grade_reports(fp32), "param_dtype=torch.bfloat16")
+    assert_wrong(ex06.grade_reports(fp32), "param_dtype=torch.bfloat16", hints=hints)
     unsharded = [dict(r, fsdp_local=r["full"]) for r in reference_reports]
-    assert_wrong(ex06.grade_reports(unsharded), "nothing is sharded")
+    assert_wrong(ex06.grade_reports(unsharded), "nothing is sharded", hints=hints)
     assert "root only" in ex06.WRONG_SCRIPTS
 
 
@@ -303,18 +475,21 @@ def test_ex06_state_per_rank():
     assert abs(ddp / ex06.reference_state_per_rank(n, 1)["ddp"] - 1) < 0.01  # + AdamW's steps
     measured = {"ddp": ddp, "zero": ddp * 12 / 16, "fsdp2": ddp / 2}
     assert ex06.check_state_per_rank(ex06.reference_state_per_rank(n, 2), measured, 2)
-    assert_unanswered(ex06.check_state_per_rank(dict.fromkeys(measured), measured, 2))
+    hints = ex06.HINTS["state"]
+    assert_unanswered(ex06.check_state_per_rank(dict.fromkeys(measured), measured, 2), hints)
     assert_wrong(ex06.check_state_per_rank({**measured, "zero": ddp / 2}, measured, 2),
-                 "only the optimizer state")
-    assert_wrong(ex06.check_state_per_rank({**measured, "fsdp2": ddp}, measured, 2), "16/N")
+                 "only the optimizer state", hints=hints)
+    assert_wrong(ex06.check_state_per_rank({**measured, "fsdp2": ddp}, measured, 2), "16/N",
+                 hints=hints)
 
 
 def test_ex06_efficiency():
     summary = [{"label": "ddp bf16", "world_size": 1, "per_s": 100.0, "efficiency": 1.0},
                {"label": "ddp bf16", "world_size": 2, "per_s": 190.0, "efficiency": 0.95}]
     assert ex06.check_efficiency(ex06.reference_efficiency, summary)
-    assert_unanswered(ex06.check_efficiency(lambda a, b, n: None, summary))
-    assert_wrong(ex06.check_efficiency(lambda a, b, n: b / a, summary), "speed-up")
+    hints = ex06.HINTS["efficiency"]
+    assert_unanswered(ex06.check_efficiency(lambda a, b, n: None, summary), hints)
+    assert_wrong(ex06.check_efficiency(lambda a, b, n: b / a, summary), "speed-up", hints=hints)
     assert ex06.check_efficiency(ex06.reference_efficiency, summary[:1]).status == "skipped"
 
 
@@ -325,22 +500,26 @@ def test_ex07_scales_match_the_lessons_amax_scale():
     assert torch.allclose(ex07.reference_per_row(x), l07_fp8.amax_scale(x, "e4m3", "rowwise"))
     assert ex07.check_per_tensor_scale(ex07.reference_per_tensor)
     assert ex07.check_per_row_scale(ex07.reference_per_row)
-    assert_unanswered(ex07.check_per_tensor_scale(lambda x: None))
-    assert_unanswered(ex07.check_per_row_scale(lambda x: None))
-    hints = {"inverted": "inverse", "no abs": "x.abs()", "e5m2's max": "e5m2"}
+    tensor, row = ex07.HINTS["tensor"], ex07.HINTS["row"]
+    assert_unanswered(ex07.check_per_tensor_scale(lambda x: None), tensor)
+    assert_unanswered(ex07.check_per_row_scale(lambda x: None), row)
+    fragments = {"inverted": "inverse", "no abs": "x.abs()", "e5m2's max": "e5m2"}
     for name, bad in ex07.WRONG_TENSOR.items():
-        assert_wrong(ex07.check_per_tensor_scale(bad), hints[name])
-    assert_wrong(ex07.check_per_row_scale(ex07.WRONG_ROW["per column"]), "per column")
-    assert_wrong(ex07.check_per_row_scale(ex07.WRONG_ROW["per tensor"]), "whole tensor")
+        assert_wrong(ex07.check_per_tensor_scale(bad), fragments[name], hints=tensor)
+    assert_wrong(ex07.check_per_row_scale(ex07.WRONG_ROW["per column"]), "per column",
+                 "the last dimension", hints=row)
+    assert_wrong(ex07.check_per_row_scale(ex07.WRONG_ROW["per tensor"]), "whole tensor",
+                 "each row's own values", hints=row)
 
 
 def test_ex07_module_filter():
     model = l07_fp8.mlp_stack(256, blocks=2)
     plan = l07_fp8.conversion_plan(model, min_features=256)
     assert ex07.check_module_filter(l07_fp8.module_filter(plan), model, plan)
-    assert_unanswered(ex07.check_module_filter(lambda m, fqn: None, model, plan))
+    hints = ex07.HINTS["filter"]
+    assert_unanswered(ex07.check_module_filter(lambda m, fqn: None, model, plan), hints)
     assert_wrong(ex07.check_module_filter(ex07.wrong_filter_all_linear, model, plan),
-                 "first layer")
+                 "first layer", hints=hints)
 
 
 # --- the notebooks --------------------------------------------------------------------------------

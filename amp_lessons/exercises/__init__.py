@@ -1,12 +1,18 @@
 """Graded exercises, one module per lesson (``ex01`` ... ``ex07``).
 
 Each ``check_*`` function grades what a learner wrote in an ``exercise`` cell with the package's
-own functions and returns a ``Check`` that reads "passed", "wrong" (what is wrong, and a hint),
-"not answered yet" (with the hint) or "skipped" (why it cannot run here). Each module also holds
-its reference solutions (``reference_*``) and typical wrong answers (``WRONG_*``), which
-``tests/test_exercises.py`` runs. The engine's layer: no lesson module, no claim.
+own functions and returns a ``Check`` that reads "passed", "wrong" (what is wrong, and the hint
+for that mistake), "not answered yet" (with the first hint) or "skipped" (why it cannot run
+here). Hints come in levels, from a nudge to a near-answer: each module's ``HINTS`` holds them and
+``exNN.hint(name, level)`` reads one (``ex02.hint("loop", 2)``); in JupyterLab a check's later
+levels unfold on a click. Each module also holds its reference solutions (``reference_*``) and
+typical wrong answers (``WRONG_*``), which ``tests/test_exercises.py`` runs. The engine's layer:
+no lesson module, no claim.
 """
 from . import ex01, ex02, ex03, ex04, ex05, ex06, ex07
-from .check import Check
+from .check import Check, Hints
 
-__all__ = ["Check", "ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07"]
+MODULES = {"ex01": ex01, "ex02": ex02, "ex03": ex03, "ex04": ex04, "ex05": ex05, "ex06": ex06,
+           "ex07": ex07}
+
+__all__ = ["Check", "Hints", "MODULES", "ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07"]

@@ -1,47 +1,142 @@
-"""The result of grading one exercise, and the small helpers every grader shares.
+"""The result of grading one exercise, its graded hints, and the small helpers every grader shares.
 
 A ``Check`` renders as plain text in a notebook (its ``repr``), so the cell after an exercise
-shows "passed", "wrong: what is wrong + a hint", "not answered yet + the hint", or "skipped: why"
-and never a bare ``False``. ``bool(check)`` is True only for a pass.
+shows "passed", "wrong: what is wrong + the hint for that mistake", "not answered yet + the first
+hint", or "skipped: why", and never a bare ``False``. ``bool(check)`` is True only for a pass.
+
+Hints come in levels (``Hints``): the first is a nudge (where to look, which concept), each next
+one says more, and the last may be the answer. A check shows one level; the plain text says how
+to ask for the next (``ex02.hint("loop", 2)``), and in JupyterLab (``_repr_html_``) the later
+levels wait behind a click, one ``<details>`` each.
 """
 import ast
 import dataclasses
+import html
 import inspect
 import textwrap
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+from .._validate import check_choice, check_int
 
 STATUSES = ("passed", "wrong", "not answered yet", "skipped")
 
 
 @dataclasses.dataclass(frozen=True)
+class Hints:
+    """One exercise's graded hints: ``levels`` run from a nudge (level 1, which never gives the
+    answer away) to a near-answer (the last); ``module`` and ``name`` say how a learner asks
+    for a level in plain text: ``{module}.hint("{name}", level)``."""
+
+    module: str
+    name: str
+    levels: Tuple[str, ...]
+
+    def __post_init__(self):
+        levels = tuple(self.levels)
+        if len(levels) < 2 or not all(isinstance(t, str) and t.strip() for t in levels):
+            raise ValueError(f"levels of hint {self.name!r} must be 2 or more non-empty texts; "
+                             f"got {len(levels)}")
+        object.__setattr__(self, "levels", levels)
+
+    def level(self, level: int) -> str:
+        """The text of hint ``level`` (1 ... ``len(levels)``)."""
+        return self.levels[check_int("level", level, 1, len(self.levels)) - 1]
+
+    def call(self, level: int) -> str:
+        """The code a learner runs to read hint ``level``: ``ex02.hint("loop", 2)``."""
+        return f'{self.module}.hint("{self.name}", {level})'
+
+    def after(self, mistake: str) -> "Hints":
+        """These hints with level 1 replaced by ``mistake``'s own hint: what a wrong answer shows
+        first; the later levels stay the exercise's."""
+        return dataclasses.replace(self, levels=(mistake,) + self.levels[1:])
+
+
+def hint_book(module: str, ladders: Mapping[str, Sequence[str]]) -> dict:
+    """``{name: Hints}`` for one lesson's exercises (``module`` is the grader's name, ``ex02``)."""
+    return {name: Hints(module, name, tuple(levels)) for name, levels in ladders.items()}
+
+
+class HintText(str):
+    """A hint as a string that a notebook shows as its text (with which level it is), not as a
+    quoted Python string."""
+
+    label = ""
+
+    def __repr__(self) -> str:
+        return f"{self.label}: {str(self)}" if self.label else str(self)
+
+
+def read_hint(book: Mapping[str, Hints], exercise: str, level: int = 1) -> HintText:
+    """Hint ``level`` of ``exercise`` in ``book`` (see ``hint_book``), checked: ``exercise``
+    must be one of the book's names, ``level`` a whole number from 1 to its number of levels."""
+    check_choice("exercise", exercise, tuple(book))
+    hints = book[exercise]
+    text = HintText(hints.level(level))
+    text.label = f"{exercise}, hint {level} of {len(hints.levels)}"
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
 class Check:
     """One exercise's grade: ``exercise`` (its title), ``status`` (one of ``STATUSES``),
-    ``message`` (what was found) and ``hint`` (what to look at next)."""
+    ``message`` (what was found), ``hints`` (the hint levels for this grade: level 1 is shown,
+    the later ones are asked for or unfolded; a single string is one level) and ``more`` (the
+    code that reads a level in plain text, with ``{level}`` in it, or empty)."""
 
     exercise: str
     status: str
     message: str = ""
-    hint: str = ""
+    hints: Union[str, Tuple[str, ...]] = ()
+    more: str = ""
 
     def __post_init__(self):
         if self.status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {self.status!r}")
+        hints = (self.hints,) if isinstance(self.hints, str) else tuple(self.hints)
+        object.__setattr__(self, "hints", tuple(h for h in hints if h))
+        if self.more and "{level}" not in self.more:
+            raise ValueError(f"more must contain '{{level}}'; got {self.more!r}")
 
     @property
     def passed(self) -> bool:
         """True for a correct answer only."""
         return self.status == "passed"
 
+    @property
+    def hint(self) -> str:
+        """The hint this grade shows (level 1), or "" when it has none."""
+        return self.hints[0] if self.hints else ""
+
+    def hint_at(self, level: int) -> str:
+        """Hint ``level`` of this grade (1 ... ``len(hints)``)."""
+        if not self.hints:
+            raise ValueError(f"this check ({self.status}) has no hints to read")
+        return self.hints[check_int("level", level, 1, len(self.hints)) - 1]
+
     def __bool__(self) -> bool:
         return self.passed
 
-    def text(self) -> str:
-        """The grade as the lines a notebook shows."""
+    def _shows_hints(self) -> bool:
+        return bool(self.hints) and self.status in ("wrong", "not answered yet")
+
+    def _label(self, level: int) -> str:
+        n = len(self.hints)
+        return "hint" if n == 1 else f"hint {level} of {n}"
+
+    def _heading(self) -> str:
         mark = {"passed": "[x]", "wrong": "[ ]", "not answered yet": "[?]", "skipped": "[-]"}
-        lines = [f"{mark[self.status]} {self.exercise}: {self.status}"
-                 + (f": {self.message}" if self.message else "")]
-        if self.hint and self.status != "passed":
-            lines.append(f"    hint: {self.hint}")
+        return f"{mark[self.status]} {self.exercise}: {self.status}"
+
+    def text(self) -> str:
+        """The grade as the lines a notebook shows: the first hint only, and how to read the
+        next one."""
+        lines = [self._heading() + (f": {self.message}" if self.message else "")]
+        if self._shows_hints():
+            lines.append(f"    {self._label(1)}: {self.hints[0]}")
+            if len(self.hints) > 1:
+                how = self.more.format(level=2) if self.more else "check.hint_at(2)"
+                lines.append(f"    stuck? the next hint: {how}")
         return "\n".join(lines)
 
     __str__ = text
@@ -49,20 +144,48 @@ class Check:
     def __repr__(self) -> str:
         return self.text()
 
+    def _repr_html_(self) -> str:
+        """The grade for JupyterLab: the first hint shown, each later level in its own
+        ``<details>`` that unfolds on a click (every text escaped)."""
+        esc = html.escape
+        head = f"<b>{esc(self._heading())}</b>" + (f": {esc(self.message)}" if self.message
+                                                   else "")
+        parts = [f'<div class="amp-check" data-status="{esc(self.status)}">', f"<div>{head}</div>"]
+        if self._shows_hints():
+            parts.append(f"<div><b>{esc(self._label(1))}:</b> {esc(self.hints[0])}</div>")
+            for level, text in enumerate(self.hints[1:], start=2):
+                last = " (closest to the answer)" if level == len(self.hints) else ""
+                parts.append(f"<details><summary>{esc(self._label(level))}{last}</summary>"
+                             f"<div>{esc(text)}</div></details>")
+        parts.append("</div>")
+        return "\n".join(parts)
+
 
 def passed(exercise: str, message: str = "") -> Check:
     """A correct answer."""
     return Check(exercise, "passed", message)
 
 
-def wrong(exercise: str, message: str, hint: str) -> Check:
-    """A wrong answer: what is wrong, and a hint."""
-    return Check(exercise, "wrong", message, hint)
+HintsLike = Union[str, Sequence[str], Hints]
 
 
-def unanswered(exercise: str, hint: str) -> Check:
-    """The stub is still there: say so, and show the hint."""
-    return Check(exercise, "not answered yet", "", hint)
+def _levels(hint: HintsLike) -> Tuple[Tuple[str, ...], str]:
+    if isinstance(hint, Hints):
+        return hint.levels, hint.call("{level}")
+    return ((hint,) if isinstance(hint, str) else tuple(hint)), ""
+
+
+def wrong(exercise: str, message: str, hint: HintsLike) -> Check:
+    """A wrong answer: what is wrong, and the hints for that mistake (a ``Hints``, usually an
+    exercise's own or ``Hints.after(mistake)``; a string is one level)."""
+    levels, more = _levels(hint)
+    return Check(exercise, "wrong", message, levels, more)
+
+
+def unanswered(exercise: str, hint: HintsLike) -> Check:
+    """The stub is still there: say so, and show the first hint (the later ones on request)."""
+    levels, more = _levels(hint)
+    return Check(exercise, "not answered yet", "", levels, more)
 
 
 def skipped(exercise: str, why: str) -> Check:

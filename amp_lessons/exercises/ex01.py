@@ -5,11 +5,56 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .. import formats
-from .check import Check, is_blank, number, passed, unanswered, wrong
+from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, unanswered,
+                    wrong)
 
 PREDICT = "Exercise 1 (predict, then run): fp16 rounding"
 SCALE = "Exercise 3 (find it): the smallest loss scale that flushes nothing"
 MASTER = "Exercise 2 (implement): an fp32 master weight"
+
+HINTS = hint_book("ex01", {
+    "predict": (
+        "Reason with the spacing of fp16 numbers, not with decimal arithmetic: section 1's table "
+        "gives the gap between 1 and the next fp16 value, and every addition is rounded to the "
+        "nearest value fp16 can hold before the next one starts.",
+        "Next to 1 the fp16 gap is 2**-10 = 0.000977: is 1e-4 more or less than half of it? For "
+        "the sum, the gap doubles at every power of two (2, 4, 8...), so the larger the running "
+        "total, the coarser each added 0.01 is rounded.",
+        "1e-4 is less than half the gap, so 1 + 1e-4 rounds back to exactly 1 (the update is "
+        "swamped). The exact sum is 10, but above 8 the gap is 2**-7 = 0.0078 and each 0.01 lands "
+        "on a neighbour: the errors add up to a little below 10 "
+        "(al.formats.accumulate(0.01, 1000, 'fp16') computes it).",
+    ),
+    "master": (
+        "Section 3 showed where a small update gets lost: in the addition into a 16-bit weight. A "
+        "master weight is the copy that is never rounded to 16 bits between steps; the 16-bit "
+        "copy is made from it, not the other way round.",
+        "Hold the running weight as a 32-bit tensor and the update as a torch.float16 tensor; at "
+        "each step cast the update up and add it to the 32-bit weight. Make the 16-bit copy once, "
+        "at the end, and return it as a Python float.",
+        "master = torch.tensor(start, dtype=torch.float32); u = torch.tensor(update, "
+        "dtype=torch.float16); then `steps` times: master = master + u.float(); finally return "
+        "float(master.half()).",
+    ),
+    "scale": (
+        "A loss scale multiplies every gradient by the same power of two, so it only has to lift "
+        "the smallest nonzero gradient into fp16's range. Measure rather than guess: "
+        "al.formats.scaled_fractions(grads, 2.0**k, 'fp16')['flushed'] is the share a scale of "
+        "2**k still flushes to zero.",
+        "Try k = 0, 1, 2, ... and stop at the first k whose 'flushed' share is exactly 0. "
+        "As a cross-check: fp16's smallest subnormal is 2**-24, so the smallest |gradient| "
+        "times 2**k must reach about half of it (anything smaller rounds to zero).",
+        "smallest_k = next(k for k in range(33) if al.formats.scaled_fractions(grads, 2.0**k, "
+        "'fp16')['flushed'] == 0)",
+    ),
+})
+
+
+def hint(exercise: str, level: int = 1) -> HintText:
+    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
+    ("predict", "master", "scale"); level 1 is a nudge, the last is near the answer. Raises
+    ValueError for another name or a level outside 1 ... the number of levels."""
+    return read_hint(HINTS, exercise, level)
 
 
 def fp16_truths() -> dict:
@@ -21,8 +66,7 @@ def fp16_truths() -> dict:
 def check_fp16_predictions(one_plus, hundredths) -> Check:
     """Grade the two predictions: ``one_plus`` (fp16 ``1 + 1e-4``) exactly, ``hundredths`` (the
     fp16 sum of 0.01 added 1,000 times) within 0.03 of what fp16 computes."""
-    hint = ("fp16 has 10 mantissa bits: next to 1.0 its values are 2**-10 = 0.000977 apart, and a "
-            "sum rounds to the nearest of them; the gap doubles at every power of two (2, 4, 8...)")
+    hint = HINTS["predict"]
     if is_blank(one_plus) or is_blank(hundredths):
         return unanswered(PREDICT, hint)
     a, b = number(one_plus), number(hundredths)
@@ -32,12 +76,14 @@ def check_fp16_predictions(one_plus, hundredths) -> Check:
     truth = fp16_truths()
     if a != truth["one_plus"]:
         return wrong(PREDICT, f"fp16 gives 1 + 1e-4 = {truth['one_plus']!r}, not {a!r}",
-                     "1e-4 is less than half the gap 2**-10 between 1.0 and the next fp16 value, "
-                     "so the sum rounds back to 1.0: the update is lost (swamping)")
+                     hint.after("1e-4 is less than half the gap 2**-10 between 1.0 and the next "
+                                "fp16 value, so the sum rounds back to 1.0: the update is lost "
+                                "(swamping)"))
     if abs(b - truth["hundredths"]) > 0.03:
         if b == 10.0:
-            why = ("10.0 is the exact sum; in fp16 every addition rounds, and above 8 the gap is "
-                   "2**-7 = 0.0078, so each 0.01 lands a little off and the errors add up")
+            why = hint.after("10.0 is the exact sum; in fp16 every addition rounds, and above 8 "
+                             "the gap is 2**-7 = 0.0078, so each 0.01 lands a little off and the "
+                             "errors add up")
         else:
             why = hint
         return wrong(PREDICT, f"fp16's sum is {truth['hundredths']:.6g}, your prediction "
@@ -55,8 +101,7 @@ def smallest_safe_exponent(grads, exponents: Sequence[int] = range(0, 33), fmt: 
 
 def check_scale_exponent(k, grads) -> Check:
     """Grade ``k``: the smallest loss-scale exponent at which fp16 flushes none of ``grads``."""
-    hint = ("al.formats.scaled_fractions(grads, 2.0**k, 'fp16')['flushed'] is the share a scale "
-            "of 2**k still flushes to zero: try k = 0, 1, 2, ... until it reads 0")
+    hint = HINTS["scale"]
     if is_blank(k):
         return unanswered(SCALE, hint)
     if not isinstance(k, int) or isinstance(k, bool):
@@ -67,13 +112,13 @@ def check_scale_exponent(k, grads) -> Check:
     at_k = formats.scaled_fractions(grads, 2.0 ** k, "fp16")
     if k < best:
         return wrong(SCALE, f"at 2**{k}, {at_k['flushed']:.3%} of the nonzero gradients are still "
-                     f"flushed to zero", "a larger scale moves every gradient up by the same "
-                     "factor: keep raising k")
+                     f"flushed to zero", hint.after("a larger scale moves every gradient up by "
+                                                    "the same factor: keep raising k"))
     if k > best:
         over = f" and {at_k['overflow']:.3%} overflow" if at_k["overflow"] else ""
         return wrong(SCALE, f"2**{k} flushes nothing{over}, but so does a smaller scale",
-                     "the smallest safe scale leaves the most headroom below 65504: lower k "
-                     "until one more step down flushes a gradient")
+                     hint.after("the smallest safe scale leaves the most headroom below 65504: "
+                                "lower k until one more step down flushes a gradient"))
     return passed(SCALE, f"2**{best} is the smallest scale that flushes none of these "
                   f"gradients ({at_k['overflow']:.3%} overflow at it)")
 
@@ -109,8 +154,7 @@ def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-
                         steps: int = 1000) -> Check:
     """Grade ``train(start, update, steps) -> float``: it must keep an fp32 master weight and end
     where ``formats.accumulate`` (fp32 weight, fp16 update) ends, cast to fp16."""
-    hint = ("keep the running weight in torch.float32 and add the fp16 update to it cast up "
-            "(u.float()); cast to fp16 only for the copy the model computes with, at the end")
+    hint = HINTS["master"]
     try:
         got = train(start, update, steps) if callable(train) else train
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
@@ -127,7 +171,11 @@ def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-
         return passed(MASTER, f"the weight moved from {start} to {v:.6g}; stored in fp16 it "
                       f"would have stayed at {fp16:.6g}")
     if v == fp16:
-        return wrong(MASTER, f"the weight stayed at {v:.6g}: every update was swamped", hint)
+        return wrong(MASTER, f"the weight stayed at {v:.6g}: every update was swamped",
+                     hint.after("the weight that accumulates the updates is (or becomes again, "
+                                "each step) fp16, and 1e-4 is below half its gap next to 1: keep "
+                                "the running weight in torch.float32 from start to end"))
     return wrong(MASTER, f"the weight ended at {v:.6g}; an fp32 master ends at {want:.6g}",
-                 "rounding the weight to fp16 after every step loses the update again: only "
-                 "the master (fp32) accumulates")
+                 hint.after("add the fp16 update, cast up, to the fp32 master at every step, and "
+                            "cast to fp16 once, at the end: any other rounding in between moves "
+                            "the result"))

@@ -9,13 +9,59 @@ from torch import nn
 
 from ..precision import as_device, check_precision
 from ..trainer import ScalerSettings, TrainConfig, Trainer
-from .check import Check, is_blank, passed, same_code, skipped, unanswered, wrong
+from .check import (Check, HintText, hint_book, is_blank, passed, read_hint, same_code, skipped,
+                    unanswered, wrong)
 
 DTYPES = "Exercise 2 (predict, then run): dtypes under autocast"
 LOOP = "Exercise 3 (fix the bug): a loop with three bugs"
 FUNCTION = "Exercise 1 (implement): an autograd Function that survives autocast"
 LAYERS = ("fc1", "norm", "fc2", "loss")
 LOOP_STEPS, LOOP_INIT_SCALE, LOOP_CLIP = 20, 2.0 ** 24, 1.0
+
+HINTS = hint_book("ex02", {
+    "function": (
+        "Section 1 ran the same matmul Function twice: as written for float32, and a version "
+        "that survives autocast. Compare the two classes line by line: the working one has two "
+        "extra lines, one over forward and one over backward. Forward saves a and b for backward "
+        "(ctx.save_for_backward) and returns a @ b.",
+        "The two extra lines are decorators from torch.amp, written under @staticmethod, each "
+        "given the device type (env.device_type). Without them backward runs outside autocast, "
+        "where the 16-bit gradient meets the float32 tensors forward saved.",
+        "Over forward: @staticmethod then @torch.amp.custom_fwd(device_type=env.device_type); "
+        "over backward: @staticmethod then @torch.amp.custom_bwd(device_type=env.device_type). "
+        "forward: ctx.save_for_backward(a, b); return a.mm(b). backward: a, b = "
+        "ctx.saved_tensors; return grad.mm(b.t()), a.t().mm(grad).",
+    ),
+    "dtypes": (
+        "autocast decides per operation, not per model: ask what each layer computes (a matrix "
+        "multiply? a normalization over many values? a log and a sum?) and look it up in the "
+        "op lists of section 2, whose last cell printed a few ops on this very device.",
+        "Matrix multiplies, so Linear layers, are on the list autocast runs in 16 bits; losses "
+        "such as cross_entropy are on its float32 list (they take logs and sum). The lists are "
+        "per device, and layer_norm is one of the ops where a CPU and CUDA differ.",
+        "fc1 and fc2: '16-bit'; loss: 'fp32'; norm: 'fp32' on CUDA (layer_norm is on CUDA's "
+        "float32 list) but '16-bit' on a CPU (CPU autocast keeps it in its 16-bit type).",
+    ),
+    "loop": (
+        "Fix one mistake at a time and run this check after each: it says which mistake it still "
+        "finds. Section 4 ran every one of them live and showed what it breaks, and the loop at "
+        "the top of the lesson is the order to come back to.",
+        "The model must stay as it was built (autocast casts per operation; GradScaler needs "
+        "float32 gradients). Clipping must see the true gradients, not the ones multiplied by "
+        "the scale. And a step the scaler skipped is one where scaler.update() lowered the "
+        "scale: the schedule should not advance on it.",
+        "Delete model.half(). Call scaler.unscale_(optimizer) before "
+        "torch.nn.utils.clip_grad_norm_. Read scale = scaler.get_scale() before "
+        "scaler.update(), and call scheduler.step() only if scaler.get_scale() >= scale.",
+    ),
+})
+
+
+def hint(exercise: str, level: int = 1) -> HintText:
+    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
+    ("function", "dtypes", "loop"); level 1 is a nudge, the last is near the answer. Raises
+    ValueError for another name or a level outside 1 ... the number of levels."""
+    return read_hint(HINTS, exercise, level)
 
 
 def _low_dtype(device_type: str) -> torch.dtype:
@@ -56,8 +102,7 @@ def autocast_dtypes(device=None) -> Dict[str, torch.dtype]:
 def check_autocast_dtypes(answer: Dict[str, object], device=None) -> Check:
     """Grade ``answer`` ({"fc1", "norm", "fc2", "loss"} -> "16-bit" | "fp32" or a dtype) against
     ``autocast_dtypes(device)``."""
-    hint = ("autocast casts per operation: matmuls (Linear) run in the 16-bit type; ops that sum "
-            "many values (softmax, cross-entropy; on CUDA also layer_norm) run in fp32")
+    hint = HINTS["dtypes"]
     if is_blank(answer):
         return unanswered(DTYPES, hint)
     if not isinstance(answer, dict) or set(answer) != set(LAYERS):
@@ -72,10 +117,10 @@ def check_autocast_dtypes(answer: Dict[str, object], device=None) -> Check:
             why = {"fc1": "a Linear is a matmul: autocast's first list, the 16-bit one",
                    "fc2": "a Linear is a matmul: autocast's first list, the 16-bit one",
                    "loss": "cross_entropy is on autocast's fp32 list: log and sum need range",
-                   "norm": ("on CUDA layer_norm is on the fp32 list; CPU autocast keeps it in "
-                            "its 16-bit type" if got == "fp32" or as_device(device).type == "cpu"
-                            else hint)}[name]
-            return wrong(DTYPES, f"{name} returns {real[name]} here, not {said}", why)
+                   "norm": "the op lists differ by device: on CUDA layer_norm is on the fp32 "
+                           "list; CPU autocast keeps it in its 16-bit type"}[name]
+            return wrong(DTYPES, f"{name} returns {real[name]} here, not {said}",
+                         hint.after(why))
     return passed(DTYPES, ", ".join(f"{n}: {real[n]}" for n in LAYERS))
 
 
@@ -142,9 +187,9 @@ def trainer_result(device=None):
 def check_fixed_loop(loop: Callable, device=None) -> Check:
     """Run ``loop(model, optimizer, scheduler, batches, device_type, init_scale)`` for 20 fp16
     steps and compare the weights bitwise with ``Trainer`` on the same model and data."""
-    hint = ("three bugs: .half() on the model (autocast wants fp32 weights), clipping before "
-            "scaler.unscale_ (it clips the scaled gradients), and the scheduler stepping on "
-            "steps the scaler skipped (its scale dropped)")
+    hint = HINTS["loop"]
+    half = hint.after("delete the model.half() line: the weights stay float32 and autocast casts "
+                      "each operation's inputs to 16 bits where that pays")
     if same_code(loop, buggy_loop):
         return unanswered(LOOP, hint)
     device = as_device(device)
@@ -157,26 +202,33 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
         loop(model, optimizer, scheduler, batches, device.type, LOOP_INIT_SCALE)
     except Exception as exc:  # noqa: BLE001 - the learner's loop: report, do not crash
         if "FP16 gradients" in str(exc) or any(p.dtype == torch.float16 for p in model.parameters()):
-            return wrong(LOOP, f"the loop raised {type(exc).__name__}: {exc}",
-                         "GradScaler cannot unscale fp16 gradients: drop .half() and let "
-                         "autocast cast per operation, the weights stay fp32")
+            return wrong(LOOP, f"the .half() bug is still there: the model's weights, so its "
+                         f"gradients, are fp16, and GradScaler refused to unscale them "
+                         f"({type(exc).__name__}: {exc})", half)
         return wrong(LOOP, f"the loop raised {type(exc).__name__}: {exc}", hint)
     if any(p.dtype != torch.float32 for p in model.parameters()):
-        return wrong(LOOP, "the weights are not fp32 after the loop", "drop .half()")
+        return wrong(LOOP, "the .half() bug is still there: the weights are not float32 after "
+                     "the loop", half)
     ref, ref_lr = trainer_result(device)
     lr = scheduler.get_last_lr()[0]
     if lr != ref_lr:
-        return wrong(LOOP, f"the learning rate ends at {lr:.4g}; the trainer's at {ref_lr:.4g}",
-                     "the scheduler stepped on skipped steps: compare scaler.get_scale() before "
-                     "and after scaler.update() and step the scheduler only if it did not drop")
+        return wrong(LOOP, f"the scheduler bug is still there: it stepped on the steps the scaler "
+                     f"skipped, so the learning rate ends at {lr:.4g}, the trainer's at "
+                     f"{ref_lr:.4g}", hint.after(
+                         "a skipped step is one where scaler.update() lowered the scale: remember "
+                         "scaler.get_scale() before update() and step the scheduler only when the "
+                         "scale did not drop"))
     # bitwise on a CPU; on a GPU within rounding (kernels may pick other reduction orders)
     same = all(torch.equal(a, b) if device.type == "cpu" else
                torch.allclose(a, b.to(a.device), rtol=1e-3, atol=1e-5)
                for a, b in zip(model.state_dict().values(), ref.values()))
     if not same:
-        return wrong(LOOP, f"the weights after {LOOP_STEPS} steps differ from the trainer's",
-                     "clip after scaler.unscale_(optimizer): before it, the gradients are "
-                     "multiplied by the scale and clip_grad_norm_ shrinks them far too much")
+        return wrong(LOOP, f"the weights stay float32 and the learning rate matches (the .half() "
+                     f"and scheduler bugs are fixed), but the weights after {LOOP_STEPS} steps "
+                     f"differ from the trainer's: the clipping bug is the one left",
+                     hint.after("clip after scaler.unscale_(optimizer): before it, the gradients "
+                                "are multiplied by the scale and clip_grad_norm_ shrinks them far "
+                                "too much"))
     how = "bit for bit" if device.type == "cpu" else "to rounding"
     return passed(LOOP, f"after {LOOP_STEPS} steps your weights equal the trainer's {how} "
                   f"(final learning rate {lr:.4g})")
@@ -215,12 +267,14 @@ def undecorated_function():
     return MatMul
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
 def check_autograd_function(fn, device=None) -> Check:
     """Grade ``fn`` (a ``torch.autograd.Function`` computing ``a @ b``): under autocast its
     forward and backward must run, and its gradients match fp32 autograd's to 16-bit rounding."""
-    hint = ("decorate forward with @torch.amp.custom_fwd(device_type=env.device_type) and backward "
-            "with @torch.amp.custom_bwd(device_type=env.device_type): backward then runs under "
-            "the same autocast state as forward did")
+    hint = HINTS["function"]
     device = as_device(device)
     if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
         return unanswered(FUNCTION, hint) if is_blank(fn) else wrong(
@@ -232,21 +286,33 @@ def check_autograd_function(fn, device=None) -> Check:
     try:
         with torch.autocast(device.type, dtype=_low_dtype(device.type)):
             out = fn.apply(a, b)
-        if out is None:
-            return unanswered(FUNCTION, hint)
+    except Exception as exc:  # noqa: BLE001 - the learner's Function: report, do not crash
+        return wrong(FUNCTION, f"forward raised {type(exc).__name__}: {_first_line(exc)}", hint)
+    if out is None:
+        return unanswered(FUNCTION, hint)
+    try:
         out.float().square().sum().backward()
     except Exception as exc:  # noqa: BLE001 - the learner's Function: report, do not crash
-        return wrong(FUNCTION, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hint)
+        first = _first_line(exc)
+        if "dtype" in first or "Half" in first or "BFloat16" in first:
+            return wrong(FUNCTION, f"backward failed on mixed dtypes ({type(exc).__name__}: "
+                         f"{first}): it ran outside autocast", hint.after(
+                             "backward ran outside autocast, so the 16-bit gradient met the "
+                             "float32 tensors forward saved: the decorator pair of section 1's "
+                             "autocast-aware version runs backward under forward's autocast state"))
+        return wrong(FUNCTION, f"{type(exc).__name__}: {first}", hint)
     ra, rb = a0.clone().requires_grad_(), b0.clone().requires_grad_()
     ref = ra.mm(rb)
     ref.square().sum().backward()
     if out.shape != ref.shape or not torch.allclose(out.float().cpu(), ref.detach(), rtol=0.05,
                                                     atol=0.05):
-        return wrong(FUNCTION, "forward does not compute a @ b", "return a.mm(b)")
+        return wrong(FUNCTION, "forward does not compute a @ b",
+                     hint.after("forward must return a.mm(b) (a @ b), after saving a and b"))
     for name, got, want in (("a", a.grad, ra.grad), ("b", b.grad, rb.grad)):
         if got is None or not torch.allclose(got.float().cpu(), want, rtol=0.05, atol=0.1):
             return wrong(FUNCTION, f"the gradient of {name} is wrong",
-                         "d(a@b)/da is grad @ b.T and d(a@b)/db is a.T @ grad")
+                         hint.after("d(a@b)/da is grad @ b.T and d(a@b)/db is a.T @ grad, "
+                                    "returned in that order"))
     return passed(FUNCTION, f"forward ran in {out.dtype} under autocast; backward ran and both "
                   f"gradients match fp32 autograd")
 

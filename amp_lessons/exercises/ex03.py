@@ -5,13 +5,54 @@ import math
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from ..trainer import ScalerSettings
-from .check import Check, is_blank, passed, unanswered, wrong
+from .check import Check, HintText, hint_book, is_blank, passed, read_hint, unanswered, wrong
 
 RULE = "Exercise 1 (implement): GradScaler's update rule"
 CAUSES = "Exercise 3 (match): three scale traces and their causes"
 FLOOR = "Exercise 2 (predict, then run): a scale that halves every step"
 CAUSE_NAMES = ("init_scale too high", "inf or NaN every step", "healthy")
 SETTLING = 3  # a run that skips its first 3+ steps in a row started with too high a scale
+
+HINTS = hint_book("ex03", {
+    "rule": (
+        "Treat the two kinds of step apart: one whose gradients overflowed (found_inf is True: "
+        "the step was skipped) and a clean one. For each, decide what happens to the scale and "
+        "to tracker. The demo's trace above shows what to reproduce: where the scale drops, and "
+        "after how many clean steps it grows.",
+        "A skipped step multiplies the scale by backoff_factor and starts the clean count again. "
+        "A clean step adds one to the count, and only when the count gets to growth_interval "
+        "does the scale grow by growth_factor (and the count starts again too).",
+        "if found_inf: return scale * backoff_factor, 0. Otherwise tracker += 1; if tracker == "
+        "growth_interval: return scale * growth_factor, 0; else return scale, tracker.",
+    ),
+    "floor": (
+        "Every step of this run overflows, so every step is skipped and each skip backs the "
+        "scale off by the same factor. Write the scale of steps 0, 1, 2, ... as powers of two "
+        "and look for the pattern.",
+        "Step i uses init_scale * backoff_factor**i. With init_scale = 2**a and backoff_factor "
+        "0.5 = 2**-1, that is 2**(a - i).",
+        "The scale is below 1 once the exponent a - i is negative. Step a uses exactly 2**0 = 1, "
+        "which is not below 1, so the first step below 1 is step a + 1; with PyTorch's default "
+        "init_scale of 2**16, that is step 16 + 1.",
+    ),
+    "causes": (
+        "Read each trace for two things: how many of its steps were skipped (an x), and whether "
+        "the scale recovers after its drops. A scale that starts too high and a model that "
+        "produces inf or NaN look different over time.",
+        "A run that starts with too high a scale skips a burst of steps in a row at the start, "
+        "then settles and trains. A run whose scale only falls and never recovers skips "
+        "everything: no scale fixes that. A healthy trace is flat or grows, with rare skips.",
+        "Every step skipped: 'inf or NaN every step'. Three or more skips in a row at the start, "
+        "then clean steps: 'init_scale too high'. Otherwise: 'healthy'.",
+    ),
+})
+
+
+def hint(exercise: str, level: int = 1) -> HintText:
+    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
+    ("rule", "floor", "causes"); level 1 is a nudge, the last is near the answer. Raises
+    ValueError for another name or a level outside 1 ... the number of levels."""
+    return read_hint(HINTS, exercise, level)
 
 
 def reference_update(scale: float, tracker: int, found_inf: bool, growth_factor: float,
@@ -66,9 +107,7 @@ def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequen
     """Replay the run's ``skipped`` flags through ``update(scale, tracker, found_inf,
     growth_factor, backoff_factor, growth_interval) -> (scale, tracker)`` and compare with the
     ``scales`` the run used, step for step (the run must start with a fresh tracker)."""
-    hint = ("on a skipped step: scale *= backoff_factor and the count of clean steps restarts at "
-            "0; on a clean step: count it, and when the count reaches growth_interval, "
-            "scale *= growth_factor and the count restarts at 0")
+    hint = HINTS["rule"]
     if len(scales) != len(skipped) or len(scales) < 2:
         raise ValueError("scales and skipped must be the same run's columns, 2 steps or more")
     try:
@@ -80,10 +119,12 @@ def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequen
     for i, (a, b) in enumerate(zip(mine, scales)):
         if a != float(b):
             prev = "skipped" if skipped[i - 1] else "clean"
-            why = ("after a skipped step the scale is multiplied by backoff_factor and the clean "
-                   "count restarts" if skipped[i - 1] else
-                   "count the clean steps since the last change (growth or skip) and grow when "
-                   "that count reaches growth_interval: not a step earlier or later")
+            why = hint.after(
+                "after a skipped step the scale is multiplied by backoff_factor and the clean "
+                "count restarts at 0" if skipped[i - 1] else
+                "the scale grew (or stayed) at the wrong step: count only the clean steps since "
+                "the last change of scale (a growth and a skip both restart the count) and grow "
+                "when that count reaches growth_interval, not a step earlier or later")
             return wrong(RULE, f"step {i} (after a {prev} step): your rule gives {a:g}, the run "
                          f"used {float(b):g}", why)
     return passed(RULE, f"your rule reproduces all {len(scales)} scales of the run, "
@@ -104,9 +145,7 @@ def check_trace_causes(answer: Mapping[str, str],
                        traces: Mapping[str, Tuple[Sequence[float], Sequence[bool]]]) -> Check:
     """Grade ``answer`` (trace letter -> one of ``CAUSE_NAMES``) against ``trace_cause`` of each
     of ``traces`` (letter -> (scales, skipped))."""
-    hint = ("a scale that halves at every step and never recovers means every step overflows "
-            "(a bug, not a scale to tune); a burst of halvings at the start that then settles "
-            "means init_scale was too high; a flat or slowly doubling trace is healthy")
+    hint = HINTS["causes"]
     if is_blank(answer):
         return unanswered(CAUSES, hint)
     if not isinstance(answer, Mapping) or set(answer) != set(traces):
@@ -120,9 +159,19 @@ def check_trace_causes(answer: Mapping[str, str],
         real = trace_cause(*traces[letter])
         if said != real:
             scales, skipped = traces[letter]
-            return wrong(CAUSES, f"trace {letter} is not '{said}': it skipped "
-                         f"{sum(map(bool, skipped))} of {len(skipped)} steps and ended at "
-                         f"{float(scales[-1]):g}", hint)
+            n, total = sum(map(bool, skipped)), len(skipped)
+            first = next((i for i, k in enumerate(skipped) if not k), total)
+            why = {"inf or NaN every step":
+                   f"all {total} steps of trace {letter} were skipped and its scale only fell, "
+                   f"never recovered: no scale fixes that, something overflows at every step",
+                   "init_scale too high":
+                   f"trace {letter} skipped its first {first} steps in a row, then trained: its "
+                   f"scale had to come down from too high a start",
+                   "healthy":
+                   f"trace {letter} skipped {n} of {total} steps, and not a run of them at the "
+                   f"start: its scale is doing its job"}[real]
+            return wrong(CAUSES, f"trace {letter} is not '{said}': it skipped {n} of {total} "
+                         f"steps and ended at {float(scales[-1]):g}", hint.after(why))
     return passed(CAUSES, ", ".join(f"{k}: {answer[k]}" for k in sorted(traces)))
 
 
@@ -141,9 +190,7 @@ def check_steps_below_one(answer, settings: ScalerSettings) -> Check:
     """Grade ``answer``: the first step at which a run with ``settings`` whose every step
     overflows uses a scale below 1 (``overflow_trace``)."""
     k = math.log2(settings.init_scale)
-    hint = (f"step 0 uses init_scale = 2**{k:g}; every skipped step multiplies the scale by "
-            f"backoff_factor = {settings.backoff_factor:g}, so step i uses init_scale * "
-            f"{settings.backoff_factor:g}**i")
+    hint = HINTS["floor"]
     if is_blank(answer):
         return unanswered(FLOOR, hint)
     scales = overflow_trace(settings, 4 * int(max(k, 1)) + 8)
@@ -153,8 +200,11 @@ def check_steps_below_one(answer, settings: ScalerSettings) -> Check:
     if not isinstance(answer, int) or isinstance(answer, bool):
         return wrong(FLOOR, f"answer must be a step number (an int); got {answer!r}", hint)
     if answer != truth:
-        off = (f"step {truth - 1} uses {scales[truth - 1]:g}, which is not below 1"
-               if answer == truth - 1 else hint)
+        off = (hint.after(f"step {truth - 1} uses {scales[truth - 1]:g}, which is not below 1")
+               if answer == truth - 1 else hint.after(
+                   f"step 0 uses init_scale = 2**{k:g}; every skipped step multiplies the scale by "
+                   f"backoff_factor = {settings.backoff_factor:g}, so step i uses init_scale * "
+                   f"{settings.backoff_factor:g}**i"))
         return wrong(FLOOR, f"the first scale below 1 is used at step {truth}, not {answer}", off)
     return passed(FLOOR, f"step {truth} uses {scales[truth]:g}: the scale now shrinks the "
                   f"gradients, and no step of such a run ever updates the weights")

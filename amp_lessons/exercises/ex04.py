@@ -6,13 +6,55 @@ import torch
 
 from ..models import SmallCNN
 from ..precision import as_device
-from .check import Check, is_blank, number, passed, skipped, unanswered, within, wrong
+from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, skipped,
+                    unanswered, within, wrong)
 
 STATE = "Exercise 1 (predict, then run): bytes of weights, gradients and momentum"
 RATIO = "Exercise 2 (predict, then run): AMP's activation memory against fp32's"
 LAYOUT = "Exercise 3 (implement): channels_last"
 GIB = 2 ** 30
 KEYS = {"params": "params_gib", "grads": "grads_gib", "momentum": "optimizer_state_gib"}
+
+HINTS = hint_book("ex04", {
+    "state": (
+        "Two questions. How many parameters does the model have (sum p.numel() over "
+        "getattr(al.models, MODEL)().parameters())? And what does autocast do to the weights the "
+        "optimizer holds: does it change their dtype, or only make copies for each operation?",
+        "Autocast never changes the stored parameters: they keep the dtype the model was built "
+        "in. The gradients take their parameter's dtype, and SGD's momentum buffer is one more "
+        "tensor like each parameter.",
+        "n = sum(p.numel() for p in getattr(al.models, MODEL)().parameters()); each of the three "
+        "copies is float32, 4 * n bytes: state_guess = {'params': 4 * n, 'grads': 4 * n, "
+        "'momentum': 4 * n}.",
+    ),
+    "ratio": (
+        "Think of which tensors autograd saves for backward in a conv net (the inputs of "
+        "convolutions, BatchNorms, ReLUs...) and which dtype each of them has under autocast.",
+        "Convolutions run in 16 bits under autocast, and the layers after them follow their "
+        "input's dtype, so most saved tensors take 2 bytes per value instead of 4; a few stay "
+        "float32 (BatchNorm's statistics, the loss).",
+        "Expect a ratio a little above 0.5. On a tiny model, autocast's 16-bit copies of the "
+        "weights (saved for backward too) can even push it above 1: read the table's "
+        "saved-activations column for the AMP and the fp32 rows and divide.",
+    ),
+    "layout": (
+        "channels_last changes how a tensor's values sit in memory (NHWC instead of NCHW), not "
+        "its shape or values. Both the model's 4-D weights and the input need it; a module "
+        "converts through the same method that moves it to a device.",
+        "For the model: model.to(memory_format=...). For the input: the tensor method that "
+        "returns a copy laid out in a given memory format (or .to(memory_format=...)). The "
+        "format is torch's name for NHWC.",
+        "return model.to(memory_format=torch.channels_last), "
+        "x.contiguous(memory_format=torch.channels_last)",
+    ),
+})
+
+
+def hint(exercise: str, level: int = 1) -> HintText:
+    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
+    ("state", "ratio", "layout"); level 1 is a nudge, the last is near the answer. Raises
+    ValueError for another name or a level outside 1 ... the number of levels."""
+    return read_hint(HINTS, exercise, level)
 
 
 def reference_state_bytes(model: torch.nn.Module) -> dict:
@@ -24,8 +66,7 @@ def reference_state_bytes(model: torch.nn.Module) -> dict:
 def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
     """Grade ``answer`` ({"params", "grads", "momentum"} -> bytes) against a measured row of
     ``al.measure`` (its ``params_gib``, ``grads_gib``, ``optimizer_state_gib``), within 5%."""
-    hint = ("count the parameters (sum(p.numel() for p in model.parameters())); autocast keeps "
-            "the weights fp32, so each copy is 4 bytes per parameter")
+    hint = HINTS["state"]
     if is_blank(answer):
         return unanswered(STATE, hint)
     if row is None or any(row.get(c) is None for c in KEYS.values()):
@@ -39,9 +80,10 @@ def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
             return wrong(STATE, f"{key}: expected a number of bytes; got {answer[key]!r}", hint)
         if not within(got, measured, 0.05):
             ratio = got / measured if measured else float("inf")
-            why = ("that is 2 bytes per parameter: the weights are not stored in 16 bits, "
-                   "autocast only casts copies per operation" if abs(ratio - 0.5) < 0.05 else
-                   "that counts GiB or millions, not bytes" if ratio < 1e-3 else hint)
+            why = (hint.after("that is 2 bytes per parameter: the weights are not stored in 16 "
+                              "bits, autocast only casts copies per operation")
+                   if abs(ratio - 0.5) < 0.05 else
+                   hint.after("that counts GiB or millions, not bytes") if ratio < 1e-3 else hint)
             return wrong(STATE, f"{key}: you said {got:,.0f} bytes, measured {measured:,.0f}", why)
     return passed(STATE, f"each of the three copies holds {row['params_gib'] * GIB:,.0f} bytes, "
                   f"in every precision")
@@ -50,8 +92,7 @@ def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
 def check_activation_ratio(answer, amp_row: Mapping, fp32_row: Mapping) -> Check:
     """Grade ``answer`` (AMP's saved activations over fp32's) against the two measured rows'
     ``activations_gib``, within 5%."""
-    hint = ("most saved activations are outputs of convolutions, which autocast computes in 16 "
-            "bits: 2 bytes instead of 4; a few (BatchNorm's statistics, the loss) stay fp32")
+    hint = HINTS["ratio"]
     if is_blank(answer):
         return unanswered(RATIO, hint)
     got = number(answer)
@@ -61,12 +102,15 @@ def check_activation_ratio(answer, amp_row: Mapping, fp32_row: Mapping) -> Check
         return skipped(RATIO, "the two rows were not both measured here")
     measured = amp_row["activations_gib"] / fp32_row["activations_gib"]
     if not within(got, measured, 0.05):
-        why = ("AMP does not move the activations out of memory: it halves their bytes"
-               if got < 0.4 else "AMP does save activation memory" if got >= 0.9 else hint)
+        why = (hint.after("AMP does not move the activations out of memory: it halves their "
+                          "bytes") if got < 0.4 else
+               hint.after("AMP does save activation memory: most saved tensors are 16-bit "
+                          "under autocast") if got >= 0.9 else hint)
         if measured > 1:
-            why = ("at this run's tiny sizes the saved tensors are mostly autocast's 16-bit "
-                   "copies of the weights (counted with the saved activations), not activations: "
-                   "read the table's saved-activations column for both rows")
+            why = hint.after("at this run's tiny sizes the saved tensors are mostly autocast's "
+                             "16-bit copies of the weights (counted with the saved activations), "
+                             "not activations: read the table's saved-activations column for "
+                             "both rows")
         return wrong(RATIO, f"measured {measured:.3f}, you said {got:.3f}", why)
     return passed(RATIO, f"measured {measured:.3f}: {amp_row['activations_gib']:.3g} GiB against "
                   f"{fp32_row['activations_gib']:.3g} GiB")
@@ -80,8 +124,7 @@ def reference_channels_last(model: torch.nn.Module, x: torch.Tensor):
 def check_channels_last(fn: Callable, device=None) -> Check:
     """Grade ``fn(model, x) -> (model, x)``: a conv net's 4-D weights and the input must come
     back channels_last, the output unchanged."""
-    hint = ("model.to(memory_format=torch.channels_last) rewrites the 4-D weights; the input "
-            "needs x.contiguous(memory_format=torch.channels_last) (or .to(memory_format=...))")
+    hint = HINTS["layout"]
     torch.manual_seed(0)
     model = SmallCNN(in_channels=3, width=8).to(as_device(device)).eval()
     x = torch.randn(2, 3, 16, 16, device=as_device(device))
@@ -99,11 +142,14 @@ def check_channels_last(fn: Callable, device=None) -> Check:
     weights = [p for p in m.parameters() if p.dim() == 4]
     if not all(p.is_contiguous(memory_format=cl) for p in weights):
         return wrong(LAYOUT, "the convolution weights are still NCHW",
-                     "model.to(memory_format=torch.channels_last) returns the model converted")
+                     hint.after("model.to(memory_format=torch.channels_last) returns the model "
+                                "with its 4-D weights converted"))
     if not y.is_contiguous(memory_format=cl):
-        return wrong(LAYOUT, "the input is still NCHW", "x.contiguous(memory_format=torch."
-                     "channels_last): same values, NHWC in memory")
+        return wrong(LAYOUT, "the weights are channels_last, but the input is still NCHW",
+                     hint.after("the input needs its own conversion, "
+                                "x.contiguous(memory_format=torch.channels_last): same values, "
+                                "NHWC in memory"))
     if not torch.allclose(m(y), want, atol=1e-5, rtol=1e-4):
-        return wrong(LAYOUT, "the output changed", "channels_last changes the memory order, "
-                     "not the values or the shape")
+        return wrong(LAYOUT, "the output changed", hint.after(
+            "channels_last changes the memory order, not the values or the shape"))
     return passed(LAYOUT, "weights and input are NHWC in memory, the output is the same")

@@ -10,12 +10,53 @@ from torch import nn
 
 from ..precision import as_device, check_precision
 from ..trainer import ScalerSettings, TrainConfig, Trainer
-from .check import Check, is_blank, passed, skipped, unanswered, wrong
+from .check import (Check, HintText, hint_book, is_blank, passed, read_hint, skipped, unanswered,
+                    wrong)
 
 ACCUMULATE = "Exercise 2 (implement): gradient accumulation"
 CHECKPOINT = "Exercise 1 (implement): activation checkpointing"
 RESUME = "Exercise 3 (implement): a resume that keeps the scaler's state"
 RESUME_STEPS, RESUME_AT = 12, 6
+
+HINTS = hint_book("ex05", {
+    "checkpoint": (
+        "Loop over the blocks as the plain forward does, but instead of calling each block "
+        "yourself, let torch.utils.checkpoint.checkpoint call it with its input. Its docstring "
+        "names one argument that the current API wants you to pass explicitly: read it.",
+        "Pass use_reentrant explicitly (PyTorch warns when you leave it out). The reentrant "
+        "variant runs the block under no_grad and, when the block's input needs no gradient, "
+        "no gradient reaches the block's weights; the non-reentrant one is the current API.",
+        "for block in blocks: x = torch.utils.checkpoint.checkpoint(block, x, "
+        "use_reentrant=False); then return x.",
+    ),
+    "accumulate": (
+        "One backward over the whole batch differentiates the mean loss over all its samples. "
+        "Each micro-batch's loss is a mean over its own samples only: how do those means relate "
+        "to the big one, and what does a second backward do to what is already in .grad?",
+        "backward adds into .grad, so the micro-batches' gradients sum up; each cross-entropy is "
+        "a mean over its slice, so the plain sum is micro_batches times the whole batch's "
+        "gradient. Split with x.chunk and y.chunk.",
+        "for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)): "
+        "(F.cross_entropy(model(xs), ys) / micro_batches).backward()",
+    ),
+    "resume": (
+        "List everything the run carries from one step to the next, not only the weights: which "
+        "objects of the training loop hold state that changes as it trains?",
+        "Three objects change as the run trains: the model (weights), the optimizer (SGD's "
+        "momentum buffers) and the GradScaler (its scale and its count of clean steps). Each has "
+        "state_dict() and load_state_dict().",
+        "my_save: return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), "
+        "'scaler': scaler.state_dict()}. my_load: model.load_state_dict(state['model']), "
+        "optimizer.load_state_dict(state['optimizer']), scaler.load_state_dict(state['scaler']).",
+    ),
+})
+
+
+def hint(exercise: str, level: int = 1) -> HintText:
+    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
+    ("checkpoint", "accumulate", "resume"); level 1 is a nudge, the last is near the answer.
+    Raises ValueError for another name or a level outside 1 ... the number of levels."""
+    return read_hint(HINTS, exercise, level)
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:
@@ -58,8 +99,7 @@ def _grads(model):
 def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Check:
     """Grade ``fn(model, x, y, micro_batches)``: the gradients it leaves must equal one backward
     over the whole batch (a model without BatchNorm: to float rounding)."""
-    hint = ("loop over x.chunk(micro_batches) and y.chunk(micro_batches); divide each loss by "
-            "micro_batches before backward; do not zero the gradients in between")
+    hint = HINTS["accumulate"]
     device = as_device(device)
     x, y = (t.to(device) for t in _data())
     big = _mlp().to(device)
@@ -80,11 +120,12 @@ def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Che
                       f"batch of {len(x)}")
     if abs(ratio - micro_batches) < 0.05 * micro_batches:
         return wrong(ACCUMULATE, f"the gradients are {ratio:.2f}x those of one large batch",
-                     "each micro-batch's loss is a mean over its own samples: divide it by "
-                     "micro_batches, or the sum is micro_batches times too large")
+                     hint.after("each micro-batch's loss is a mean over its own samples: divide "
+                                "it by micro_batches, or the sum is micro_batches times too large"))
     return wrong(ACCUMULATE, f"the gradients differ from one large batch's (norm ratio "
-                 f"{ratio:.2f})", "only the last micro-batch counts if the gradients are zeroed "
-                 "in between: backward adds into .grad, zero once per optimizer step")
+                 f"{ratio:.2f})", hint.after(
+                     "only the last micro-batch counts if the gradients are zeroed in between: "
+                     "backward adds into .grad, zero once per optimizer step, not per micro-batch"))
 
 
 def reference_checkpointed_forward(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +150,10 @@ def _saved_bytes(forward: Callable) -> tuple:
 def check_checkpointing(fn: Callable, device=None) -> Check:
     """Grade ``fn(blocks, x) -> output``: it must give the plain forward's output and gradients
     and save less for backward (the graph's saved tensors, counted by a saved-tensors hook)."""
-    hint = ("out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) for each "
-            "block: only the block's input is kept, its insides are recomputed in backward")
+    hint = HINTS["checkpoint"]
+    reentrant = hint.after("use_reentrant=True runs the block under no_grad and, with an input "
+                           "that needs no gradient, nothing reaches the weights: pass "
+                           "use_reentrant=False")
     device = as_device(device)
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
@@ -132,22 +175,23 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
             return unanswered(CHECKPOINT, hint)
         mine.square().mean().backward()
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-        if "does not require grad" in str(exc):
-            hint = ("use_reentrant=True runs the block under no_grad and, with an input that "
-                    "needs no gradient, nothing reaches the weights: pass use_reentrant=False")
-        return wrong(CHECKPOINT, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hint)
+        return wrong(CHECKPOINT, f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
+                     reentrant if "does not require grad" in str(exc) else hint)
     got = _grads(blocks)
     if any(g is None for g in got):
-        return wrong(CHECKPOINT, "the blocks' weights got no gradient",
-                     "with use_reentrant=True and an input that needs no gradient, nothing "
-                     "reaches the weights: pass use_reentrant=False")
+        return wrong(CHECKPOINT, "the blocks' weights got no gradient", reentrant)
     if not torch.allclose(mine, out) or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
                                                   for a, b in zip(got, want)):
         return wrong(CHECKPOINT, "the output or the gradients differ from the plain forward's",
-                     "checkpointing must recompute exactly the same blocks on the same input")
+                     hint.after("run every block once, in order, each on the previous block's "
+                                "output: checkpointing recomputes exactly the same blocks on the "
+                                "same input"))
     if mine_bytes > plain_bytes / 2:
         return wrong(CHECKPOINT, f"the graph saved {mine_bytes:,} bytes, the plain forward "
-                     f"{plain_bytes:,}: nothing was checkpointed", hint)
+                     f"{plain_bytes:,}: nothing was checkpointed", hint.after(
+                         "calling block(x) yourself keeps everything the block computes for "
+                         "backward: hand the block and its input to "
+                         "torch.utils.checkpoint.checkpoint instead, which keeps only the input"))
     return passed(CHECKPOINT, f"same gradients; the graph saved {mine_bytes:,} bytes instead of "
                   f"{plain_bytes:,}")
 
@@ -199,8 +243,7 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
     scaler)``: a run stopped at step 6 of 12, saved (through ``torch.save`` and
     ``torch.load(weights_only=True)``) and loaded into fresh objects, must continue exactly as
     the uninterrupted run: same losses and loss scales, bit for bit."""
-    hint = ("save model.state_dict(), optimizer.state_dict() and scaler.state_dict(); load each "
-            "with its load_state_dict: the scaler's scale and growth count are part of the run")
+    hint = HINTS["resume"]
     device = as_device(device)
     try:
         check_precision("fp16", device)
@@ -235,13 +278,15 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
     for i, (a, b) in enumerate(zip(got, want[RESUME_AT:]), start=RESUME_AT):
         if float(a.scale) != float(b.scale):
             return wrong(RESUME, f"step {i}: the resumed run used a loss scale of "
-                         f"{float(a.scale):g}, the uninterrupted run {float(b.scale):g}",
-                         "the scaler restarted from init_scale: save scaler.state_dict() and "
-                         "load it with scaler.load_state_dict()")
+                         f"{float(a.scale):g}, the uninterrupted run {float(b.scale):g}: the "
+                         f"scaler's state was not resumed", hint.after(
+                             "the scaler restarted from init_scale: save scaler.state_dict() and "
+                             "load it with scaler.load_state_dict()"))
         if float(a.loss) != float(b.loss):
             return wrong(RESUME, f"step {i}: loss {float(a.loss):.6f} after resuming, "
-                         f"{float(b.loss):.6f} without the interruption",
-                         "the weights or SGD's momentum buffers did not come back: save and "
-                         "load optimizer.state_dict() as well as the model's")
+                         f"{float(b.loss):.6f} without the interruption, with the same loss "
+                         f"scale", hint.after(
+                             "the weights or SGD's momentum buffers did not come back: save and "
+                             "load optimizer.state_dict() as well as the model's"))
     return passed(RESUME, f"steps {RESUME_AT}-{RESUME_STEPS - 1} after resuming: same losses "
                   f"and loss scales as the uninterrupted run, bit for bit")

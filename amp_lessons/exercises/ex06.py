@@ -11,13 +11,57 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from .check import Check, is_blank, number, passed, skipped, unanswered, within, wrong
+from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, skipped,
+                    unanswered, within, wrong)
 
 SCRIPT = "Exercise 1 (implement): DDP and fully_shard, run with torchrun"
 STATE = "Exercise 3 (predict, then look): model state per rank"
 EFFICIENCY = "Exercise 2 (implement): scaling efficiency"
 MIB = 2 ** 20
 PROCESSES = 2
+
+HINTS = hint_book("ex06", {
+    "script": (
+        "Section 2 wrote the real API out once (its wrap function): each TODO is one of its "
+        "pieces, one to five lines. TODO 1 joins the process group every rank shares (the CPU "
+        "backend is named in the TODO); TODO 2 uses the wrapper that averages gradients during "
+        "backward; TODO 3 uses FSDP2's fully_shard with a mixed-precision policy, on the small "
+        "modules first. print(ex06.full_script(my_script)) shows the head your body runs after.",
+        "TODO 1: torch.distributed's init_process_group with the backend 'gloo'. TODO 2: wrap a "
+        "fresh make_model() in DDP. TODO 3: fsdp = make_model(); a MixedPrecisionPolicy whose "
+        "parameters are gathered in bf16 and gradients reduced in fp32; fully_shard each "
+        "nn.Linear of fsdp with it, then fsdp itself.",
+        "dist.init_process_group('gloo'); ddp = DDP(make_model()); fsdp = make_model(); policy = "
+        "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32); "
+        "for layer in fsdp: if isinstance(layer, nn.Linear): fully_shard(layer, mp_policy=policy); "
+        "then fully_shard(fsdp, mp_policy=policy).",
+    ),
+    "efficiency": (
+        "Efficiency compares what n processes really did with what n perfect copies of one "
+        "process would have done. Which two throughputs does that compare?",
+        "n perfect copies of one process would reach n times its throughput. Efficiency is the "
+        "measured throughput of the n processes over that ideal; the speed-up alone is not it.",
+        "return per_s_n / (n * per_s_1)",
+    ),
+    "state": (
+        "Count bytes per parameter first: in which dtype are the weights, the gradients and "
+        "AdamW's state kept, and how many tensors does AdamW keep per parameter? Then, for each "
+        "strategy, read the table at the top of this section: which of the three does it split "
+        "across the N ranks?",
+        "In fp32: 4 bytes of weight + 4 of gradient + 8 of AdamW state (two moments) make 16 "
+        "bytes per parameter. DDP splits none of them; ZeRO stage 1 splits only the optimizer "
+        "state; FSDP2 splits all three. Divide bytes by 2**20 for MiB.",
+        "With n = n_params: ddp 16 * n / 2**20; zero (4 + 4 + 8 / N) * n / 2**20; fsdp2 "
+        "16 * n / N / 2**20 MiB per rank.",
+    ),
+})
+
+
+def hint(exercise: str, level: int = 1) -> HintText:
+    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
+    ("script", "efficiency", "state"); level 1 is a nudge, the last is near the answer. Raises
+    ValueError for another name or a level outside 1 ... the number of levels."""
+    return read_hint(HINTS, exercise, level)
 
 _HEAD = '''\
 # Run by torchrun, one copy per process (two CPU processes, gloo):
@@ -174,10 +218,7 @@ def check_script(source: str, timeout_s: float = 180.0) -> Check:
     says: DDP kept the ranks' weights identical, FSDP2 sharded them (one unit per Linear plus the
     root) and gathered them in bf16, every loss finite. ``source`` is the whole script or only
     its body (``STUB_BODY`` filled in: see ``full_script``)."""
-    hint = ("dist.init_process_group('gloo'); ddp = DDP(make_model()); then fsdp = make_model(), "
-            "policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype="
-            "torch.float32), fully_shard(layer, mp_policy=policy) for each nn.Linear and "
-            "fully_shard(fsdp, mp_policy=policy) last")
+    hint = HINTS["script"]
     if is_blank(source) or source.strip() in (STUB.strip(), _STUB_BODY.strip()) \
             or "\n...\n" in "\n" + source + "\n" or "= ...\n" in source + "\n":
         return unanswered(SCRIPT, hint)
@@ -191,8 +232,7 @@ def check_script(source: str, timeout_s: float = 180.0) -> Check:
 
 def grade_reports(reports: Sequence[Mapping]) -> Check:
     """Grade the ranks' reports of a finished script run (see ``check_script``)."""
-    hint = ("dist.init_process_group('gloo'); ddp = DDP(make_model()); then fsdp = make_model(), "
-            "policy = MixedPrecisionPolicy(...), fully_shard each nn.Linear, then the model")
+    hint = HINTS["script"]
     if len(reports) != PROCESSES or any(r["world_size"] != PROCESSES for r in reports):
         return wrong(SCRIPT, f"expected {PROCESSES} ranks; the report has {len(reports)}", hint)
     losses = [x for r in reports for x in r["ddp_losses"] + r["fsdp_losses"]]
@@ -201,22 +241,25 @@ def grade_reports(reports: Sequence[Mapping]) -> Check:
     sums = [r["ddp_checksum"] for r in reports]
     if not all(r["ddp"] for r in reports) or max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
         return wrong(SCRIPT, "after training, the ranks' DDP weights differ",
-                     "each rank saw other batches and no one averaged the gradients: wrap the "
-                     "model in DDP(...) so backward all-reduces them")
+                     hint.after("each rank saw other batches and no one averaged the "
+                                "gradients: wrap the model in DDP(...) so backward all-reduces "
+                                "them"))
     full, local = reports[0]["full"], [r["fsdp_local"] for r in reports]
     if sum(local) > 1.01 * full or max(local) > 0.6 * full:
         return wrong(SCRIPT, f"each rank holds {max(local):,} of the {full:,} FSDP parameters: "
-                     f"nothing is sharded", "fully_shard(module) replaces the parameters with "
-                     "DTensors split across the ranks")
+                     f"nothing is sharded", hint.after(
+                         "fully_shard(module) replaces the parameters with DTensors split across "
+                         "the ranks: call it on fsdp's layers and on fsdp"))
     units = reports[0]["fsdp_units"]
     if units < 4:
         return wrong(SCRIPT, f"{units} FSDP2 unit(s); expected one per nn.Linear plus the root",
-                     "call fully_shard on each nn.Linear before the whole model: one big unit "
-                     "gathers every parameter at once, which is what sharding tries to avoid")
+                     hint.after("call fully_shard on each nn.Linear before the whole model: one "
+                                "big unit gathers every parameter at once, which is what "
+                                "sharding tries to avoid"))
     if reports[0]["fsdp_output"] != "torch.bfloat16":
         return wrong(SCRIPT, f"the FSDP2 model computes in {reports[0]['fsdp_output']}",
-                     "pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-                     "reduce_dtype=torch.float32) to every fully_shard call")
+                     hint.after("pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                                "reduce_dtype=torch.float32) to every fully_shard call"))
     return passed(SCRIPT, f"{PROCESSES} ranks: DDP weights identical after training; FSDP2 "
                   f"holds {local} of {full:,} parameters per rank in {units} units, computing "
                   f"in bf16")
@@ -238,9 +281,7 @@ def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, flo
     """Grade ``answer`` ({"ddp", "zero", "fsdp2"} -> MiB of parameters + gradients + optimizer
     state on one rank) against ``measured`` (the sweep's ``model_state_mib`` per strategy at
     ``world_size`` processes), within 10% (ZeRO splits whole tensors, so shards are uneven)."""
-    hint = ("per parameter in fp32: 4 bytes of weight, 4 of gradient, 8 of AdamW state (two "
-            "moments), 16 in all; decide for each strategy which of the three it splits across "
-            "the N ranks")
+    hint = HINTS["state"]
     why = {"ddp": "DDP replicates everything: all 16 bytes per parameter on every rank",
            "zero": "ZeRO stage 1 splits only the optimizer state: 4 + 4 + 8/N bytes",
            "fsdp2": "FSDP2 splits weights, gradients and optimizer state: 16/N bytes"}
@@ -258,7 +299,7 @@ def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, flo
             continue
         if not within(got, measured[key], 0.10):
             return wrong(STATE, f"{key} at {world_size} process(es): you said {_mib(got)} MiB, "
-                         f"measured {_mib(measured[key])}", why[key])
+                         f"measured {_mib(measured[key])}", hint.after(why[key]))
     return passed(STATE, ", ".join(f"{k} {_mib(measured[k])} MiB" for k in why
                                    if measured.get(k) is not None) + " per rank")
 
@@ -271,8 +312,7 @@ def reference_efficiency(per_s_1: float, per_s_n: float, n: int) -> float:
 def check_efficiency(fn: Callable, summary: Sequence[Mapping]) -> Check:
     """Grade ``fn(per_s_1, per_s_n, n)`` against the ``efficiency`` of every multi-process row of
     a sweep's ``summary()`` (its ``label``, ``world_size``, ``per_s``)."""
-    hint = ("efficiency = (throughput of N processes) / (N x throughput of one): 1.0 means N "
-            "processes did N times the work")
+    hint = HINTS["efficiency"]
     single = {r["label"]: r["per_s"] for r in summary if r["world_size"] == 1}
     rows = [r for r in summary if r["world_size"] > 1 and r.get("efficiency") is not None
             and r["label"] in single]
@@ -288,7 +328,7 @@ def check_efficiency(fn: Callable, summary: Sequence[Mapping]) -> Check:
         v = number(got)
         if v is None or not math.isclose(v, r["efficiency"], rel_tol=1e-9):
             speedup = r["per_s"] / single[r["label"]]
-            why = ("that is the speed-up; divide it by the number of processes"
+            why = (hint.after("that is the speed-up; divide it by the number of processes")
                    if v is not None and math.isclose(v, speedup, rel_tol=1e-9) else hint)
             return wrong(EFFICIENCY, f"{r['label']} on {r['world_size']} processes: you give "
                          f"{got!r}, the sweep {r['efficiency']:.4f}", why)

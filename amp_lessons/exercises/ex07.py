@@ -7,11 +7,50 @@ import torch
 from torch import nn
 
 from .. import formats
-from .check import Check, is_blank, passed, unanswered, wrong
+from .check import Check, HintText, hint_book, is_blank, passed, read_hint, unanswered, wrong
 
 TENSOR = "Exercise 1 (implement): per-tensor amax scaling"
 ROW = "Exercise 2 (implement): per-row amax scaling"
 FILTER = "Exercise 3 (implement): which layers to convert"
+
+HINTS = hint_book("ex07", {
+    "tensor": (
+        "The scale must carry the tensor's largest magnitude exactly onto the largest finite "
+        "value e4m3 holds. Which single number measures 'largest magnitude' when the tensor has "
+        "negative values too, and what is e4m3's top value (section 1's table)?",
+        "amax is the largest |x| over the whole tensor; e4m3's largest finite value is 448 "
+        "(ex07.e4m3_max()). The scale multiplies x, so amax * scale must equal that maximum.",
+        "return 448.0 / x.abs().max()",
+    ),
+    "row": (
+        "The same as the per-tensor scale, with one amax for each row: reduce over the dimension "
+        "that runs along a row only, and keep the result shaped so that x * scales multiplies "
+        "every row by its own scale.",
+        "x.abs().amax(dim=...) reduces one dimension; a row's values run along the last one. "
+        "keepdim=True leaves a (rows, 1) column, which broadcasts over each row.",
+        "return 448.0 / x.abs().amax(dim=-1, keepdim=True)",
+    ),
+    "filter": (
+        "Section 4 lists three reasons to keep a Linear in bf16. Your filter sees one layer at a "
+        "time, with its name (fqn) and its module (in_features, out_features): test each reason "
+        "on it and return False if any applies.",
+        "Keep in bf16 (return False): the first and the last Linear of big_gpt (compare fqn with "
+        "the first and last names of the list in the cell's comment), any layer with a "
+        "dimension that is not a multiple of 16, and any with a dimension under MIN_FEATURES. "
+        "Return True for the rest.",
+        "names = [n for n, m in big_gpt.named_modules() if type(m).__name__ == 'Linear']; in "
+        "my_filter: if fqn in (names[0], names[-1]): return False; then return "
+        "all(d % 16 == 0 and d >= MIN_FEATURES for d in (module.in_features, "
+        "module.out_features)).",
+    ),
+})
+
+
+def hint(exercise: str, level: int = 1) -> HintText:
+    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
+    ("tensor", "row", "filter"); level 1 is a nudge, the last is near the answer. Raises
+    ValueError for another name or a level outside 1 ... the number of levels."""
+    return read_hint(HINTS, exercise, level)
 
 
 def e4m3_max() -> float:
@@ -50,19 +89,22 @@ WRONG_ROW = {"per column": lambda x: 448.0 / x.abs().amax(dim=0, keepdim=True),
              "per tensor": lambda x: 448.0 / x.abs().max()}
 
 
-def _scale_hint(x, got, want, what):
+def _scale_hint(x, got, want, what, hints):
     g = torch.as_tensor(got, dtype=torch.float64)
     w = torch.as_tensor(want, dtype=torch.float64)
     if torch.allclose(g, 1 / w, rtol=1e-4):
-        return "that is the inverse: the scale multiplies x up to e4m3's max, so max / amax"
+        return hints.after("that is the inverse: the scale multiplies x up to e4m3's max, so "
+                           "max / amax")
     if torch.allclose(g, w * 57344.0 / e4m3_max(), rtol=1e-4):
-        return "57344 is e5m2's max (gradients); forward tensors use e4m3, whose max is 448"
-    return f"amax is the largest |x| ({what}): use x.abs(), not x, so negative outliers count"
+        return hints.after("57344 is e5m2's max (gradients); forward tensors use e4m3, whose "
+                           "max is 448")
+    return hints.after(f"amax is the largest |x| ({what}): use x.abs(), not x, so negative "
+                       f"outliers count")
 
 
 def check_per_tensor_scale(fn: Callable) -> Check:
     """Grade ``fn(x) -> scale``: e4m3's max over ``amax(|x|)`` (a 0-dim tensor or a number)."""
-    hint = "scale = 448 / x.abs().max(): the largest magnitude lands on e4m3's largest value"
+    hint = HINTS["tensor"]
     x = test_tensor()
     try:
         got = fn(x)
@@ -77,15 +119,14 @@ def check_per_tensor_scale(fn: Callable) -> Check:
         return wrong(TENSOR, f"expected one scale for the whole tensor; got {got!r}", hint)
     if not torch.allclose(g, want.double(), rtol=1e-4):
         return wrong(TENSOR, f"scale {float(g):.4g}; max/amax is {float(want):.4g}",
-                     _scale_hint(x, g, want, "over the whole tensor"))
+                     _scale_hint(x, g, want, "over the whole tensor", hint))
     return passed(TENSOR, f"scale {float(want):.4g}; median relative error after an e4m3 round "
                   f"trip {_round_trip_error(x, want):.2%}")
 
 
 def check_per_row_scale(fn: Callable) -> Check:
     """Grade ``fn(x) -> scales``: one e4m3 scale per row, shape ``(rows, 1)``."""
-    hint = ("448 / x.abs().amax(dim=-1, keepdim=True): one amax per row, kept as a column so it "
-            "broadcasts over the row")
+    hint = HINTS["row"]
     x = test_tensor()
     try:
         got = fn(x)
@@ -96,12 +137,21 @@ def check_per_row_scale(fn: Callable) -> Check:
     want = reference_per_row(x)
     g = torch.as_tensor(got, dtype=torch.float64)
     if g.shape != want.shape:
-        what = ("one scale per column: amax over dim 0 mixes the rows" if g.numel() == x.shape[1]
-                else "one scale for the whole tensor" if g.numel() == 1 else f"shape {tuple(g.shape)}")
-        return wrong(ROW, f"expected shape {tuple(want.shape)}; got {what}", hint)
+        if g.numel() == x.shape[1]:
+            what, why = "one scale per column", hint.after(
+                "amax over dim 0 takes each column's largest value, across the rows: reduce "
+                "over the last dimension instead, the one a row runs along")
+        elif g.numel() == 1:
+            what, why = "one scale for the whole tensor", hint.after(
+                "reduce over each row's own values only (one dimension), not over everything")
+        else:
+            what, why = f"shape {tuple(g.shape)}", hint.after(
+                "keep the reduced dimension (keepdim=True): a (rows, 1) column broadcasts over "
+                "each row")
+        return wrong(ROW, f"expected shape {tuple(want.shape)}; got {what}", why)
     if not torch.allclose(g, want.double(), rtol=1e-4):
         return wrong(ROW, "the scales differ from max / amax of each row",
-                     _scale_hint(x, g, want, "of each row"))
+                     _scale_hint(x, g, want, "of each row", hint))
     tensor_err = _round_trip_error(x, reference_per_tensor(x))
     return passed(ROW, f"median relative error after an e4m3 round trip {_round_trip_error(x, want):.2%} "
                   f"(one scale for the tensor: {tensor_err:.2%})")
@@ -116,9 +166,7 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
     """Grade ``fn(module, fqn) -> bool`` (torchao's ``module_filter_fn``: True = convert to FP8)
     on every ``nn.Linear`` of ``model`` against ``plan`` (rows with ``layer``, ``precision``
     "float8" | "bf16" and ``reason``)."""
-    hint = ("keep in bf16 the first and the last Linear, any layer with a dimension not "
-            "divisible by 16, and small layers (in or out features under the width where FP8 "
-            "pays); convert the rest")
+    hint = HINTS["filter"]
     rows = {r["layer"]: r for r in plan}
     try:
         answers = {name: fn(m, name) for name, m in model.named_modules()
@@ -133,6 +181,6 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
             verb = "converts" if said else "keeps"
             return wrong(FILTER, f"your filter {verb} {name} ({rows[name]['in']} -> "
                          f"{rows[name]['out']}); the plan says {rows[name]['precision']}",
-                         rows[name]["reason"])
+                         hint.after(rows[name]["reason"]))
     n = sum(r["precision"] == "float8" for r in plan)
     return passed(FILTER, f"{n} of {len(plan)} Linear layers to FP8, as the plan says")

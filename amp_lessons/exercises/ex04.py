@@ -34,8 +34,8 @@ HINTS = hint_book("ex04", {
         "input's dtype, so most saved tensors take 2 bytes per value instead of 4; a few stay "
         "float32 (BatchNorm's statistics, the loss).",
         "Expect a ratio a little above 0.5. On a tiny model, autocast's 16-bit copies of the "
-        "weights (saved for backward too) can even push it above 1: read the table's "
-        "saved-activations column for the AMP and the fp32 rows and divide.",
+        "weights (saved for backward too) can even push it above 1: read the memory table after "
+        "this check, the saved-activations column of the AMP and the fp32 rows, and divide.",
     ),
     "layout": (
         "channels_last changes how a tensor's values sit in memory (NHWC instead of NCHW), not "

@@ -37,7 +37,7 @@ from .bench.config import OPTIMIZER_IMPLS, OPTIMIZERS
 from .bench.steps import build_optimizer as configured_optimizer
 from .precision import as_device
 from .bench.float8 import quiet, torchao_version  # noqa: F401 (one definition, also optim's API)
-from .bench.timer import time_steps
+from .bench.timer import repeat_spread, time_steps
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 MIB = 2 ** 20
@@ -331,6 +331,7 @@ def _row(recipe: WeightRecipe, seed: int, status: str) -> dict:
             "losses": [], "rounded_away": [], "final_loss": None, "params": None,
             "weights_mib": None, "grads_mib": None, "state_mib": None, "activations_mib": None,
             "step_ms": None, "optimizer_ms": None, "optimizer_compiled_ms": None,
+            "step_spread": None, "optimizer_spread": None, "optimizer_compiled_spread": None,
             "peak_mib": None, "timer": None, "compile_error": None, "seconds": None}
 
 
@@ -351,8 +352,8 @@ def train_recipe(recipe: WeightRecipe, make_model: Callable[[], nn.Module],
     update was rounded away is recorded (``RoundedAway``). After training: bytes of weights,
     gradients, optimizer state and saved activations (one more step, counted); with
     ``time_steps_n`` > 0 the median training step and optimizer step (``timing.time_steps``) and,
-    for torchao states, the optimizer step under ``torch.compile``, then peak memory on a GPU.
-    Returns a row; ``status`` is ``trained``, ``not run: <why>``, ``out of memory`` or
+    for torchao states, the optimizer step under ``torch.compile``, each with its repeat spread
+    (``*_spread``: ``bench.repeat_spread``), then peak memory on a GPU. Returns a row; ``status`` is ``trained``, ``not run: <why>``, ``out of memory`` or
     ``error: <what>``.
     """
     check_int("steps", steps, 1)
@@ -454,10 +455,12 @@ def _train(row, recipe, make_model, batch, loss_fn, steps, lr_at, device, seed, 
     plain = Step(model, opt, scaler, forward, backward, lambda: update())
     timed = time_steps(plain, x, y, warmup=warmup, steps=time_steps_n, device=device)
     row["step_ms"], row["timer"] = statistics.median(timed["times_ms"]), timed["timer"]
+    row["step_spread"] = repeat_spread(timed["times_ms"])
     backward(forward(x, y))  # gradients in place: the optimizer alone is timed below
     optimizer_only = time_steps(lambda a, b: opt.step(), x, y, warmup=warmup,
                                 steps=time_steps_n, device=device, reset_peak=False)
     row["optimizer_ms"] = statistics.median(optimizer_only["times_ms"])
+    row["optimizer_spread"] = repeat_spread(optimizer_only["times_ms"])
     if cuda:
         row["peak_mib"] = torch.cuda.max_memory_allocated(device) / MIB
     if recipe.needs_torchao:  # torchao compiles per parameter; compiling the whole step fuses more
@@ -466,6 +469,7 @@ def _train(row, recipe, make_model, batch, loss_fn, steps, lr_at, device, seed, 
             done = time_steps(lambda a, b: compiled(), x, y, warmup=warmup, steps=time_steps_n,
                               device=device, reset_peak=False)
             row["optimizer_compiled_ms"] = statistics.median(done["times_ms"])
+            row["optimizer_compiled_spread"] = repeat_spread(done["times_ms"])
         except Exception as exc:  # noqa: BLE001 - the eager step's numbers stand without it
             if is_out_of_memory(exc):
                 raise

@@ -304,7 +304,9 @@ def test_compare_r6_and_its_verdict():
     out = L.compare_r6(fp32, amp, slow)
     assert [r["configuration"] for r in out] == [c["configuration"] for c in L.R6_CLAIM]
     assert out[1]["measured_saving_pct"] == pytest.approx(50.0)
-    assert out[1]["gpu_idle_fraction"] == 0.05
+    assert out[1]["gpu_idle_fraction"] == 0.05 and out[1]["spread"] is None
+    assert L.compare_r6(fp32, dict(amp, spread=0.03), slow)[1]["spread"] == 0.03  # carried
+    assert "repeat spread" in [c[1] for c in L.R6_COLUMNS]
     v = L.verdict_r6(out)
     assert v.claim == "R6" and v.held is False and "not better than plain AMP" in v.why
     fast = L.verdict_r6(L.compare_r6(fp32, amp, _row("selective", 3500.0, 9.0)))

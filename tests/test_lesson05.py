@@ -406,6 +406,9 @@ def test_pareto_front_and_frontier_rows():
     assert by["AMP"]["time x AMP"] == 1.0 and by["fp32"]["memory x fp32"] == 1.0
     assert by["AMP + checkpointing"]["memory x fp32"] == pytest.approx(4.7 / 21.0)
     assert by["AMP + checkpointing stem+layer1"]["checkpoint"] == "stem+stage1"
+    assert by["AMP"]["repeat spread %"] is None  # every timed row carries its spread
+    spread = L.frontier_rows([dict(r, spread=0.02) for r in rows[:2]])
+    assert [r["repeat spread %"] for r in spread] == [pytest.approx(2.0)] * 2
     assert L.pareto_front([]) == []
 
 

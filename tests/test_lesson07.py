@@ -429,7 +429,7 @@ def _speed_rows():
     for w, ms in [(1024, (2.0, 2.2, 2.5)), (4096, (84.7, 58.3, 66.6))]:
         for recipe, m in zip(L.RECIPES, ms):
             rows.append({"width": w, "recipe": recipe, "step_ms": m, "speedup": ms[0] / m,
-                         "peak_gib": 10.0, "tflops": 1.0, "status": "measured"})
+                         "peak_gib": 10.0, "tflops": 1.0, "status": "measured", "spread": 0.02})
     return rows
 
 
@@ -461,7 +461,8 @@ def test_speed_report_rows_measured_and_not():
     assert [list(r) for r in rows] == [list(L.SPEED_REPORT_COLUMNS)] * len(rows)
     tw = next(r for r in rows if r["width"] == 4096 and r["recipe"] == "tensorwise")
     assert tw == {"width": 4096, "recipe": "tensorwise", "step ms": 58.3,
-                  "speed-up over bf16": 1.45, "peak GiB": 10.0, "status": "measured"}
+                  "speed-up over bf16": 1.45, "peak GiB": 10.0, "repeat spread %": 2.0,
+                  "status": "measured"}
     cpu = L.speed_report_rows(L.speed_sweep((32, 64), support=CPU))
     assert len(cpu) == 6 and all(not _numbers(r) for r in cpu)
     assert all(r["status"] == f"not measured: {CPU.reason}" for r in cpu)
@@ -473,6 +474,21 @@ def test_speed_report_rows_measured_and_not():
     assert all(not _numbers(r) for r in odd)  # a number is never shown beside "not measured"
     with pytest.raises(ValueError, match="rows"):
         L.speed_report_rows([])
+
+
+def test_a_noisy_speed_row_says_so_and_decides_no_crossover():
+    """Every timed row carries its repeat spread; where its own repeats or those of the bf16 row
+    of its width differ by over 10%, its status says so and the crossover leaves it out."""
+    rows = _speed_rows()
+    assert L.smallest_paying_width(rows) == 4096
+    noisy_base = [dict(r, spread=0.3) if (r["width"], r["recipe"]) == (4096, "bf16") else r
+                  for r in rows]
+    shown = {(r["width"], r["recipe"]): r for r in L.speed_report_rows(noisy_base)}
+    assert shown[(4096, "bf16")]["repeat spread %"] == 30.0
+    assert shown[(4096, "bf16")]["status"].startswith("measured (noisy: repeats differ by 30%")
+    assert shown[(4096, "tensorwise")]["status"].startswith("measured (bf16 at this width: noisy")
+    assert shown[(1024, "tensorwise")]["status"] == "measured"
+    assert L.smallest_paying_width(noisy_base) is None  # 4096's speed-up decides nothing
 
 
 def test_accuracy_report_rows_decided_not_decided_and_not_run():

@@ -151,11 +151,12 @@ def _mlp_workload(steps=8):
 def test_train_recipe_trains_counts_and_measures_on_the_cpu():
     w = _mlp_workload()
     rows = {n: optim.train_recipe(optim.get_recipe(n), w.make_model, w.batch, w.loss_fn, w.steps,
-                                  w.lr_at, "cpu", time_steps_n=2)
+                                  w.lr_at, "cpu", time_steps_n=6)
             for n in ("fp32 master", "bf16", "bf16 + Kahan")}
     for name, r in rows.items():
         assert r["status"] == "trained" and len(r["losses"]) == 8, name
         assert len(r["rounded_away"]) == 8 and r["step_ms"] > 0 and r["optimizer_ms"] > 0
+        assert r["optimizer_spread"] >= 0 and r["step_spread"] >= 0  # 3 repeats of 2 steps
         assert r["peak_mib"] is None and r["activations_mib"] > 0
     mem = {m["recipe"]: m for m in optim.memory_rows(list(rows.values()))}
     assert mem["fp32 master"]["bytes per parameter"] == pytest.approx(16, abs=0.05)
@@ -281,11 +282,13 @@ def test_choice_table_picks_the_closest_recipe_that_fits():
 def test_report_rows_show_times_only_from_a_gpu():
     rows = _fake_rows()
     rows[0]["optimizer_ms"], rows[0]["optimizer_compiled_ms"] = 1.5, None
+    rows[0]["optimizer_spread"], rows[0]["optimizer_compiled_spread"] = 0.04, None
     table = L.comparison(rows)
     cpu = L.report_rows(table, _fake_memory(), rows, on_gpu=False)
     gpu = L.report_rows(table, _fake_memory(), rows, on_gpu=True)
-    assert all(r["optimizer step ms"] is None for r in cpu)
+    assert all(r["optimizer step ms"] is None and r["repeat spread %"] is None for r in cpu)
     assert gpu[0]["optimizer step ms"] == 1.5 and gpu[0]["bytes per parameter"] > 0
+    assert gpu[0]["repeat spread %"] == pytest.approx(4.0)  # every timed row carries its spread
     assert set(L.RECIPE_REPORT_COLUMNS) <= set(gpu[0])
     assert "fp32 master" in L.format_rows(gpu, ["recipe", "final loss"])
 

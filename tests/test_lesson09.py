@@ -57,6 +57,10 @@ def test_agreement_and_summary():
     got = L.agreement(_report(mine), rows)
     assert [r["within 5%"] for r in got] == [True, False]
     assert got[0]["difference %"] == pytest.approx(3.0)
+    assert got[0]["repeat spread %"] is None  # neither row carried a spread
+    noisy = L.agreement(_report([dict(mine[0], spread=0.02)]), [dict(rows[0], spread=0.15)])
+    assert noisy[0]["repeat spread %"] == pytest.approx(15.0) and noisy[0]["within 5%"] is None
+    assert "repeats" in noisy[0]["why not decided"]
     short = L.agreement(_report(mine), [dict(rows[0], steps=2)])
     assert short[0]["within 5%"] is None and "timed steps" in short[0]["why not decided"]
     row = L.summary({"m": _report(mine)})[0]

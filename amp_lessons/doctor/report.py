@@ -25,7 +25,8 @@ LAYER_COLUMNS = (("layer", "layer"), ("kind", "kind"), ("act_absmax", "max |act|
 SPEED_COLUMNS = (("precision", "precision"), ("samples_per_s", "samples/s"),
                  ("speedup", "x fp32"), ("step_ms", "step ms"), ("peak_gib", "peak GiB"),
                  ("memory_ratio", "mem x fp32"), ("gpu_idle_fraction", "GPU idle"),
-                 ("status", "status"), ("gate", "not decided because"))
+                 ("spread", "repeat spread"), ("status", "status"),
+                 ("gate", "not decided because"))
 
 
 @dataclass
@@ -81,7 +82,7 @@ class DoctorReport:
             return "n/a"
         if isinstance(value, bool):
             return "yes" if value else "no"
-        if key.endswith(("_overflow", "_underflow", "idle_fraction", "share")) and \
+        if key.endswith(("_overflow", "_underflow", "idle_fraction", "share", "spread")) and \
                 isinstance(value, float):
             return percent(value, 1.0)
         if isinstance(value, float):

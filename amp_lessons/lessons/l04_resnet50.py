@@ -430,7 +430,7 @@ def compare_r6(fp32: Dict[str, object], amp: Dict[str, object],
                     "claimed_speedup": claim["img_per_s"] / base["img_per_s"],
                     "measured_speedup": row["img_per_s"] / fp32["img_per_s"],
                     "gpu_idle_fraction": row.get("gpu_idle_fraction"),
-                    "timer": row.get("timer"), "steps": row.get("steps"),
+                    "spread": row.get("spread"), "timer": row.get("timer"), "steps": row.get("steps"),
                     "warmup": row.get("warmup"), "status": row.get("status")})
     return out
 
@@ -485,7 +485,8 @@ R6_COLUMNS = (("configuration", "R6 row"), ("measured_label", "measured as"),
               ("claimed_saving_pct", "claimed saved %"), ("measured_saving_pct", "saved %"),
               ("claimed_img_per_s", "claimed img/s"), ("measured_img_per_s", "img/s"),
               ("claimed_speedup", "claimed x"), ("measured_speedup", "x"),
-              ("gpu_idle_fraction", "GPU idle", lambda v: percent(v, 1.0)))
+              ("gpu_idle_fraction", "GPU idle", lambda v: percent(v, 1.0)),
+              ("spread", "repeat spread", lambda v: percent(v, 1.0)))
 
 
 # --- claims R4, R5, R7 (accuracy) and R12 (op error) --------------------------------------------

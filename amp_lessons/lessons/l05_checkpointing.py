@@ -318,6 +318,7 @@ def frontier_rows(rows: Sequence[Dict[str, object]],
         out.append({"technique": shown_technique(r),
                     "checkpoint": TECHNIQUES.get(name, {}).get("checkpoint") or "-",
                     "img/s": r["img_per_s"], "memory GiB": r["memory_gib"],
+                    "repeat spread %": 100 * r["spread"] if r.get("spread") is not None else None,
                     f"memory x {shown_technique(base) if base else baseline}":
                     ratio(r["memory_gib"], base["memory_gib"]) if base else None,
                     f"time x {reference}": ratio(r["step_ms"], ref["step_ms"]) if ref else None,

@@ -46,6 +46,7 @@ from ..bench.float8 import (FP8_RECIPES, INSTALL_HINT, MIN_CAPABILITY,  # noqa: 
                             float8_config, float8_layers, fp8_support, measure_float8, mlp_stack,
                             quiet, speed_sweep, support_reason, time_recipe, torchao_version)
 from ..bench.oom import free_memory, is_out_of_memory  # noqa: F401
+from ..bench.rows import noisy
 from ..fp8 import FP8_FORMATS as FORMATS, FP8_USE as FORMAT_USE  # noqa: F401 (lesson API)
 from ..fp8 import (SCALINGS, TENSOR_KINDS, amax_scale, error_summary,  # noqa: F401
                    fake_quantize, from_fp8, fp8_max, quantization_error, to_fp8)
@@ -172,14 +173,23 @@ def speedup(rows: Sequence[Mapping], width: int, recipe: str = "tensorwise") -> 
     return None
 
 
+def speed_noise(row: Mapping, rows: Sequence[Mapping]) -> Optional[str]:
+    """Why ``row``'s speed-up decides nothing: its own timed steps or those of the bf16 row of its
+    width (``rows``) disagree between repeats by over 10% (``bench.noisy``); None otherwise."""
+    base = next((r for r in rows if r["width"] == row["width"] and r["recipe"] == "bf16"), {})
+    return noisy(row) or (noisy(base) and f"bf16 at this width: {noisy(base)}") or None
+
+
 def smallest_paying_width(rows: Sequence[Mapping], recipe: str = "tensorwise",
                           at_least: float = 1.05) -> Optional[int]:
     """The smallest width from which ``recipe`` stays at least ``at_least`` x bf16's speed, or
-    None when it never does (or nothing was measured)."""
+    None when it never does (or nothing was measured). Noisy rows (``speed_noise``) are left
+    out."""
     check_choice("recipe", recipe, FP8_RECIPES)
     check_positive("at_least", at_least)
-    measured = sorted((r["width"], r["speedup"]) for r in rows
-                      if r["recipe"] == recipe and r.get("speedup") is not None)
+    measured = sorted((r["width"], r["speedup"]) for r in rows  # a noisy speed-up decides nothing
+                      if r["recipe"] == recipe and r.get("speedup") is not None
+                      and not speed_noise(r, rows))
     for i, (width, _) in enumerate(measured):
         if all(s >= at_least for _, s in measured[i:]):
             return width
@@ -360,7 +370,8 @@ def findings(support: FP8Support, speed_rows: Sequence[Mapping], comparison: Map
 
 # --- 6. what the lesson publishes (``report.publish``: the README's results section) -------------
 
-SPEED_REPORT_COLUMNS = ("width", "recipe", "step ms", "speed-up over bf16", "peak GiB", "status")
+SPEED_REPORT_COLUMNS = ("width", "recipe", "step ms", "speed-up over bf16", "peak GiB",
+                        "repeat spread %", "status")
 ACCURACY_REPORT_COLUMNS = ("run", "steps", "final loss", "held-out loss",
                            "FP8 minus bf16 (same seed)", "bf16 seed spread", "within the spread",
                            "status")
@@ -372,7 +383,9 @@ def _round(value: Optional[float], digits: int) -> Optional[float]:
 
 def speed_report_rows(rows: Sequence[Mapping]) -> List[dict]:
     """``speed_sweep`` rows as the table the lesson publishes: width, recipe, median step (ms),
-    speed-up over compiled bf16 of the same width, peak GiB and a status.
+    speed-up over compiled bf16 of the same width, peak GiB, the repeat spread of the timed steps
+    and a status (``measured``, or ``measured (noisy: ...)`` where ``speed_noise`` says the row
+    decides nothing).
 
     Only a row whose status is ``measured`` carries numbers; every other row (no FP8 tensor
     cores, no torchao, out of memory, a failure) has no number at all and its status says
@@ -390,7 +403,10 @@ def speed_report_rows(rows: Sequence[Mapping]) -> List[dict]:
                     "step ms": _round(r.get("step_ms"), 2) if measured else None,
                     "speed-up over bf16": _round(r.get("speedup"), 2) if measured else None,
                     "peak GiB": _round(r.get("peak_gib"), 2) if measured else None,
-                    "status": "measured" if measured else status})
+                    "repeat spread %": _round(100 * r["spread"], 1)
+                    if measured and r.get("spread") is not None else None,
+                    "status": status if not measured else
+                    f"measured ({speed_noise(r, rows)})" if speed_noise(r, rows) else "measured"})
     return out
 
 

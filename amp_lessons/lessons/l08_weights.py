@@ -378,13 +378,14 @@ def choice_table(table: Sequence[Mapping], memory: Sequence[Mapping],
 RECIPE_REPORT_COLUMNS = ("workload", "recipe", "final loss", "reference", "difference %",
                          "reference spread %", "within spread", "rounded away % (last 10%)",
                          "optimizer state MiB", "bytes per parameter", "optimizer step ms",
-                         "compiled step ms", "status")
+                         "compiled step ms", "repeat spread %", "status")
 
 
 def report_rows(table: Sequence[Mapping], memory: Sequence[Mapping], rows: Sequence[Mapping],
                 on_gpu: bool) -> List[dict]:
     """``comparison`` rows with each recipe's memory and optimizer step time (times only where
-    measured on a GPU: a CPU timing says nothing about the choice)."""
+    measured on a GPU: a CPU timing says nothing about the choice) and the larger repeat spread
+    of its two optimizer step times (``repeat spread %``; over 10%: the times decide nothing)."""
     mem = {(m["workload"], m["recipe"]): m for m in memory}
     timed = {(r["workload"], r["recipe"]): r for r in rows if r.get("optimizer_ms") is not None}
     out = []
@@ -394,8 +395,15 @@ def report_rows(table: Sequence[Mapping], memory: Sequence[Mapping], rows: Seque
         out.append({**{k: t[k] for k in t}, "optimizer state MiB": m.get("optimizer state MiB"),
                     "bytes per parameter": m.get("bytes per parameter"),
                     "optimizer step ms": r.get("optimizer_ms") if on_gpu else None,
-                    "compiled step ms": r.get("optimizer_compiled_ms") if on_gpu else None})
+                    "compiled step ms": r.get("optimizer_compiled_ms") if on_gpu else None,
+                    "repeat spread %": _spread_pct(r) if on_gpu else None})
     return out
+
+
+def _spread_pct(row: Mapping) -> Optional[float]:
+    spreads = [row[k] for k in ("optimizer_spread", "optimizer_compiled_spread")
+               if row.get(k) is not None]
+    return 100 * max(spreads) if spreads else None
 
 
 def _cell(v) -> str:

@@ -258,12 +258,12 @@ def _one_bug(bug):
             if bug == "clip":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.unscale_(optimizer)
-            if bug != "clip":
+            if bug not in ("clip", "no clipping"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scale = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
-            if bug == "scheduler" or scaler.get_scale() >= scale:
+            if bug == "scheduler" or (bug != "no scheduler" and scaler.get_scale() >= scale):
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
     return loop
@@ -280,6 +280,10 @@ def test_ex02_fixed_loop_matches_the_trainer_bitwise():
     assert_wrong(half, ".half() bug", "delete the model.half()", hints=hints)
     assert_wrong(scheduler, "scheduler bug", "get_scale()", hints=hints)
     assert_wrong(clip, "clipping bug is the one left", "clip after scaler.unscale_", hints=hints)
+    unclipped = ex02.check_fixed_loop(_one_bug("no clipping"), "cpu")  # not the clipping order
+    assert_wrong(unclipped, "something else in the loop changed", "clip to 1.0", hints=hints)
+    never = ex02.check_fixed_loop(_one_bug("no scheduler"), "cpu")  # fixed too far: never steps
+    assert_wrong(never, "stepped less often", "after every other one", hints=hints)
     # each says which bug remains and hints at that one only, not the list of three
     others = {"half": ("clip", "scheduler"), "scheduler": ("half()", "clip"),
               "clip": ("half()", "scheduler")}

@@ -184,6 +184,31 @@ def trainer_result(device=None):
     return {k: v.clone() for k, v in model.state_dict().items()}, scheduler.get_last_lr()[0]
 
 
+def _clip_before_unscale(model, optimizer, scheduler, batches, device_type, init_scale):
+    """The reference loop with the clipping bug put back (what ``check_fixed_loop`` compares a
+    loop with to tell that bug from other differences)."""
+    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
+    for x, y in batches:
+        with torch.autocast(device_type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.unscale_(optimizer)
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if scaler.get_scale() >= scale:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _same_weights(mine, theirs, device) -> bool:
+    """Bitwise on a CPU; on a GPU within rounding (kernels may pick other reduction orders)."""
+    return all(torch.equal(a, b) if device.type == "cpu" else
+               torch.allclose(a, b.to(a.device), rtol=1e-3, atol=1e-5)
+               for a, b in zip(mine.values(), theirs.values()))
+
+
 def check_fixed_loop(loop: Callable, device=None) -> Check:
     """Run ``loop(model, optimizer, scheduler, batches, device_type, init_scale)`` for 20 fp16
     steps and compare the weights bitwise with ``Trainer`` on the same model and data."""
@@ -211,24 +236,35 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
                      "the loop", half)
     ref, ref_lr = trainer_result(device)
     lr = scheduler.get_last_lr()[0]
-    if lr != ref_lr:
+    if lr < ref_lr:  # StepLR only lowers the rate: a lower one means extra scheduler steps
         return wrong(LOOP, f"the scheduler bug is still there: it stepped on the steps the scaler "
                      f"skipped, so the learning rate ends at {lr:.4g}, the trainer's at "
                      f"{ref_lr:.4g}", hint.after(
                          "a skipped step is one where scaler.update() lowered the scale: remember "
                          "scaler.get_scale() before update() and step the scheduler only when the "
                          "scale did not drop"))
-    # bitwise on a CPU; on a GPU within rounding (kernels may pick other reduction orders)
-    same = all(torch.equal(a, b) if device.type == "cpu" else
-               torch.allclose(a, b.to(a.device), rtol=1e-3, atol=1e-5)
-               for a, b in zip(model.state_dict().values(), ref.values()))
-    if not same:
-        return wrong(LOOP, f"the weights stay float32 and the learning rate matches (the .half() "
-                     f"and scheduler bugs are fixed), but the weights after {LOOP_STEPS} steps "
-                     f"differ from the trainer's: the clipping bug is the one left",
-                     hint.after("clip after scaler.unscale_(optimizer): before it, the gradients "
-                                "are multiplied by the scale and clip_grad_norm_ shrinks them far "
-                                "too much"))
+    if lr != ref_lr:
+        return wrong(LOOP, f"the scheduler stepped less often than the optimizer did: the learning "
+                     f"rate ends at {lr:.4g}, the trainer's at {ref_lr:.4g}", hint.after(
+                         "skip scheduler.step() only on the steps the scaler skipped (its scale "
+                         "dropped in scaler.update()), and step it after every other one"))
+    if not _same_weights(model.state_dict(), ref, device):
+        fixed = (f"the weights stay float32 and the learning rate matches (the .half() and "
+                 f"scheduler bugs are fixed), but the weights after {LOOP_STEPS} steps differ "
+                 f"from the trainer's")
+        clip_first = _loop_setup(device)
+        _clip_before_unscale(*clip_first, device.type, LOOP_INIT_SCALE)
+        if _same_weights(model.state_dict(), clip_first[0].state_dict(), device):
+            return wrong(LOOP, f"{fixed}: they equal a loop that clips before unscale_, so the "
+                         f"clipping bug is the one left", hint.after(
+                             "clip after scaler.unscale_(optimizer): before it, the gradients are "
+                             "multiplied by the scale and clip_grad_norm_ shrinks them far too "
+                             "much"))
+        return wrong(LOOP, f"{fixed}, and not because of the clipping order alone: something "
+                     f"else in the loop changed", hint.after(
+                         "keep everything else exactly as the lesson's loop has it: autocast "
+                         "around forward and loss, scaler.scale(loss).backward(), unscale_, clip "
+                         "to 1.0, scaler.step, scaler.update, zero_grad"))
     how = "bit for bit" if device.type == "cpu" else "to rounding"
     return passed(LOOP, f"after {LOOP_STEPS} steps your weights equal the trainer's {how} "
                   f"(final learning rate {lr:.4g})")

@@ -80,6 +80,8 @@ class TrainConfig:
     ``eval_precision``: "same" (training's autocast) or a precision name such as "fp32".
     ``track_grad_norm`` / ``track_memory``: record the unscaled gradient norm / the step's peak
     CUDA memory (``train_step`` then resets the device's peak counter at its start).
+    ``track_time``: record each step's duration (two CUDA events a step on a GPU: on a short,
+    host-bound step each event call shows in the step time; off, ``time_s`` reads None).
     ``seed``: torch's generators are seeded with it when the Trainer is built (None: leave them).
 
     ``nonfinite``: what a step with a non-finite (inf/NaN) loss or gradient does when no
@@ -116,6 +118,7 @@ class TrainConfig:
     track_grad_norm: bool = True
     track_memory: bool = True
     nonfinite: str = "skip"
+    track_time: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "precision", normalize_precision(self.precision))
@@ -133,7 +136,7 @@ class TrainConfig:
                              f"got {self.eval_precision!r}")
         object.__setattr__(self, "eval_precision", name)
         for flag in ("skip_safe_batchnorm", "channels_last", "progress", "track_grad_norm",
-                     "track_memory"):
+                     "track_memory", "track_time"):
             check_bool(flag, getattr(self, flag))
         object.__setattr__(self, "seed", check_seed("seed", self.seed, optional=True))
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
@@ -329,6 +332,7 @@ class Trainer:
         self._check_first = policy.checks_before_step(self._unscale_first)
         self._norm_wanted = cfg.clip_norm is not None or cfg.track_grad_norm
         self._track_memory = self.device.type == "cuda" and cfg.track_memory
+        self._timed = cfg.track_time
         self._half = HALF_DTYPES.get(cfg.precision)  # autocast dtype, None for fp32/tf32
         # gradients have their parameter's device and dtype: one group for the norm's kernels?
         self._one_group = len({(p.device, p.dtype) for p in self._params}) == 1
@@ -371,8 +375,11 @@ class Trainer:
         self._prime_fused_sgd()
 
     def _to_device(self, x, y):
-        x = x.to(self.device, non_blocking=True)
-        y = y.to(self.device, non_blocking=True)
+        device = self.device
+        if x.device != device:  # a no-op .to() still costs a dispatcher call on a short step
+            x = x.to(device, non_blocking=True)
+        if y.device != device:
+            y = y.to(device, non_blocking=True)
         if self._config.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
@@ -420,15 +427,17 @@ class Trainer:
         on CUDA it resets the device's peak-memory counter first, so ``peak_memory_bytes`` is
         this step's own peak.
 
-        Cost beyond a hand-written loop (benchmarks/NOTES.md measures it): two CUDA events; one
+        Cost beyond a hand-written loop (benchmarks/NOTES.md measures it): with ``track_time``
+        two CUDA events; one
         detach per micro-batch; for fp16 a copy of the 0-dim scale; with ``track_grad_norm`` a
         foreach norm over the gradients (and an explicit ``unscale_``, which ``scaler.step``
         would do anyway); with ``nonfinite`` skip/raise a zero fill and one check kernel (fused
         optimizers then skip inside their kernel; others copy parameters and state aside); with
         skip-safe BatchNorm (models with BatchNorm only) about ten small kernels over one flat
         copy of the BN buffers; with ``track_memory`` two allocator queries.
-        ``TrainConfig(track_grad_norm=False, track_memory=False, nonfinite="ignore")`` leaves
-        only the events, the detach and (fp16) the scale copy on a model without BatchNorm.
+        ``TrainConfig(track_grad_norm=False, track_memory=False, track_time=False,
+        nonfinite="ignore")`` leaves only the detach and (fp16) the scale copy on a model
+        without BatchNorm.
         """
         n = len(micro_batches)
         if n < 1:
@@ -443,17 +452,21 @@ class Trainer:
             self.model.train()
         if self._track_memory:
             torch.cuda.reset_peak_memory_stats(device)
-        if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            t0 = time.perf_counter()
+        timed = self._timed
+        if timed:
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
         loss_sum, grad_norm, found_inf, scale, cause = self._kernels(micro_batches)
         if self.scheduler is not None and found_inf is not True and (
                 found_inf is None or not bool(found_inf.item())):  # the one sync, only here
             self.scheduler.step()
-        if cuda:
+        if not timed:
+            elapsed = None
+        elif cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             elapsed = (start, end)
@@ -850,16 +863,19 @@ class _GraphedStep:
             self.y.copy_(y, non_blocking=True)
         if trainer._track_memory:
             torch.cuda.reset_peak_memory_stats(trainer.device)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
+        timed = trainer._timed
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         self.graph.replay()
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
         values = self.packed.clone()  # the next replay overwrites ``packed``
         loss, norm, found, scale = (values[v] if packed else v for packed, v in self.slots)
         return trainer._record(loss, norm, found if found is not None else False, scale,
                                self.cause, trainer.optimizer.param_groups[0]["lr"],
-                               (start, end))
+                               (start, end) if timed else None)
 
 
 # --- checks used before anything is loaded ------------------------------------------------------

@@ -185,6 +185,26 @@ def compare(name, device, sizes, rounds, steps, warmup, deadline):
     }
 
 
+def markdown(doc) -> str:
+    """The run as a Markdown table for benchmarks/NOTES.md (numbers read from the JSON only)."""
+    lines = [f"{doc['device']}, torch {doc['torch']}, {doc.get('seconds', 0):.0f} s.", "",
+             "| configuration | rounds x steps | plain loop img/s | noise floor | plain (again) "
+             "| engine step | engine timer (a row's number) | lesson row against plain | plain "
+             "loop after a profiler pass |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in doc["configs"]:
+        cells = {}
+        for v in c["variants"]:
+            lo, hi = v["ci95_pct"]
+            cells[v["variant"]] = f"{v['cost_pct']:+.2f}% [{lo:+.1f}, {hi:+.1f}]"
+        vs = c.get("measure_vs_plain_pct")
+        lines.append(f"| {c['describe']} | {c['rounds']} x {c['steps_per_round']} | "
+                     f"{c['plain_img_per_s']:,.0f} | {c['floor_pct']:.2f}% | {cells.get(AGAIN)} | "
+                     f"{cells.get(ENGINE)} | {cells.get(TIMER)} | "
+                     f"{'n/a' if vs is None else f'{vs:+.2f}%'} | "
+                     f"{c['plain_after_profiler_cost_pct']:+.2f}% |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", "."))
@@ -196,7 +216,12 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=180.0,
                         help="seconds; rounds past 2 stop when a configuration's share is spent")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="print a JSON result of this script as a Markdown table; run nothing")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())))
+        return 0
     if args.rounds < 2 or args.steps < 1 or args.warmup < 1 or args.budget <= 0:
         parser.error("--rounds must be >= 2, --steps and --warmup >= 1, --budget > 0")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")

@@ -12,6 +12,11 @@ Networks (short steps, where the trainer's host work shows; issue 22):
 - ``mlp_fp32``: the same MLP in fp32 (TF32 off), fused AdamW;
 - ``resnet50`` (not by default): lesson 04's ResNet-50, batch 256, channels_last, fp16.
 
+Variants: the hand loop, twice (the second is the noise floor); the trainer with its defaults;
+lean (``track_grad_norm=False, track_memory=False, track_time=False``: no record that costs a
+kernel or a CUDA call); lean plus each record alone; per network, the non-finite policies and
+the CUDA graph of the whole step (``Trainer.capture``) against a hand-captured step.
+
 Method. Every variant trains its own copy of the same initial weights. Rounds are interleaved
 (the order alternates), each round runs ``--steps`` steps per variant, synchronised at both
 ends, and a variant's cost is the median over rounds of its PAIRED ratio to its reference in
@@ -51,7 +56,8 @@ from amp_lessons import data, measure, models  # noqa: E402
 from amp_lessons import trainer as T  # noqa: E402
 
 HAND, AGAIN = "hand-written", "hand-written (again)"
-LEAN = dict(track_grad_norm=False, track_memory=False)
+# lean: every record the trainer can leave out (grad norm, peak memory, step time) left out
+LEAN = dict(track_grad_norm=False, track_memory=False, track_time=False)
 NETWORKS = ("recipe", "digits", "mlp_bf16", "mlp_fp32", "resnet50")
 DEFAULT_NETWORKS = ("recipe", "mlp_bf16", "digits", "mlp_fp32")
 PRECISION = {"recipe": "fp16", "digits": "fp16", "resnet50": "fp16", "mlp_bf16": "bf16",
@@ -148,8 +154,9 @@ def variants(network, device):
     out[AGAIN] = (HAND, hand())
     out["trainer, defaults"] = (HAND, trainer())
     out["trainer, lean"] = (HAND, trainer(**LEAN))
-    out["+ grad norm only"] = (HAND, trainer(track_grad_norm=True, track_memory=False))
-    out["+ memory only"] = (HAND, trainer(track_grad_norm=False, track_memory=True))
+    out["+ grad norm only"] = (HAND, trainer(**dict(LEAN, track_grad_norm=True)))
+    out["+ memory only"] = (HAND, trainer(**dict(LEAN, track_memory=True)))
+    out["+ step time only"] = (HAND, trainer(**dict(LEAN, track_time=True)))
     if network in ("digits", "resnet50"):
         out["lean, no BN guard"] = (HAND, trainer(skip_safe_batchnorm=False, **LEAN))
     if precision != "fp16":

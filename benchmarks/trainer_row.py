@@ -45,11 +45,39 @@ def configs(env, which):
     return rows
 
 
+def _num(value, fmt):
+    return "n/a" if value is None else fmt.format(value)
+
+
+def markdown(doc) -> str:
+    """The rows as a Markdown table for benchmarks/NOTES.md (numbers read from the JSON only)."""
+    lines = [f"{doc['device']}, torch {doc['torch']}; {doc['settings']['warmup']} warm-up + "
+             f"{doc['settings']['steps']} timed steps (CUDA events, median), cuDNN autotuning "
+             f"{'on' if doc['settings']['cudnn_benchmark'] else 'off'}; {doc['seconds']} s in all.",
+             "", "| row | img/s | step ms [q1, q3] | peak reserved GiB | GPU idle | seconds for "
+             "the row (compiling included) |", "|---|---:|---|---:|---:|---:|"]
+    for r in doc["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['label']} | {r['status']}: {r.get('reason')} | | | | |")
+            continue
+        lines.append(f"| {r['label']} | {r['img_per_s']:,.0f} | {r['step_ms']:.2f} "
+                     f"[{r['step_ms_q1']:.2f}, {r['step_ms_q3']:.2f}] | "
+                     f"{_num(r['peak_reserved_gib'], '{:.2f}')} | "
+                     f"{_num(r['gpu_idle_fraction'], '{:.1%}')} | "
+                     f"{r['seconds']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="+", choices=("trainer", "hand"), default=["trainer"])
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--report", type=Path, default=None,
+                   help="print a JSON result of this script as a Markdown table; run nothing")
     args = p.parse_args(argv)
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())))
+        return None
     env = al.setup(quiet=True)
     settings = al.measure.standard_settings(quick=env.quick)
     doc = {"device": env.device_name, "torch": torch.__version__, "rows": [],

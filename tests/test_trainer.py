@@ -955,9 +955,30 @@ def test_trainer_host_calls_per_step_stay_few():
 
     base = _python_calls_per_step(hand)
     lean = _python_calls_per_step(trainer(track_grad_norm=False, track_memory=False))
+    leanest = _python_calls_per_step(trainer(track_grad_norm=False, track_memory=False,
+                                             track_time=False))
     defaults = _python_calls_per_step(trainer())
     assert lean - base <= 25, (base, lean)
+    assert leanest < lean and leanest - base <= 20, (base, leanest)
     assert defaults - base <= 30, (base, defaults)
+
+
+def test_track_time_off_records_no_step_time():
+    """``track_time=False``: no timer (no CUDA events on a GPU), ``time_s`` reads None; the
+    step trains exactly as with it on."""
+    runs = {}
+    for timed in (True, False):
+        model, opt = fresh()
+        trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False,
+                                                      track_time=timed))
+        for x, y in batches(3):
+            record = trainer.train_step([(x, y)])
+        assert (record.time_s is None) is not timed
+        assert all((r.time_s is None) is not timed for r in trainer.history.materialize())
+        runs[timed] = model.state_dict()
+    assert_same_tensors(runs[True], runs[False])
+    with pytest.raises(ValueError, match="track_time"):
+        T.TrainConfig(track_time="no")
 
 
 # --- a step that raises leaves the trainer as it was (issue 23) ---------------------------------

@@ -1,7 +1,10 @@
 # Two commands: `make lab` (set up, open the course in JupyterLab) and `make test` (set up, run every test).
-# Optional: `make torchao` adds torchao (float8 training, low-bit optimizers) to the same .venv.
+# Optional: `make torchao` adds torchao (float8 training, low-bit optimizers) to the same venv.
 PYTHON ?= python3
-VENV   ?= .venv
+# CPU=1: PyTorch's CPU-only wheels (see below), in a venv of their own, so that neither set-up
+# ever finds the other's torch already installed (CPU=0 or no CPU: the default set-up).
+CPU_ONLY := $(filter-out 0 no false,$(CPU))
+VENV   ?= $(if $(CPU_ONLY),.venv-cpu,.venv)
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.amp-lessons-installed
 HOST   ?= 127.0.0.1
@@ -12,24 +15,28 @@ NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sani
 
 # Colab's own widget and plotly versions (no anywidget): a second, small venv that reuses .venv's
 # torch and test tools and overrides only the packages pinned in tests/colab_versions.txt.
-COLAB_VENV := .venv-colab
+COLAB_VENV := $(VENV)-colab
 COLAB_PINS := -r tests/colab_versions.txt
 COLAB_STAMP := $(COLAB_VENV)/.amp-lessons-colab
 COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
 
 .PHONY: lab test unit notebooks browser colab figure-images screenshot claims torchao clean
 
-# CPU=1 (`make lab CPU=1` on a fresh clone or after `make clean`): torch and torchvision at the
-# pinned versions from PyTorch's CPU-only wheel index, for a machine without an NVIDIA GPU; the
-# default, PyPI's torch, brings the CUDA libraries (nvidia-* packages) along.
+# CPU=1 (`make lab CPU=1`, and CPU=1 on every later target: `make test CPU=1`): a machine without
+# an NVIDIA GPU. torch and torchvision at the pinned versions come from PyTorch's CPU-only wheel
+# index into .venv-cpu; the rest as usual (the `+cpu` build satisfies the `torch==` pin, so pip
+# keeps it and the nvidia-* pins go unused). The default, PyPI's torch, brings the CUDA libraries.
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_PINS := $(shell grep -E '^(torch|torchvision)==' constraints.txt)
+CHECK_CPU_TORCH = $(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda and \
+	'$(VENV) holds a CUDA build of torch (' + torch.__version__ + '), not the CPU-only one')"
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(if $(CPU),$(BIN)/python -m pip install -q --no-deps --index-url $(TORCH_CPU_INDEX) $(TORCH_PINS))
+	$(if $(CPU_ONLY),$(BIN)/python -m pip install -q --no-deps --index-url $(TORCH_CPU_INDEX) $(TORCH_PINS))
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[lab,test]'
+	$(if $(CPU_ONLY),$(CHECK_CPU_TORCH))
 	@touch $(STAMP)
 
 # The optional torchao extra (lesson 07's FP8 training on an FP8 GPU; low-bit optimizers), pinned.
@@ -85,4 +92,4 @@ browser: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m browser -rs
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache test-output
+	rm -rf $(sort $(VENV) $(COLAB_VENV) .venv .venv-colab .venv-cpu .venv-cpu-colab) .pytest_cache test-output

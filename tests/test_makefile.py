@@ -1,0 +1,74 @@
+"""The Makefile's set-ups, read with `make -n` (nothing is installed): the default one (PyPI's
+torch, built for CUDA) and `CPU=1` (PyTorch's CPU-only wheels from PyTorch's own index), each in
+a venv of its own so that neither finds the other's torch already installed."""
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def dry_run(*args: str, target: str = "lab") -> list:
+    """The commands ``make -n -B TARGET ARGS`` would run on a fresh clone (``-B``: as if nothing
+    were built yet), one a line (continuations joined)."""
+    proc = subprocess.run(["make", "-n", "-B", "--no-print-directory", target, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.replace("\\\n", " ").splitlines()
+
+
+def _pins() -> list:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    return [x for x in lines if re.match(r"^(torch|torchvision)==", x)]
+
+
+def test_cpu_set_up_takes_the_pinned_torch_from_pytorchs_cpu_index_into_its_own_venv():
+    cmds = dry_run("CPU=1")
+    cpu = [c for c in cmds if CPU_INDEX in c]
+    assert len(cpu) == 1, cmds
+    assert cpu[0].startswith(".venv-cpu/bin/python -m pip install") and "--no-deps" in cpu[0]
+    assert f"--index-url {CPU_INDEX}" in cpu[0]
+    assert cpu[0].split()[-2:] == _pins() and len(_pins()) == 2
+    rest = next(c for c in cmds if "-c constraints.txt -e" in c)
+    assert rest.startswith(".venv-cpu/bin/python") and cmds.index(rest) > cmds.index(cpu[0])
+    check = next(c for c in cmds if "torch.version.cuda" in c)  # a CUDA torch fails the set-up
+    assert check.startswith(".venv-cpu/bin/python -c") and cmds.index(check) > cmds.index(rest)
+    assert "touch .venv-cpu/.amp-lessons-installed" in cmds
+    assert any(c.startswith(".venv-cpu/bin/jupyter lab") for c in cmds)
+    assert not any(re.search(r"(^|[ /])\.venv/", c) for c in cmds), "CPU=1 touched .venv"
+
+
+@pytest.mark.parametrize("args", [(), ("CPU=0",), ("CPU=",)], ids=["default", "CPU=0", "CPU="])
+def test_default_set_up_uses_pypi_torch_in_dot_venv(args):
+    cmds = dry_run(*args)
+    assert not any(CPU_INDEX in c or "torch.version.cuda" in c for c in cmds)
+    assert "touch .venv/.amp-lessons-installed" in cmds
+    assert not any(".venv-cpu" in c for c in cmds)
+
+
+def test_the_colab_venv_reuses_the_torch_of_the_set_up_it_belongs_to():
+    default = " ".join(dry_run(target="colab"))
+    cpu = " ".join(dry_run("CPU=1", target="colab"))
+    assert "-m venv .venv-colab" in default and "/.venv/lib/" in default
+    assert "-m venv .venv-cpu-colab" in cpu and "/.venv-cpu/lib/" in cpu
+    assert ".venv-colab/" not in cpu and "/.venv/lib/" not in cpu
+
+
+def test_clean_removes_both_set_ups_and_git_ignores_them():
+    (clean,) = [c for c in dry_run(target="clean") if c.startswith("rm -rf")]
+    assert set(clean.split()) >= {".venv", ".venv-colab", ".venv-cpu", ".venv-cpu-colab"}
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert {".venv/", "/.venv-colab/", "/.venv-cpu/", "/.venv-cpu-colab/"} <= set(ignored)
+
+
+def test_readme_documents_the_cpu_only_path_and_its_size():
+    readme = (ROOT / "README.md").read_text()
+    assert "make lab CPU=1" in readme and CPU_INDEX in readme and ".venv-cpu" in readme
+    part = readme[readme.index("Without an NVIDIA GPU"):][:1500]
+    assert "CPU-only" in part and re.search(r"about [\d.]+ GiB", part)
+    assert "make clean && make lab CPU=1" not in readme  # its own venv: nothing to clean first

@@ -46,7 +46,9 @@ def test_every_published_key_can_be_explained(key):
 
 
 def test_timed_tables_end_at_the_timer():
-    for key in ("lesson04.resnet", "lesson05.techniques", "lesson07.speed", "lesson09.summary"):
+    for key in ("lesson04.resnet", "lesson04.claim-r6", "lesson05.techniques", "lesson05.frontier",
+                "lesson06.cnn-wrapping", "lesson06.transformer-scaling", "lesson07.speed",
+                "lesson08.recipes", "lesson09.summary", "lesson09.resnet_vs_lesson04"):
         assert provenance.producers(key)[-1] == "amp_lessons.bench.timer.time_steps", key
 
 

@@ -5,6 +5,7 @@ from typing import Dict, Sequence
 
 TIMED = ("amp_lessons.bench.runner.run_configs", "amp_lessons.bench.runner.measure",
          "amp_lessons.bench.steps.hand_step", "amp_lessons.bench.timer.time_steps")
+DISTRIBUTED = ("amp_lessons.distributed.timed_repeats", "amp_lessons.bench.timer.time_steps")
 VERDICT = ("amp_lessons.report.publish_verdicts", "amp_lessons.claims.decide")
 _L = "amp_lessons.lessons."
 
@@ -38,14 +39,14 @@ PUBLISHED: Dict[str, Sequence[str]] = {
                                    "amp_lessons.bench.search.verified_batch"),
     "lesson06.cnn-wrapping": (_L + "l06_multi_gpu.wrap_rows", _L + "l06_multi_gpu.wrap_configs",
                               "amp_lessons.distributed.run_experiments",
-                              "amp_lessons.distributed.run_one"),
+                              "amp_lessons.distributed.run_one") + DISTRIBUTED,
     "lesson06.transformer-scaling": ("amp_lessons.distributed.SweepResult.published_rows",
                                      _L + "l06_multi_gpu.transformer_configs",
                                      "amp_lessons.distributed.run_experiments",
-                                     "amp_lessons.distributed.run_one"),
+                                     "amp_lessons.distributed.run_one") + DISTRIBUTED,
     "lesson06.claim_r10c": (_L + "l06_multi_gpu.r10c_rows", _L + "l06_multi_gpu.zero_savings",
                             "amp_lessons.distributed.run_experiments",
-                            "amp_lessons.distributed.run_one"),
+                            "amp_lessons.distributed.run_one") + DISTRIBUTED,
     "lesson07.speed": (_L + "l07_fp8.speed_report_rows", "amp_lessons.bench.float8.speed_sweep",
                        "amp_lessons.bench.float8.measure_float8",
                        "amp_lessons.bench.timer.time_steps"),

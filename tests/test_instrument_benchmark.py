@@ -53,3 +53,15 @@ def test_smoke_run_writes_every_variant(instrument, tmp_path):
     assert result["measure_row"]["status"] == "ok" and result["plain_after_profiler_img_per_s"] > 0
     with pytest.raises(SystemExit):
         instrument.main(["--smoke", "--rounds", "1"])
+
+
+def test_report_renders_a_committed_run(instrument, capsys):
+    """``--report`` prints the JSON as NOTES.md's table, numbers from the JSON only."""
+    path = SCRIPT.parent / "results" / "instrument_h200_checkpoint.json"
+    doc = json.loads(path.read_text())
+    text = instrument.markdown(doc)
+    c = doc["configs"][0]
+    assert c["describe"] in text and f"{c['floor_pct']:.2f}%" in text
+    assert f"{c['plain_img_per_s']:,.0f}" in text
+    assert instrument.main(["--report", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == text

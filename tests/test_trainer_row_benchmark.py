@@ -1,0 +1,40 @@
+"""benchmarks/trainer_row.py on the CPU: lesson 04's trainer row (and its hand-loop twin) through
+``bench.run_configs`` as the notebook measures it; the compiled rows read "skipped" with the
+reason and run eagerly at tiny sizes; ``--report`` renders the JSON. The H200 run decides
+(issue 22)."""
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "trainer_row.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("trainer_row", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_trainer_row_runs_and_reports_on_the_cpu(tmp_path, capsys):
+    script = _load()
+    out = tmp_path / "row.json"
+    doc = script.main(["--rows", "trainer", "--json", str(out)])
+    rows = doc["rows"]
+    assert [r["status"] for r in rows] == ["skipped", "ok"]
+    assert "GPU" in rows[0]["reason"] and rows[0]["config"]["loop"] == "trainer"
+    assert rows[1]["config"]["trainer_tracking"] is False and rows[1]["img_per_s"] > 0
+    assert rows[1]["config"]["compile"] is None  # the CPU smoke runs it eagerly
+    assert json.loads(out.read_text())["rows"][1]["label"] == rows[1]["label"]
+    capsys.readouterr()
+    text = script.markdown(json.loads(out.read_text()))
+    assert "skipped: torch.compile" in text and f"{rows[1]['img_per_s']:,.0f}" in text
+    hand = script.configs(script.al.setup(quiet=True), ["hand"])
+    assert hand[0].loop == "hand" and hand[0].label.startswith("hand-written loop: ")
+
+
+def test_the_committed_h200_run_reads_back():
+    doc = json.loads((SCRIPT.parent / "results" / "trainer_row_h200.json").read_text())
+    text = _load().markdown(doc)
+    assert doc["rows"][0]["config"]["loop"] == "trainer" and doc["rows"][0]["status"] == "ok"
+    assert f"{doc['rows'][0]['img_per_s']:,.0f}" in text and "batch 512" in text

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ._validate import check_int, is_real
-from .tables import markdown_text
+from .tables import markdown_text, plural
 
 ARTICLES = {
     "R": ("PyTorch 2.0 混合精度训练实战：ResNet-50 显存节省 40% 的 3 个关键配置 (\"Mixed precision "
@@ -448,7 +448,7 @@ def timing_gate(device_type: str, steps: int, warmup: int = 1,
     if warmup < 1:
         return "timed without a warm-up step: the first steps include one-time setup"
     if steps < min_steps:
-        return f"only {steps} timed steps (at least {min_steps} needed for a stable median)"
+        return f"only {plural(steps, 'timed step')} (at least {min_steps} needed for a stable median)"
     if gpu_idle_fraction is not None and gpu_idle_fraction > max_idle:
         return (f"the GPU was idle {gpu_idle_fraction:.0%} of each step (host and launch "
                 f"overhead), so the step time does not measure the arithmetic the claim is about")

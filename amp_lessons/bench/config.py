@@ -11,6 +11,7 @@ from .. import models as _models
 from .._validate import check_bool, check_choice, check_int, check_real
 from ..env import device_capability
 from ..precision import PRECISIONS, native_bf16
+from ..tables import plural
 
 MODELS = {
     "resnet50": _models.resnet50,
@@ -54,8 +55,8 @@ def settings_caption(settings: Optional[Dict[str, object]] = None) -> str:
                                                                               s["optimizer"])
     impl = "" if s["impl"] == "default" else f"{s['impl']} "
     return (f"{'channels_last' if s['channels_last'] else 'NCHW'}, cuDNN autotuning "
-            f"{'on' if s['cudnn_benchmark'] else 'off'}, {impl}{opt}, median of {s['steps']} "
-            f"timed steps after {s['warmup']} warm-up")
+            f"{'on' if s['cudnn_benchmark'] else 'off'}, {impl}{opt}, median of "
+            f"{plural(s['steps'], 'timed step')} after {s['warmup']} warm-up")
 
 
 # --- configurations -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from .._validate import check_bool, check_int
 from ..data import synthetic_images
 from ..env import allocatable_bytes
 from ..precision import precision_settings
+from ..tables import plural
 from . import provenance as _provenance
 from .config import BenchConfig, skip_reason
 from .memory import GIB, memory_breakdown, optimizer_state_tensors, tensor_bytes
@@ -83,7 +84,7 @@ def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
                              "its memory pool for the whole run")
     if not math.isfinite(row["loss"]):
         row["status"] = "error"
-        row["reason"] = f"loss is {row['loss']} after {warmup + steps} steps (timing kept)"
+        row["reason"] = f"loss is {row['loss']} after {plural(warmup + steps, 'step')} (timing kept)"
     return row
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..tables import format_value, html_table, json_safe, percent
+from ..tables import format_value, html_table, json_safe, percent, plural
 from ..files import write_atomic
 
 # scoped to the report's <div>, so a notebook's own styles stay as they are
@@ -102,7 +102,7 @@ class DoctorReport:
         dtype trace, compile and FP8 sections, and the layer table (the riskiest 12 layers,
         or every layer with ``all_layers``)."""
         e = html.escape
-        parts = [f"<h3>doctor: {e(self.model)} ({self.parameters:,} parameters) on "
+        parts = [f"<h3>doctor: {e(self.model)} ({plural(self.parameters, 'parameter')}) on "
                  f"{e(self.device_name)}</h3>",
                  f"<p>batch {e(self.batch)}; loss: {e(self.loss)}; torch {e(self.torch)}; "
                  f"{self.seconds:.1f} s ("

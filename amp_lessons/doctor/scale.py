@@ -87,7 +87,7 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
         lines.append(f"The default init_scale 2^{default_k} is safe but low: "
                      f"{underflow_at_default:.3%} of gradient values underflow there against "
                      f"{underflow_at_k:.3%} at 2^{k}, and growing there at one doubling per "
-                     f"growth_interval={DEFAULT.growth_interval} clean steps takes {steps:,} steps. "
+                     f"growth_interval={DEFAULT.growth_interval} clean steps takes {plural(steps, 'step')}. "
                      f"Start at init_scale=2^{init_k}.")
     else:
         lines.append(f"The default init_scale 2^{default_k} is one halving below that ceiling: "

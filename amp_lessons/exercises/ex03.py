@@ -4,6 +4,7 @@ falls below 1. Graded against the scale traces the trainer recorded."""
 import math
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
+from ..tables import plural
 from ..trainer import ScalerSettings
 from .check import Check, HintText, hint_book, is_blank, passed, read_hint, unanswered, wrong
 
@@ -128,7 +129,7 @@ def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequen
             return wrong(RULE, f"step {i} (after a {prev} step): your rule gives {a:g}, the run "
                          f"used {float(b):g}", why)
     return passed(RULE, f"your rule reproduces all {len(scales)} scales of the run, "
-                  f"{sum(map(bool, skipped))} skips included")
+                  f"{plural(sum(map(bool, skipped)), 'skip')} included")
 
 
 def trace_cause(scales: Sequence[float], skipped: Sequence[bool]) -> str:
@@ -165,7 +166,7 @@ def check_trace_causes(answer: Mapping[str, str],
                    f"all {total} steps of trace {letter} were skipped and its scale only fell, "
                    f"never recovered: no scale fixes that, something overflows at every step",
                    "init_scale too high":
-                   f"trace {letter} skipped its first {first} steps in a row, then trained: its "
+                   f"trace {letter} skipped its first {plural(first, 'step')} in a row, then trained: its "
                    f"scale had to come down from too high a start",
                    "healthy":
                    f"trace {letter} skipped {n} of {total} steps, and not a run of them at the "

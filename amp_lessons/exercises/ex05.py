@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..precision import as_device, check_precision
+from ..tables import plural
 from ..trainer import ScalerSettings, TrainConfig, Trainer
 from .check import (Check, HintText, hint_book, is_blank, passed, read_hint, skipped, unanswered,
                     wrong)
@@ -116,7 +117,7 @@ def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Che
         return wrong(ACCUMULATE, "some parameters got no gradient", hint)
     ratio = float(mine[0].norm() / want[0].norm())
     if all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(mine, want)):
-        return passed(ACCUMULATE, f"{micro_batches} micro-batches give the gradients of one "
+        return passed(ACCUMULATE, f"{plural(micro_batches, 'micro-batch', 'micro-batches')} give the gradients of one "
                       f"batch of {len(x)}")
     if abs(ratio - micro_batches) < 0.05 * micro_batches:
         return wrong(ACCUMULATE, f"the gradients are {ratio:.2f}x those of one large batch",
@@ -187,12 +188,12 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
                                 "output: checkpointing recomputes exactly the same blocks on the "
                                 "same input"))
     if mine_bytes > plain_bytes / 2:
-        return wrong(CHECKPOINT, f"the graph saved {mine_bytes:,} bytes, the plain forward "
+        return wrong(CHECKPOINT, f"the graph saved {plural(mine_bytes, 'byte')}, the plain forward "
                      f"{plain_bytes:,}: nothing was checkpointed", hint.after(
                          "calling block(x) yourself keeps everything the block computes for "
                          "backward: hand the block and its input to "
                          "torch.utils.checkpoint.checkpoint instead, which keeps only the input"))
-    return passed(CHECKPOINT, f"same gradients; the graph saved {mine_bytes:,} bytes instead of "
+    return passed(CHECKPOINT, f"same gradients; the graph saved {plural(mine_bytes, 'byte')} instead of "
                   f"{plain_bytes:,}")
 
 

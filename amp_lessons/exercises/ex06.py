@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from ..tables import plural
 from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, skipped,
                     unanswered, within, wrong)
 
@@ -261,7 +262,7 @@ def grade_reports(reports: Sequence[Mapping]) -> Check:
                      hint.after("pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
                                 "reduce_dtype=torch.float32) to every fully_shard call"))
     return passed(SCRIPT, f"{PROCESSES} ranks: DDP weights identical after training; FSDP2 "
-                  f"holds {local} of {full:,} parameters per rank in {units} units, computing "
+                  f"holds {local} of {full:,} parameters per rank in {plural(units, 'unit')}, computing "
                   f"in bf16")
 
 
@@ -330,6 +331,6 @@ def check_efficiency(fn: Callable, summary: Sequence[Mapping]) -> Check:
             speedup = r["per_s"] / single[r["label"]]
             why = (hint.after("that is the speed-up; divide it by the number of processes")
                    if v is not None and math.isclose(v, speedup, rel_tol=1e-9) else hint)
-            return wrong(EFFICIENCY, f"{r['label']} on {r['world_size']} processes: you give "
+            return wrong(EFFICIENCY, f"{r['label']} on {plural(r['world_size'], 'process', 'processes')}: you give "
                          f"{got!r}, the sweep {r['efficiency']:.4f}", why)
-    return passed(EFFICIENCY, f"matches the sweep on {len(rows)} rows")
+    return passed(EFFICIENCY, f"matches the sweep on {plural(len(rows), 'row')}")

@@ -26,7 +26,7 @@ from ..models import build_digits_model
 from ..precision import Device, as_device, check_precision, normalize_precision, precision_settings
 from ..recipes import train_digits
 from ..report import show_table
-from ..tables import percent, text_table
+from ..tables import percent, plural, text_table
 from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
 
 LESSON = "02"
@@ -87,7 +87,7 @@ def gpu_busy(step: Callable, x: torch.Tensor, y: torch.Tensor, device: Device = 
         return None, f"the profiler failed: {type(exc).__name__}: {exc}"[:200]
     if not busy:
         return None, "the profiler recorded no GPU work (CUPTI unavailable?)"
-    return busy, f"torch.profiler, union of device kernels over {steps} steps"
+    return busy, f"torch.profiler, union of device kernels over {plural(steps, 'step')}"
 
 
 def _seeded_model(model: str, width: int, image_size: Optional[int], seed: int, dev):

@@ -399,7 +399,7 @@ def capture_gradients(steps: int = 20, setup: RunSetup = RunSetup(model="cnn", i
     for _ in range(steps):
         trainer.train_step([next(batches)])
     if not capture.magnitudes:
-        raise RuntimeError(f"every one of the last {last} steps had non-finite gradients")
+        raise RuntimeError(f"every one of the last {plural(last, 'step')} had non-finite gradients")
     return capture.magnitudes, capture.step
 
 
@@ -473,8 +473,8 @@ def compare_settling(defaults: ScalerRun, tuned: ScalerRun,
     def settled(v):
         return "never" if v is None else f"after {plural(v, 'step')}"
 
-    measured = (f"{defaults.name}: {ed} early skips, settled {settled(sd)}, final loss "
-                f"{final_loss(defaults.losses):.4f}; {tuned.name}: {et} early skips, settled "
+    measured = (f"{defaults.name}: {plural(ed, 'early skip')}, settled {settled(sd)}, final loss "
+                f"{final_loss(defaults.losses):.4f}; {tuned.name}: {plural(et, 'early skip')}, settled "
                 f"{settled(st)}, final loss {final_loss(tuned.losses):.4f}")
     if ed == 0 and et == 0 and sd == st:
         return None, measured, ("neither run wobbled (no early skipped steps), so there was "
@@ -482,7 +482,7 @@ def compare_settling(defaults: ScalerRun, tuned: ScalerRun,
     faster = (inf if st is None else st) < (inf if sd is None else sd)
     held = faster and et <= ed
     why = (f"{tuned.name} settled {sd if sd is not None else 'never'} -> "
-           f"{st if st is not None else 'never'} steps with {ed} -> {et} early skips: "
+           f"{st if st is not None else 'never'} steps with {ed} -> {plural(et, 'early skip')}: "
            + ("sooner, with no more wobble" if held else "not sooner with less wobble"))
     return held, measured, why
 
@@ -493,7 +493,7 @@ MIN_DECIDING_STEPS = 200  # shorter runs show the first overflows only, not how 
 def _too_short(runs: Sequence[ScalerRun], what: str) -> Optional[str]:
     steps = min(len(r.steps) for r in runs)
     if steps < MIN_DECIDING_STEPS:
-        return (f"only {steps} steps per run ({what} needs at least {MIN_DECIDING_STEPS}: a short "
+        return (f"only {plural(steps, 'step')} per run ({what} needs at least {MIN_DECIDING_STEPS}: a short "
                 f"run shows the first overflows, not how the scale settles; the full profile runs "
                 f"longer)")
     return None
@@ -565,8 +565,9 @@ def steadier(base: ScalerRun, larger: ScalerRun,
         raise ValueError(f"larger must have the larger growth_factor; got {gl:g} vs {gb:g}")
     sb, sl = sum(base.skipped), sum(larger.skipped)
     lb, ll = final_loss(base.losses), final_loss(larger.losses)
-    measured = (f"growth_factor {gb:g}: {sb} skipped steps, final loss {lb:.4f}; growth_factor "
-                f"{gl:g}: {sl} skipped steps, final loss {ll:.4f} ({len(base.steps)} steps, "
+    measured = (f"growth_factor {gb:g}: {plural(sb, 'skipped step')}, final loss {lb:.4f}; "
+                f"growth_factor {gl:g}: {plural(sl, 'skipped step')}, final loss {ll:.4f} "
+                f"({plural(len(base.steps), 'step')}, "
                 f"growth_interval {base.settings.growth_interval})")
     if sb == 0:
         return None, measured, "the base run never skipped a step: no wobble to steady"
@@ -591,8 +592,8 @@ def lower_start_steadies(wobbly: ScalerRun, lower: ScalerRun,
     if not b < a:
         raise ValueError(f"lower must start below wobbly; got init_scale {b:g} vs {a:g}")
     ew, el = early_skips(wobbly, window), early_skips(lower, window)
-    measured = (f"init_scale {pow2_text(a)}: {ew} early skips; init_scale {pow2_text(b)}: "
-                f"{el} early skips")
+    measured = (f"init_scale {pow2_text(a)}: {plural(ew, 'early skip')}; init_scale "
+                f"{pow2_text(b)}: {plural(el, 'early skip')}")
     if ew == 0:
         return None, measured, "the high start did not wobble: nothing to steady"
     return (el < ew), measured, (f"starting lower cut the early skipped steps {ew} -> {el}"
@@ -627,7 +628,7 @@ def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, large
     changes_nothing = bool(error) and same
     generous, g_measured, g_why = steadier(base, larger)
     measured = (f"{error or 'scale_factor accepted'}; the default growth_factor measures "
-                f"{default_growth:g}; over {n} steps the run with growth_factor=2.0 had "
+                f"{default_growth:g}; over {plural(n, 'step')} the run with growth_factor=2.0 had "
                 f"{'the same' if same else 'different'} scales and skipped steps as the default "
                 f"run (largest loss difference {diff:.3g}); {g_measured}")
     no_knob = ("GradScaler has no scale_factor argument" if error else

@@ -255,7 +255,7 @@ def rows_caption(*rows: Dict[str, object]) -> str:
     return (f"{values('channels_last', lambda v: 'channels_last' if v else 'NCHW')}, "
             f"{values('label', str).replace('/', ' / ')}; cuDNN autotuning "
             f"{values('cudnn_benchmark', lambda v: 'on' if v else 'off')}, {impl} {opt}, median "
-            f"of {steps} timed steps after {warmup} warm-up")
+            f"of {plural(steps, 'timed step')} after {warmup} warm-up")
 
 
 def timing_caveat(rows: Sequence[Dict[str, object]]) -> str:
@@ -547,7 +547,7 @@ def verdict_r7(runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> cl
     measured = (f"largest drop of autocast-evaluated accuracy below fp32's "
                 f"{100 * reference:.1f}%: {100 * worst_drop:+.2f} points ({worst.get('label')}); "
                 f"evaluating with autocast disabled changed accuracy by at most "
-                f"{100 * recovered:+.2f} points over {len(half)} half-precision runs")
+                f"{100 * recovered:+.2f} points over {plural(len(half), 'half-precision run')}")
     dropped = [r for d, r in drops if d > tolerance]
     numbers = {"largest_drop": worst_drop, "max_difference": recovered}
     gate = accuracy_reason(*half, *full)

@@ -29,7 +29,7 @@ from ..bench.cards import largest_per_card
 from ..bench.counted import counted_memory_model, counted_step_memory  # noqa: F401
 from ..precision import as_device, check_precision, native_tf32
 from ..tables import (format_value, largest_batch_report_rows,  # noqa: F401 (lesson API)
-                      shown_technique, technique_report_rows, technique_with_math)
+                      plural, shown_technique, technique_report_rows, technique_with_math)
 from ..trainer import ScalerSettings, Trainer, TrainConfig
 
 LESSON = "05"
@@ -434,7 +434,7 @@ def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> D
         table.append(line)
     return {"rows": table, "columns": ["card (GB)"] + [shown[t] for t in techniques],
             "note": f"n x m: n micro-batches of m images per optimizer step (accumulate=n), the "
-                    f"fewest that reach {target_batch} images with micro-batches that fit."}
+                    f"fewest that reach {plural(target_batch, 'image')} with micro-batches that fit."}
 
 
 @claims.decides("R10a", "R10b")

@@ -38,7 +38,7 @@ from .. import optim
 from .._validate import check_int, check_real, is_real
 from ..bench.memory import GIB
 from ..report import show_table
-from ..tables import text_table
+from ..tables import plural, text_table
 from . import l07_fp8
 
 LESSON = "08"
@@ -155,7 +155,7 @@ def teacher_student(width: int, batch_size: int, steps: int, device, lr: float =
     return Workload("teacher-student MLP", lambda: mlp(width, depth), batch, loss_fn, steps,
                     cosine_lr(lr, steps), None,
                     f"a {depth} x Linear({width}) MLP learns a fixed teacher, batch {batch_size}, "
-                    f"{steps} steps")
+                    f"{plural(steps, 'step')}")
 
 
 def text_corpus(max_bytes: Optional[int] = None) -> "l07_fp8.Corpus":
@@ -182,7 +182,7 @@ def byte_gpt(corpus: "l07_fp8.Corpus", model_kwargs: Mapping, batch_size: int, s
     return Workload("byte-level GPT", lambda: _models.TinyTransformer(**kwargs), batch,
                     _models.lm_loss, steps, cosine_lr(lr, steps, min(warmup, steps - 1)), 1.0,
                     f"a {model.parameter_count() / 1e6:.2f} M-parameter GPT on {corpus.describe()}, "
-                    f"{batch_size} x {seq_len} bytes per step, {steps} steps")
+                    f"{batch_size} x {plural(seq_len, 'byte')} per step, {plural(steps, 'step')}")
 
 
 def run_recipes(workload: Workload, recipes: Sequence[str], device, seeds: Sequence[int] = (0, 1),
@@ -323,7 +323,7 @@ def r10c_line(per_rank: Sequence[Mapping]) -> str:
     best = max(zero, key=lambda r: r["GPUs"]) if zero else None
     shrink = one.get("8-bit state, one GPU") or one.get("bf16 + Kahan, one GPU")
     text = (f"claim R10c ({claim.says}) is decided by lesson {claim.lesson}'s multi-GPU run. "
-            f"Here, per rank: ZeRO-1 over {best['GPUs']} GPUs saves {best['saved per rank %']:.0f}%")
+            f"Here, per rank: ZeRO-1 over {plural(best['GPUs'], 'GPU')} saves {best['saved per rank %']:.0f}%")
     if shrink:
         text += (f"; {shrink['setup']} saves {shrink['saved per rank %']:.0f}% with no second GPU")
     return text + "."

@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 from .. import formats
 from .._validate import is_int
 from ..formats import lost_shares  # noqa: F401 (re-exported: figures and panels use it)
-from ..tables import percent, pow2_text  # noqa: F401 (re-exported)
+from ..tables import percent, plural, pow2_text  # noqa: F401 (re-exported)
 
 TEMPLATE = "plotly_white"
 
@@ -414,7 +414,7 @@ def update_gradient_histogram(fig, magnitudes_by_layer: Mapping[str, object],
     x_range = tuple(fig.layout.xaxis.range)
     data = _histogram_data(magnitudes_by_layer, scale, x_range)
     if len(data) != len(fig.data):
-        raise ValueError(f"figure has {len(fig.data)} layer traces; got {len(data)} layers")
+        raise ValueError(f"figure has {len(fig.data)} layer traces; got {plural(len(data), 'layer')}")
     for trace, (name, (centers, counts, zeros)) in zip(fig.data, data.items()):
         trace.update(x=centers, y=counts, customdata=centers - 0.5,
                      name=f"{name} ({zeros} exact zeros)")

@@ -217,8 +217,9 @@ def shares_html(magnitudes_by_layer: Mapping[str, object], k: int, fmt: str) -> 
     """The loss-scale explorer's summary: the shares ``plots.lost_shares`` gives (the same text
     as the histogram's title; a nonzero count never reads as 0%)."""
     s = plots.lost_shares(magnitudes_by_layer, 2.0 ** k, fmt)
-    return (f"scale 2<sup>{k}</sup> = {2.0 ** k:.6g}: of the {s['nonzero']:,} nonzero gradient "
-            f"values, <b>{s['flushed']}</b> flushed to zero, <b>{s['subnormal']}</b> subnormal, "
+    return (f"scale 2<sup>{k}</sup> = {2.0 ** k:.6g}: of the "
+            f"{plural(s['nonzero'], 'nonzero gradient value')}, <b>{s['flushed']}</b> flushed to "
+            f"zero, <b>{s['subnormal']}</b> subnormal, "
             f"<b>{s['normal']}</b> normal, <b>{s['overflow']}</b> overflow in "
             f"{formats.get_format(fmt).name}")
 
@@ -771,6 +772,6 @@ class PresetComparison(BackgroundRun):
         first = next(iter(runs.values())).columns()
         new = plots.preset_comparison(
             {n: r.columns() for n, r in runs.items()},
-            title=f"GradScaler presets on the same run ({len(first['steps'])} steps, same seed "
+            title=f"GradScaler presets on the same run ({plural(len(first['steps']), 'step')}, same seed "
                   f"and data{'' if final else ', running'})")
         self.live.update(lambda fig: _replace_figure(fig, new))

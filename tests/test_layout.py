@@ -70,9 +70,10 @@ def test_lesson_modules_import_neither_ipywidgets_nor_plotly(path):
     assert not found, f"{rel(path)} imports {found}: figures and panels live in ui/"
 
 
-ENGINE_ONLY = re.compile(r"cuda\.Event|max_memory_(allocated|reserved)|reset_peak_memory_stats|"
+ENGINE_ONLY = re.compile(r"cuda\.Event|memory_(allocated|reserved|stats)|reset_peak_memory_stats|"
                          r"OutOfMemoryError|empty_cache|gc\.collect|mem_get_info|profile\(activities|"
-                         r"set_per_process_memory_fraction|time\.perf_counter\(|time\.time\(")
+                         r"set_per_process_memory_fraction|cuda\.synchronize|timeit|"
+                         r"time\.(perf_counter|perf_counter_ns|monotonic|process_time|time)\(")
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=rel)
@@ -80,6 +81,15 @@ def test_lesson_modules_define_no_timing_memory_or_out_of_memory_logic(path):
     """Timers, peak-memory counters, out-of-memory handling and memory release live in bench/."""
     found = sorted({m.group(0) for m in ENGINE_ONLY.finditer(path.read_text())})
     assert not found, f"{rel(path)} uses {found}: measure through amp_lessons.bench"
+
+
+def test_the_engine_only_rule_sees_every_timer_and_memory_counter():
+    for line in ("torch.cuda.max_memory_allocated(d)", "torch.cuda.memory_allocated(d)",
+                 "torch.cuda.memory_reserved()", "torch.cuda.memory_stats(d)",
+                 "torch.cuda.synchronize(d)", "t = time.monotonic()", "time.perf_counter_ns()",
+                 "time.process_time()", "import timeit", "except torch.OutOfMemoryError:"):
+        assert ENGINE_ONLY.search(line), line
+    assert not ENGINE_ONLY.search("rows = bench.measure(config, device)  # timed by the engine")
 
 
 def test_the_ui_import_rule_sees_every_form():

@@ -13,11 +13,15 @@ from tqdm.std import tqdm as _plain
 
 from .tables import plural
 
+# tqdm.auto's bar is tqdm.notebook's in a Jupyter kernel; elsewhere it is tqdm's asyncio bar (a
+# text bar, but not tqdm.std's class itself), which takes no `display` argument.
+IN_NOTEBOOK = any(c.__module__ == "tqdm.notebook" for c in _auto.__mro__)
+
 
 def progress_bar(iterable=None, **kwargs):
     """``tqdm.auto.tqdm(iterable, **kwargs)``: in a notebook, a live bar whose output becomes
     plain text when it closes (``summary_text``); elsewhere tqdm's own text bar."""
-    if _auto is _plain or kwargs.get("disable"):
+    if not IN_NOTEBOOK or kwargs.get("disable"):
         return _auto(iterable, **kwargs)
     return _NotebookBar(iterable, **kwargs)
 
@@ -34,7 +38,7 @@ def summary_text(desc: str, n: int, total, unit: str, elapsed: float) -> str:
     return f"{desc + ': ' if desc else ''}{count} in {_plain.format_interval(elapsed)}{stopped}"
 
 
-if _auto is not _plain:  # tqdm picked its notebook bar: this is a Jupyter kernel
+if IN_NOTEBOOK:  # tqdm picked its notebook bar: this is a Jupyter kernel
     class _NotebookBar(_auto):
         """tqdm's notebook bar shown under a display id, so closing it can replace the widget
         with its summary line (an ``update_display_data`` that nbclient and Jupyter save)."""

@@ -21,6 +21,18 @@ def test_outside_a_notebook_it_is_tqdms_text_bar():
     assert isinstance(bar, plain_tqdm) and list(bar) == [0, 1, 2]
 
 
+def test_a_shown_bar_in_a_terminal_is_a_text_bar(capsys):
+    # pytest is no Jupyter kernel: tqdm.auto gives its asyncio text bar, which takes no `display`
+    # (`python -m amp_lessons train` failed on it in every terminal)
+    assert not progress.IN_NOTEBOOK
+    bar = progress.progress_bar(range(3), desc="epoch 1", unit="batch")
+    assert isinstance(bar, plain_tqdm) and list(bar) == [0, 1, 2]
+    bar = progress.progress_bar(total=4, desc="x", leave=False)
+    bar.update(4)
+    bar.close()
+    assert "3/3" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_finished_bar_leaves_plain_text_in_the_saved_notebook(tmp_path):
     """Run in a real kernel: the saved output is text, not a widget a static view cannot show."""

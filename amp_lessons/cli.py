@@ -366,6 +366,7 @@ def _cmd_bench(args) -> int:
     import json
 
     from .bench import DEFAULT_COLUMNS, BenchConfig, batch_size_for, results_document, run_configs
+    from .claims import rows_timing_gate
     from .tables import text_table
     from .env import probe
 
@@ -389,6 +390,12 @@ def _cmd_bench(args) -> int:
     rows = run_configs(configs, env.device, warmup=args.warmup or (1 if quick else 5),
                        steps=args.steps or (3 if quick else 15), progress=False)
     print(text_table(rows, DEFAULT_COLUMNS))
+    ok = [r for r in rows if r.get("status") == "ok"]
+    why = rows_timing_gate(*ok) if len(ok) > 1 else None  # the gate of every timing verdict
+    for line in [f"note: no speed comparison: {why}" if why else ""] + [
+            cpu_half_hint(p, env.device) for p in precisions]:
+        if line:
+            print(line)
     if args.json is not None:
         doc = results_document(rows, env.device, profile=env.profile)
         try:
@@ -468,8 +475,8 @@ def _loss_text(value) -> str:
 
 
 def cpu_half_hint(precision: str, device=None) -> str:
-    """One line on why ``train --precision fp16`` (or ``amp``) is slow when it runs on a CPU, or
-    ``""`` elsewhere: the speed-up of fp16 is a GPU's."""
+    """One line on why ``train`` or ``bench`` with ``--precision fp16`` (or ``amp``) is slow when
+    it runs on a CPU, or ``""`` elsewhere: the speed-up of fp16 is a GPU's."""
     from .precision import as_device
 
     if precision not in ("fp16", "amp") or as_device(device).type != "cpu":

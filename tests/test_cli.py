@@ -208,6 +208,15 @@ def test_bench_json_path_is_checked_before_measuring(tmp_path, capsys):
     assert out.out == ""  # nothing was measured
 
 
+def test_bench_on_a_cpu_says_its_rows_are_no_speed_comparison(capsys):
+    # issue 24: fp16 at a tenth of fp32's speed on a CPU, printed with no word on why
+    assert main(["bench", "--profile", "quick", "--steps", "1", "--image-size", "16",
+                 "--batch-size", "2", "--precision", "fp32", "amp"]) == 0
+    out = capsys.readouterr().out
+    assert "fp16 + GradScaler" in out and "note: no speed comparison: timed on cpu" in out
+    assert "hint: fp16 on a CPU runs slower than fp32" in out
+
+
 def test_claims_command_checks_docs_claims_md(capsys):
     assert main(["claims", "--check"]) == 0
     assert "current" in capsys.readouterr().out

@@ -34,7 +34,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 NOT_MEASURED = "not measured"
 TORCHAO_REQUIREMENT = "torchao>=0.18"  # the same as pyproject.toml's torchao extra (a test checks)
-INSTALL_HINT = f'make torchao in the course\'s clone, or pip install "{TORCHAO_REQUIREMENT}"'
+INSTALL_HINT = f'`make torchao` in the course\'s clone, or `pip install "{TORCHAO_REQUIREMENT}"`'
 
 
 def check_ints(name: str, values, low: int) -> Tuple[int, ...]:

@@ -44,10 +44,13 @@ torchao: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torchao]'
 
 # JupyterLab on localhost only, token authentication left on (the URL with the token is printed).
-# On a machine without a display (a server, a container): `make lab OPEN_BROWSER=False`.
+# A browser opens where there is a display to show it (DISPLAY or WAYLAND_DISPLAY set, macOS,
+# Windows); on a server or in a container JupyterLab only prints the URL, without its "No web
+# browser found" attempt. `make lab OPEN_BROWSER=True` (or False) decides instead.
+OPEN_BROWSER ?= $(if $(DISPLAY)$(WAYLAND_DISPLAY)$(filter Windows_NT,$(OS))$(filter Darwin,$(shell uname -s 2>/dev/null)),True,False)
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_OK) --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
-		--ServerApp.root_dir=notebooks --ServerApp.open_browser=$${OPEN_BROWSER:-True}
+		--ServerApp.root_dir=notebooks --ServerApp.open_browser=$(OPEN_BROWSER)
 
 test: $(STAMP) $(COLAB_STAMP)
 	$(BIN)/python -m pytest -q tests -m "not browser"

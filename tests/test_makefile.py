@@ -1,6 +1,8 @@
 """The Makefile's set-ups, read with `make -n` (nothing is installed): the default one (PyPI's
 torch, built for CUDA) and `CPU=1` (PyTorch's CPU-only wheels from PyTorch's own index), each in
 a venv of its own so that neither finds the other's torch already installed."""
+import os
+import platform
 import re
 import shutil
 import subprocess
@@ -13,11 +15,11 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 
-def dry_run(*args: str, target: str = "lab") -> list:
+def dry_run(*args: str, target: str = "lab", env=None) -> list:
     """The commands ``make -n -B TARGET ARGS`` would run on a fresh clone (``-B``: as if nothing
     were built yet), one a line (continuations joined)."""
     proc = subprocess.run(["make", "-n", "-B", "--no-print-directory", target, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.replace("\\\n", " ").splitlines()
 
@@ -72,3 +74,18 @@ def test_readme_documents_the_cpu_only_path_and_its_size():
     part = readme[readme.index("Without an NVIDIA GPU"):][:1500]
     assert "CPU-only" in part and re.search(r"about [\d.]+ GiB", part)
     assert "make clean && make lab CPU=1" not in readme  # its own venv: nothing to clean first
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the display rule is Linux's here")
+def test_lab_opens_a_browser_only_where_there_is_a_display():
+    bare = {k: v for k, v in os.environ.items()
+            if k not in ("DISPLAY", "WAYLAND_DISPLAY", "OPEN_BROWSER")}
+
+    def opens(*args, **env):
+        (lab,) = [c for c in dry_run(*args, env={**bare, **env}) if "jupyter lab" in c]
+        return re.search(r"--ServerApp.open_browser=(\w+)", lab).group(1)
+
+    assert opens() == "False"  # a server or a container: print the URL, no browser attempt
+    assert opens(DISPLAY=":0") == "True" and opens(WAYLAND_DISPLAY="wayland-0") == "True"
+    assert opens("OPEN_BROWSER=True") == "True" and opens("OPEN_BROWSER=False", DISPLAY=":0") == "False"
+    assert opens(OPEN_BROWSER="True") == "True"  # from the environment too

@@ -127,17 +127,24 @@ def _called(func):
     return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
 
 
-def _aligns_columns(func) -> bool:
-    """Whether a function pads text into columns: ``ljust``/``rjust`` or an f-string width."""
-    for node in ast.walk(func):
-        if isinstance(node, ast.Call) and _called(node.func) in ("ljust", "rjust"):
-            return True
-        if isinstance(node, ast.FormattedValue) and node.format_spec is not None:
-            spec = "".join(v.value if isinstance(v, ast.Constant) else "9"
-                           for v in node.format_spec.values)
-            if re.match(r"^.?[<>^]\d", spec):
-                return True
-    return False
+def _field_widths(node) -> list:
+    """The widths of the f-string fields under ``node`` that pad text (``{x:>12}``,
+    ``{name:50s}``; a width from a variable counts as 99)."""
+    widths = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.FormattedValue) and n.format_spec is not None:
+            spec = "".join(v.value if isinstance(v, ast.Constant) else "99"
+                           for v in n.format_spec.values)
+            width = re.match(r"^(?:.?[<>^=])?[+\- ]?#?0?(\d+)", spec)
+            if width:
+                widths.append(int(width.group(1)))
+    return widths
+
+
+def _aligns_columns(node) -> bool:
+    """Whether code pads text into columns: ``ljust``/``rjust`` or a padded f-string field."""
+    return bool(_field_widths(node)) or any(
+        isinstance(n, ast.Call) and _called(n.func) in ("ljust", "rjust") for n in ast.walk(node))
 
 
 def text_table_producers():
@@ -164,6 +171,9 @@ def text_table_producers():
         producers |= more
 
 
+WIDE_ROW = 50  # characters of padded fields in one printed line
+
+
 def printed_text_tables(source: str, producers) -> list:
     """The ``print(...)`` calls in a code cell's source whose arguments call a text-table
     producer (IPython's ``%`` and ``!`` lines left out)."""
@@ -174,7 +184,8 @@ def printed_text_tables(source: str, producers) -> list:
         if isinstance(node, ast.Call) and _called(node.func) == "print":
             inner = {_called(c.func) for arg in node.args for c in ast.walk(arg)
                      if isinstance(c, ast.Call)}
-            if inner & producers:
+            # or the cell pads a wide row itself (a short label padded to line up reads fine)
+            if inner & producers or sum(_field_widths(node)) >= WIDE_ROW:
                 found.append(ast.get_source_segment(code, node))
     return found
 
@@ -188,6 +199,10 @@ def test_the_table_rule_sees_what_prints_a_text_table():
         "print(lesson.format_rows(rows))"]
     assert printed_text_tables("%time y = 2\nprint(f'{al.tables.text_table(r)}')", producers)
     assert not printed_text_tables("lesson.show_rows(rows)\nprint(lesson.stall_line(t))", producers)
+    assert printed_text_tables("for r in rows:\n    print(f\"{r['loop']:50s} {r['n']:>2}\")",
+                               producers)
+    assert not printed_text_tables("print(f\"{x:.3f} ms, {n:,} steps, 2^{k:<2}\")", producers)
+    assert not printed_text_tables("print(f\"{name:36s}: {present}\")", producers)
 
 
 def test_tables_show_as_html_outside_checked_cells(nb):

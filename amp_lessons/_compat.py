@@ -126,17 +126,38 @@ class NonFiniteCheck:
     """1.0 where any of the given tensors holds inf/NaN, else 0.0: a fresh 0-dim float32 tensor
     per call, no host sync. GradScaler's own check kernel
     (``torch._amp_foreach_non_finite_check_and_unscale_``) runs with an inverse scale of exactly 1,
-    which leaves every value bitwise as it was: one zero fill plus one kernel per (device, dtype)
-    group. Without that kernel (not expected on torch >= 2.4) it falls back to ``isfinite``."""
+    which leaves every value bitwise as it was: one kernel per (device, dtype) group. Without
+    that kernel (not expected on torch >= 2.4) it falls back to ``isfinite``.
+
+    The flags are views of a block of ``POOL`` zeros made at once (one fill kernel per
+    ``POOL`` checks instead of one per check; each flag is used once and never reused).
+    ``pool = False`` (set while a CUDA graph is captured, which must zero its flag at every
+    replay) makes each flag with its own ``torch.zeros``."""
+
+    POOL = 256
 
     def __init__(self):
         self._ones: Dict[torch.device, torch.Tensor] = {}
         self._kernel = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+        self._zeros: Dict[torch.device, List[torch.Tensor]] = {}
+        self.pool = True
+
+    def zero_flag(self, device: torch.device) -> torch.Tensor:
+        """A 0-dim float32 zero on ``device`` no one else holds: from the pre-zeroed block."""
+        if not self.pool:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        free = self._zeros.get(device)
+        if not free:
+            free = self._zeros[device] = list(
+                torch.zeros(self.POOL, dtype=torch.float32, device=device).unbind())
+            free.reverse()  # handed out in address order
+        return free.pop()
 
     def __call__(self, tensors: Sequence[torch.Tensor], device: torch.device,
                  uniform: bool = False) -> torch.Tensor:
         """``uniform``: the caller knows every tensor is float32 on ``device`` (no checks)."""
-        found = torch.zeros((), dtype=torch.float32, device=device)
+        free = self._zeros.get(device) if self.pool else None
+        found = free.pop() if free else self.zero_flag(device)
         if uniform and self._kernel is not None:
             self._kernel(tensors, found, self._one(found.device))
             return found

@@ -10,7 +10,9 @@ like nanoGPT's::
 
 - ``ScalerPolicy``: fp16 with GradScaler, exactly PyTorch's AMP recipe (``scaler.step`` skips;
   for non-fused optimizers GradScaler itself reads the flag on the host, as in the recipe).
-- ``SkipPolicy`` (``nonfinite="skip"``): the flag from GradScaler's own check kernel at scale 1;
+- ``SkipPolicy`` (``nonfinite="skip"``): the flag from GradScaler's own check kernel at scale 1
+  (over the gradients, or over the per-parameter gradient norms when the trainer computes them:
+  a gradient holds inf/NaN exactly where its norm does, barring a float32 overflow of the norm);
   fused optimizers skip inside their kernel (``found_inf``), others keep a device copy of
   parameters and optimizer state and put it back where the flag is set. No host sync.
 - ``RaisePolicy`` (``nonfinite="raise"``): skips like ``SkipPolicy`` and, once a step was
@@ -191,8 +193,14 @@ class SkipPolicy(Policy):
     def check(self, loss, grad_norm):
         if loss.dtype != torch.float32:
             loss = loss.float()
-        if grad_norm is not None:  # a non-finite gradient makes the norm non-finite
+        if isinstance(grad_norm, torch.Tensor):  # a non-finite gradient makes it non-finite
             return self._check([loss, grad_norm.float()], self.device)
+        if grad_norm is not None:  # the per-parameter norms (trainer._NormParts): one kernel
+            tensors = [loss]
+            tensors.extend(grad_norm.parts)
+            if self._f32_device is not None and loss.device == self._f32_device:
+                return self._check(tensors, self._f32_device, uniform=True)
+            return self._check(tensors, self.device)
         tensors = [p.grad for p in self.params if p.grad is not None]
         tensors.append(loss)
         if self._f32_device is not None and loss.device == self._f32_device:

@@ -37,7 +37,7 @@ class DigitsRun:
 
     @property
     def peak_memory_mib(self) -> Optional[float]:
-        """Highest per-step peak of allocated CUDA memory, MiB, minus what was already allocated
+        """Highest peak of allocated CUDA memory over an epoch's steps, MiB, minus what was already allocated
         when the run began (so runs made one after another compare fairly); None on a CPU."""
         peaks = [e["peak_memory_bytes"] for e in self.epochs if e["peak_memory_bytes"] is not None]
         if not peaks:

@@ -17,14 +17,31 @@ from .tables import json_safe
 
 # --- history -------------------------------------------------------------------------------------
 
+class Deferred:
+    """A StepRecord value the trainer computes only when it is read (``read()``), off the
+    step's critical path: ``trainer.py`` uses it for the gradient norm (kept as per-parameter
+    norms) and the peak memory of a window of steps. ``tensor()``: the value as a 0-dim tensor
+    still on the device, or None where it is a host value (``History.materialize`` then copies
+    the tensors of many records at once)."""
+
+    def read(self):
+        """The value as a Python number (or None)."""
+        raise NotImplementedError
+
+    def tensor(self) -> Optional[torch.Tensor]:
+        """The value as a 0-dim device tensor, or None when it is not one."""
+        return None
+
+
 class _Lazy:
-    """A StepRecord field that may hold a device tensor (or a pair of CUDA events) until first read.
+    """A StepRecord field that may hold a device tensor (or a pair of CUDA events, or a
+    ``Deferred``) until first read.
 
     Reading it converts to a Python number once and caches it; the trainer never waits for the GPU.
     """
 
     def __init__(self, kind: str):
-        self.kind = kind  # "float" | "bool" | "events"
+        self.kind = kind  # "float" | "bool" | "events" | "int"
 
     def __set_name__(self, owner, name):
         self.slot = "_" + name
@@ -33,6 +50,10 @@ class _Lazy:
         if obj is None:
             return None  # the dataclass default
         value = obj.__dict__.get(self.slot)
+        if isinstance(value, Deferred):
+            tensor = value.tensor()
+            value = value.read() if tensor is None else tensor
+            obj.__dict__[self.slot] = value
         if isinstance(value, torch.Tensor):
             value = _to_python(value.item(), self.kind)
             obj.__dict__[self.slot] = value
@@ -46,13 +67,20 @@ class _Lazy:
         obj.__dict__[self.slot] = value
 
     def pending(self, obj):
-        """The raw tensor if not yet materialised, else None."""
+        """The raw tensor if not yet materialised, else None (a ``Deferred`` device value is
+        turned into its tensor here; a ``Deferred`` host value is read)."""
         value = obj.__dict__.get(self.slot)
+        if isinstance(value, Deferred):
+            tensor = value.tensor()
+            value = value.read() if tensor is None else tensor
+            obj.__dict__[self.slot] = value
         return value if isinstance(value, torch.Tensor) else None
 
 
 def _to_python(value, kind: str):
-    return bool(value) if kind == "bool" else float(value)
+    if value is None:
+        return None
+    return bool(value) if kind == "bool" else int(value) if kind == "int" else float(value)
 
 
 @dataclass
@@ -64,7 +92,12 @@ class StepRecord:
     (inf/NaN gradients); ``grad_norm``: total 2-norm of the unscaled gradients before clipping
     (None when not tracked); ``lr``: learning rate of the first parameter group during the step;
     ``time_s``: the step's duration (CUDA events on a GPU, wall clock on a CPU);
-    ``peak_memory_bytes``: the step's peak allocated CUDA memory (None on a CPU).
+    ``peak_memory_bytes``: the peak allocated CUDA memory of the step's memory window (None on
+    a CPU or untracked): the trainer resets the device's peak counter once, at the first step
+    after a peak was last read, and reads it when one of the window's records is read (or
+    ``History.materialize``, an epoch's end); every step of the window shows that peak.
+    Reading each record's peak right after its step (before the next) gives that step's own
+    peak; an epoch's maximum is the same either way.
     ``skip_reason``: why the step was skipped (None when it was not): GradScaler's inf/NaN
     check under fp16, or the trainer's non-finite policy (``TrainConfig.nonfinite="skip"``).
     """
@@ -77,7 +110,7 @@ class StepRecord:
     grad_norm: Optional[float] = _Lazy("float")
     lr: Optional[float] = _Lazy("float")
     time_s: Optional[float] = _Lazy("events")
-    peak_memory_bytes: Optional[int] = None
+    peak_memory_bytes: Optional[int] = _Lazy("int")
     skip_cause: Optional[str] = None  # what would have skipped this step (read skip_reason)
 
     @classmethod
@@ -89,7 +122,7 @@ class StepRecord:
         record = cls.__new__(cls)
         record.__dict__.update(step=step, epoch=epoch, _loss=loss, _scale=scale,
                                _skipped=skipped, _grad_norm=grad_norm, _lr=lr, _time_s=time_s,
-                               peak_memory_bytes=peak_memory_bytes, skip_cause=skip_cause)
+                               _peak_memory_bytes=peak_memory_bytes, skip_cause=skip_cause)
         return record
 
     @property
@@ -102,7 +135,7 @@ SKIPPED_BY_SCALER = "GradScaler: inf/NaN gradients at this loss scale"
 SKIPPED_NONFINITE = "non-finite loss or gradient (nonfinite='skip')"
 STEP_FIELDS = ("step", "epoch", "loss", "scale", "skipped", "grad_norm", "lr", "time_s",
                "peak_memory_bytes", "skip_reason")
-_LAZY_FIELDS = ("loss", "scale", "skipped", "grad_norm", "lr")
+_LAZY_FIELDS = ("loss", "scale", "skipped", "grad_norm", "lr", "peak_memory_bytes")
 
 
 class History(list):
@@ -183,7 +216,8 @@ def epoch_summary(epoch: int, records: List[StepRecord], time_s: float,
     ``nonfinite_loss_steps``: steps that trained on a non-finite loss (only possible with
     ``nonfinite="ignore"``); ``partial``: True when the epoch was resumed from a checkpoint after
     ``resumed_at_batch`` batches, so the summary covers only the resumed part;
-    ``peak_memory_bytes``: the highest per-step peak (None on a CPU).
+    ``peak_memory_bytes``: the highest peak of its steps (None on a CPU; ``Trainer.fit`` reads
+    the peak per epoch, see ``StepRecord``).
     """
     peaks = [r.peak_memory_bytes for r in records if r.peak_memory_bytes is not None]
     trained = [r.loss for r in records if not r.skipped]

@@ -16,7 +16,10 @@ Cheap on purpose: ``Trainer.train_step`` never waits for the GPU unless a schedu
 whether the step was skipped. Loss, scale, gradient norm, the skipped flag and the step time are
 kept in each ``StepRecord`` as device tensors (or CUDA events) and turned into Python numbers the
 first time they are read; ``History.columns()`` reads them all with one copy per field.
-Turn off what you do not need with ``TrainConfig(track_grad_norm=False, track_memory=False)``.
+The gradient norm is kept as per-parameter norms (one foreach kernel a step) and reduced when
+read; the peak memory is read once per window of steps (see ``StepRecord``), not per step.
+Turn off what you do not need with ``TrainConfig(track_grad_norm=False, track_memory=False,
+track_time=False)``.
 
 Skip-safe BatchNorm: when GradScaler skips a step (inf/NaN gradients), BatchNorm running statistics
 are put back to their values before that step, without a host sync (``torch.where`` on a flat
@@ -54,7 +57,8 @@ from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_train
                          read_verified, rng_state, set_rng_state)
 from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
                         autocast_for, check_precision, normalize_precision, precision_settings)
-from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
+from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, Deferred, History, StepRecord,
+                      epoch_summary)
 
 EVAL_PRECISIONS = ("same",) + PRECISIONS
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -78,8 +82,11 @@ class TrainConfig:
     ``clip_norm`` / ``clip_value``: clip by total norm / by value, after ``unscale_`` (one of them).
     ``accumulate``: micro-batches per optimizer step (the loss is divided by their number).
     ``eval_precision``: "same" (training's autocast) or a precision name such as "fp32".
-    ``track_grad_norm`` / ``track_memory``: record the unscaled gradient norm / the step's peak
-    CUDA memory (``train_step`` then resets the device's peak counter at its start).
+    ``track_grad_norm`` / ``track_memory``: record the unscaled gradient norm (one foreach norm
+    kernel a step; the stack and the final norm run when it is read) / the peak CUDA memory
+    (the device's peak counter is reset at the first step after the last reading and read
+    when a record is read: per window of steps, per step if each record's peak is read right
+    after its step; ``StepRecord`` says more).
     ``track_time``: record each step's duration (two CUDA events a step on a GPU: on a short,
     host-bound step each event call shows in the step time; off, ``time_s`` reads None).
     ``seed``: torch's generators are seeded with it when the Trainer is built (None: leave them).
@@ -213,6 +220,45 @@ def _total_norm(grads: List[torch.Tensor], one_group: bool = False) -> torch.Ten
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 
 
+class _NormParts(Deferred):
+    """The gradient norm of a step, kept as its per-parameter norms (``torch._foreach_norm``'s
+    output, one kernel launch on the step) and reduced when read: ``stack`` and ``vector_norm``
+    then, the very ops ``_total_norm`` runs, so the same bits. Host-bound short steps pay per
+    kernel launch; this moves two of the norm's launches off the step."""
+
+    __slots__ = ("parts",)
+    dtype = torch.float32  # what it reads as (``tensor()`` casts): the record takes it as is
+
+    def __init__(self, parts: List[torch.Tensor]):
+        self.parts = parts
+
+    def tensor(self) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(torch.stack(self.parts))
+        return norm if norm.dtype == torch.float32 else norm.float()
+
+    def read(self) -> float:
+        return float(self.tensor().item())
+
+
+class _PeakWindow(Deferred):
+    """The peak allocated CUDA memory of a window of steps: the trainer resets the device's
+    peak counter when it opens one (the first tracked step after the last window was read) and
+    the allocator is asked once, when a record of the window is first read. Two allocator calls
+    per window instead of per step (``memory_stats_as_nested_dict`` builds the allocator's whole
+    statistics dictionary: several points of a short, host-bound step)."""
+
+    __slots__ = ("device", "value")
+
+    def __init__(self, device: torch.device):
+        self.device, self.value = device, None
+
+    def read(self) -> Optional[int]:
+        if self.value is None:
+            self.value = int(torch.cuda.memory_stats_as_nested_dict(self.device)
+                             ["allocated_bytes"]["all"]["peak"])
+        return self.value
+
+
 class Trainer:
     """Train ``model`` with ``optimizer`` under ``config`` (see the module docstring for the order).
 
@@ -271,6 +317,7 @@ class Trainer:
         self._batches_done = 0  # micro-batches consumed in the current epoch (for exact resume)
         self._open_iterator = None  # a one-shot iterator whose epoch a max_steps stop left open
         self._phase, self._cancelled = _STARTED, None
+        self._window: Optional[_PeakWindow] = None  # the open peak-memory window (track_memory)
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
@@ -424,17 +471,21 @@ class Trainer:
         Never waits for the GPU itself, except to decide whether a scheduler may step after a
         step that could be skipped, and on the first step of a non-fused optimizer under
         ``nonfinite="skip"``/``"raise"`` (its state does not exist yet). With ``track_memory``
-        on CUDA it resets the device's peak-memory counter first, so ``peak_memory_bytes`` is
-        this step's own peak.
+        on CUDA the first step after a peak was read resets the device's peak-memory counter,
+        so ``peak_memory_bytes`` read right after the step is this step's own peak (unread,
+        it is the peak of the window of steps since).
 
         Cost beyond a hand-written loop (benchmarks/NOTES.md measures it): with ``track_time``
         two CUDA events; one
-        detach per micro-batch; for fp16 a copy of the 0-dim scale; with ``track_grad_norm`` a
-        foreach norm over the gradients (and an explicit ``unscale_``, which ``scaler.step``
-        would do anyway); with ``nonfinite`` skip/raise a zero fill and one check kernel (fused
-        optimizers then skip inside their kernel; others copy parameters and state aside); with
-        skip-safe BatchNorm (models with BatchNorm only) about ten small kernels over one flat
-        copy of the BN buffers; with ``track_memory`` two allocator queries.
+        detach per micro-batch; for fp16 a copy of the 0-dim scale; with ``track_grad_norm`` one
+        foreach norm over the gradients (its stack and final norm run when the record is read;
+        and an explicit ``unscale_``, which ``scaler.step`` would do anyway); with ``nonfinite``
+        skip/raise one check kernel, over the per-parameter norms when the norm is tracked (its
+        flag comes from a block of zeros made once per 256 steps; fused optimizers then skip
+        inside their kernel; others copy parameters and state aside); with skip-safe BatchNorm
+        (models with BatchNorm only) about ten small kernels over one flat copy of the BN
+        buffers; with ``track_memory`` no allocator call while a memory window is open (one
+        reset per window, one read when it is read).
         ``TrainConfig(track_grad_norm=False, track_memory=False, track_time=False,
         nonfinite="ignore")`` leaves only the detach and (fp16) the scale copy on a model
         without BatchNorm.
@@ -450,8 +501,7 @@ class Trainer:
         cuda = device.type == "cuda"
         if not self.model.training:
             self.model.train()
-        if self._track_memory:
-            torch.cuda.reset_peak_memory_stats(device)
+        window = self._memory_window() if self._track_memory else None
         timed = self._timed
         if timed:
             if cuda:
@@ -474,34 +524,48 @@ class Trainer:
             elapsed = time.perf_counter() - t0
         if raising:  # a finished non-finite step (on a CPU: this one) raises before its record
             self._raise_if_nonfinite()
-        return self._record(loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed)
+        return self._record(loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed, window)
 
-    def _record(self, loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed) -> StepRecord:
+    def _memory_window(self) -> _PeakWindow:
+        """The open peak-memory window, or a new one (the device's peak counter reset) when the
+        last one has been read: per window, not per step (see ``StepRecord``)."""
+        window = self._window
+        if window is None or window.value is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            window = self._window = _PeakWindow(self.device)
+        return window
+
+    def _close_memory_window(self) -> None:
+        """Read the open peak-memory window now (an epoch starts: its peak is its own)."""
+        if self._window is not None:
+            self._window.read()
+
+    def _record(self, loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed,
+                window) -> StepRecord:
         if loss_sum.dtype != torch.float32:
             loss_sum = loss_sum.float()
         if grad_norm is not None and grad_norm.dtype != torch.float32:
             grad_norm = grad_norm.float()
         record = StepRecord.lazy(self.step, self.epoch, loss_sum, scale,
                                  found_inf if found_inf is not None else False, grad_norm, lr,
-                                 elapsed, (torch.cuda.memory_stats_as_nested_dict(self.device)
-                                           ["allocated_bytes"]["all"]["peak"]
-                                           if self._track_memory else None), cause)
+                                 elapsed, window, cause)
         self.step += 1
         self.history.append(record)
         for h in self._after_step:
             h.after_step(self, record)
         return record
 
-    def _kernels(self, micro_batches, cache_enabled: bool = True):
+    def _kernels(self, micro_batches, cache_enabled: bool = True, graphed: bool = False):
         """The step's device work: forward, backward, unscale, clip, step, update, zero_grad.
-        Returns (loss, grad_norm, skipped flag, scale used, skip cause), tensors not read.
+        Returns (loss, grad_norm, skipped flag, scale used, skip cause), tensors not read (the
+        norm a ``_NormParts`` unless ``graphed``: a CUDA graph's launches cost nothing).
         A step that raises (a bad micro-batch, a hook, Ctrl-C) is undone: ``_undo_failed_step``."""
         self._phase, self._cancelled = _STARTED, None
         try:
             if self._half is not None:  # fp16/bf16 leave the TF32 switches alone
-                return self._kernels_in(micro_batches, cache_enabled)
+                return self._kernels_in(micro_batches, cache_enabled, graphed)
             with precision_settings(self._config.precision, self.device):
-                return self._kernels_in(micro_batches, cache_enabled)
+                return self._kernels_in(micro_batches, cache_enabled, graphed)
         except BaseException:
             self._undo_failed_step()
             raise
@@ -516,7 +580,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._policy.forget()
 
-    def _kernels_in(self, micro_batches, cache_enabled: bool):
+    def _kernels_in(self, micro_batches, cache_enabled: bool, graphed: bool = False):
         """The step, as nanoGPT writes it: forward and backward per micro-batch, the policy's
         unscale and check, clip, step, update (``_policies`` holds what differs by precision)."""
         policy, guard, opt, half = self._policy, self._guard, self.optimizer, self._half
@@ -546,7 +610,10 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self._config.clip_norm)
         elif self._norm_wanted:
             grads = [p.grad for p in self._params if p.grad is not None]
-            grad_norm = _total_norm(grads, self._one_group) if grads else None
+            if grads and self._one_group and not graphed:  # reduced when read (_NormParts)
+                grad_norm = _NormParts(torch._foreach_norm(grads))
+            else:
+                grad_norm = _total_norm(grads, self._one_group) if grads else None
         # the policy's check, before clipping by value could hide an inf
         found_inf = policy.check(loss_sum, grad_norm) if self._check_first else None
         if policy.name == "raise":  # the host reads it once the device is there, never waiting
@@ -609,20 +676,30 @@ class Trainer:
         # the graph reads its inputs where they are: x, y themselves when already on the device
         # (as PyTorch's CUDA-graph recipe does), so passing them again copies nothing
         static_x, static_y = x.to(self.device), y.to(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self.train_step([(static_x, static_y)])
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.optimizer.zero_grad(set_to_none=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = self._kernels([(static_x, static_y)], cache_enabled=False)
-            # the record's numbers in one small tensor, so a replay costs one copy of them
-            loss, grad_norm, found_inf, scale, _ = outs
-            fields = [t for t in (loss, grad_norm, found_inf, scale) if isinstance(t, torch.Tensor)]
-            packed = torch.stack([t.reshape(()).float() for t in fields])
+        # the graph must zero its own inf/NaN flag at every replay: no pre-zeroed flags here
+        # (nor in the warm-up, on another stream)
+        check = getattr(self._policy, "_check", None)
+        if check is not None:
+            check.pool = False
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self.train_step([(static_x, static_y)])
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.optimizer.zero_grad(set_to_none=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = self._kernels([(static_x, static_y)], cache_enabled=False, graphed=True)
+                # the record's numbers in one small tensor, so a replay costs one copy of them
+                loss, grad_norm, found_inf, scale, _ = outs
+                fields = [t for t in (loss, grad_norm, found_inf, scale)
+                          if isinstance(t, torch.Tensor)]
+                packed = torch.stack([t.reshape(()).float() for t in fields])
+        finally:
+            if check is not None:
+                check.pool = True
         if not self.model.training:
             self.model.train()
         return _GraphedStep(self, graph, static_x, static_y, outs, packed)
@@ -657,6 +734,7 @@ class Trainer:
         from .progress import progress_bar as tqdm  # plain text in a saved notebook
 
         acc, taken = self._config.accumulate, 0
+        self._close_memory_window()  # an epoch's peak is its own steps'
         for _ in range(epochs):
             set_loader_epoch(loader, self.epoch)
             skip = self._batches_done
@@ -835,6 +913,7 @@ class Trainer:
         self._open_iterator = None
         self.history = History.from_columns(state["history"]["steps"], state["history"]["epochs"])
         self._policy.reset()  # flags of steps before the load mean nothing now
+        self._window = None
         set_rng_state(state["rng"])
         return state
 
@@ -861,8 +940,7 @@ class _GraphedStep:
             self.x.copy_(x, non_blocking=True)
         if y is not self.y:
             self.y.copy_(y, non_blocking=True)
-        if trainer._track_memory:
-            torch.cuda.reset_peak_memory_stats(trainer.device)
+        window = trainer._memory_window() if trainer._track_memory else None
         timed = trainer._timed
         if timed:
             start = torch.cuda.Event(enable_timing=True)
@@ -875,7 +953,7 @@ class _GraphedStep:
         loss, norm, found, scale = (values[v] if packed else v for packed, v in self.slots)
         return trainer._record(loss, norm, found if found is not None else False, scale,
                                self.cause, trainer.optimizer.param_groups[0]["lr"],
-                               (start, end) if timed else None)
+                               (start, end) if timed else None, window)
 
 
 # --- checks used before anything is loaded ------------------------------------------------------

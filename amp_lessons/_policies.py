@@ -30,7 +30,7 @@ from typing import List, Optional
 
 import torch
 
-from ._compat import (FOUND_INF_READABLE, NonFiniteCheck, forget_step, scale_reader,
+from ._compat import (FOUND_INF_READABLE, NonFiniteCheck, ScaleLog, forget_step, scale_reader,
                       step_skipping, supports_found_inf)
 from ._compat import found_inf as scaler_found_inf
 from ._skipsafe import UpdateGuard
@@ -102,6 +102,13 @@ class Policy:
         """Take over what ``old`` (the policy this one replaces on a config change) still
         tracks."""
 
+    def capturing(self, on: bool) -> None:
+        """A CUDA graph of the step is being captured (``on``) or that is over: per-step
+        shortcuts whose state lives outside the graph are off meanwhile (pre-zeroed flags)."""
+        check = getattr(self, "_check", None)
+        if check is not None:
+            check.pool = not on
+
 
 IgnorePolicy = Policy
 
@@ -118,7 +125,15 @@ class ScalerPolicy(Policy):
         self._unscaled = False  # unscale_ ran this step (then GradScaler's flag is known)
         self._scale = scale_reader(scaler)
         self._early = False
-        self.update = scaler.update  # bound once: no extra call per step
+        # the scale each step used, without a copy per step (``ScaleLog``)
+        self.log = ScaleLog(scaler)
+        self.lazy_scale = self.log.usable
+        self.update = self.log.update  # scaler.update(), then the log's note: bound once
+
+    def capturing(self, on):
+        super().capturing(on)
+        self.lazy_scale = self.log.usable and not on  # a graph copies its scale itself
+        self.log.invalidate()
 
     def unscale_first(self, guard) -> bool:
         # with a BatchNorm guard and an optimizer GradScaler steps from the host (not fused),
@@ -156,18 +171,28 @@ class ScalerPolicy(Policy):
         return found
 
     def step(self, found_inf):
-        current = self._scale()  # the scale this step used, before update() changes it
-        self.scale = current.clone() if current is not None else self.scaler.get_scale()
+        # the scale this step used, before update() changes it in place: kept by the log (a
+        # lazy value, no device work) or copied
+        current = self._scale()
+        lazy = self.lazy_scale and current is not None
+        if lazy:
+            self.scale = self.log.used()
+        else:
+            self.scale = current.clone() if current is not None else self.scaler.get_scale()
         self.scaler.step(self.optimizer)  # unscales here if not done before; skips on inf/NaN
         self._unscaled = False
-        if found_inf is not None:
-            return found_inf
-        found = scaler_found_inf(self.scaler, self.optimizer)
-        return found if found is not None else self.step_flag()
+        if found_inf is None:
+            found_inf = scaler_found_inf(self.scaler, self.optimizer)
+            if found_inf is None:
+                found_inf = self.step_flag()
+        if lazy:  # the flag update() consumes (GradScaler's own: the log is usable)
+            self.log.flag = found_inf
+        return found_inf
 
     def forget(self):
         forget_step(self.scaler, self.optimizer)
         self._unscaled = False
+        self.log.flag = None
 
 
 class SkipPolicy(Policy):

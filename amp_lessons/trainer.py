@@ -17,7 +17,9 @@ whether the step was skipped. Loss, scale, gradient norm, the skipped flag and t
 kept in each ``StepRecord`` as device tensors (or CUDA events) and turned into Python numbers the
 first time they are read; ``History.columns()`` reads them all with one copy per field.
 The gradient norm is kept as per-parameter norms (one foreach kernel a step) and reduced when
-read; the peak memory is read once per window of steps (see ``StepRecord``), not per step.
+read; the fp16 loss scale a step used is replayed from GradScaler's flags when read (no copy per
+step: ``_compat.ScaleLog``); the peak memory is read once per window of steps (see
+``StepRecord``), not per step. So the lean step makes no device call the hand loop does not.
 Turn off what you do not need with ``TrainConfig(track_grad_norm=False, track_memory=False,
 track_time=False)``.
 
@@ -224,16 +226,29 @@ class _NormParts(Deferred):
     """The gradient norm of a step, kept as its per-parameter norms (``torch._foreach_norm``'s
     output, one kernel launch on the step) and reduced when read: ``stack`` and ``vector_norm``
     then, the very ops ``_total_norm`` runs, so the same bits. Host-bound short steps pay per
-    kernel launch; this moves two of the norm's launches off the step."""
+    kernel launch; this moves two of the norm's launches off the step.
 
-    __slots__ = ("parts",)
+    On CUDA ``_foreach_norm`` returns its norms as views, in order, of one 1-D tensor: then only
+    that tensor is kept (``parts`` is ``[it]``, ``flat``), which is ``stack(norms)`` already (no
+    Python object per parameter and step in a long unread history)."""
+
+    __slots__ = ("parts", "flat")
     dtype = torch.float32  # what it reads as (``tensor()`` casts): the record takes it as is
 
-    def __init__(self, parts: List[torch.Tensor]):
-        self.parts = parts
+    def __init__(self, norms: List[torch.Tensor]):
+        self.parts, self.flat = norms, None
+        base = norms[0]._base
+        if base is not None:
+            # n views of a 1-D tensor of n elements whose first and last lie n - 1 apart:
+            # stride 1, first to last (a few attribute reads a step, no device work)
+            n = len(norms)
+            if (base.shape == (n,) and norms[-1]._base is base
+                    and norms[-1].storage_offset() - norms[0].storage_offset() == n - 1):
+                self.parts, self.flat = [base], base
 
     def tensor(self) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(torch.stack(self.parts))
+        stacked = self.flat if self.flat is not None else torch.stack(self.parts)
+        norm = torch.linalg.vector_norm(stacked)
         return norm if norm.dtype == torch.float32 else norm.float()
 
     def read(self) -> float:
@@ -477,7 +492,9 @@ class Trainer:
 
         Cost beyond a hand-written loop (benchmarks/NOTES.md measures it): with ``track_time``
         two CUDA events; one
-        detach per micro-batch; for fp16 a copy of the 0-dim scale; with ``track_grad_norm`` one
+        detach per micro-batch (no kernel); for fp16 nothing for the scale a step used (a
+        ``ScaleLog`` replays GradScaler's update when the record is read, with one copy of the
+        scale and its growth tracker per 256 steps); with ``track_grad_norm`` one
         foreach norm over the gradients (its stack and final norm run when the record is read;
         and an explicit ``unscale_``, which ``scaler.step`` would do anyway); with ``nonfinite``
         skip/raise one check kernel, over the per-parameter norms when the norm is tracked (its
@@ -487,8 +504,8 @@ class Trainer:
         buffers; with ``track_memory`` no allocator call while a memory window is open (one
         reset per window, one read when it is read).
         ``TrainConfig(track_grad_norm=False, track_memory=False, track_time=False,
-        nonfinite="ignore")`` leaves only the detach and (fp16) the scale copy on a model
-        without BatchNorm.
+        nonfinite="ignore")`` leaves only the detach on a model without BatchNorm: no device
+        call beyond the hand loop's.
         """
         n = len(micro_batches)
         if n < 1:
@@ -678,9 +695,7 @@ class Trainer:
         static_x, static_y = x.to(self.device), y.to(self.device)
         # the graph must zero its own inf/NaN flag at every replay: no pre-zeroed flags here
         # (nor in the warm-up, on another stream)
-        check = getattr(self._policy, "_check", None)
-        if check is not None:
-            check.pool = False
+        self._policy.capturing(True)
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -698,8 +713,7 @@ class Trainer:
                           if isinstance(t, torch.Tensor)]
                 packed = torch.stack([t.reshape(()).float() for t in fields])
         finally:
-            if check is not None:
-                check.pool = True
+            self._policy.capturing(False)
         if not self.model.training:
             self.model.train()
         return _GraphedStep(self, graph, static_x, static_y, outs, packed)
@@ -924,6 +938,8 @@ class _GraphedStep:
     def __init__(self, trainer: Trainer, graph, x: torch.Tensor, y: torch.Tensor, outs: tuple,
                  packed: torch.Tensor):
         self.trainer, self.graph, self.x, self.y, self.packed = trainer, graph, x, y, packed
+        # a replay changes GradScaler's scale unseen (no version bump): its log starts afresh
+        self.scale_log = getattr(trainer._policy, "log", None)
         self.cause = outs[4]
         # where each of loss, grad_norm, found_inf, scale sits in ``packed`` (or its constant)
         self.slots, i = [], 0
@@ -946,6 +962,8 @@ class _GraphedStep:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.graph.replay()
+        if self.scale_log is not None:
+            self.scale_log.invalidate()
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -273,16 +273,20 @@ class _ScaleWindow:
 
     def value(self, k: int) -> torch.Tensor:
         values = self.values
-        while len(values) <= k:
-            if self.scale is None:
-                self.scale = values[0].clone()
-            i = len(values) - 1
-            flag, growth, backoff, interval = self.steps[i]
-            self.steps[i] = None  # replayed: the flag is not needed any more
-            torch._amp_update_scale_(self.scale, self.tracker,
-                                     flag.to(self.scale.device, non_blocking=True),
-                                     growth, backoff, interval)
-            values.append(self.scale.clone())
+        if len(values) > k:
+            return values[k]
+        # normal tensors even when read under inference_mode (the replay works in place)
+        with torch.inference_mode(False):
+            while len(values) <= k:
+                if self.scale is None:
+                    self.scale = values[0].clone()
+                i = len(values) - 1
+                flag, growth, backoff, interval = self.steps[i]
+                self.steps[i] = None  # replayed: the flag is not needed any more
+                torch._amp_update_scale_(self.scale, self.tracker,
+                                         flag.to(self.scale.device, non_blocking=True),
+                                         growth, backoff, interval)
+                values.append(self.scale.clone())
         return values[k]
 
 

@@ -1151,6 +1151,8 @@ def test_the_logged_loss_scale_is_the_scale_each_step_used(monkeypatch, tmp_path
         record = trainer.train_step([data[i % 4]])
         if i in (4, 10):
             assert record.scale == expected[-1]  # read alone, mid-window
+    with torch.inference_mode():  # a read there leaves the log usable outside it
+        assert trainer.history[-2].scale == expected[-2]
     scales = trainer.history.columns()["scale"]
     assert scales == expected and len(set(expected)) > 4, (scales, expected)
     skipped = trainer.history.columns()["skipped"]

@@ -9,7 +9,8 @@ like nanoGPT's::
     policy.update()                             # after the step (GradScaler's scale update)
 
 - ``ScalerPolicy``: fp16 with GradScaler, exactly PyTorch's AMP recipe (``scaler.step`` skips;
-  for non-fused optimizers GradScaler itself reads the flag on the host, as in the recipe).
+  for non-fused optimizers GradScaler itself reads the flag on the host, as in the recipe). The
+  scale each step used is kept by ``_compat.ScaleLog`` (replayed when read, no copy per step).
 - ``SkipPolicy`` (``nonfinite="skip"``): the flag from GradScaler's own check kernel at scale 1
   (over the gradients, or over the per-parameter gradient norms when the trainer computes them:
   a gradient holds inf/NaN exactly where its norm does, barring a float32 overflow of the norm);

@@ -45,7 +45,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +59,9 @@ from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_train
                          read_verified, rng_state, set_rng_state)
 from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
                         autocast_for, check_precision, normalize_precision, precision_settings)
-from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, Deferred, History, StepRecord,
-                      epoch_summary)
+from ._graphed import GraphedStep as _GraphedStep
+from ._lazy import NormParts as _NormParts, PeakWindow as _PeakWindow, total_norm as _total_norm
+from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
 
 EVAL_PRECISIONS = ("same",) + PRECISIONS
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -207,71 +208,6 @@ def set_loader_epoch(loader, epoch: int) -> None:
         loader.set_epoch(epoch)
     elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
         loader.sampler.set_epoch(epoch)
-
-
-def _total_norm(grads: List[torch.Tensor], one_group: bool = False) -> torch.Tensor:
-    """The 2-norm of all ``grads`` together. On one device and dtype (``one_group``, the usual
-    case): the same three kernels as ``torch.nn.utils.get_total_norm`` (foreach norms, stack,
-    norm), so the same bits, without its grouping work on the host (a third of its host time)."""
-    if one_group:
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-        return torch.nn.utils.get_total_norm(grads)
-    norms = torch._foreach_norm(grads)
-    device = grads[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-
-
-class _NormParts(Deferred):
-    """The gradient norm of a step, kept as its per-parameter norms (``torch._foreach_norm``'s
-    output, one kernel launch on the step) and reduced when read: ``stack`` and ``vector_norm``
-    then, the very ops ``_total_norm`` runs, so the same bits. Host-bound short steps pay per
-    kernel launch; this moves two of the norm's launches off the step.
-
-    On CUDA ``_foreach_norm`` returns its norms as views, in order, of one 1-D tensor: then only
-    that tensor is kept (``parts`` is ``[it]``, ``flat``), which is ``stack(norms)`` already (no
-    Python object per parameter and step in a long unread history)."""
-
-    __slots__ = ("parts", "flat")
-    dtype = torch.float32  # what it reads as (``tensor()`` casts): the record takes it as is
-
-    def __init__(self, norms: List[torch.Tensor]):
-        self.parts, self.flat = norms, None
-        base = norms[0]._base
-        if base is not None:
-            # n views of a 1-D tensor of n elements whose first and last lie n - 1 apart:
-            # stride 1, first to last (a few attribute reads a step, no device work)
-            n = len(norms)
-            if (base.shape == (n,) and norms[-1]._base is base
-                    and norms[-1].storage_offset() - norms[0].storage_offset() == n - 1):
-                self.parts, self.flat = [base], base
-
-    def tensor(self) -> torch.Tensor:
-        stacked = self.flat if self.flat is not None else torch.stack(self.parts)
-        norm = torch.linalg.vector_norm(stacked)
-        return norm if norm.dtype == torch.float32 else norm.float()
-
-    def read(self) -> float:
-        return float(self.tensor().item())
-
-
-class _PeakWindow(Deferred):
-    """The peak allocated CUDA memory of a window of steps: the trainer resets the device's
-    peak counter when it opens one (the first tracked step after the last window was read) and
-    the allocator is asked once, when a record of the window is first read. Two allocator calls
-    per window instead of per step (``memory_stats_as_nested_dict`` builds the allocator's whole
-    statistics dictionary: several points of a short, host-bound step)."""
-
-    __slots__ = ("device", "value")
-
-    def __init__(self, device: torch.device):
-        self.device, self.value = device, None
-
-    def read(self) -> Optional[int]:
-        if self.value is None:
-            self.value = int(torch.cuda.memory_stats_as_nested_dict(self.device)
-                             ["allocated_bytes"]["all"]["peak"])
-        return self.value
 
 
 class Trainer:
@@ -930,48 +866,6 @@ class Trainer:
         self._window = None
         set_rng_state(state["rng"])
         return state
-
-
-class _GraphedStep:
-    """What ``Trainer.capture`` returns: ``step(x, y) -> StepRecord`` replaying one CUDA graph."""
-
-    def __init__(self, trainer: Trainer, graph, x: torch.Tensor, y: torch.Tensor, outs: tuple,
-                 packed: torch.Tensor):
-        self.trainer, self.graph, self.x, self.y, self.packed = trainer, graph, x, y, packed
-        # a replay changes GradScaler's scale unseen (no version bump): its log starts afresh
-        self.scale_log = getattr(trainer._policy, "log", None)
-        self.cause = outs[4]
-        # where each of loss, grad_norm, found_inf, scale sits in ``packed`` (or its constant)
-        self.slots, i = [], 0
-        for t in outs[:4]:
-            if isinstance(t, torch.Tensor):
-                self.slots.append((True, i))
-                i += 1
-            else:
-                self.slots.append((False, t))
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> StepRecord:
-        trainer = self.trainer
-        if x is not self.x:
-            self.x.copy_(x, non_blocking=True)
-        if y is not self.y:
-            self.y.copy_(y, non_blocking=True)
-        window = trainer._memory_window() if trainer._track_memory else None
-        timed = trainer._timed
-        if timed:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        self.graph.replay()
-        if self.scale_log is not None:
-            self.scale_log.invalidate()
-        if timed:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        values = self.packed.clone()  # the next replay overwrites ``packed``
-        loss, norm, found, scale = (values[v] if packed else v for packed, v in self.slots)
-        return trainer._record(loss, norm, found if found is not None else False, scale,
-                               self.cause, trainer.optimizer.param_groups[0]["lr"],
-                               (start, end) if timed else None, window)
 
 
 # --- checks used before anything is loaded ------------------------------------------------------

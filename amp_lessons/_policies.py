@@ -263,7 +263,10 @@ class RaisePolicy(SkipPolicy):
     def check(self, loss, grad_norm):
         flag = super().check(loss, grad_norm)
         # sticky: once a step was non-finite, every later step is skipped too, until raised
-        return torch.maximum(self.tripped, flag, out=self.tripped).clone()
+        # into the step's own fresh flag (NonFiniteCheck's), which becomes the sticky one: one
+        # kernel, and no earlier step's flag (a record's) is ever written again
+        self.tripped = torch.maximum(self.tripped, flag, out=flag)
+        return flag
 
     def watch(self, flag: torch.Tensor, step: int, epoch: int, batches_done: int) -> None:
         """Queue a host copy of ``flag`` for ``step`` (pinned, non-blocking on CUDA)."""
@@ -278,7 +281,7 @@ class RaisePolicy(SkipPolicy):
 
     def reset(self):
         self.pending.clear()
-        self.tripped.zero_()
+        self.tripped = torch.zeros((), dtype=torch.float32, device=self.device)
 
     def adopt(self, old):
         if isinstance(old, RaisePolicy):
@@ -295,7 +298,7 @@ class RaisePolicy(SkipPolicy):
                 event.synchronize()
             if host.tolist():
                 self.pending.clear()
-                self.tripped.zero_()
+                self.tripped = torch.zeros((), dtype=torch.float32, device=self.device)
                 return step, epoch, done
             self.pending.pop(0)
         return None

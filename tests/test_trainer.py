@@ -1064,6 +1064,10 @@ def test_trainer_makes_only_the_device_calls_it_needs(monkeypatch, precision, fu
     lean = dict(track_grad_norm=False, track_memory=False, track_time=False)
     check = [] if precision == "fp16" else ["_amp_foreach_non_finite_check_and_unscale_"]
     assert extra(lean)[:2] == (check, 0)
+    if check:  # raise: the sticky flag written into the step's own (no copy of it)
+        raised = extra(dict(lean, nonfinite="raise"))[0]
+        assert [n for n in raised if n not in ("_local_scalar_dense",)] == sorted(
+            check + ["maximum"]), raised
     names, calls, tr = extra({})
     assert names == sorted(["_foreach_norm"] + check) and calls == 0
     assert allocator.resets >= 1 and allocator.reads == 0  # one window, not read yet

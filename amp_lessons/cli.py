@@ -177,7 +177,9 @@ def _cmd_rehearse(args) -> int:
 def _add_readme(sub) -> None:
     p = sub.add_parser("readme", help="rebuild the README's results section from the notebooks",
                        description="Rebuild README.md's results section from the tables the "
-                                   "committed notebooks published in their latest run.")
+                                   "committed notebooks published in their latest run, its T4 "
+                                   "rehearsal table from docs/rehearsal_t4.json and its cheat "
+                                   "sheet from docs/cheat_sheet.md.")
     p.add_argument("--check", action="store_true",
                    help="change nothing; exit 1 if the section is out of date")
     p.add_argument("--readme", type=Path, default=None, help="README to update (default: the repo's)")
@@ -187,26 +189,29 @@ def _add_readme(sub) -> None:
 def _cmd_readme(args) -> int:
     from . import rehearsal
     from .files import read_text
-    from .report import with_results
+    from .report import CHEAT_START, with_cheat_sheet, with_results
     from .runner import NOTEBOOK_DIR, course_notebooks
 
     readme = args.readme or NOTEBOOK_DIR.parent / "README.md"
     if not readme.is_file():
         return fail("readme", f"no README at '{readme}'")
     rehearsal_file = NOTEBOOK_DIR.parent / "docs" / "rehearsal_t4.json"
-    try:  # both generated blocks are built before anything is written
+    cheat_file = NOTEBOOK_DIR.parent / "docs" / "cheat_sheet.md"
+    try:  # every generated block is built before anything is written
         current = read_text(readme, "README")
         new = with_results(current, course_notebooks(), str(readme))
         if rehearsal_file.is_file():  # the T4 rehearsal's block, from its committed record
             new = rehearsal.with_rehearsal(new, rehearsal.read_record(rehearsal_file), str(readme))
+        if CHEAT_START in new and cheat_file.is_file():  # the cheat sheet's copy, from its doc
+            new = with_cheat_sheet(new, read_text(cheat_file, "cheat sheet"), str(readme))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail("readme", str(exc))
     if args.check:
         if new != current:
-            print(f"{readme}: results or rehearsal section is out of date; run "
+            print(f"{readme}: results, rehearsal or cheat-sheet section is out of date; run "
                   f"`python -m amp_lessons readme`", file=sys.stderr)
             return 1
-        print(f"{readme}: results and rehearsal sections are current")
+        print(f"{readme}: results, rehearsal and cheat-sheet sections are current")
         return 0
     if new != current:
         try:

@@ -1,6 +1,8 @@
 """The practitioner's cheat sheet (docs/cheat_sheet.md) is the README's "Cheat sheet" section,
 cites only numbers the README's Results section publishes, and links to lessons that exist."""
 import re
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,3 +34,16 @@ def test_links_point_at_lessons_that_exist_and_every_symptom_is_covered():
     for symptom in ("loss scale halves", "fused SGD", "no speed-up", "GPU sits idle",
                     "FP8 slower than bf16", "weights stop moving"):
         assert symptom in table, symptom
+
+
+def test_readme_block_is_rebuilt_from_the_doc():
+    from amp_lessons import report
+
+    stale = f"# R\n\n{report.CHEAT_START}\nold text, **1.00**\n{report.CHEAT_END}\n\n## Next\n"
+    new = report.with_cheat_sheet(stale, DOC)
+    assert "old text" not in new and BODY in new and new.endswith("\n\n## Next\n")
+    assert "The practitioner's cheat sheet" not in new  # the doc's note to editors stays out
+    assert report.with_cheat_sheet(new, DOC) == new
+    assert report.with_cheat_sheet(README, DOC) == README  # the committed copy is current
+    with pytest.raises(ValueError, match="cheat-sheet markers"):
+        report.with_cheat_sheet("# R\n", DOC, "README.md")

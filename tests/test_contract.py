@@ -20,12 +20,7 @@ EXPECTED = ["01_fp16_ranges_and_underflow.ipynb", "02_basic_amp_loop.ipynb",
 # outputs they had (a CPU run recorded as such, or the previous GPU run with the new cells not yet
 # executed). The full-GPU-run test is an expected failure for them (strict: once the GPU run is
 # committed it passes, and the entry must go).
-AWAITING_GPU_RUN = {
-    "07_fp8_training.ipynb": "its exercises, takeaways and Questions (issue 28) landed from "
-                             "docs/awaiting_gpu_run/ without a GPU run: the committed outputs are "
-                             "the 2026-11-30 H200 run of the older sources; the lead runs it on the "
-                             "H200 and then removes this entry",
-}
+AWAITING_GPU_RUN = {}
 WARNING_TEXT = re.compile(r"\b\w*Warning\b|\bwarn(ing)?:", re.IGNORECASE)
 
 

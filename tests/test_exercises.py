@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import amp_lessons as al
-from amp_lessons.exercises import MODULES, ex01, ex02, ex03, ex04, ex05, ex06, ex07
+from amp_lessons.exercises import MODULES, ex01, ex02, ex03, ex04, ex05, ex06, ex07, ex08, ex09
 from amp_lessons.exercises.check import Check, Hints, hint_book, is_blank, same_code
-from amp_lessons.lessons import l03_scaler, l07_fp8
+from amp_lessons.lessons import l03_scaler, l07_fp8, l08_weights
 from amp_lessons.trainer import ScalerSettings
 
 
@@ -145,6 +145,16 @@ ANSWER_TOKENS = {
     ("ex07", "row"): lambda: ["dim=-1", "dim=1", "keepdim=True"],
     ("ex07", "filter"): lambda: ["% 16", "multiple of 16", "MIN_FEATURES", "first and the last",
                                  "names[0]"],
+    ("ex08", "stochastic"): lambda: ["randint", "1 << 16", "2**16", "-65536", "0xFFFF0000",
+                                     "view(torch.int32)"],
+    ("ex08", "kahan"): lambda: ["update + compensation", "y - (new", "(new - w)",
+                                "new.float() - w"],
+    ("ex08", "memory"): lambda: ["16, 8 and 10", "104.3", "52.2", "65.2", "2**30", "gradient"],
+    ("ex09", "overflow"): lambda: ["overflow[0]", "fp16_nonfinite[0]", "blocks.0.mlp.2",
+                                  "output Linear"],
+    ("ex09", "scale"): lambda: ["grad_absmax", "largest gradient", "math.floor", "log2",
+                                "65504 / g"],
+    ("ex09", "yours"): lambda: ["advice['fp16_safe']", "scale_exponent", "act_absmax"],
 }
 
 
@@ -526,11 +536,141 @@ def test_ex07_module_filter():
                  "first layer", hints=hints)
 
 
+# --- lesson 08 --------------------------------------------------------------------------------
+def test_ex08_stochastic_rounding_is_unbiased():
+    assert ex08.check_stochastic_rounding(ex08.reference_stochastic_round)
+    hints = ex08.HINTS["stochastic"]
+    assert_unanswered(ex08.check_stochastic_rounding(lambda x: None), hints)
+    fragments = {"round to nearest": "round-to-nearest", "truncate": "toward zero",
+                 "noise, then round to nearest": "cut the low 16 bits off"}
+    for name, bad in ex08.WRONG_STOCHASTIC.items():
+        assert_wrong(ex08.check_stochastic_rounding(bad), fragments[name], hints=hints)
+    assert_wrong(ex08.check_stochastic_rounding(lambda x: x.clone()), "torch.bfloat16",
+                 hints=hints)
+
+
+def test_ex08_kahan_update_keeps_small_updates():
+    assert ex08.check_kahan_update(ex08.reference_kahan_add)
+    hints = ex08.HINTS["kahan"]
+    assert_unanswered(ex08.check_kahan_update(lambda w, c, u: None), hints)
+    fragments = {"no compensation": "never changes", "sign flipped": "negative",
+                 "compensation kept but never added": "never receives it"}
+    for name, bad in ex08.WRONG_KAHAN.items():
+        assert_wrong(ex08.check_kahan_update(bad), fragments[name], hints=hints)
+
+
+@pytest.fixture(scope="module")
+def lesson08_memory():
+    workload = l08_weights.teacher_student(16, 16, 2, "cpu")
+    rows = l08_weights.run_recipes(workload, ex08.MEMORY_RECIPES, "cpu", seeds=(0,), bf16=True)
+    return l08_weights.memory_table(rows)
+
+
+def test_ex08_state_gib_against_the_measured_table(lesson08_memory):
+    memory = lesson08_memory
+    ref = ex08.reference_state_gib(memory)
+    assert sorted(ref) == sorted(ex08.MEMORY_RECIPES)
+    assert abs(ref["fp32 master"] / (16 * 7e9 / 2 ** 30) - 1) < 0.01  # measured, near 16 B
+    assert ex08.check_state_gib(ref, memory)
+    assert ex08.check_state_gib({"fp32 master": 104.3, "bf16": 52.2, "bf16 + Kahan": 65.2}, memory)
+    hints = ex08.HINTS["memory"]
+    assert_unanswered(ex08.check_state_gib(dict.fromkeys(ex08.MEMORY_RECIPES), memory), hints)
+    assert_wrong(ex08.check_state_gib({k: v * 2 ** 30 / 1e9 for k, v in ref.items()}, memory),
+                 "GB", hints=hints)
+    assert_wrong(ex08.check_state_gib({**ref, "fp32 master": 12 * 7e9 / 2 ** 30}, memory),
+                 "gradients too", hints=hints)
+    assert_wrong(ex08.check_state_gib({**ref, "bf16": 16 * 7e9 / 2 ** 30}, memory),
+                 "2 bytes each", hints=hints)
+    assert_wrong(ex08.check_state_gib({**ref, "bf16 + Kahan": ref["bf16"]}, memory),
+                 "compensation", hints=hints)
+    only_ref = [m for m in memory if m["recipe"] == "fp32 master"]
+    assert ex08.check_state_gib(ref, only_ref)  # recipes not measured are not graded
+    assert ex08.check_state_gib(ref, []).status == "skipped"
+
+
+# --- lesson 09 --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def doctor_reports():
+    """The doctor on two tiny models: one whose middle Linear overflows fp16, one with a large
+    batch, so small gradients (a loss scale far from the default 2^16)."""
+    reports = []
+    for name, factor, n in (("overflowing", 1e6, 8), ("small gradients", 1.0, 1024)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.LayerNorm(16),
+                              nn.Linear(16, 4))
+        with torch.no_grad():
+            model[2].weight.mul_(factor)
+        batch = (torch.randn(n, 8), torch.randint(0, 4, (n,)))
+        reports.append(al.doctor(model, batch, name=name, precisions=(), trial_steps=0,
+                                 compile=False))
+    return reports
+
+
+def test_ex09_overflow_layer(doctor_reports):
+    over, plain = doctor_reports
+    assert over.overflow and not plain.overflow
+    assert ex09.check_overflow_layer(ex09.reference_overflow_layer(over), over)
+    assert ex09.check_overflow_layer("2", over) and not ex09.check_overflow_layer("0", over)
+    hints = ex09.HINTS["overflow"]
+    assert_unanswered(ex09.check_overflow_layer(None, over), hints)
+    fragments = {"a layer inf only reaches": "downstream", "not a layer of the report":
+                 "layer column"}
+    for name, bad in ex09.WRONG_OVERFLOW.items():
+        assert_wrong(ex09.check_overflow_layer(bad(over), over), fragments[name], hints=hints)
+    assert ex09.check_overflow_layer("2", plain).status == "skipped"
+
+
+def test_ex09_scale_exponent_from_the_ranges(doctor_reports):
+    assert doctor_reports[1].scale_exponent > 16  # the default's exponent would be wrong here
+    assert ex09.check_scale_exponent(ex09.reference_scale_exponent, doctor_reports)
+    hints = ex09.HINTS["scale"]
+    assert_unanswered(ex09.check_scale_exponent(lambda r: None, doctor_reports), hints)
+    fragments = {"from the activations": "not the activations", "rounded up": "round the exponent down",
+                 "from the smallest gradient": "not the smallest",
+                 "the default init_scale": "default init_scale"}
+    for name, bad in ex09.WRONG_SCALE.items():
+        assert_wrong(ex09.check_scale_exponent(bad, doctor_reports[::-1]), fragments[name],
+                     hints=hints)
+    assert_wrong(ex09.check_scale_exponent(lambda r: 2.0 ** r.scale_exponent, doctor_reports[1:]),
+                 "not the scale", hints=hints)
+
+
+def test_ex09_answers_from_your_report(doctor_reports):
+    hints = ex09.HINTS["yours"]
+    for report in doctor_reports:
+        assert ex09.check_report_answers(ex09.reference_answers(report), report)
+        assert_unanswered(ex09.check_report_answers(dict.fromkeys(ex09.QUESTIONS), report), hints)
+        assert_wrong(ex09.check_report_answers(ex09.WRONG_ANSWERS["the last layer"](report),
+                                               report), "not always the last", hints=hints)
+    small = doctor_reports[1]
+    assert_wrong(ex09.check_report_answers(ex09.WRONG_ANSWERS["the default init_scale"](small),
+                                           small), "default start", hints=hints)
+    assert_wrong(ex09.check_report_answers({**ex09.reference_answers(small), "fp16 safe": False},
+                                           small), "fp16 safe", hints=hints)
+
+
 # --- the notebooks --------------------------------------------------------------------------------
-LESSONS_WITH_EXERCISES = sorted(Path(__file__).resolve().parent.parent.glob("notebooks/0[1-7]_*.ipynb"))
+# A lesson whose exercise cells are written but whose committed notebook still holds its previous
+# GPU run (the new cells need a GPU run before they can be committed), and where they wait.
+AWAITING_GPU_RUN = {
+    "08": "docs/awaiting_gpu_run/08_weights_and_optimizer_state.ipynb: the session that wrote "
+          "it had no device time left for the lesson's GPU run",
+    "09": "docs/awaiting_gpu_run/09_your_model.ipynb: the session that wrote it had no device "
+          "time left for the lesson's GPU run"}
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS_WITH_EXERCISES = [
+    p if p.name[:2] not in AWAITING_GPU_RUN else pytest.param(
+        p, marks=pytest.mark.xfail(strict=True, reason=AWAITING_GPU_RUN[p.name[:2]]))
+    for p in sorted(ROOT.glob("notebooks/0[1-9]_*.ipynb"))]
+AWAITING_COPIES = sorted((ROOT / "docs" / "awaiting_gpu_run").glob("0[1-9]_*.ipynb"))
 
 
-@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES, ids=lambda p: Path(p).name[:2])
+def test_every_awaiting_lesson_has_its_copy():
+    assert sorted(p.name[:2] for p in AWAITING_COPIES) == sorted(AWAITING_GPU_RUN)
+
+
+@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES + AWAITING_COPIES,
+                         ids=lambda p: ("awaiting-" if "awaiting" in str(p) else "") + Path(p).name[:2])
 def test_each_lesson_has_three_graded_exercises_and_questions_before_checks(path):
     nb = nbformat.read(path, as_version=4)
     cells = nb.cells

@@ -1,4 +1,4 @@
-"""Graded exercises, one module per lesson (``ex01`` ... ``ex07``).
+"""Graded exercises, one module per lesson (``ex01`` ... ``ex09``).
 
 Each ``check_*`` function grades what a learner wrote in an ``exercise`` cell with the package's
 own functions and returns a ``Check`` that reads "passed", "wrong" (what is wrong, and the hint
@@ -9,10 +9,11 @@ levels unfold on a click. Each module also holds its reference solutions (``refe
 typical wrong answers (``WRONG_*``), which ``tests/test_exercises.py`` runs. The engine's layer:
 no lesson module, no claim.
 """
-from . import ex01, ex02, ex03, ex04, ex05, ex06, ex07
+from . import ex01, ex02, ex03, ex04, ex05, ex06, ex07, ex08, ex09
 from .check import Check, Hints
 
 MODULES = {"ex01": ex01, "ex02": ex02, "ex03": ex03, "ex04": ex04, "ex05": ex05, "ex06": ex06,
-           "ex07": ex07}
+           "ex07": ex07, "ex08": ex08, "ex09": ex09}
 
-__all__ = ["Check", "Hints", "MODULES", "ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07"]
+__all__ = ["Check", "Hints", "MODULES", "ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07",
+           "ex08", "ex09"]

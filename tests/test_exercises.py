@@ -697,3 +697,25 @@ def test_ex06_a_rank_dying_in_teardown_after_a_complete_report_still_counts():
     assert not ex06._aborted_at_exit(abort, [{"rank": 0}, None])  # a rank never reported
     assert not ex06._aborted_at_exit(abort, None)  # no report at all
     assert not ex06._aborted_at_exit("RuntimeError: boom", complete)  # a real failure
+
+
+def _sections_without_takeaway(path):
+    """The ``## `` sections of a notebook (but Questions and Checks) whose last markdown line is
+    not a ``**Takeaway:**`` line."""
+    nb = nbformat.read(path, as_version=4)
+    lines = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()]
+    sections, current, last = [], None, ""
+    for line in lines + ["## end"]:
+        if line.startswith("## "):
+            if current and current not in ("## Questions", "## Checks"):
+                sections.append((current, last.startswith("**Takeaway:**")))
+            current, last = line, ""
+        elif line.strip():
+            last = line
+    return [s for s, ok in sections if not ok]
+
+
+@pytest.mark.parametrize("path", AWAITING_COPIES, ids=lambda p: Path(p).name[:2])
+def test_every_section_of_a_waiting_lesson_ends_with_a_takeaway(path):
+    assert _sections_without_takeaway(path) == []
+    assert _sections_without_takeaway(ROOT / "notebooks" / Path(path).name)  # what it adds

@@ -18,8 +18,6 @@ class GraphedStep:
     def __init__(self, trainer: "Trainer", graph, x: torch.Tensor, y: torch.Tensor, outs: tuple,
                  packed: torch.Tensor):
         self.trainer, self.graph, self.x, self.y, self.packed = trainer, graph, x, y, packed
-        # a replay changes GradScaler's scale unseen (no version bump): its log starts afresh
-        self.scale_log = getattr(trainer._policy, "log", None)
         self.cause = outs[4]
         # where each of loss, grad_norm, found_inf, scale sits in ``packed`` (or its constant)
         self.slots, i = [], 0
@@ -42,8 +40,11 @@ class GraphedStep:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.graph.replay()
-        if self.scale_log is not None:
-            self.scale_log.invalidate()
+        # a replay changes GradScaler's scale unseen (no version bump): the scale log starts
+        # afresh; the trainer's current one (a config change since capture builds a new policy)
+        log = getattr(trainer._policy, "log", None)
+        if log is not None:
+            log.invalidate()
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -863,7 +863,7 @@ class Trainer:
         self._open_iterator = None
         self.history = History.from_columns(state["history"]["steps"], state["history"]["epochs"])
         self._policy.reset()  # flags of steps before the load mean nothing now
-        self._window = None
+        self._close_memory_window()  # records kept from before the load keep their own peak
         set_rng_state(state["rng"])
         return state
 

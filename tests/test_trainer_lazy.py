@@ -43,3 +43,47 @@ def test_a_replay_after_a_config_change_still_restarts_the_scale_log():
             expected.append(trainer.scaler.get_scale())
             record = trainer.train_step([data[0]])
             assert record.scale == expected[-1], (i, record.scale, expected[-1])
+
+
+class _PeakCounter:
+    """The CUDA allocator's peak counter on the CPU: a hook allocates ``sizes[step]`` bytes in
+    each step; a reset forgets the peak; a read gives the peak since the last reset."""
+
+    def __init__(self, monkeypatch):
+        self.peak = 0
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", self.stats)
+
+    def reset(self, device=None):
+        self.peak = 0
+
+    def stats(self, device=None):
+        return {"allocated_bytes": {"all": {"peak": self.peak}}}
+
+
+class _Allocates(T.Hooks):
+    def __init__(self, counter, sizes):
+        self.counter, self.sizes = counter, sizes
+
+    def after_backward(self, trainer, micro_step):
+        self.counter.peak = max(self.counter.peak, self.sizes(trainer.step))
+
+
+def test_records_kept_across_a_checkpoint_load_keep_their_own_peak_memory(monkeypatch, tmp_path):
+    """A record of a memory window still open when a checkpoint is loaded reads the peak of
+    its own steps, not the peak of the steps trained after the load."""
+    counter = _PeakCounter(monkeypatch)
+    model, opt = fresh()
+    trainer = T.Trainer(model, opt, T.TrainConfig(progress=False),
+                        hooks=[_Allocates(counter, lambda step: 100 if step < 2 else 5000)])
+    trainer._track_memory = True  # as on a GPU (the allocator is patched)
+    data = batches(4)
+    path = trainer.save_checkpoint(tmp_path / "start.pt")
+    kept = [trainer.train_step([b]) for b in data[:3]]  # one open window, unread
+    trainer.load_checkpoint(path)
+    trainer._track_memory = True
+    trainer.hooks[0].sizes = lambda step: 100
+    for b in data[:2]:
+        trainer.train_step([b])
+    assert [r.peak_memory_bytes for r in kept] == [5000] * 3
+    assert trainer.history[-1].peak_memory_bytes == 100

@@ -769,7 +769,8 @@ class Trainer:
 
         ``precision``: None uses ``config.eval_precision``; "same" is training's autocast; a
         precision name (e.g. "fp32") runs under that one instead. The model's train/eval mode is
-        restored afterwards.
+        restored afterwards. An open peak-memory window is read first (``track_memory``): the
+        evaluation's memory does not count in the peak of the training steps before it.
         """
         name = self.config.eval_precision if precision is None else precision
         if not isinstance(name, str):
@@ -777,6 +778,7 @@ class Trainer:
                              f"got {name!r}")
         name = self.config.precision if name.strip().lower() == "same" else check_precision(
             name, self.device)
+        self._close_memory_window()  # steps trained before keep their own peak
         was_training = self.model.training
         self.model.eval()
         total_loss = torch.zeros((), device=self.device)

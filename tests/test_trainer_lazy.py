@@ -87,3 +87,25 @@ def test_records_kept_across_a_checkpoint_load_keep_their_own_peak_memory(monkey
         trainer.train_step([b])
     assert [r.peak_memory_bytes for r in kept] == [5000] * 3
     assert trainer.history[-1].peak_memory_bytes == 100
+
+
+def test_an_evaluation_between_steps_is_not_counted_in_the_steps_peak_memory(monkeypatch):
+    """``evaluate`` after a ``fit`` stopped by ``max_steps`` (its window open, unread): the
+    training records read afterwards show their own steps' peak, not the evaluation's."""
+    counter = _PeakCounter(monkeypatch)
+    model, opt = fresh()
+    trainer = T.Trainer(model, opt, T.TrainConfig(progress=False),
+                        hooks=[_Allocates(counter, lambda step: 100)])
+    trainer._track_memory = True  # as on a GPU (the allocator is patched)
+
+    def evaluation_allocates(module, args, output):
+        if not module.training:
+            counter.peak = max(counter.peak, 9000)
+
+    model.register_forward_hook(evaluation_allocates)
+    data = batches(4)
+    trainer.fit(data, max_steps=2)
+    trainer.evaluate(data)
+    assert [r.peak_memory_bytes for r in trainer.history] == [100, 100]
+    trainer.fit(data, max_steps=1)
+    assert trainer.history[-1].peak_memory_bytes == 100

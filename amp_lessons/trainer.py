@@ -330,6 +330,8 @@ class Trainer:
         self._check_first = policy.checks_before_step(self._unscale_first)
         self._norm_wanted = cfg.clip_norm is not None or cfg.track_grad_norm
         self._track_memory = self.device.type == "cuda" and cfg.track_memory
+        if not self._track_memory and getattr(self, "_window", None) is not None:
+            self._window.read()  # untracked steps to come are not the open window's
         self._timed = cfg.track_time
         self._half = HALF_DTYPES.get(cfg.precision)  # autocast dtype, None for fp32/tf32
         # gradients have their parameter's device and dtype: one group for the norm's kernels?

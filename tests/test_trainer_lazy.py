@@ -109,3 +109,23 @@ def test_an_evaluation_between_steps_is_not_counted_in_the_steps_peak_memory(mon
     assert [r.peak_memory_bytes for r in trainer.history] == [100, 100]
     trainer.fit(data, max_steps=1)
     assert trainer.history[-1].peak_memory_bytes == 100
+
+
+def test_steps_trained_with_track_memory_off_do_not_count_in_an_earlier_window(monkeypatch):
+    """``track_memory`` turned off, then on again (``trainer.config = ...``): the records kept
+    from before show their own steps' peak, not that of the untracked steps in between."""
+    counter = _PeakCounter(monkeypatch)
+    model, opt = fresh()
+    trainer = T.Trainer(model, opt, T.TrainConfig(progress=False),
+                        hooks=[_Allocates(counter, lambda step: 5000 if step in (2, 3) else 100)])
+    trainer._track_memory = True  # as on a GPU (the allocator is patched)
+    data = batches(4)
+    kept = [trainer.train_step([b]) for b in data[:2]]
+    trainer.config = dataclasses.replace(trainer.config, track_memory=False)
+    untracked = [trainer.train_step([b]) for b in data[2:]]
+    trainer.config = dataclasses.replace(trainer.config, track_memory=True)
+    trainer._track_memory = True
+    later = trainer.train_step([data[0]])
+    assert [r.peak_memory_bytes for r in untracked] == [None, None]
+    assert [r.peak_memory_bytes for r in kept] == [100, 100]
+    assert later.peak_memory_bytes == 100

@@ -549,6 +549,30 @@ def test_ex08_stochastic_rounding_is_unbiased():
                  hints=hints)
 
 
+def test_ex08_stochastic_rounding_must_draw_fresh_noise_each_call():
+    """A rounding that is unbiased over a tensor but fixed from call to call (a generator seeded
+    inside the function, or a pattern) repeats the same error at every step: not stochastic."""
+    def seeded_inside(x):
+        g = torch.Generator().manual_seed(1234)
+        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=g)
+        return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    def pattern(x):
+        noise = (torch.arange(x.numel(), dtype=torch.int32) * 40503) % 65536
+        return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    for fixed in (seeded_inside, pattern):
+        assert_wrong(ex08.check_stochastic_rounding(fixed), "second call", "fresh random",
+                     hints=ex08.HINTS["stochastic"])
+
+    def uniform_draw(x):  # another correct way: compare a uniform draw with the share of the gap
+        low = (x.view(torch.int32) & -65536).view(torch.float32)
+        high = (low.view(torch.int32) + 65536).view(torch.float32)
+        return torch.where(torch.rand_like(x) < (x - low) / (high - low), high, low).to(
+            torch.bfloat16)
+
+    assert ex08.check_stochastic_rounding(uniform_draw)
+
 def test_ex08_kahan_update_keeps_small_updates():
     assert ex08.check_kahan_update(ex08.reference_kahan_add)
     hints = ex08.HINTS["kahan"]
@@ -557,7 +581,30 @@ def test_ex08_kahan_update_keeps_small_updates():
                  "compensation kept but never added": "never receives it"}
     for name, bad in ex08.WRONG_KAHAN.items():
         assert_wrong(ex08.check_kahan_update(bad), fragments[name], hints=hints)
+    assert_wrong(ex08.check_kahan_update(lambda w, c, u: (w, c)), "unchanged", hints=hints)
 
+
+
+def test_ex08_kahan_update_that_keeps_its_own_fp32_copy_fails():
+    """A learner's update that keeps an fp32 master copy between calls (in a closure) and only
+    casts it to bf16 ends exact, but is not a Kahan update: the same inputs must give the same
+    outputs, whatever was called before."""
+    master = {}
+
+    def fp32_master(weight, compensation, update):
+        total = master.setdefault("w", weight.float().clone())
+        total += update
+        return total.to(torch.bfloat16), compensation
+
+    assert_wrong(ex08.check_kahan_update(fp32_master), "same inputs", hints=ex08.HINTS["kahan"])
+
+    def textbook(weight, compensation, update):  # Kahan with the buffer's sign the other way
+        w = weight.float()
+        y = update - compensation.float()
+        new = (w + y).to(torch.bfloat16)
+        return new, ((new.float() - w) - y).to(torch.bfloat16)
+
+    assert ex08.check_kahan_update(textbook)
 
 @pytest.fixture(scope="module")
 def lesson08_memory():
@@ -635,6 +682,12 @@ def test_ex09_scale_exponent_from_the_ranges(doctor_reports):
                  "not the scale", hints=hints)
 
 
+
+def test_ex09_scale_exponent_that_is_not_finite_is_wrong_not_a_crash(doctor_reports):
+    for k in (float("inf"), float("nan")):
+        assert_wrong(ex09.check_scale_exponent(lambda r: k, doctor_reports), "whole",
+                     hints=ex09.HINTS["scale"])
+
 def test_ex09_answers_from_your_report(doctor_reports):
     hints = ex09.HINTS["yours"]
     for report in doctor_reports:
@@ -648,6 +701,18 @@ def test_ex09_answers_from_your_report(doctor_reports):
     assert_wrong(ex09.check_report_answers({**ex09.reference_answers(small), "fp16 safe": False},
                                            small), "fp16 safe", hints=hints)
 
+
+
+def test_ex09_answers_accept_numpy_values(doctor_reports):
+    np = pytest.importorskip("numpy")
+    small = doctor_reports[1]
+    ref = ex09.reference_answers(small)
+    answers = {**ref, "fp16 safe": np.bool_(ref["fp16 safe"]),
+               "scale exponent": np.int64(ref["scale exponent"])}
+    assert ex09.check_report_answers(answers, small)
+    assert not ex09.check_report_answers({**answers, "fp16 safe": np.bool_(not ref["fp16 safe"])},
+                                         small)
+    assert not ex09.check_report_answers({**ref, "fp16 safe": 1}, small)
 
 # --- the notebooks --------------------------------------------------------------------------------
 # A lesson whose exercise cells are written but whose committed notebook still holds its previous

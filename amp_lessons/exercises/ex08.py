@@ -103,7 +103,8 @@ def _neighbours(x: torch.Tensor):
 def check_stochastic_rounding(fn: Callable) -> Check:
     """Grade ``fn(x) -> bf16 tensor`` (``x`` fp32): every value must be one of the two bf16
     neighbours of its input, and the mean over many copies of three values must be the input
-    (within 2% of a bf16 ulp: round-to-nearest and truncation miss by 13-70%)."""
+    (within 2% of a bf16 ulp: round-to-nearest and truncation miss by 13-70%); a second call
+    (another seed) must round differently: a fixed pattern repeats its error at every step."""
     hints = HINTS["stochastic"]
     x = _sr_input()
     with torch.random.fork_rng(devices=[]):
@@ -157,6 +158,18 @@ def check_stochastic_rounding(fn: Callable) -> Check:
                        "cut does exactly that")
         return wrong(STOCHASTIC, f"biased: on average {worst[1]:+.2f} of an ulp away from "
                      f"{worst[0]:.6g}", hints.after(mistake))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        try:
+            again = fn(x.clone())
+        except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+            return wrong(STOCHASTIC, f"on a second call: {type(exc).__name__}: {exc}", hints)
+    if isinstance(again, torch.Tensor) and again.shape == got.shape and torch.equal(again, got):
+        return wrong(STOCHASTIC, "a second call rounded every value the same way: the choice is "
+                     "fixed, not random", hints.after(
+                         "a weight rounded the same way at every step keeps the same error: "
+                         "draw fresh random numbers on each call (torch's global generator, "
+                         "not a generator seeded inside the function or a fixed pattern)"))
     return passed(STOCHASTIC, "every value lands on a bf16 neighbour of its input, and the mean "
                   "of each value's " + f"{_COPIES:,} roundings is within "
                   f"{max(abs(b) for _, b in lines):.3f} of an ulp of it: unbiased")
@@ -212,6 +225,14 @@ def _run_kahan(fn, start, update, steps):
     return w, c
 
 
+def _bitwise_same(a, b) -> bool:
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all()) if a.is_floating_point() \
+        else torch.equal(a, b)
+
+
 def _kahan_mistake(fn, start, update) -> str:
     """What a failing Kahan update does wrong, from one step taken where the compensation
     buffer already holds something (after a few reference steps)."""
@@ -222,6 +243,9 @@ def _kahan_mistake(fn, start, update) -> str:
     except Exception:  # noqa: BLE001 - it ran before: any failure here says nothing new
         return HINTS["kahan"].levels[0]
     got_c = torch.as_tensor(got_c)
+    if torch.equal(torch.as_tensor(got_w), w) and not torch.equal(want_w, w):
+        return ("the weight comes back unchanged: the update must move it, w + update (plus the "
+                "compensation) rounded to bf16 is the new weight")
     if torch.equal(got_c, c):
         return ("the compensation buffer never changes: after rounding, store in it what the "
                 "rounding dropped, y - (new - w)")
@@ -238,15 +262,20 @@ def _kahan_mistake(fn, start, update) -> str:
 def check_kahan_update(fn: Callable) -> Check:
     """Grade ``fn(weight, compensation, update) -> (new_weight, new_compensation)`` (bf16, bf16,
     fp32): 300 small updates to 256 bf16 weights must end within one bf16 ulp of the exact sum,
-    as ``optim.add_rounded(..., "kahan")`` does, where round-to-nearest loses most of them."""
+    as ``optim.add_rounded(..., "kahan")`` does, where round-to-nearest loses most of them.
+    The first step, taken again after the run, must give the same outputs: the weight and the
+    compensation are the whole state (an fp32 copy kept between calls is not Kahan)."""
     hints = HINTS["kahan"]
     start, update = _kahan_case()
     try:
+        first = _run_kahan(fn, start, update, 1)  # taken again after the run: must not change
         out = _run_kahan(fn, start, update, KAHAN_STEPS)
-        if out is None:
+        if first is None or out is None:
             return unanswered(KAHAN, hints)
         w, c = out
         w, c = torch.as_tensor(w), torch.as_tensor(c)
+        again = _run_kahan(fn, start, update, 1)
+        same = again is not None and all(_bitwise_same(a, b) for a, b in zip(first, again))
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(KAHAN, f"{type(exc).__name__}: {exc}", hints)
     if w.dtype != torch.bfloat16 or c.dtype != torch.bfloat16 or w.shape != start.shape:
@@ -254,6 +283,12 @@ def check_kahan_update(fn: Callable) -> Check:
                      f"{tuple(w.shape)} and {c.dtype} {tuple(c.shape)}", hints.after(
                          "both the weight and its compensation buffer are stored in bf16 "
                          "(2 bytes each): compute in fp32, store with .to(torch.bfloat16)"))
+    if not same:
+        return wrong(KAHAN, "the same inputs gave different outputs on a later call: the update "
+                     "keeps something of its own between calls", hints.after(
+                         "everything a step knows must come in through its arguments and go out "
+                         "through what it returns: the bf16 weight and the bf16 compensation "
+                         "buffer are the whole state, with no fp32 copy kept on the side"))
     exact = start.double() + KAHAN_STEPS * update.double()
     ulp = torch.tensor([formats.ulp(v, "bf16") for v in exact.tolist()], dtype=torch.float64)
     err = ((w.double() - exact).abs() / ulp)

@@ -4,6 +4,7 @@ GradScaler settles at from the report's gradient ranges (graded against the repo
 ``scale_exponent``, from ``doctor.scale.reached_scale``), and answer three questions about the
 report on your own model (graded against that report)."""
 import math
+import sys
 from typing import Callable, Iterable, Mapping, Optional
 
 from .. import formats
@@ -152,7 +153,7 @@ def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
         if is_blank(got):
             return unanswered(SCALE, hints)
         k, want = number(got), report.scale_exponent
-        if k is None or k != int(k):
+        if k is None or not math.isfinite(k) or k != int(k):
             return wrong(SCALE, f"{report.model}: expected a whole exponent k; got {got!r}",
                          hints.after("return k, the exponent, not the scale 2**k: a whole "
                                      "number"))
@@ -197,6 +198,12 @@ WRONG_ANSWERS = {"the default init_scale": lambda r: {**reference_answers(r),
                                               "largest activation": r.layers[-1]["layer"]}}
 
 
+def _is_bool(value) -> bool:
+    """True for True/False, also as numpy's bool (what a comparison on report values gives)."""
+    numpy = sys.modules.get("numpy")  # loaded wherever a value is a numpy bool
+    return isinstance(value, bool) or numpy is not None and isinstance(value, numpy.bool_)
+
+
 def check_report_answers(answers, report) -> Check:
     """Grade ``answers`` ({"fp16 safe": bool, "scale exponent": int, "largest activation":
     layer name}) against ``report`` (the doctor's report on your model)."""
@@ -208,7 +215,7 @@ def check_report_answers(answers, report) -> Check:
         return unanswered(YOURS, hints)
     want = reference_answers(report)
     got = {q: answers.get(q) for q in QUESTIONS}
-    if not isinstance(got["fp16 safe"], bool) or got["fp16 safe"] != want["fp16 safe"]:
+    if not _is_bool(got["fp16 safe"]) or bool(got["fp16 safe"]) != want["fp16 safe"]:
         return wrong(YOURS, f"fp16 safe: {got['fp16 safe']!r}; the report says "
                      f"{want['fp16 safe']}", hints.after(
                          "the advice's last line says whether fp16 with GradScaler is safe "

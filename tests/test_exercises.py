@@ -678,7 +678,8 @@ def test_ex09_scale_exponent_from_the_ranges(doctor_reports):
     for name, bad in ex09.WRONG_SCALE.items():
         assert_wrong(ex09.check_scale_exponent(bad, doctor_reports[::-1]), fragments[name],
                      hints=hints)
-    assert_wrong(ex09.check_scale_exponent(lambda r: 2.0 ** r.scale_exponent, doctor_reports[1:]),
+    assert_wrong(ex09.check_scale_exponent(lambda r: 2.0 ** ex09.reference_scale_exponent(r),
+                                           doctor_reports[1:]),
                  "not the scale", hints=hints)
 
 
@@ -687,6 +688,22 @@ def test_ex09_scale_exponent_that_is_not_finite_is_wrong_not_a_crash(doctor_repo
     for k in (float("inf"), float("nan")):
         assert_wrong(ex09.check_scale_exponent(lambda r: k, doctor_reports), "whole",
                      hints=ex09.HINTS["scale"])
+
+
+def test_ex09_scale_exponent_cannot_return_the_doctors_own_answer(doctor_reports):
+    """The exercise is to compute k from report.layers: handing back report.scale_exponent (or
+    the advice) fails, and the learner's function cannot change the report either."""
+    check = ex09.check_scale_exponent(lambda r: r.scale_exponent, doctor_reports)
+    assert check.status == "wrong" and "report.layers only" in check.message, check
+    before = [dict(r) for r in doctor_reports[1].layers]
+
+    def sorts_in_place(report):
+        report.layers.sort(key=lambda r: -(r["grad_absmax"] or 0))
+        report.layers.clear()
+        return 0
+
+    ex09.check_scale_exponent(sorts_in_place, doctor_reports)
+    assert doctor_reports[1].layers == before
 
 def test_ex09_answers_from_your_report(doctor_reports):
     hints = ex09.HINTS["yours"]

@@ -3,6 +3,7 @@ layer that overflows fp16 (graded against the report's overflow sites), compute 
 GradScaler settles at from the report's gradient ranges (graded against the report's own
 ``scale_exponent``, from ``doctor.scale.reached_scale``), and answer three questions about the
 report on your own model (graded against that report)."""
+import copy
 import math
 import sys
 from typing import Callable, Iterable, Mapping, Optional
@@ -138,16 +139,35 @@ WRONG_SCALE = {"from the activations": _from_activations, "rounded up": _rounded
                "the default init_scale": lambda report: 16}
 
 
+class _LayersOnly:
+    """What ``my_scale_exponent`` is given: a report's ``model`` name and a copy of its
+    ``layers``; the doctor's own answer (``scale_exponent``, the advice) is held back, and
+    asking for it says so."""
+
+    def __init__(self, report):
+        self.model = report.model
+        self.layers = copy.deepcopy(report.layers)
+
+    def __getattr__(self, name):
+        raise AttributeError(f"the check gives your function report.layers only (and "
+                             f"report.model), not report.{name}: compute k from the layers")
+
+    def __repr__(self) -> str:
+        return f"<{self.model}: {len(self.layers)} layers>"
+
+
 def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
     """Grade ``fn(report) -> k`` on each of ``reports``: the exponent of the loss scale ``2**k``
-    GradScaler settles at, equal to the report's own ``scale_exponent``."""
+    GradScaler settles at, equal to the report's own ``scale_exponent``. ``fn`` is given a copy
+    of the report's ``layers`` (and its ``model`` name) only, so that returning the doctor's
+    answer, or changing the report, is not possible."""
     hints = HINTS["scale"]
     reports = [r for r in reports if r.scale_exponent is not None]
     if not reports:
         return skipped(SCALE, "no report here has a nonzero gradient")
     for report in reports:
         try:
-            got = fn(report)
+            got = fn(_LayersOnly(report))
         except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
             return wrong(SCALE, f"{type(exc).__name__}: {exc}", hints)
         if is_blank(got):

@@ -545,6 +545,11 @@ def test_ex08_stochastic_rounding_is_unbiased():
                  "noise, then round to nearest": "cut the low 16 bits off"}
     for name, bad in ex08.WRONG_STOCHASTIC.items():
         assert_wrong(ex08.check_stochastic_rounding(bad), fragments[name], hints=hints)
+    def int64_noise(x):  # torch.randint's default dtype makes the sum int64
+        noise = torch.randint(0, 1 << 16, x.shape)
+        return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    assert_wrong(ex08.check_stochastic_rounding(int64_noise), "torch.int32", hints=hints)
     assert_wrong(ex08.check_stochastic_rounding(lambda x: x.clone()), "torch.bfloat16",
                  hints=hints)
 

@@ -116,8 +116,12 @@ def check_stochastic_rounding(fn: Callable) -> Check:
     if is_blank(got):
         return unanswered(STOCHASTIC, hints)
     if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        doubled = isinstance(got, torch.Tensor) and got.numel() == 2 * x.numel()
         return wrong(STOCHASTIC, f"expected a tensor shaped like x {tuple(x.shape)}; got "
-                     f"{type(got).__name__} {tuple(getattr(got, 'shape', ()))}", hints)
+                     f"{type(got).__name__} {tuple(getattr(got, 'shape', ()))}", hints.after(
+                         "twice as many values: 64-bit integers (torch.randint's default "
+                         "dtype) viewed as float32 split each into two; keep the bits in "
+                         "torch.int32 before .view(torch.float32)") if doubled else hints)
     if got.dtype != torch.bfloat16:
         return wrong(STOCHASTIC, f"the result is {got.dtype}, not torch.bfloat16", hints.after(
             "the weights are stored in bf16: return the rounded values as torch.bfloat16 "

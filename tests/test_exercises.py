@@ -735,6 +735,8 @@ def test_ex09_answers_accept_numpy_values(doctor_reports):
     assert not ex09.check_report_answers({**answers, "fp16 safe": np.bool_(not ref["fp16 safe"])},
                                          small)
     assert not ex09.check_report_answers({**ref, "fp16 safe": 1}, small)
+    assert_wrong(ex09.check_report_answers({**ref, "fp16 safe": str(ref["fp16 safe"])}, small),
+                 "expected True or False", "no quotes", hints=ex09.HINTS["yours"])
 
 # --- the notebooks --------------------------------------------------------------------------------
 # A lesson whose exercise cells are written but whose committed notebook still holds its previous

@@ -235,7 +235,11 @@ def check_report_answers(answers, report) -> Check:
         return unanswered(YOURS, hints)
     want = reference_answers(report)
     got = {q: answers.get(q) for q in QUESTIONS}
-    if not _is_bool(got["fp16 safe"]) or bool(got["fp16 safe"]) != want["fp16 safe"]:
+    if not _is_bool(got["fp16 safe"]):
+        return wrong(YOURS, f"fp16 safe: expected True or False; got {got['fp16 safe']!r}",
+                     hints.after("answer fp16 safe with the bool True or False (no quotes), "
+                                 "as the advice's last line decides it"))
+    if bool(got["fp16 safe"]) != want["fp16 safe"]:
         return wrong(YOURS, f"fp16 safe: {got['fp16 safe']!r}; the report says "
                      f"{want['fp16 safe']}", hints.after(
                          "the advice's last line says whether fp16 with GradScaler is safe "

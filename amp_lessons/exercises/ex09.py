@@ -9,6 +9,7 @@ import sys
 from typing import Callable, Iterable, Mapping, Optional
 
 from .. import formats
+from ..tables import plural
 from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, skipped,
                     unanswered, wrong)
 
@@ -153,7 +154,7 @@ class _LayersOnly:
                              f"report.model), not report.{name}: compute k from the layers")
 
     def __repr__(self) -> str:
-        return f"<{self.model}: {len(self.layers)} layers>"
+        return f"<{self.model}: {plural(len(self.layers), 'layer')}>"
 
 
 def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:

@@ -189,21 +189,18 @@ def _add_readme(sub) -> None:
 def _cmd_readme(args) -> int:
     from . import rehearsal
     from .files import read_text
-    from .report import CHEAT_START, with_cheat_sheet, with_results
+    from .report import readme_with_generated
     from .runner import NOTEBOOK_DIR, course_notebooks
 
     readme = args.readme or NOTEBOOK_DIR.parent / "README.md"
     if not readme.is_file():
         return fail("readme", f"no README at '{readme}'")
     rehearsal_file = NOTEBOOK_DIR.parent / "docs" / "rehearsal_t4.json"
-    cheat_file = NOTEBOOK_DIR.parent / "docs" / "cheat_sheet.md"
     try:  # every generated block is built before anything is written
         current = read_text(readme, "README")
-        new = with_results(current, course_notebooks(), str(readme))
+        new = readme_with_generated(readme, current, course_notebooks())
         if rehearsal_file.is_file():  # the T4 rehearsal's block, from its committed record
             new = rehearsal.with_rehearsal(new, rehearsal.read_record(rehearsal_file), str(readme))
-        if CHEAT_START in new and cheat_file.is_file():  # the cheat sheet's copy, from its doc
-            new = with_cheat_sheet(new, read_text(cheat_file, "cheat sheet"), str(readme))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail("readme", str(exc))
     if args.check:

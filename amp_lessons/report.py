@@ -234,18 +234,28 @@ def with_cheat_sheet(text: str, doc_text: str, name: str = "the README") -> str:
     return replace_block(text, CHEAT_START, CHEAT_END, block, "cheat-sheet", name)
 
 
+def readme_with_generated(readme: Path, text: str, notebooks: Iterable[Path]) -> str:
+    """``text`` (the README at ``readme``) with its generated blocks rebuilt: the results from
+    ``notebooks`` and, where the README holds the cheat-sheet markers and
+    ``docs/cheat_sheet.md`` exists beside it, the cheat sheet's copy. ValueError naming the file
+    when it lacks the results markers."""
+    from .files import read_text
+
+    new = with_results(text, notebooks, str(readme))
+    doc = Path(readme).parent / "docs" / "cheat_sheet.md"
+    if CHEAT_START in new and doc.is_file():
+        new = with_cheat_sheet(new, read_text(doc, "cheat sheet"), str(readme))
+    return new
+
+
 def update_readme(readme: Path, notebooks: Iterable[Path]) -> bool:
-    """Rewrite the section between the results markers (atomically: a failed write leaves the
-    README as it was) and, where the README holds the cheat-sheet markers and
-    ``docs/cheat_sheet.md`` exists beside it, the cheat sheet's copy; return True when the file
-    changed. ValueError naming the file when it is not UTF-8 or lacks the results markers."""
+    """Rewrite the README's generated blocks (``readme_with_generated``; atomically: a failed
+    write leaves the README as it was); return True when the file changed. ValueError naming the
+    file when it is not UTF-8 or lacks the results markers."""
     from .files import read_text, write_atomic
 
     text = read_text(readme, "README")
-    new = with_results(text, notebooks, str(readme))
-    doc = Path(readme).parent / "docs" / "cheat_sheet.md"
-    if CHEAT_START in new and doc.exists():
-        new = with_cheat_sheet(new, read_text(doc, "cheat sheet"), str(readme))
+    new = readme_with_generated(readme, text, notebooks)
     if new != text:
         write_atomic(readme, new, "README")
     return new != text

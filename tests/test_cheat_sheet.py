@@ -47,3 +47,16 @@ def test_readme_block_is_rebuilt_from_the_doc():
     assert report.with_cheat_sheet(README, DOC) == README  # the committed copy is current
     with pytest.raises(ValueError, match="cheat-sheet markers"):
         report.with_cheat_sheet("# R\n", DOC, "README.md")
+
+
+def test_readme_with_generated_takes_the_doc_beside_the_readme(tmp_path):
+    from amp_lessons import report
+
+    readme = tmp_path / "README.md"
+    text = (f"# R\n\n{report.START}\n{report.END}\n\n{report.CHEAT_START}\nSTALE-COPY\n"
+            f"{report.CHEAT_END}\n")
+    assert "STALE-COPY" in report.readme_with_generated(readme, text, [])  # no doc beside it: kept
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "cheat_sheet.md").write_text(DOC)
+    new = report.readme_with_generated(readme, text, [])
+    assert "STALE-COPY" not in new and BODY in new

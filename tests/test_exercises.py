@@ -739,27 +739,11 @@ def test_ex09_answers_accept_numpy_values(doctor_reports):
                  "expected True or False", "no quotes", hints=ex09.HINTS["yours"])
 
 # --- the notebooks --------------------------------------------------------------------------------
-# A lesson whose exercise cells are written but whose committed notebook still holds its previous
-# GPU run (the new cells need a GPU run before they can be committed), and where they wait.
-AWAITING_GPU_RUN = {
-    "08": "docs/awaiting_gpu_run/08_weights_and_optimizer_state.ipynb: the session that wrote "
-          "it had no device time left for the lesson's GPU run",
-    "09": "docs/awaiting_gpu_run/09_your_model.ipynb: the session that wrote it had no device "
-          "time left for the lesson's GPU run"}
 ROOT = Path(__file__).resolve().parent.parent
-LESSONS_WITH_EXERCISES = [
-    p if p.name[:2] not in AWAITING_GPU_RUN else pytest.param(
-        p, marks=pytest.mark.xfail(strict=True, reason=AWAITING_GPU_RUN[p.name[:2]]))
-    for p in sorted(ROOT.glob("notebooks/0[1-9]_*.ipynb"))]
-AWAITING_COPIES = sorted((ROOT / "docs" / "awaiting_gpu_run").glob("0[1-9]_*.ipynb"))
+LESSONS_WITH_EXERCISES = sorted(ROOT.glob("notebooks/0[1-9]_*.ipynb"))
 
 
-def test_every_awaiting_lesson_has_its_copy():
-    assert sorted(p.name[:2] for p in AWAITING_COPIES) == sorted(AWAITING_GPU_RUN)
-
-
-@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES + AWAITING_COPIES,
-                         ids=lambda p: ("awaiting-" if "awaiting" in str(p) else "") + Path(p).name[:2])
+@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES, ids=lambda p: Path(p).name[:2])
 def test_each_lesson_has_three_graded_exercises_and_questions_before_checks(path):
     nb = nbformat.read(path, as_version=4)
     cells = nb.cells
@@ -789,22 +773,39 @@ def test_ex06_a_rank_dying_in_teardown_after_a_complete_report_still_counts():
 
 
 def _sections_without_takeaway(path):
-    """The ``## `` sections of a notebook (but Questions and Checks) whose last markdown line is
-    not a ``**Takeaway:**`` line."""
+    """The ``## `` sections of a notebook whose last markdown line, before the section's
+    exercises (``### Exercise ...`` subsections, which come after what they practise; the takeaway
+    may stand before or after them), is not a ``**Takeaway:**`` line. Questions and Checks are no teaching sections, and the Summary is a
+    list of takeaways."""
     nb = nbformat.read(path, as_version=4)
     lines = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()]
-    sections, current, last = [], None, ""
+    sections, current, last, in_exercise = [], None, "", False
     for line in lines + ["## end"]:
         if line.startswith("## "):
-            if current and current not in ("## Questions", "## Checks"):
+            if current and current not in ("## Questions", "## Checks", "## Summary"):
                 sections.append((current, last.startswith("**Takeaway:**")))
-            current, last = line, ""
-        elif line.strip():
+            current, last, in_exercise = line, "", False
+        elif line.startswith("### "):
+            in_exercise = line.startswith("### Exercise")
+            if not in_exercise:
+                last = line
+        elif line.startswith("**Takeaway:**") or (line.strip() and not in_exercise):
             last = line
     return [s for s, ok in sections if not ok]
 
 
-@pytest.mark.parametrize("path", AWAITING_COPIES, ids=lambda p: Path(p).name[:2])
-def test_every_section_of_a_waiting_lesson_ends_with_a_takeaway(path):
+@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES, ids=lambda p: Path(p).name[:2])
+def test_every_section_of_every_lesson_ends_with_a_takeaway(path):
     assert _sections_without_takeaway(path) == []
-    assert _sections_without_takeaway(ROOT / "notebooks" / Path(path).name)  # what it adds
+
+
+def test_a_section_without_its_takeaway_is_found(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("## 1. A\n\ntext\n\n**Takeaway:** one line."),
+        nbformat.v4.new_markdown_cell("## 2. B\n\n**Claim:** a verdict alone."),
+        nbformat.v4.new_markdown_cell("## 3. C\n\n**Takeaway:** first.\n\n### Exercise 1\n\nDo it."),
+        nbformat.v4.new_markdown_cell("## 4. D\n\n**Takeaway:** x.\n\n### More\n\nNew text."),
+        nbformat.v4.new_markdown_cell("## Questions\n\nQ"), nbformat.v4.new_markdown_cell("## Checks")])
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, path)
+    assert _sections_without_takeaway(path) == ["## 2. B", "## 4. D"]

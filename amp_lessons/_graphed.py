@@ -35,21 +35,18 @@ class GraphedStep:
         if y is not self.y:
             self.y.copy_(y, non_blocking=True)
         window = trainer._memory_window() if trainer._track_memory else None
-        timed = trainer._timed
-        if timed:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
+        timed, clock = trainer._timed, trainer._clock
+        if timed and clock.last is None:  # the chain of step ends is broken: mark a start
+            clock.begin()
         self.graph.replay()
         # a replay changes GradScaler's scale unseen (no version bump): the scale log starts
         # afresh; the trainer's current one (a config change since capture builds a new policy)
         log = getattr(trainer._policy, "log", None)
         if log is not None:
             log.invalidate()
-        if timed:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
+        elapsed = clock.end() if timed else None  # the replay's end: its period, as a step's
         values = self.packed.clone()  # the next replay overwrites ``packed``
         loss, norm, found, scale = (values[v] if packed else v for packed, v in self.slots)
         return trainer._record(loss, norm, found if found is not None else False, scale,
                                self.cause, trainer.optimizer.param_groups[0]["lr"],
-                               (start, end) if timed else None, window)
+                               elapsed, window)

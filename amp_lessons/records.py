@@ -34,8 +34,8 @@ class Deferred:
 
 
 class _Lazy:
-    """A StepRecord field that may hold a device tensor (or a pair of CUDA events, or a
-    ``Deferred``) until first read.
+    """A StepRecord field that may hold a device tensor (or a ``Deferred``: the step time's
+    CUDA events are one) until first read.
 
     Reading it converts to a Python number once and caches it; the trainer never waits for the GPU.
     """
@@ -56,10 +56,6 @@ class _Lazy:
             obj.__dict__[self.slot] = value
         if isinstance(value, torch.Tensor):
             value = _to_python(value.item(), self.kind)
-            obj.__dict__[self.slot] = value
-        elif isinstance(value, tuple):  # (start, end) CUDA events
-            value[1].synchronize()
-            value = value[0].elapsed_time(value[1]) / 1e3
             obj.__dict__[self.slot] = value
         return value
 
@@ -91,7 +87,16 @@ class StepRecord:
     this step's backward (1.0 without a scaler); ``skipped``: the scaler skipped the optimizer step
     (inf/NaN gradients); ``grad_norm``: total 2-norm of the unscaled gradients before clipping
     (None when not tracked); ``lr``: learning rate of the first parameter group during the step;
-    ``time_s``: the step's duration (CUDA events on a GPU, wall clock on a CPU);
+    ``time_s``: the step's period, in seconds (None when ``track_time`` is off): from the end
+    of the previous step to the end of this one, so it includes what the host did between the
+    two (loading the batch, a hook, reading a record), as throughput sees it, and the periods of
+    consecutive steps add up to their span. The first step, and the first one after anything
+    else the trainer did (``evaluate``, a checkpoint saved or loaded, ``capture``,
+    ``set_scaler`` or a config change, a new ``fit`` epoch, a step that raised or was
+    cancelled), is timed from its own start instead. On a GPU the time between CUDA events (the
+    device's clock: one event a step, from a pool), on a CPU the wall clock
+    (``time.perf_counter``). An epoch's ``time_s`` (``epoch_summary``) is the epoch's wall
+    clock, not a sum of these;
     ``peak_memory_bytes``: the peak allocated CUDA memory of the step's memory window (None on
     a CPU or untracked): the trainer resets the device's peak counter once, at the first step
     after a peak was last read, and reads it when one of the window's records is read (or
@@ -149,13 +154,16 @@ class History(list):
 
     def materialize(self) -> "History":
         """Read every pending device value with one device-to-host copy per field (and the step
-        times of CUDA events, releasing the events)."""
-        timed = [r for r in self if isinstance(r.__dict__.get("_time_s"), tuple)]
-        if timed:
-            timed[-1].__dict__["_time_s"][1].synchronize()
-            for r in timed:
-                start, end = r.__dict__["_time_s"]
-                r.time_s = start.elapsed_time(end) / 1e3
+        times of CUDA events, waiting for the last one only and giving the events back to the
+        trainer's pool)."""
+        spans = [r.__dict__["_time_s"] for r in self
+                 if isinstance(r.__dict__.get("_time_s"), Deferred)]
+        if spans:  # the last span's end event waited for: every earlier one has completed
+            spans[-1].read()
+            for r in self:
+                span = r.__dict__.get("_time_s")
+                if isinstance(span, Deferred):
+                    r.time_s = span.read(synced=True)
         for name in _LAZY_FIELDS:
             descriptor = StepRecord.__dict__[name]
             pending = [(r, descriptor.pending(r)) for r in self]

@@ -60,7 +60,8 @@ from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_train
 from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
                         autocast_for, check_precision, normalize_precision, precision_settings)
 from ._graphed import GraphedStep as _GraphedStep
-from ._lazy import NormParts as _NormParts, PeakWindow as _PeakWindow, total_norm as _total_norm
+from ._lazy import (NormParts as _NormParts, PeakWindow as _PeakWindow, StepClock as _StepClock,
+                    total_norm as _total_norm)
 from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
 
 EVAL_PRECISIONS = ("same",) + PRECISIONS
@@ -90,8 +91,16 @@ class TrainConfig:
     (the device's peak counter is reset at the first step after the last reading and read
     when a record is read: per window of steps, per step if each record's peak is read right
     after its step; ``StepRecord`` says more).
-    ``track_time``: record each step's duration (two CUDA events a step on a GPU: on a short,
-    host-bound step each event call shows in the step time; off, ``time_s`` reads None).
+    ``track_time``: record each step's time, as its period: from the previous step's end to
+    its own end (what the host did between the two steps, such as loading the batch, counts,
+    as it does in throughput; consecutive periods add up to their span). The first step, and
+    the first after anything else the trainer did (evaluate, a checkpoint saved or loaded,
+    capture, a scaler or config change, a new ``fit`` epoch, a step that raised or was
+    cancelled), is timed from its own start. Cost: one clock call a step, on a GPU one CUDA
+    event recorded (events are reused from a small pool once their time has been read; on a
+    short, host-bound step each CUDA call shows), on a CPU one ``time.perf_counter()``; off,
+    ``time_s`` reads None. ``StepRecord.time_s`` says more; ``fit``'s epoch times are wall
+    clock either way.
     ``seed``: torch's generators are seeded with it when the Trainer is built (None: leave them).
 
     ``nonfinite``: what a step with a non-finite (inf/NaN) loss or gradient does when no
@@ -259,6 +268,7 @@ class Trainer:
                 raise ValueError(f"hooks must be Hooks instances; got {type(h).__name__}")
         self._bn_guard = BatchNormGuard(model)
         self._config = config
+        self._clock = _StepClock(self.device.type == "cuda")  # the step time (track_time)
         self.scaler = self._make_scaler(config.scaler)
         self._configure()
         self._prime_fused_sgd()
@@ -328,11 +338,14 @@ class Trainer:
                                    or cfg.track_grad_norm or self._after_unscale
                                    or self._before_step or needed)
         self._check_first = policy.checks_before_step(self._unscale_first)
+        # without a scaler gradients are true gradients already: no unscale_ call a step
+        self._unscale_first = self._unscale_first and policy.scaling
         self._norm_wanted = cfg.clip_norm is not None or cfg.track_grad_norm
         self._track_memory = self.device.type == "cuda" and cfg.track_memory
         if not self._track_memory and getattr(self, "_window", None) is not None:
             self._window.read()  # untracked steps to come are not the open window's
         self._timed = cfg.track_time
+        self._clock.reset()  # a step after a config or scaler change is timed from its start
         self._half = HALF_DTYPES.get(cfg.precision)  # autocast dtype, None for fp32/tf32
         # gradients have their parameter's device and dtype: one group for the norm's kernels?
         self._one_group = len({(p.device, p.dtype) for p in self._params}) == 1
@@ -409,6 +422,7 @@ class Trainer:
         if bad is None:
             return
         step, epoch, batches_done = bad
+        self._clock.reset()
         del self.history[max(0, len(self.history) - (self.step - step)):]
         self.step, self.epoch, self._batches_done = step, epoch, batches_done
         raise NonFiniteError(f"step {step} (epoch {epoch}): non-finite loss or gradient under "
@@ -429,12 +443,14 @@ class Trainer:
         it is the peak of the window of steps since).
 
         Cost beyond a hand-written loop (benchmarks/NOTES.md measures it): with ``track_time``
-        two CUDA events; one
+        one clock call a step, its end mark (a CUDA event recorded, taken from a pool of events
+        whose times have been read; a start mark too where the chain of step ends is broken:
+        ``time_s`` is the step's period, see ``StepRecord``), no host sync; one
         detach per micro-batch (no kernel); for fp16 nothing for the scale a step used (a
         ``ScaleLog`` replays GradScaler's update when the record is read, with one copy of the
         scale and its growth tracker per 256 steps); with ``track_grad_norm`` one
         foreach norm over the gradients (its stack and final norm run when the record is read;
-        and an explicit ``unscale_``, which ``scaler.step`` would do anyway); with ``nonfinite``
+        under fp16 an explicit ``unscale_``, which ``scaler.step`` would do anyway); with ``nonfinite``
         skip/raise one check kernel, over the per-parameter norms when the norm is tracked (its
         flag comes from a block of zeros made once per 256 steps; fused optimizers then skip
         inside their kernel; others copy parameters and state aside); with skip-safe BatchNorm
@@ -452,31 +468,20 @@ class Trainer:
         raising = policy.name == "raise"
         if raising:
             self._raise_if_nonfinite()
-        device = self.device
-        cuda = device.type == "cuda"
         if not self.model.training:
             self.model.train()
         window = self._memory_window() if self._track_memory else None
-        timed = self._timed
-        if timed:
-            if cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                t0 = time.perf_counter()
+        timed, clock = self._timed, self._clock
+        if timed and clock.last is None:  # the chain of step ends is broken: mark a start
+            clock.begin()
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
         loss_sum, grad_norm, found_inf, scale, cause = self._kernels(micro_batches)
         if self.scheduler is not None and found_inf is not True and (
                 found_inf is None or not bool(found_inf.item())):  # the one sync, only here
             self.scheduler.step()
-        if not timed:
-            elapsed = None
-        elif cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            elapsed = (start, end)
-        else:
-            elapsed = time.perf_counter() - t0
+        elapsed = clock.end() if timed else None  # one clock call (a CUDA event) a step
+        if self._cancelled is not None:  # the next step is timed from its own start
+            clock.reset()
         if raising:  # a finished non-finite step (on a CPU: this one) raises before its record
             self._raise_if_nonfinite()
         return self._record(loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed, window)
@@ -534,6 +539,7 @@ class Trainer:
             self._guard.restore()
         self.optimizer.zero_grad(set_to_none=True)
         self._policy.forget()
+        self._clock.reset()  # the next step is timed from its own start
 
     def _kernels_in(self, micro_batches, cache_enabled: bool, graphed: bool = False):
         """The step, as nanoGPT writes it: forward and backward per micro-batch, the policy's
@@ -634,6 +640,7 @@ class Trainer:
         # the graph must zero its own inf/NaN flag at every replay: no pre-zeroed flags here
         # (nor in the warm-up, on another stream)
         self._policy.capturing(True)
+        self._clock.reset()  # the warm-up steps run on a side stream: timed from their start
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -652,6 +659,7 @@ class Trainer:
                 packed = torch.stack([t.reshape(()).float() for t in fields])
         finally:
             self._policy.capturing(False)
+            self._clock.reset()  # the first replay (or step) is timed from its own start
         if not self.model.training:
             self.model.train()
         return _GraphedStep(self, graph, static_x, static_y, outs, packed)
@@ -700,6 +708,7 @@ class Trainer:
             except TypeError:
                 total = None
             _sync(self.device)
+            self._clock.reset()  # an epoch's first step is timed from its own start
             t0, first = time.perf_counter(), len(self.history)
             bar = tqdm(total=total, desc=f"epoch {self.epoch + 1}", leave=False,
                        disable=not self._config.progress)
@@ -781,6 +790,7 @@ class Trainer:
         name = self.config.precision if name.strip().lower() == "same" else check_precision(
             name, self.device)
         self._close_memory_window()  # steps trained before keep their own peak
+        self._clock.reset()  # the next step is timed from its own start, not from before this
         was_training = self.model.training
         self.model.eval()
         total_loss = torch.zeros((), device=self.device)
@@ -809,6 +819,7 @@ class Trainer:
         ``nonfinite="raise"`` a non-finite step not yet reported raises here (a checkpoint never
         holds the skipped steps after one)."""
         self._raise_if_nonfinite(wait=True)
+        self._clock.reset()  # the next step is timed from its own start, not across the save
         return {
             "format": CHECKPOINT_FORMAT,
             CHECKSUM_KEY: True,
@@ -868,6 +879,7 @@ class Trainer:
         self.history = History.from_columns(state["history"]["steps"], state["history"]["epochs"])
         self._policy.reset()  # flags of steps before the load mean nothing now
         self._close_memory_window()  # records kept from before the load keep their own peak
+        self._clock.reset()  # the next step is timed from its own start
         set_rng_state(state["rng"])
         return state
 

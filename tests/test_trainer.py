@@ -20,6 +20,7 @@ from torch import nn
 from amp_lessons import precision as P
 from amp_lessons import trainer as T
 from amp_lessons.data import TensorBatches
+from amp_lessons._lazy import StepClock
 from trainer_helpers import (Inject, TinyNet, assert_same_tensors, batches, fresh, make_data,
                              optimizer_tensors)
 
@@ -931,7 +932,10 @@ def test_trainer_host_calls_per_step_stay_few():
     without BatchNorm: lean at most 22 calls more than the hand loop, without the step time at
     most 20, defaults at most 26 (they were 48 and 110 before issue 14, 21/19/27 before issue
     22, which made the gradient norm and the loss scale lazy: fewer device calls, one more
-    Python call)."""
+    Python call). The step time costs 2 calls on a CPU (the clock's ``end`` and one
+    ``perf_counter``) and 4 on the CUDA path (``end``, a pooled event, its ``record``, the
+    span), counted here with a stand-in event whose ``record`` is one call (before the third
+    round of issue 22: two ``torch.cuda.Event`` built and recorded a step, ~18 calls)."""
     x, y = torch.randn(4, 8), torch.randint(0, 8, (4,))
 
     def mlp():
@@ -950,20 +954,28 @@ def test_trainer_host_calls_per_step_stay_few():
         scaler.update()
         opt.zero_grad(set_to_none=True)
 
-    def trainer(**flags):
+    class Event:  # a CUDA event's stand-in: recording it is one call
+        def record(self):
+            pass
+
+    def trainer(cuda_clock=False, **flags):
         m = mlp()
         tr = T.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
                        T.TrainConfig(precision="fp16", progress=False, seed=None, **flags))
+        if cuda_clock:
+            tr._clock = StepClock(True, Event)
         return lambda: tr.train_step([(x, y)])
 
+    lean_flags = dict(track_grad_norm=False, track_memory=False)
     base = _python_calls_per_step(hand)
-    lean = _python_calls_per_step(trainer(track_grad_norm=False, track_memory=False))
-    leanest = _python_calls_per_step(trainer(track_grad_norm=False, track_memory=False,
-                                             track_time=False))
+    lean = _python_calls_per_step(trainer(**lean_flags))
+    leanest = _python_calls_per_step(trainer(**lean_flags, track_time=False))
     defaults = _python_calls_per_step(trainer())
     assert lean - base <= 22, (base, lean)
     assert leanest < lean and leanest - base <= 20, (base, leanest)
     assert defaults - base <= 26, (base, defaults)
+    assert lean - leanest == 2, (lean, leanest)
+    assert _python_calls_per_step(trainer(cuda_clock=True, **lean_flags)) - leanest == 4
 
 
 # --- CUDA-facing calls per step (issue 22): what the hand loop does not do ----------------------
@@ -1016,8 +1028,27 @@ def test_trainer_makes_only_the_device_calls_it_needs(monkeypatch, precision, fu
     (on the CPU, each aten op that launches a kernel on a GPU; the peak-memory calls patched):
     lean makes none under fp16 (the scale a step used is replayed when read: ``ScaleLog``) and
     only the skip check otherwise (fused optimizer, no zero fill); the defaults add one foreach norm (stack and norm run when the norm is read) and no
-    allocator call at all once the window is open (issue 22: it was reset + stats every step)."""
+    allocator call at all once the window is open (issue 22: it was reset + stats every step),
+    and the step time one CUDA event recorded, none created once the pool holds one whose time
+    was read (it was two events created and recorded a step)."""
     allocator = FakeAllocator(monkeypatch)
+    events = {"made": 0, "records": 0}
+
+    class Event:  # a CUDA event's stand-in (the trainer's clock is given the CUDA path)
+        def __init__(self):
+            events["made"] += 1
+            self.t = 0
+
+        def record(self):
+            events["records"] += 1
+            self.t = events["records"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return float(end.t - self.t)
+
     x, y = torch.randn(4, 8), torch.randint(0, 8, (4,))
 
     def mlp():
@@ -1047,6 +1078,7 @@ def test_trainer_makes_only_the_device_calls_it_needs(monkeypatch, precision, fu
         tr = T.Trainer(m, sgd(m), T.TrainConfig(precision=precision, progress=False, seed=None,
                                                 **flags))
         tr._track_memory = tr.config.track_memory  # as on a GPU (the allocator is patched)
+        tr._clock = StepClock(True, Event)  # as on a GPU
         return tr, lambda: tr.train_step([(x, y)])
 
     base, none = _device_calls(hand, allocator)
@@ -1068,13 +1100,19 @@ def test_trainer_makes_only_the_device_calls_it_needs(monkeypatch, precision, fu
         raised = extra(dict(lean, nonfinite="raise"))[0]
         assert [n for n in raised if n not in ("_local_scalar_dense",)] == sorted(
             check + ["maximum"]), raised
+    made = events["made"]
     names, calls, tr = extra({})
     assert names == sorted(["_foreach_norm"] + check) and calls == 0
+    assert events["made"] - made == 5  # a start and 4 ends (3 warm-up steps, one counted)
     assert allocator.resets >= 1 and allocator.reads == 0  # one window, not read yet
     tr.history[-1].peak_memory_bytes  # reading it closes the window: the next step opens one
     reads, resets = allocator.reads, allocator.resets
     tr.train_step([(x, y)])
     assert (allocator.reads, allocator.resets) == (reads, resets + 1)
+    tr.history.materialize()  # every event but the chain's goes back to the pool
+    made, records = events["made"], events["records"]
+    tr.train_step([(x, y)])
+    assert (events["made"] - made, events["records"] - records) == (0, 1)
 
 
 def test_peak_memory_is_read_per_window(monkeypatch):

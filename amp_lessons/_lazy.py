@@ -126,19 +126,19 @@ class StepClock:
             self.last = self._mark(1) if self.cuda else time.perf_counter()
 
     def end(self):
-        """At a step's end: its time, an ``EventSpan`` (CUDA) or seconds (CPU). ``begin``
-        must have run since the last ``reset``."""
+        """At a step's end: its time, an ``EventSpan`` (CUDA) or seconds (CPU); None where the
+        chain was broken inside the step (``begin`` ran before the ``reset``)."""
         if self.cuda:
             pool = self.pool  # ``_mark(2)`` inlined: host calls count on a short step
             cell = pool.pop() if pool else self._new()
             cell[1] = 2  # this step's span and the chain (the next step's span)
             cell[0].record()
-            span = EventSpan(self, self.last, cell)
-            self.last = cell
-            return span
+            start, self.last = self.last, cell
+            # no start: a reset inside the step (a hook evaluated, say): its time is unknown
+            return EventSpan(self, start, cell) if start is not None else self.release(cell)
         now = time.perf_counter()
-        elapsed, self.last = now - self.last, now
-        return elapsed
+        start, self.last = self.last, now
+        return now - start if start is not None else None
 
     def reset(self) -> None:
         """Break the chain: the next step marks its own start."""
@@ -165,6 +165,8 @@ class EventSpan(Deferred):
         self.clock, self.start, self.end, self.value = clock, start, end, None
 
     def read(self, synced: bool = False) -> float:
+        """Seconds between the two events (waiting for the end one unless ``synced``); the
+        first read gives the events back to the clock."""
         if self.value is None:
             end = self.end[0]
             if not synced:

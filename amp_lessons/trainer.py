@@ -91,16 +91,12 @@ class TrainConfig:
     (the device's peak counter is reset at the first step after the last reading and read
     when a record is read: per window of steps, per step if each record's peak is read right
     after its step; ``StepRecord`` says more).
-    ``track_time``: record each step's time, as its period: from the previous step's end to
-    its own end (what the host did between the two steps, such as loading the batch, counts,
-    as it does in throughput; consecutive periods add up to their span). The first step, and
-    the first after anything else the trainer did (evaluate, a checkpoint saved or loaded,
-    capture, a scaler or config change, a new ``fit`` epoch, a step that raised or was
-    cancelled), is timed from its own start. Cost: one clock call a step, on a GPU one CUDA
-    event recorded (events are reused from a small pool once their time has been read; on a
-    short, host-bound step each CUDA call shows), on a CPU one ``time.perf_counter()``; off,
-    ``time_s`` reads None. ``StepRecord.time_s`` says more; ``fit``'s epoch times are wall
-    clock either way.
+    ``track_time``: record each step's period, from the previous step's end to its own (the
+    host's work between steps, such as loading the batch, counts, as in throughput); the first
+    step, and the first after anything else the trainer did (evaluate, a checkpoint, capture, a
+    config change, a new epoch, a step that raised or was cancelled), from its own start
+    (``StepRecord.time_s``). Cost: one clock call a step, on a GPU one CUDA event recorded,
+    reused from a pool once read; off, ``time_s`` reads None. Epoch times are wall clock.
     ``seed``: torch's generators are seeded with it when the Trainer is built (None: leave them).
 
     ``nonfinite``: what a step with a non-finite (inf/NaN) loss or gradient does when no

@@ -209,3 +209,27 @@ def test_replays_of_a_captured_step_mark_one_event_each():
     assert [marks(lambda: graphed(x, y)) for _ in range(3)] == [2, 1, 1]
     assert marks(lambda: trainer.train_step([(x, y)])) == 1
     assert [r.time_s for r in trainer.history] == [1e-3] * 4
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_reset_inside_a_step_leaves_its_time_unknown(cuda):
+    """A hook that evaluates in the middle of a step breaks the chain there: that step's time
+    reads None (its start is gone), the next one is timed from its own start."""
+    class Evaluates(T.Hooks):
+        on = True
+
+        def before_step(self, trainer):
+            if self.on:
+                trainer.evaluate(batches(1))
+
+    model, opt = fresh()
+    trainer = T.Trainer(model, opt, T.TrainConfig(progress=False), hooks=[Evaluates()])
+    if cuda:
+        clock = cuda_clock(trainer)
+    trainer.train_step(batches(1))
+    Evaluates.on = False
+    trainer.train_step(batches(1))
+    trainer.train_step(batches(1))
+    assert [r.time_s is None for r in trainer.history.materialize()] == [True, False, False]
+    if cuda:
+        assert len(clock.pool) + 1 == clock.created  # nothing lost but the chain's

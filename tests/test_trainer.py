@@ -934,8 +934,9 @@ def test_trainer_host_calls_per_step_stay_few():
     22, which made the gradient norm and the loss scale lazy: fewer device calls, one more
     Python call). The step time costs 2 calls on a CPU (the clock's ``end`` and one
     ``perf_counter``) and 4 on the CUDA path (``end``, a pooled event, its ``record``, the
-    span), counted here with a stand-in event whose ``record`` is one call (before the third
-    round of issue 22: two ``torch.cuda.Event`` built and recorded a step, ~18 calls)."""
+    span), counted here with a stand-in event whose ``record`` is one call (a real one also
+    looks up ``torch.cuda.current_stream()``); before the third round of issue 22 two
+    ``torch.cuda.Event`` were built and recorded a step, each record with that look-up."""
     x, y = torch.randn(4, 8), torch.randint(0, 8, (4,))
 
     def mlp():

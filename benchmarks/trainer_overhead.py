@@ -17,15 +17,26 @@ lean (``track_grad_norm=False, track_memory=False, track_time=False``: no record
 kernel or a CUDA call); lean plus each record alone; per network, the non-finite policies and
 the CUDA graph of the whole step (``Trainer.capture``) against a hand-captured step.
 
-Method. Every variant trains its own copy of the same initial weights. Rounds are interleaved
-(the order alternates), each round runs ``--steps`` steps per variant, synchronised at both
-ends, and a variant's cost is the median over rounds of its PAIRED ratio to its reference in
-the same round (clock drift hits both alike). The noise floor is the hand loop against itself:
+Method. Every variant trains its own copy of the same initial weights. Rounds are interleaved,
+each round runs ``--steps`` steps per variant, synchronised at both ends, and a variant's cost
+is the median over rounds of its PAIRED ratio to its reference in the same round (clock drift
+hits both alike). The order is balanced (``bench_rounds.py``): each round begins with
+``--warm-steps`` untimed steps of a throwaway hand loop, and over each block of rounds (as many
+as variants) every variant runs in every position once, in a seeded random order per block.
+(The old alternating order, ``--schedule alternate``, let the reference run first after the
+rounds' bookkeeping in every other round, where it paid 3-5% on the H200: every cost read 1.5-2
+points low and the floor stalled at 2.6-2.8%.) The noise floor is the hand loop against itself:
 a second, identical hand loop timed as a variant; ``floor_pct`` is the half-width of the 95%
-bootstrap interval of its median paired ratio plus the distance of that median from 0. Rounds
-are added until the floor is under ``--target-floor`` (after ``--min-rounds``) or the network's
-share of ``--budget`` seconds is spent. Each row gives the median cost, its 95% bootstrap
-interval and interquartile range, and ``beyond_floor`` (|cost| larger than the floor).
+bootstrap interval of its median paired ratio plus the distance of that median from 0. It is
+computed at block ends (with the garbage collector, which is off during the rounds); rounds are
+added until it is under ``--target-floor`` (after ``--min-rounds``) or the network's share of
+``--budget`` seconds is spent. Each row gives the median cost, its 95% bootstrap interval and
+interquartile range, and ``beyond_floor`` (|cost| larger than the floor).
+
+On ``mlp_bf16``, "hand-written, skip via found_inf" is the hand loop that also skips a step
+with a non-finite gradient as GradScaler does it for a fused optimizer (one check kernel, the
+flag handed to fused AdamW): the trainer's lean (``nonfinite="skip"``) is also read against it,
+the row "trainer, lean (vs hand-written, skip via found_inf)", from the same rounds.
 
 Checks. After the timing, fresh copies of the eager variants run ``--check-steps`` steps and
 their weights, buffers and optimizer state are compared bitwise with their hand loop's. On a
@@ -36,6 +47,7 @@ sync; and no policy synchronises with the host after the first step
 
     python benchmarks/trainer_overhead.py --budget 180 --json OUT.json
         [--networks recipe digits mlp_bf16 mlp_fp32] [--target-floor 2] [--profile]
+        [--warm-steps 5] [--schedule balanced]
 
 On a CPU it runs in tiny sizes (a smoke test of the script; no conclusions).
 """
@@ -49,13 +61,20 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if str(Path(__file__).resolve().parent) not in sys.path:  # bench_rounds, when imported by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 from amp_lessons import data, measure, models  # noqa: E402
 from amp_lessons import trainer as T  # noqa: E402
+from bench_rounds import SCHEDULES, Schedule, run_rounds  # noqa: E402
 
 HAND, AGAIN = "hand-written", "hand-written (again)"
+FOUND_INF = "hand-written, skip via found_inf"
+# rows read from the same rounds against a second reference: network -> ((variant, reference),)
+ALSO_AGAINST = {"mlp_bf16": (("trainer, lean", FOUND_INF),)}
 # lean: every record the trainer can leave out (grad norm, peak memory, step time) left out
 LEAN = dict(track_grad_norm=False, track_memory=False, track_time=False)
 NETWORKS = ("recipe", "digits", "mlp_bf16", "mlp_fp32", "resnet50")
@@ -150,6 +169,37 @@ def variants(network, device):
             return (lambda a, b: tr.train_step([(a, b)])), m, opt
         return make
 
+    def hand_found_inf():
+        """The bf16 fused-AdamW hand loop plus the cheapest exact skip a careful engineer
+        writes, the way GradScaler.step hands it to a fused optimizer
+        (``torch/amp/grad_scaler.py``, ``_step_supports_amp_scaling``; ``_compat.step_skipping``):
+        one ``_amp_foreach_non_finite_check_and_unscale_`` over the gradients into a zeroed
+        float32 flag with an inverse scale of exactly 1.0 (values left as they are), then
+        ``optimizer.grad_scale = None`` and ``optimizer.found_inf = flag`` around ``step()``:
+        the fused kernel does nothing where the flag is 1. No host sync."""
+        def make(quick):
+            m, x, y = build(network, device, quick)
+            opt = optimizer(network, m)  # fused AdamW
+            params = [p for group in opt.param_groups for p in group["params"]]
+            one = torch.ones((), dtype=torch.float32, device=device)
+
+            def step(a, b):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = F.cross_entropy(m(a), b)
+                loss.backward()
+                found_inf = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    [p.grad for p in params if p.grad is not None], found_inf, one)
+                opt.grad_scale, opt.found_inf = None, found_inf
+                try:
+                    opt.step()
+                finally:
+                    del opt.grad_scale, opt.found_inf
+                opt.zero_grad(set_to_none=True)
+                return loss.detach()
+            return step, m, opt
+        return make
+
     out[HAND] = (HAND, hand())
     out[AGAIN] = (HAND, hand())
     out["trainer, defaults"] = (HAND, trainer())
@@ -163,6 +213,7 @@ def variants(network, device):
         out["lean, nonfinite='ignore'"] = (HAND, trainer(nonfinite="ignore", **LEAN))
         out["lean, nonfinite='raise'"] = (HAND, trainer(nonfinite="raise", **LEAN))
     if network == "mlp_bf16":
+        out[FOUND_INF] = (HAND, hand_found_inf())
         # a non-fused optimizer whose state lives on the device (SGD's momentum; Adam keeps
         # its step counters on the host, so the trainer decides on the host for it anyway)
         ref = "hand-written, foreach SGD"
@@ -265,9 +316,10 @@ def state_of(model, opt):
     return out
 
 
-def bitwise(table, network, device, quick, steps):
+def bitwise(table, network, device, quick, steps, pairs=()):
     """Whether each variant's weights, buffers and optimizer state equal its reference's after
-    ``steps`` steps on fresh copies."""
+    ``steps`` steps on fresh copies: ``{variant: bool}`` for the table, plus
+    ``{(variant, reference): bool}`` for the extra ``pairs``."""
     _, x, y = build(network, device, quick)
     states = {}
     for name, (_, make) in table.items():
@@ -277,17 +329,20 @@ def bitwise(table, network, device, quick, steps):
         sync(device)
         states[name] = state_of(m, opt)
         del step
-    out = {}
-    for name, (ref, _) in table.items():
+
+    def equal(name, ref):
         a, b = states[name], states[ref]
-        out[name] = a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].device))
-                                                 for k in a)
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].device)) for k in a)
+
+    out = {name: equal(name, ref) for name, (ref, _) in table.items()}
+    out.update({(name, ref): equal(name, ref) for name, ref in pairs})
     return out
 
 
 def run_network(network, args, device, quick, deadline, rng):
-    """Time every variant of ``network`` in interleaved rounds until the floor is under the
-    target or ``deadline`` (perf_counter seconds) is near; then the bitwise check."""
+    """Time every variant of ``network`` in interleaved rounds (``bench_rounds``: a warm slot,
+    then a balanced order) until the floor is under the target or ``deadline`` (perf_counter
+    seconds) is near; then the bitwise check."""
     table = variants(network, device)
     _, x, y = build(network, device, quick)
     built = {}
@@ -298,37 +353,42 @@ def run_network(network, args, device, quick, deadline, rng):
         except Exception as exc:  # noqa: BLE001 - report and go on with the rest
             print(f"{network} {name}: could not build: {type(exc).__name__}: {exc}", flush=True)
     table = {k: v for k, v in table.items() if k in built and v[0] in built}
-    for step in built.values():  # warm-up: allocator, cuBLAS handles, autotuning
-        for _ in range(5):
+    pairs = [(n, r) for n, r in ALSO_AGAINST.get(network, ()) if n in table and r in table]
+    # the warm slot: a throwaway hand loop, run untimed at the start of every round
+    warm_step = table[HAND][1](quick)[0] if args.warm_steps > 0 else None
+    for step in list(built.values()) + ([warm_step] if warm_step else []):
+        for _ in range(5):  # warm-up: allocator, cuBLAS handles, autotuning
             step(x, y)
     sync(device)
     build_s = time.perf_counter() - t_build  # the bitwise check builds them all again
     walls = {n: [] for n in table}
     events = {n: [] for n in table}
     hosts = {n: [] for n in table}
-    check_reserve = 0.0
-    floor = float("inf")
-    rounds = 0
-    while True:
-        t_round = time.perf_counter()
-        order = list(table) if rounds % 2 == 0 else list(reversed(table))
-        for name in order:
-            wall, ev, host = time_round(built[name], x, y, args.steps, device)
-            walls[name].append(wall)
-            events[name] += ev
-            hosts[name] += host
-        rounds += 1
-        round_s = time.perf_counter() - t_round
-        check_reserve = max(check_reserve,
-                            build_s + round_s * args.check_steps / args.steps * 1.5 + 1)
-        ratios = [a / b for a, b in zip(walls[AGAIN], walls[HAND])]
-        floor = noise_floor(ratios, rng)
-        done = rounds >= args.min_rounds and floor < args.target_floor
-        out_of_time = rounds >= 2 and time.perf_counter() + round_s + check_reserve > deadline
-        if done or out_of_time or rounds >= args.max_rounds:
-            break
+    schedule = Schedule(list(table), args.schedule, seed=args.seed)
+
+    def time_slot(name, r):
+        wall, ev, host = time_round(built[name], x, y, args.steps, device)
+        walls[name].append(wall)
+        events[name] += ev
+        hosts[name] += host
+
+    def warm_slot(r):
+        for _ in range(args.warm_steps):
+            warm_step(x, y)
+
+    def floor_now():
+        return noise_floor([a / b for a, b in zip(walls[AGAIN], walls[HAND])], rng)
+
+    def reserve(round_s):  # the bitwise check after the rounds: a rebuild and check_steps
+        return build_s + round_s * args.check_steps / args.steps * 1.5 + 1
+
+    rounds = run_rounds(schedule, time_slot, warm_slot if warm_step else None,
+                        max_rounds=args.max_rounds, min_rounds=args.min_rounds,
+                        at_block_end=lambda n: floor_now() < args.target_floor,
+                        deadline=deadline, reserve=reserve)
+    floor = floor_now()
     rows = []
-    for name, (ref, _) in table.items():
+    for name, ref in [(n, r) for n, (r, _) in table.items()] + pairs:
         ratios = [a / b for a, b in zip(walls[name], walls[ref])]
         row = {"network": network, "precision": PRECISION[network], "variant": name,
                "reference": ref, "step_ms": statistics.median(walls[name]),
@@ -340,17 +400,22 @@ def run_network(network, args, device, quick, deadline, rng):
         if args.profile:
             row.update(profile_counts(built[name], x, y, device))
         rows.append(row)
-        print(f"{network:9s} {name:50s} {row['step_ms']:7.3f} ms {row['cost_pct']:+6.2f}% "
+        vs = "" if ref == HAND else f" (vs {ref})"
+        print(f"{network:9s} {name + vs:50s} {row['step_ms']:7.3f} ms {row['cost_pct']:+6.2f}% "
               f"[{row['cost_ci95_pct'][0]:+6.2f}, {row['cost_ci95_pct'][1]:+6.2f}] "
               f"host {row['host_ms_per_call']:6.3f} ms", flush=True)
-    del built
-    equal = bitwise(table, network, device, quick, args.check_steps)
+    del built, warm_step
+    equal = bitwise(table, network, device, quick, args.check_steps, pairs)
     for row in rows:
-        row["bitwise_equal_to_reference"] = equal[row["variant"]]
-    print(f"{network}: noise floor {floor:.2f}% after {rounds} rounds of {args.steps} steps; "
-          f"bitwise equal to the reference after {args.check_steps} steps: {equal}", flush=True)
+        key = row["variant"] if row["variant"] in table and \
+            table[row["variant"]][0] == row["reference"] else (row["variant"], row["reference"])
+        row["bitwise_equal_to_reference"] = equal[key]
+    print(f"{network}: noise floor {floor:.2f}% after {rounds} rounds of {args.steps} steps "
+          f"({args.schedule} order, {args.warm_steps} warm steps a round); bitwise equal to the "
+          f"reference after {args.check_steps} steps: {equal}", flush=True)
     return {"noise_floor_pct": floor, "floor_under_target": floor < args.target_floor,
-            "rounds": rounds, "steps_per_round": args.steps, "rows": rows}
+            "rounds": rounds, "steps_per_round": args.steps,
+            "schedule": schedule.describe(rounds, args.warm_steps), "rows": rows}
 
 
 # --- GPU-only checks -----------------------------------------------------------------------------
@@ -483,26 +548,38 @@ def no_sync_checks(device, quick):
     return results
 
 
-GOALS = (("recipe", "trainer, defaults", 3.0), ("recipe", "trainer, lean", 1.0),
-         ("mlp_bf16", "trainer, defaults", 3.0), ("mlp_bf16", "trainer, lean", 1.0),
-         ("recipe", "trainer lean, CUDA graph", 3.0))
+# (network, variant, goal %, the row's reference, the goal's label; None: "network variant")
+GOALS = (("recipe", "trainer, defaults", 3.0, None, None),
+         ("recipe", "trainer, lean", 1.0, None, None),
+         ("mlp_bf16", "trainer, defaults", 3.0, None, None),
+         ("mlp_bf16", "trainer, lean", 1.0, None, None),
+         ("mlp_bf16", "trainer, lean", 1.0, FOUND_INF,
+          "mlp_bf16 trainer lean vs hand loop with the same check"),
+         ("recipe", "trainer lean, CUDA graph", 3.0, None, None))
 
 
 def verdicts(networks):
     """The issue's goals, read off the rows: cost at most the goal, and a floor small enough
     to tell (under the goal, or the goal's interval clear of it)."""
     out = []
-    for network, variant, goal in GOALS:
+    for network, variant, goal, reference, label in GOALS:
         row = next((r for r in networks.get(network, {}).get("rows", [])
-                    if r["variant"] == variant), None)
+                    if r["variant"] == variant
+                    and (reference is None or r["reference"] == reference)), None)
         if row is None:
             continue
         floor = networks[network]["noise_floor_pct"]
-        out.append({"network": network, "variant": variant, "goal_pct": goal,
+        out.append({"network": network, "variant": variant, "reference": row["reference"],
+                    "label": label or f"{network} {variant}", "goal_pct": goal,
                     "cost_pct": row["cost_pct"], "ci95_high_pct": row["cost_ci95_pct"][1],
                     "noise_floor_pct": floor, "met": row["cost_ci95_pct"][1] <= goal,
                     "resolved": floor < goal})
     return out
+
+
+def goal_label(goal) -> str:
+    """A goal's name in the report (results written before labels: "network variant")."""
+    return goal.get("label") or f"{goal['network']} {goal['variant']}"
 
 
 def markdown(doc) -> str:
@@ -513,9 +590,13 @@ def markdown(doc) -> str:
         if "error" in net:
             lines += [f"**{network}**: failed: {net['error']}", ""]
             continue
+        order = net.get("schedule")
+        order = "" if order is None else (
+            f"; {order['kind']} order, {order['warm_steps']} untimed warm "
+            f"step{'' if order['warm_steps'] == 1 else 's'} a round")
         lines += [f"**{network}** ({net['rows'][0]['precision']}): noise floor "
                   f"{net['noise_floor_pct']:.2f}% after {net['rounds']} rounds of "
-                  f"{net['steps_per_round']} steps", "",
+                  f"{net['steps_per_round']} steps{order}", "",
                   "| variant | ms/step | cost | 95% interval | IQR | beyond floor | host ms/call "
                   "| bitwise = reference |", "|---|---:|---:|---|---|---|---:|---|"]
         for r in net["rows"]:
@@ -531,7 +612,7 @@ def markdown(doc) -> str:
         lines += ["| goal | cost | 95% up to | floor | met | resolved |",
                   "|---|---:|---:|---:|---|---|"]
         for g in doc["goals"]:
-            lines.append(f"| {g['network']} {g['variant']} <= {g['goal_pct']}% | "
+            lines.append(f"| {goal_label(g)} <= {g['goal_pct']}% | "
                          f"{g['cost_pct']:+.2f}% | {g['ci95_high_pct']:+.2f}% | "
                          f"{g['noise_floor_pct']:.2f}% | {'yes' if g['met'] else 'no'} | "
                          f"{'yes' if g['resolved'] else 'no'} |")
@@ -554,10 +635,15 @@ def main(argv=None):
     p.add_argument("--min-rounds", type=int, default=8)
     p.add_argument("--max-rounds", type=int, default=400)
     p.add_argument("--steps", type=int, default=20, help="steps per variant per round")
+    p.add_argument("--warm-steps", type=int, default=5,
+                   help="untimed steps of a throwaway hand loop at the start of every round")
+    p.add_argument("--schedule", choices=SCHEDULES, default="balanced",
+                   help="the order of the variants in the rounds (alternate: the old order)")
     p.add_argument("--check-steps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="count aten ops and kernels too")
     p.add_argument("--no-gpu-checks", action="store_true")
-    p.add_argument("--seed", type=int, default=0, help="for the bootstrap intervals")
+    p.add_argument("--seed", type=int, default=0,
+                   help="for the bootstrap intervals and the balanced order")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--report", type=Path, default=None,
                    help="print a JSON result of this script as Markdown tables; run nothing")
@@ -565,13 +651,16 @@ def main(argv=None):
     if args.report is not None:
         print(markdown(json.loads(args.report.read_text())))
         return None
-    if args.budget <= 0 or args.steps < 1 or args.min_rounds < 2:
-        p.error("--budget must be > 0, --steps >= 1, --min-rounds >= 2")
+    if args.budget <= 0 or args.steps < 1 or args.min_rounds < 2 or args.warm_steps < 0 or \
+            args.max_rounds < 2:
+        p.error("--budget must be > 0, --steps >= 1, --min-rounds and --max-rounds >= 2, "
+                "--warm-steps >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = device.type != "cuda"
     torch.backends.cudnn.benchmark = False  # as lesson 04 runs
     if quick:
         args.steps, args.check_steps = min(args.steps, 3), min(args.check_steps, 3)
+        args.warm_steps = min(args.warm_steps, 1)
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     gpu_checks = device.type == "cuda" and not args.no_gpu_checks
@@ -583,6 +672,7 @@ def main(argv=None):
                 "torch": torch.__version__, "python": sys.version.split()[0],
                 "timer": "wall clock per step over a synchronised round; median over "
                          "interleaved rounds of the paired ratio to the reference",
+                "schedule": args.schedule, "warm_steps": args.warm_steps,
                 "budget_s": args.budget, "target_floor_pct": args.target_floor,
                 "seconds": round(time.perf_counter() - t0, 1), "networks": networks,
                 "goals": verdicts(networks), "gpu_checks": checks}
@@ -608,7 +698,7 @@ def main(argv=None):
     doc = document()
     write()
     for goal in doc["goals"]:
-        print(f"goal {goal['network']} {goal['variant']}: {goal['cost_pct']:+.2f}% "
+        print(f"goal {goal_label(goal)}: {goal['cost_pct']:+.2f}% "
               f"(95% up to {goal['ci95_high_pct']:+.2f}%, floor {goal['noise_floor_pct']:.2f}%)"
               f" <= {goal['goal_pct']}%: {'met' if goal['met'] else 'NOT met'}"
               f"{'' if goal['resolved'] else ' (floor too high to tell)'}", flush=True)

@@ -10,12 +10,18 @@ For each configuration, four variants train their own copy of the same initial w
 - ``engine timer``: the same engine step timed by ``bench.time_steps`` (a CUDA event pair per
   step, the median): the number a lesson row reports.
 
-Rounds are interleaved (the order alternates); each round runs ``--steps`` steps per variant,
-synchronised at both ends, after ``--warmup`` untimed steps in the first round. A variant's cost
-is the median over rounds of its PAIRED ratio to the plain loop of the same round, in % slower
-(clock drift hits both alike); ``floor_pct`` is the plain loop against itself (the half-width of
-the 95% bootstrap interval of its median paired ratio plus that median's distance from 0).
-``within_3pct``: the engine's cost and its interval stay within 3% (the issue's bar).
+Each variant first runs ``--warmup`` untimed steps. Rounds are interleaved; each runs ``--steps``
+steps per variant, synchronised at both ends. The order is balanced (``bench_rounds.py``): each
+round begins with ``--warm-steps`` untimed steps of a throwaway plain loop, and over each block
+of 4 rounds every variant runs in every position once, in a seeded random order per block (so
+that ``--rounds`` is best a multiple of 4). The old order alternated (``--schedule alternate``):
+the plain loop ran first in every other round, right after the pause between rounds, where on
+the H200 the first slot of a round paid 3-5% (issue 22). The garbage collector is off during
+the rounds. A variant's cost is the median over rounds of its PAIRED ratio to the plain loop of
+the same round, in % slower (clock drift hits both alike); ``floor_pct`` is the plain loop
+against itself (the largest distance of the 95% bootstrap interval of its median paired ratio
+from that median, plus that median's distance from 0). ``within_3pct``: the engine's cost and
+its interval stay within 3% (the issue's bar). ``round_ms`` keeps every round's ms per step.
 
 Then, once: ``bench.measure`` of the configuration, as a lesson runs it (memory breakdown before
 the warm-up, the GPU idle share under the profiler after the timing), whose img/s is compared with
@@ -29,7 +35,7 @@ fastest eager row; the compiled rows are left out: one compilation per variant w
 budget).
 
     python benchmarks/instrument.py --json $OUT/instrument.json [--configs checkpoint fastest]
-        [--rounds 6] [--steps 15] [--budget 180]
+        [--rounds 8] [--steps 15] [--warm-steps 3] [--budget 180]
 
 On a CPU it runs in tiny sizes (``--smoke``: a check of the script; no conclusions).
 """
@@ -46,8 +52,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if str(Path(__file__).resolve().parent) not in sys.path:  # bench_rounds, when imported by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 from amp_lessons import bench  # noqa: E402
 from amp_lessons.data import synthetic_images  # noqa: E402
+from bench_rounds import SCHEDULES, Schedule, run_rounds  # noqa: E402
 
 CONFIGS = {
     "checkpoint": dict(checkpoint="block", impl="foreach"),
@@ -111,9 +120,19 @@ def bootstrap(values, reps=2000, seed=0):
     return statistics.median(values), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
-def compare(name, device, sizes, rounds, steps, warmup, deadline):
-    """One configuration: the interleaved rounds, then ``bench.measure`` and the plain loop
-    after its profiler pass."""
+def noise_floor(costs):
+    """(median, low, high, floor) of the plain loop's twin's paired costs in %: the floor is
+    the largest distance of the 95% interval from the median plus the median's from 0."""
+    med, lo, hi = bootstrap(costs)
+    return med, lo, hi, max(abs(lo - med), abs(hi - med)) + abs(med)
+
+
+def compare(name, device, sizes, rounds, steps, warmup, deadline, warm_steps=3,
+            schedule="balanced", seed=0):
+    """One configuration: the interleaved rounds (``bench_rounds``: ``warm_steps`` untimed
+    steps of a throwaway plain loop, then the variants in a balanced order), then
+    ``bench.measure`` and the plain loop after its profiler pass. ``deadline``: perf_counter
+    seconds by which all of it should be done."""
     extra = CONFIGS[name]
     precision = "fp16" if device.type == "cuda" else "bf16"
     config = bench.BenchConfig(label=name, model=sizes["model"], precision=precision,
@@ -130,30 +149,37 @@ def compare(name, device, sizes, rounds, steps, warmup, deadline):
     steps_of = {PLAIN: plain_loop(config, device, state), AGAIN: plain_loop(config, device, state),
                 ENGINE: engine_step(config, device, state)}
     steps_of[TIMER] = engine_step(config, device, state)
-    for step in steps_of.values():  # warm-up: cuDNN autotuning, optimizer state, allocator
-        for _ in range(warmup):
+    warm = plain_loop(config, device, state) if warm_steps > 0 else None  # never timed
+    for step in list(steps_of.values()) + ([warm] if warm else []):
+        for _ in range(warmup):  # warm-up: cuDNN autotuning, optimizer state, allocator
             step(x, y)
     sync(device)
     ms = {k: [] for k in steps_of}
-    order = list(steps_of)
-    done = 0
-    for r in range(rounds):
-        if r >= 2 and time.perf_counter() > deadline:
-            break
-        for name_ in (order if r % 2 == 0 else order[::-1]):
-            if name_ == TIMER:
-                t = bench.time_steps(steps_of[TIMER], x, y, warmup=0, steps=steps, device=device)
-                ms[TIMER].append(statistics.median(t["times_ms"]))
-            else:
-                ms[name_].append(wall_ms(steps_of[name_], x, y, steps, device))
-        done += 1
+    order = Schedule(list(steps_of), schedule, seed=seed)
+
+    def time_slot(name_, r):
+        if name_ == TIMER:
+            t = bench.time_steps(steps_of[TIMER], x, y, warmup=0, steps=steps, device=device)
+            ms[TIMER].append(statistics.median(t["times_ms"]))
+        else:
+            ms[name_].append(wall_ms(steps_of[name_], x, y, steps, device))
+
+    def warm_slot(r):
+        for _ in range(warm_steps):
+            warm(x, y)
+
+    # kept for measure() and the plain loop after it (about 11 s for the checkpointed step
+    # on the H200, 2 rounds' worth): 10 s and 3 rounds
+    done = run_rounds(order, time_slot, warm_slot if warm else None, max_rounds=rounds,
+                      deadline=deadline, reserve=lambda round_s: 10 + 3 * round_s)
+    del warm
     rows = []
     floor = None
     for name_ in (AGAIN, ENGINE, TIMER):
         cost = [100 * (ms[name_][i] / ms[PLAIN][i] - 1) for i in range(done)]
-        med, lo, hi = bootstrap(cost)
+        med, lo, hi, spread = noise_floor(cost)
         if name_ == AGAIN:
-            floor = max(abs(lo - med), abs(hi - med)) + abs(med)
+            floor = spread
         rows.append({"variant": name_, "cost_pct": med, "ci95_pct": [lo, hi],
                      "img_per_s": config.batch_size / (statistics.median(ms[name_]) / 1e3)})
     plain_img_s = config.batch_size / (statistics.median(ms[PLAIN]) / 1e3)
@@ -170,8 +196,9 @@ def compare(name, device, sizes, rounds, steps, warmup, deadline):
     timer = next(r for r in rows if r["variant"] == TIMER)
     return {
         "config": config.label, "describe": config.describe(), "rounds": done,
-        "steps_per_round": steps, "plain_img_per_s": plain_img_s, "floor_pct": floor,
-        "variants": rows,
+        "steps_per_round": steps, "schedule": order.describe(done, warm_steps),
+        "plain_img_per_s": plain_img_s, "floor_pct": floor, "variants": rows,
+        "round_ms": ms,
         "within_3pct": all(abs(v["cost_pct"]) <= 3 and max(map(abs, v["ci95_pct"])) <= 3 + floor
                            for v in (engine, timer)),
         "measure_row": {k: row.get(k) for k in ("status", "reason", "img_per_s", "spread",
@@ -202,6 +229,16 @@ def markdown(doc) -> str:
                      f"{cells.get(ENGINE)} | {cells.get(TIMER)} | "
                      f"{'n/a' if vs is None else f'{vs:+.2f}%'} | "
                      f"{c['plain_after_profiler_cost_pct']:+.2f}% |")
+    notes = [c for c in doc["configs"] if c.get("schedule")]  # runs since the balanced order
+    if notes:
+        lines.append("")
+    for c in notes:
+        o = c["schedule"]
+        blocks = o["whole_blocks"]
+        lines.append(f"- {c['config']}: {o['kind']} order ({blocks} whole "
+                     f"block{'' if blocks == 1 else 's'} of {o['block_rounds']} rounds), "
+                     f"{o['warm_steps']} untimed warm "
+                     f"step{'' if o['warm_steps'] == 1 else 's'} a round")
     return "\n".join(lines)
 
 
@@ -210,11 +247,19 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", "."))
                         / "instrument.json")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="at most this many rounds (best a multiple of 4: whole blocks)")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warm-steps", type=int, default=3,
+                        help="untimed steps of a throwaway plain loop at the start of each round")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="balanced",
+                        help="the order of the variants in the rounds (alternate: the old order)")
+    parser.add_argument("--seed", type=int, default=0, help="for the balanced order")
     parser.add_argument("--budget", type=float, default=180.0,
-                        help="seconds; rounds past 2 stop when a configuration's share is spent")
+                        help="seconds; rounds past 2 stop where the next round (at a block end: "
+                             "the next block) would not leave time for bench.measure and the "
+                             "last plain loop within a configuration's share")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
     parser.add_argument("--report", type=Path, default=None,
                         help="print a JSON result of this script as a Markdown table; run nothing")
@@ -222,8 +267,10 @@ def main(argv=None) -> int:
     if args.report is not None:
         print(markdown(json.loads(args.report.read_text())))
         return 0
-    if args.rounds < 2 or args.steps < 1 or args.warmup < 1 or args.budget <= 0:
-        parser.error("--rounds must be >= 2, --steps and --warmup >= 1, --budget > 0")
+    if args.rounds < 2 or args.steps < 1 or args.warmup < 1 or args.budget <= 0 or \
+            args.warm_steps < 0:
+        parser.error("--rounds must be >= 2, --steps and --warmup >= 1, --warm-steps >= 0, "
+                     "--budget > 0")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = (dict(model="resnet18", batch=2, image=32, classes=10) if device.type != "cuda"
              else dict(model="resnet50", batch=256, image=224, classes=1000))
@@ -232,8 +279,9 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "sizes": sizes, "configs": []}
     for i, name in enumerate(args.configs):
         share = (args.budget - (time.perf_counter() - start)) / (len(args.configs) - i)
-        deadline = time.perf_counter() + 0.6 * share  # the rest: measure() and the last loop
-        result = compare(name, device, sizes, args.rounds, args.steps, args.warmup, deadline)
+        deadline = time.perf_counter() + share
+        result = compare(name, device, sizes, args.rounds, args.steps, args.warmup, deadline,
+                         args.warm_steps, args.schedule, args.seed)
         out["configs"].append(result)
         print(json.dumps({k: result[k] for k in ("config", "plain_img_per_s", "floor_pct",
                                                  "within_3pct", "measure_vs_plain_pct",

@@ -2,9 +2,13 @@
 "not answered yet" with its first hint only, and each typical wrong answer fails with the hint that
 names its mistake (never a bare False). The hints themselves: graded levels whose first never gives
 the answer away, read with ``exNN.hint(name, level)`` or unfolded in JupyterLab."""
+import ast
 import html
+import importlib.util
+import inspect
 import linecache
 import re
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -809,3 +813,61 @@ def test_a_section_without_its_takeaway_is_found(tmp_path):
     path = tmp_path / "nb.ipynb"
     nbformat.write(nb, path)
     assert _sections_without_takeaway(path) == ["## 2. B", "## 4. D"]
+
+
+def _bound_names(sources) -> set:
+    """Names that code cells bind (imports, assignments, definitions, loop and with targets);
+    IPython's %magic and !shell lines are left out."""
+    names = set()
+    for source in sources:
+        code = "\n".join(line for line in source.splitlines()
+                         if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+    return names
+
+
+def _modules_a_solution_uses(module) -> set:
+    """The modules (``torch``, ``math``...) that the bodies of an exercise module's reference
+    solutions use by a global name: what a learner's answer, written like the reference, needs."""
+    used = set()
+    for name, fn in vars(module).items():
+        if not (name.startswith("reference_") and callable(fn)):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        body = ast.Module(body=tree.body[0].body, type_ignores=[])  # not the annotations
+        for node in ast.walk(body):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
+                    and inspect.ismodule(getattr(module, node.id, None)):
+                used.add(node.id)
+    return used
+
+
+@pytest.mark.parametrize("path", LESSONS_WITH_EXERCISES, ids=lambda p: Path(p).name[:2])
+def test_an_answer_written_like_the_reference_finds_its_modules_in_the_notebook(path):
+    # A learner writes `torch.` in an exercise cell: the lesson must have imported it by then
+    # (lessons 05, 07 and 08 had not: a right answer failed with NameError: name 'torch').
+    from amp_lessons import exercises
+    nb = nbformat.read(path, as_version=4)
+    first = next(i for i, c in enumerate(nb.cells) if "exercise" in c.metadata.get("tags", []))
+    bound = _bound_names(c.source for c in nb.cells[:first] if c.cell_type == "code")
+    needed = _modules_a_solution_uses(exercises.MODULES[f"ex{path.name[:2]}"])
+    assert needed - bound == set(), f"{path.name}: import {sorted(needed - bound)} before cell {first}"
+
+
+def test_the_module_finder_sees_torch_in_a_reference_and_the_binder_sees_imports(tmp_path):
+    (tmp_path / "exfake.py").write_text(
+        "import math\nimport torch\nfrom torch import nn\n\n"
+        "def reference_x(t: nn.Module):\n    return torch.zeros(1) + math.pi\n\n"
+        "def helper(t):\n    return nn.Identity()(t)\n")
+    spec = importlib.util.spec_from_file_location("exfake", tmp_path / "exfake.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert _modules_a_solution_uses(module) == {"torch", "math"}
+    assert _bound_names(["%matplotlib inline\nimport torch.nn as nn\nfrom math import pi\nx = 1"]) \
+        == {"nn", "pi", "x"}

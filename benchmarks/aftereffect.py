@@ -28,8 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from amp_lessons import bench  # noqa: E402
-from amp_lessons.data import synthetic_images  # noqa: E402
-from instrument import plain_loop, sync, wall_ms  # noqa: E402
+from instrument import plain_loop, setup, sync, wall_ms  # noqa: E402
 
 
 def timed(step, x, y, device, steps, repeats):
@@ -55,17 +54,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     sizes = dict(model="resnet50", batch=256, image=224, classes=1000) if cuda else \
         dict(model="resnet18", batch=4, image=32, classes=10)
-    config = bench.BenchConfig(label="checkpoint", model=sizes["model"],
-                               precision="fp16" if cuda else "bf16", channels_last=True,
-                               batch_size=sizes["batch"], image_size=sizes["image"],
-                               num_classes=sizes["classes"], optimizer="sgd", impl="foreach",
-                               checkpoint="block", cudnn_benchmark=True)
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    state = {k: v.clone() for k, v in bench.MODELS[config.model](
-        num_classes=config.num_classes, checkpoint=config.checkpoint).state_dict().items()}
-    x, y = synthetic_images(config.batch_size, config.image_size, config.num_classes, device,
-                            channels_last=True)
+    config, state, x, y = setup("checkpoint", device, sizes)
     step = plain_loop(config, device, state)
     for _ in range(5):
         step(x, y)

@@ -127,12 +127,10 @@ def noise_floor(costs):
     return med, lo, hi, max(abs(lo - med), abs(hi - med)) + abs(med)
 
 
-def compare(name, device, sizes, rounds, steps, warmup, deadline, warm_steps=3,
-            schedule="balanced", seed=0):
-    """One configuration: the interleaved rounds (``bench_rounds``: ``warm_steps`` untimed
-    steps of a throwaway plain loop, then the variants in a balanced order), then
-    ``bench.measure`` and the plain loop after its profiler pass. ``deadline``: perf_counter
-    seconds by which all of it should be done."""
+def setup(name, device, sizes):
+    """The configuration ``name`` at ``sizes`` (model, batch, image, classes), its initial
+    weights (seed 0: every loop starts from them) and one synthetic batch on ``device``; turns
+    cuDNN autotuning on."""
     extra = CONFIGS[name]
     precision = "fp16" if device.type == "cuda" else "bf16"
     config = bench.BenchConfig(label=name, model=sizes["model"], precision=precision,
@@ -146,6 +144,16 @@ def compare(name, device, sizes, rounds, steps, warmup, deadline, warm_steps=3,
         num_classes=config.num_classes, checkpoint=config.checkpoint).state_dict().items()}
     x, y = synthetic_images(config.batch_size, config.image_size, config.num_classes, device,
                             channels_last=True)
+    return config, state, x, y
+
+
+def compare(name, device, sizes, rounds, steps, warmup, deadline, warm_steps=3,
+            schedule="balanced", seed=0):
+    """One configuration: the interleaved rounds (``bench_rounds``: ``warm_steps`` untimed
+    steps of a throwaway plain loop, then the variants in a balanced order), then
+    ``bench.measure`` and the plain loop after its profiler pass. ``deadline``: perf_counter
+    seconds by which all of it should be done."""
+    config, state, x, y = setup(name, device, sizes)
     steps_of = {PLAIN: plain_loop(config, device, state), AGAIN: plain_loop(config, device, state),
                 ENGINE: engine_step(config, device, state)}
     steps_of[TIMER] = engine_step(config, device, state)

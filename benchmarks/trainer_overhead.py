@@ -49,7 +49,9 @@ sync; and no policy synchronises with the host after the first step
         [--networks recipe digits mlp_bf16 mlp_fp32] [--target-floor 2] [--profile]
         [--warm-steps 5] [--schedule balanced]
 
-On a CPU it runs in tiny sizes (a smoke test of the script; no conclusions).
+On a CPU it runs in tiny sizes (width 64): every step is then host work, so the differences
+read there are the trainer's own Python per step, in microseconds (`results/trainer_overhead_cpu_tiny.json`);
+they say nothing about CUDA calls or GPU time, which only a GPU run measures.
 """
 import argparse
 import copy

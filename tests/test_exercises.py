@@ -7,6 +7,7 @@ import html
 import importlib.util
 import inspect
 import linecache
+import math
 import re
 import textwrap
 from pathlib import Path
@@ -691,6 +692,31 @@ def test_ex09_scale_exponent_from_the_ranges(doctor_reports):
                                            doctor_reports[1:]),
                  "not the scale", hints=hints)
 
+
+
+def _fake_report(model, grad_exp, act_exp):
+    """A doctor report's ranges only: the largest gradient fp16's max / 2**grad_exp, the largest
+    activation fp16's max / 2**act_exp."""
+    from types import SimpleNamespace
+    top = 65504.0
+    layers = [{"name": "fc", "grad_absmax": top / 2 ** grad_exp, "act_absmax": top / 2 ** act_exp,
+               "grad_min": top / 2 ** (grad_exp + 9)}]
+    return SimpleNamespace(model=model, layers=layers, scale_exponent=math.floor(grad_exp))
+
+
+def test_ex09_a_mistake_is_named_from_every_report_not_the_first_alone():
+    # On report a, the exponent from the activations (12) is also the gradients' rounded up
+    # (11.5 -> 12): the first report alone would blame rounding. Report b tells them apart.
+    a, b = _fake_report("a", 11.5, 12.2), _fake_report("b", 20.5, 5.3)
+    check = ex09.check_scale_exponent(ex09.WRONG_SCALE["from the activations"], [a, b])
+    assert_wrong(check, "not the activations", hints=ex09.HINTS["scale"])
+    assert "round the exponent down" not in str(check)
+    rounded = ex09.check_scale_exponent(ex09.WRONG_SCALE["rounded up"], [a, b])
+    assert_wrong(rounded, "round the exponent down", hints=ex09.HINTS["scale"])
+    # an answer that is none of the typical mistakes still gets the fact about its exponent
+    odd = ex09.check_scale_exponent(lambda r: {"a": 12, "b": 3}[r.model], [a, b])
+    assert_wrong(odd, "round the exponent down", hints=ex09.HINTS["scale"])
+    assert ex09.check_scale_exponent(ex09.reference_scale_exponent, [a, b])
 
 
 def test_ex09_scale_exponent_that_is_not_finite_is_wrong_not_a_crash(doctor_reports):

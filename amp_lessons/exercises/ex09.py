@@ -157,6 +157,43 @@ class _LayersOnly:
         return f"<{self.model}: {plural(len(self.layers), 'layer')}>"
 
 
+def _known_mistake(answers) -> Optional[str]:
+    """The typical wrong answer (a ``WRONG_SCALE`` name) that gives the learner's answer on
+    every report, or None: on one report two mistakes can give the same k (an exponent from the
+    activations can be the gradients' plus one), across the reports only the learner's own
+    usually does."""
+    for name, mistake in WRONG_SCALE.items():
+        try:
+            if all(mistake(report) == k for report, k in answers):
+                return name
+        except (ValueError, ArithmeticError):  # a mistake that cannot be made on some report
+            continue
+    return None
+
+
+def _scale_mistake(report, k, known: Optional[str]) -> str:
+    """What is wrong with exponent ``k`` for ``report``, for the hint after the check."""
+    want, g = report.scale_exponent, _finite_max(report, "grad_absmax")
+    overflow = k == want + 1 and g * 2.0 ** k > fp16_max()  # the one case it is asked about
+    if k == 2.0 ** want:
+        return ("that is the scale 2**k itself: return k, the exponent (the scale is 2**k), not "
+                "the scale")
+    if known == "the default init_scale" or (known is None and k == 16 and want != 16):
+        return ("2^16 is GradScaler's default init_scale, where it starts, not where it "
+                "settles: compute k from the report's gradients")
+    if known == "from the activations" or (known is None and k == _from_activations(report)
+                                           and not overflow):
+        return ("the loss scale multiplies the gradients, not the activations: use the "
+                "gradients' largest value")
+    if known == "rounded up" or overflow:
+        return (f"at 2^{k:g} the largest gradient becomes {g * 2.0 ** k:,.0f}, past "
+                f"{fp16_max():,.0f}: round the exponent down, to the largest k that fits")
+    if k > want:
+        return ("at that scale the largest gradient overflows fp16 and GradScaler halves it: the "
+                "largest gradient decides the ceiling, not the smallest")
+    return "GradScaler keeps growing the scale while the largest gradient still fits"
+
+
 def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
     """Grade ``fn(report) -> k`` on each of ``reports``: the exponent of the loss scale ``2**k``
     GradScaler settles at, equal to the report's own ``scale_exponent``. ``fn`` is given a copy
@@ -166,6 +203,7 @@ def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
     reports = [r for r in reports if r.scale_exponent is not None]
     if not reports:
         return skipped(SCALE, "no report here has a nonzero gradient")
+    answers = []
     for report in reports:
         try:
             got = fn(_LayersOnly(report))
@@ -173,33 +211,18 @@ def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
             return wrong(SCALE, f"{type(exc).__name__}: {exc}", hints)
         if is_blank(got):
             return unanswered(SCALE, hints)
-        k, want = number(got), report.scale_exponent
+        k = number(got)
         if k is None or not math.isfinite(k) or k != int(k):
             return wrong(SCALE, f"{report.model}: expected a whole exponent k; got {got!r}",
                          hints.after("return k, the exponent, not the scale 2**k: a whole "
                                      "number"))
-        if k == want:
-            continue
-        msg = f"{report.model}: k = {k:g}; GradScaler settles at 2^{want}"
-        g = _finite_max(report, "grad_absmax")
-        if k == 2.0 ** want:
-            mistake = ("that is the scale 2**k itself: return k, the exponent (the scale is "
-                       "2**k), not the scale")
-        elif k == 16 and want != 16:
-            mistake = ("2^16 is GradScaler's default init_scale, where it starts, not where it "
-                       "settles: compute k from the report's gradients")
-        elif k == want + 1 and g * 2.0 ** k > fp16_max():
-            mistake = (f"at 2^{k:g} the largest gradient becomes {g * 2.0 ** k:,.0f}, past "
-                       f"{fp16_max():,.0f}: round the exponent down, to the largest k that fits")
-        elif k == _from_activations(report):
-            mistake = ("the loss scale multiplies the gradients, not the activations: use the "
-                       "gradients' largest value")
-        elif k > want:
-            mistake = ("at that scale the largest gradient overflows fp16 and GradScaler halves "
-                       "it: the largest gradient decides the ceiling, not the smallest")
-        else:
-            mistake = "GradScaler keeps growing the scale while the largest gradient still fits"
-        return wrong(SCALE, msg, hints.after(mistake))
+        answers.append((report, k))
+    off = [(report, k) for report, k in answers if k != report.scale_exponent]
+    if off:
+        report, k = off[0]
+        want = report.scale_exponent
+        return wrong(SCALE, f"{report.model}: k = {k:g}; GradScaler settles at 2^{want}",
+                     hints.after(_scale_mistake(report, k, _known_mistake(answers))))
     return passed(SCALE, "; ".join(f"{r.model}: 2^{r.scale_exponent}" for r in reports)
                   + ", as the doctor found")
 

@@ -338,6 +338,28 @@ def test_ex03_update_rule_replays_a_run(scaler_runs):
                      "growth_interval", hints=hints)
 
 
+def test_ex03_update_rule_names_the_mistake_from_the_whole_trace():
+    # Lesson 03's own demo (quick profile: 2^24, growth_interval 10, 30 steps): both typical
+    # mistakes first go wrong after a clean step, where one generic hint covered both; the whole
+    # replayed trace tells which rule the learner wrote.
+    settings = ScalerSettings(init_scale=2.0 ** 24, growth_interval=10)
+    demo = l03_scaler.train_with_scaler(settings, 30, evaluate=False)
+    assert any(demo.skipped[6:]) and max(demo.scales[5:]) > min(demo.scales[5:])
+    assert ex03.check_update_rule(ex03.reference_update, demo.scales, demo.skipped, settings)
+    hints = ex03.HINTS["rule"]
+    for name, bad in ex03.WRONG_RULES.items():
+        check = ex03.check_update_rule(bad, demo.scales, demo.skipped, settings)
+        assert_wrong(check, ex03.RULE_MISTAKES[name], hints=hints)
+        others = [m for n, m in ex03.RULE_MISTAKES.items() if n != name]
+        assert not [m for m in others if m in repr(check)], check
+
+    def no_backoff(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+        return ex03.reference_update(scale, tracker, False, growth_factor, backoff_factor,
+                                     growth_interval) if not found_inf else (scale, 0)
+    assert_wrong(ex03.check_update_rule(no_backoff, demo.scales, demo.skipped, settings),
+                 "after a skipped step", "backoff_factor", hints=hints)
+
+
 def test_ex03_trace_causes(scaler_runs):
     _, demo, floor, healthy = scaler_runs
     traces = {"A": (floor.scales, floor.skipped), "B": (demo.scales, demo.skipped),
@@ -411,6 +433,28 @@ def test_ex05_accumulation():
                  "zeroed", hints=hints)
 
 
+def test_ex05_accumulation_names_a_mistake_from_all_the_gradients():
+    # Splitting with x.split(n) (slices of n samples) instead of x.chunk(n) (n slices), each
+    # loss divided by n: twice the right gradients. The first parameter's ratio alone is not
+    # n, so the last branch blamed zeroing the gradients, which this loop never does.
+    import torch.nn.functional as F
+    hints = ex05.HINTS["accumulate"]
+
+    def split_not_chunk(model, x, y, micro_batches):
+        for xs, ys in zip(x.split(micro_batches), y.split(micro_batches)):
+            (F.cross_entropy(model(xs), ys) / micro_batches).backward()
+    check = ex05.check_accumulation(split_not_chunk)
+    assert_wrong(check, "2.00x", "x.split(n)", hints=hints)
+    assert "zeroed" not in repr(check)
+
+    def last_half_only(model, x, y, micro_batches):  # neither a size nor a known mistake
+        half = len(x) // 2
+        F.cross_entropy(model(x[half:]), y[half:]).backward()
+    other = ex05.check_accumulation(last_half_only)
+    assert other.status == "wrong" and "in direction" in other.message, other
+    assert "zeroed" not in repr(other) and other.hints == hints.levels
+
+
 def test_ex05_checkpointing():
     assert ex05.check_checkpointing(ex05.reference_checkpointed_forward)
     hints = ex05.HINTS["checkpoint"]
@@ -442,6 +486,24 @@ def test_ex05_resume_keeps_the_scaler():
         scaler.load_state_dict(state["scaler"])
     assert_wrong(ex05.check_resume(ex05.reference_save, load_no_optimizer),
                  "optimizer.state_dict()", hints=hints)
+
+
+def test_ex05_resume_names_every_piece_that_did_not_come_back():
+    # Saving the model only loses the optimizer's momentum and the scaler's state; the loss
+    # scale differs first, so the check named the scaler alone (the other mistake's hint).
+    hints = ex05.HINTS["resume"]
+    model_only = ex05.check_resume(*ex05.WRONG_RESUME["model only"])
+    assert_wrong(model_only, "scaler.state_dict()", "optimizer.state_dict()", hints=hints)
+    no_scaler = ex05.check_resume(*ex05.WRONG_RESUME["no scaler state"])
+    assert_wrong(no_scaler, "scaler.state_dict()", hints=hints)
+    assert "optimizer.state_dict()" not in repr(no_scaler)
+
+    def load_no_model(state, model, optimizer, scaler):  # the weights stay the fresh ones
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+    no_model = ex05.check_resume(ex05.reference_save, load_no_model)
+    assert_wrong(no_model, "model.state_dict()", hints=hints)
+    assert "optimizer.state_dict()" not in no_model.hint
 
 
 # --- lesson 06 --------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ import ast
 import dataclasses
 import html
 import inspect
+import operator
 import textwrap
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 from .._validate import check_choice, check_int
 
@@ -244,6 +245,24 @@ def number(value: Any) -> Optional[float]:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+def matching_mistake(mistakes: Mapping[str, Callable], answers: Iterable[Tuple[Any, Any]],
+                     same: Callable[[Any, Any], bool] = operator.eq) -> Optional[str]:
+    """The name of the first of ``mistakes`` (name -> the typical wrong answer, a function of one
+    input) that gives the learner's answer on every input of ``answers`` ((input, the learner's
+    answer) pairs, compared with ``same``), or None. A grader names a mistake from all the
+    inputs it evaluated, not from the first that fails: on one input two mistakes can give the
+    same answer, across them usually only the learner's own does. A mistake that cannot be made
+    on some input (it raises) is passed over."""
+    answers = list(answers)
+    for name, mistake in mistakes.items():
+        try:
+            if all(same(mistake(given), got) for given, got in answers):
+                return name
+        except Exception:  # noqa: BLE001 - a mistake that cannot be made here is not this one
+            continue
+    return None
 
 
 def within(value: float, target: float, rel: float) -> bool:

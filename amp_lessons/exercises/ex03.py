@@ -6,7 +6,8 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from ..tables import plural
 from ..trainer import ScalerSettings
-from .check import Check, HintText, hint_book, is_blank, passed, read_hint, unanswered, wrong
+from .check import (Check, HintText, hint_book, is_blank, matching_mistake, passed, read_hint,
+                    unanswered, wrong)
 
 RULE = "Exercise 1 (implement): GradScaler's update rule"
 CAUSES = "Exercise 3 (match): three scale traces and their causes"
@@ -87,6 +88,15 @@ def _grows_one_step_late(scale, tracker, found_inf, growth_factor, backoff_facto
 
 WRONG_RULES = {"tracker not reset on a skip": _no_reset_on_skip,
                "grows one step late": _grows_one_step_late}
+RULE_MISTAKES = {
+    "tracker not reset on a skip":
+        "a skipped step restarts the count of clean steps at 0 as well as backing the scale off: "
+        "your count carried on across a skip, so the scale grew before growth_interval clean "
+        "steps had followed it",
+    "grows one step late":
+        "count the clean step first, then compare the count with growth_interval: your rule "
+        "compares before counting, so it grows one clean step late",
+}
 
 
 def replay(update: Callable, scales: Sequence[float], skipped: Sequence[bool],
@@ -120,7 +130,10 @@ def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequen
     for i, (a, b) in enumerate(zip(mine, scales)):
         if a != float(b):
             prev = "skipped" if skipped[i - 1] else "clean"
-            why = hint.after(
+            known = matching_mistake(  # the whole trace decides it, not step i alone
+                {name: lambda run, rule=rule: replay(rule, *run)
+                 for name, rule in WRONG_RULES.items()}, [((scales, skipped, settings), mine)])
+            why = hint.after(RULE_MISTAKES[known]) if known else hint.after(
                 "after a skipped step the scale is multiplied by backoff_factor and the clean "
                 "count restarts at 0" if skipped[i - 1] else
                 "the scale grew (or stayed) at the wrong step: count only the clean steps since "

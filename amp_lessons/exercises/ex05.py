@@ -2,7 +2,7 @@
 checkpointing (checked against the plain forward: same gradients, fewer saved tensors), and a
 resume that keeps the scaler's state (checked against an uninterrupted ``Trainer`` run)."""
 import io
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +11,8 @@ from torch import nn
 from ..precision import as_device, check_precision
 from ..tables import plural
 from ..trainer import ScalerSettings, TrainConfig, Trainer
-from .check import (Check, HintText, hint_book, is_blank, passed, read_hint, skipped, unanswered,
-                    wrong)
+from .check import (Check, HintText, hint_book, is_blank, matching_mistake, passed, read_hint,
+                    skipped, unanswered, wrong)
 
 ACCUMULATE = "Exercise 2 (implement): gradient accumulation"
 CHECKPOINT = "Exercise 1 (implement): activation checkpointing"
@@ -97,9 +97,36 @@ def _grads(model):
     return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
 
 
+def _accumulated(fn: Callable, x, y, micro_batches: int, device) -> list:
+    """The gradients ``fn`` leaves in a fresh copy of the exercise's model."""
+    model = _mlp().to(device)
+    fn(model, x, y, micro_batches)
+    return _grads(model)
+
+
+def _same_grads(mine: list, theirs: list) -> bool:
+    return len(mine) == len(theirs) and all(
+        a is not None and b is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(mine, theirs))
+
+
+def _uniform_factor(mine: list, want: list) -> Optional[float]:
+    """``c`` when every gradient in ``mine`` is ``c`` times its counterpart in ``want`` (a right
+    direction at a wrong size), else None."""
+    num = sum(float((a.double() * b.double()).sum()) for a, b in zip(mine, want))
+    den = sum(float(b.double().square().sum()) for b in want)
+    c = num / den if den else 0.0
+    if c <= 0 or not all(torch.allclose(a, c * b, rtol=1e-3, atol=1e-6)
+                         for a, b in zip(mine, want)):
+        return None
+    return c
+
+
 def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Check:
     """Grade ``fn(model, x, y, micro_batches)``: the gradients it leaves must equal one backward
-    over the whole batch (a model without BatchNorm: to float rounding)."""
+    over the whole batch (a model without BatchNorm: to float rounding). A wrong answer is named
+    from all its gradients: a typical mistake (``WRONG_ACCUMULATE``) that leaves the same ones,
+    else the right direction at a wrong size, else only that they differ."""
     hint = HINTS["accumulate"]
     device = as_device(device)
     x, y = (t.to(device) for t in _data())
@@ -115,18 +142,34 @@ def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Che
         return unanswered(ACCUMULATE, hint)
     if any(g is None for g in mine):
         return wrong(ACCUMULATE, "some parameters got no gradient", hint)
-    ratio = float(mine[0].norm() / want[0].norm())
-    if all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(mine, want)):
+    if _same_grads(mine, want):
         return passed(ACCUMULATE, f"{plural(micro_batches, 'micro-batch', 'micro-batches')} give the gradients of one "
                       f"batch of {len(x)}")
-    if abs(ratio - micro_batches) < 0.05 * micro_batches:
+    ratio = float(mine[0].norm() / want[0].norm())
+    known = matching_mistake(
+        {name: lambda _, bad=bad: _accumulated(bad, x, y, micro_batches, device)
+         for name, bad in WRONG_ACCUMULATE.items()}, [(None, mine)], _same_grads)
+    factor = _uniform_factor(mine, want) if known is None else None
+    if known == "loss not divided" or (
+            factor is not None and abs(factor - micro_batches) < 0.05 * micro_batches):
         return wrong(ACCUMULATE, f"the gradients are {ratio:.2f}x those of one large batch",
                      hint.after("each micro-batch's loss is a mean over its own samples: divide "
                                 "it by micro_batches, or the sum is micro_batches times too large"))
+    if known == "gradients zeroed per micro-batch":
+        return wrong(ACCUMULATE, f"the gradients differ from one large batch's (norm ratio "
+                     f"{ratio:.2f})", hint.after(
+                         "only the last micro-batch counts if the gradients are zeroed in "
+                         "between: backward adds into .grad, zero once per optimizer step, not "
+                         "per micro-batch"))
+    if factor is not None:
+        return wrong(ACCUMULATE, f"the gradients point the right way but are {factor:.2f}x those "
+                     f"of one large batch", hint.after(
+                         "the micro-batch losses you back-propagate must add up to the whole "
+                         "batch's mean loss: count the slices your split makes (x.chunk(n) "
+                         "makes n slices, x.split(n) slices of n samples) and what you divide "
+                         "each loss by"))
     return wrong(ACCUMULATE, f"the gradients differ from one large batch's (norm ratio "
-                 f"{ratio:.2f})", hint.after(
-                     "only the last micro-batch counts if the gradients are zeroed in between: "
-                     "backward adds into .grad, zero once per optimizer step, not per micro-batch"))
+                 f"{ratio:.2f}), in direction, not only in size", hint)
 
 
 def reference_checkpointed_forward(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -239,6 +282,51 @@ def _trainer(seed: int, device) -> Trainer:
     return Trainer(model, opt, config)
 
 
+def _same_tensors(a, b) -> bool:
+    """``a`` and ``b`` (state dicts, lists or values, nested) hold the same values, bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_tensors(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _not_resumed(saved: Trainer, resumed: Trainer) -> list:
+    """Which of the run's three stateful objects ("model", "optimizer", "scaler") the learner's
+    load did not bring back: all three compared at once, so that a resume missing two of them
+    is told so, not only the one whose symptom shows first."""
+    pairs = {"model": (saved.model.state_dict(), resumed.model.state_dict()),
+             "optimizer": (saved.optimizer.state_dict()["state"],
+                           resumed.optimizer.state_dict()["state"]),
+             "scaler": (saved.scaler.state_dict(), resumed.scaler.state_dict())}
+    return [name for name, (a, b) in pairs.items() if not _same_tensors(a, b)]
+
+
+_RESUME_MISSING = {
+    ("optimizer", "scaler"): "neither the scaler's state nor SGD's momentum buffers came back, "
+                             "only the weights: save and load optimizer.state_dict() and "
+                             "scaler.state_dict() as well as the model's",
+    ("model",): "the weights did not come back (the optimizer and the scaler did): save "
+                "model.state_dict() and load it with model.load_state_dict()",
+    ("optimizer",): "the weights or SGD's momentum buffers did not come back: save and load "
+                    "optimizer.state_dict() as well as the model's",
+    ("scaler",): "the scaler restarted from init_scale: save scaler.state_dict() and load it "
+                 "with scaler.load_state_dict()",
+}
+
+
+def _resume_mistake(missing: Sequence[str]) -> str:
+    """The hint for a resume that did not bring back the objects ``missing``."""
+    key = tuple(missing)
+    if key in _RESUME_MISSING:
+        return _RESUME_MISSING[key]
+    calls = " and ".join(f"{name}.state_dict()" for name in missing)
+    return f"these did not come back: {', '.join(missing)}; save and load {calls}"
+
+
 def check_resume(save: Callable, load: Callable, device=None) -> Check:
     """Grade ``save(model, optimizer, scaler) -> dict`` and ``load(state, model, optimizer,
     scaler)``: a run stopped at step 6 of 12, saved (through ``torch.save`` and
@@ -273,6 +361,7 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
         load(state, second.model, second.optimizer, second.scaler)
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(RESUME, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hint)
+    missing = _not_resumed(first, second)
     full = _trainer(0, device)
     want = [full.train_step([b]) for b in batches]
     got = [second.train_step([b]) for b in batches[RESUME_AT:]]
@@ -280,14 +369,12 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
         if float(a.scale) != float(b.scale):
             return wrong(RESUME, f"step {i}: the resumed run used a loss scale of "
                          f"{float(a.scale):g}, the uninterrupted run {float(b.scale):g}: the "
-                         f"scaler's state was not resumed", hint.after(
-                             "the scaler restarted from init_scale: save scaler.state_dict() and "
-                             "load it with scaler.load_state_dict()"))
+                         f"scaler's state was not resumed",
+                         hint.after(_resume_mistake(missing if "scaler" in missing
+                                                    else ["scaler"])))
         if float(a.loss) != float(b.loss):
             return wrong(RESUME, f"step {i}: loss {float(a.loss):.6f} after resuming, "
                          f"{float(b.loss):.6f} without the interruption, with the same loss "
-                         f"scale", hint.after(
-                             "the weights or SGD's momentum buffers did not come back: save and "
-                             "load optimizer.state_dict() as well as the model's"))
+                         f"scale", hint.after(_resume_mistake(missing or ["optimizer"])))
     return passed(RESUME, f"steps {RESUME_AT}-{RESUME_STEPS - 1} after resuming: same losses "
                   f"and loss scales as the uninterrupted run, bit for bit")

@@ -10,8 +10,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from .. import formats
 from ..tables import plural
-from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, skipped,
-                    unanswered, wrong)
+from .check import (Check, HintText, hint_book, is_blank, matching_mistake, number, passed,
+                    read_hint, skipped, unanswered, wrong)
 
 OVERFLOW = "Exercise 2 (read the report): the layer that overflows fp16"
 SCALE = "Exercise 1 (implement): the loss scale from the report's ranges"
@@ -157,20 +157,6 @@ class _LayersOnly:
         return f"<{self.model}: {plural(len(self.layers), 'layer')}>"
 
 
-def _known_mistake(answers) -> Optional[str]:
-    """The typical wrong answer (a ``WRONG_SCALE`` name) that gives the learner's answer on
-    every report, or None: on one report two mistakes can give the same k (an exponent from the
-    activations can be the gradients' plus one), across the reports only the learner's own
-    usually does."""
-    for name, mistake in WRONG_SCALE.items():
-        try:
-            if all(mistake(report) == k for report, k in answers):
-                return name
-        except (ValueError, ArithmeticError):  # a mistake that cannot be made on some report
-            continue
-    return None
-
-
 def _scale_mistake(report, k, known: Optional[str]) -> str:
     """What is wrong with exponent ``k`` for ``report``, for the hint after the check."""
     want, g = report.scale_exponent, _finite_max(report, "grad_absmax")
@@ -222,7 +208,8 @@ def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
         report, k = off[0]
         want = report.scale_exponent
         return wrong(SCALE, f"{report.model}: k = {k:g}; GradScaler settles at 2^{want}",
-                     hints.after(_scale_mistake(report, k, _known_mistake(answers))))
+                     hints.after(_scale_mistake(report, k,
+                                                  matching_mistake(WRONG_SCALE, answers))))
     return passed(SCALE, "; ".join(f"{r.model}: 2^{r.scale_exponent}" for r in reports)
                   + ", as the doctor found")
 

@@ -258,6 +258,23 @@ def test_ex02_dtypes():
                                              "loss": "fp32"}, "cpu"), "layer_norm", hints=hints)
 
 
+def test_ex02_dtypes_one_answer_for_the_whole_model_is_named_as_such(monkeypatch):
+    hints = ex02.HINTS["dtypes"]
+    # On a CPU (the quick profile) "everything fp32" misses fc1, norm and fc2.
+    assert_wrong(ex02.check_autocast_dtypes(ex02.WRONG_DTYPES["everything fp32"], "cpu"),
+                 "does change", "fc1 returns", hints=hints)
+    # On CUDA (the lead's GPU run) "everything 16-bit" misses norm and loss: the first of them
+    # alone gave norm's hint, which is the hint for answering CUDA with a CPU's dtypes.
+    cuda = {"fc1": torch.float16, "norm": torch.float32, "fc2": torch.float16,
+            "loss": torch.float32}
+    monkeypatch.setattr(ex02, "autocast_dtypes", lambda device=None: cuda)
+    check = ex02.check_autocast_dtypes(ex02.WRONG_DTYPES["everything 16-bit"], "cpu")
+    assert_wrong(check, "norm returns", "loss returns", "per operation", hints=hints)
+    assert "CPU autocast keeps" not in check.hint
+    cpu_answer = {"fc1": "16-bit", "norm": "16-bit", "fc2": "16-bit", "loss": "fp32"}
+    assert_wrong(ex02.check_autocast_dtypes(cpu_answer, "cpu"), "layer_norm", hints=hints)
+
+
 def _one_bug(bug):
     """The reference loop with one of the three bugs put back."""
     import torch.nn.functional as F
@@ -591,6 +608,36 @@ def test_ex07_scales_match_the_lessons_amax_scale():
                  "the last dimension", hints=row)
     assert_wrong(ex07.check_per_row_scale(ex07.WRONG_ROW["per tensor"]), "whole tensor",
                  "each row's own values", hints=row)
+
+
+def test_ex07_a_wrong_scale_is_named_only_by_its_own_mistake():
+    # Before, any scale that was neither the inverse nor e5m2's was told to use x.abs().
+    tensor, row = ex07.HINTS["tensor"], ex07.HINTS["row"]
+    fnuz = ex07.check_per_tensor_scale(lambda x: 240.0 / x.abs().max())  # e4m3fnuz's max
+    assert_wrong(fnuz, "0.5357x", "not e4m3's 448", hints=tensor)
+    assert "x.abs()" not in fnuz.hint
+    mean = ex07.check_per_tensor_scale(lambda x: 448.0 / x.abs().mean())  # a second input tells
+    assert mean.status == "wrong" and mean.hints == tensor.levels, mean  # it from a wrong max
+    rows_mean = ex07.check_per_row_scale(lambda x: 448.0 / x.abs().mean(dim=-1, keepdim=True))
+    assert rows_mean.status == "wrong" and rows_mean.hints == row.levels, rows_mean
+    assert_wrong(ex07.check_per_row_scale(lambda x: 448.0 / x.amax(dim=-1, keepdim=True)),
+                 "x.abs()", hints=row)
+
+
+def test_ex07_module_filter_names_every_layer_it_gets_wrong():
+    # Lesson 07's own model (shapes only): converting every Linear gets the first and the last
+    # layer wrong, for two reasons; the first layer's alone was the hint of a filter that only
+    # forgot the first layer.
+    with torch.device("meta"):
+        big = l07_fp8.example_transformer(d_model=2048, n_layers=2)
+    plan = l07_fp8.conversion_plan(big, 2048)  # MIN_FEATURES where no speed-up was measured
+    hints = ex07.HINTS["filter"]
+    every = ex07.check_module_filter(ex07.wrong_filter_all_linear, big, plan)
+    assert_wrong(every, "2 of 9", "head", "first layer", "last layer", hints=hints)
+    names = [r["layer"] for r in plan]
+    first_only = ex07.check_module_filter(lambda m, fqn: fqn != names[-1], big, plan)
+    assert_wrong(first_only, names[0], "first layer", hints=hints)
+    assert "last layer" not in first_only.hint
 
 
 def test_ex07_module_filter():

@@ -99,29 +99,47 @@ def autocast_dtypes(device=None) -> Dict[str, torch.dtype]:
     return seen
 
 
+WRONG_DTYPES = {"everything 16-bit": dict.fromkeys(LAYERS, "16-bit"),
+                "everything fp32": dict.fromkeys(LAYERS, "fp32")}
+_LAYER_WHY = {"fc1": "a Linear is a matmul: autocast's first list, the 16-bit one",
+              "fc2": "a Linear is a matmul: autocast's first list, the 16-bit one",
+              "loss": "cross_entropy is on autocast's fp32 list: log and sum need range",
+              "norm": "the op lists differ by device: on CUDA layer_norm is on the fp32 list; CPU "
+                      "autocast keeps it in its 16-bit type"}
+_UNIFORM_WHY = {
+    "16-bit": "autocast does not turn the whole model to 16 bits: it decides per operation, and "
+              "the ops on its fp32 list (a loss's log and sum, and on some devices a "
+              "normalization) keep float32 inside the context",
+    "fp32": "autocast does change what the layers return: inside the context each op on its "
+            "16-bit list (matrix multiplies, so every Linear) runs and returns 16 bits, though "
+            "the weights stay float32",
+}
+
+
 def check_autocast_dtypes(answer: Dict[str, object], device=None) -> Check:
     """Grade ``answer`` ({"fc1", "norm", "fc2", "loss"} -> "16-bit" | "fp32" or a dtype) against
-    ``autocast_dtypes(device)``."""
+    ``autocast_dtypes(device)``. Every layer is graded before a hint is chosen: one answer for
+    the whole model (``WRONG_DTYPES``) that misses two layers or more is told that autocast
+    decides per operation, not given the first wrong layer's fact."""
     hint = HINTS["dtypes"]
     if is_blank(answer):
         return unanswered(DTYPES, hint)
     if not isinstance(answer, dict) or set(answer) != set(LAYERS):
         return wrong(DTYPES, f"answer must be a dict with the keys {', '.join(LAYERS)}", hint)
     real = autocast_dtypes(device)
+    said = {name: _kind(answer[name]) for name in LAYERS}
     for name in LAYERS:
-        said, got = _kind(answer[name]), _kind(real[name])
-        if said is None:
+        if said[name] is None:
             return wrong(DTYPES, f"{name}: write '16-bit' or 'fp32' (or a torch dtype); got "
                          f"{answer[name]!r}", hint)
-        if said != got:
-            why = {"fc1": "a Linear is a matmul: autocast's first list, the 16-bit one",
-                   "fc2": "a Linear is a matmul: autocast's first list, the 16-bit one",
-                   "loss": "cross_entropy is on autocast's fp32 list: log and sum need range",
-                   "norm": "the op lists differ by device: on CUDA layer_norm is on the fp32 "
-                           "list; CPU autocast keeps it in its 16-bit type"}[name]
-            return wrong(DTYPES, f"{name} returns {real[name]} here, not {said}",
-                         hint.after(why))
-    return passed(DTYPES, ", ".join(f"{n}: {real[n]}" for n in LAYERS))
+    off = [name for name in LAYERS if said[name] != _kind(real[name])]
+    if not off:
+        return passed(DTYPES, ", ".join(f"{n}: {real[n]}" for n in LAYERS))
+    message = "; ".join(f"{n} returns {real[n]} here, not {said[n]}" for n in off)
+    kinds = set(said.values())
+    if len(off) >= 2 and len(kinds) == 1:
+        return wrong(DTYPES, message, hint.after(_UNIFORM_WHY[kinds.pop()]))
+    return wrong(DTYPES, message, hint.after(_LAYER_WHY[off[0]]))
 
 
 def buggy_loop(model, optimizer, scheduler, batches, device_type, init_scale):

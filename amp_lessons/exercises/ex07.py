@@ -89,17 +89,47 @@ WRONG_ROW = {"per column": lambda x: 448.0 / x.abs().amax(dim=0, keepdim=True),
              "per tensor": lambda x: 448.0 / x.abs().max()}
 
 
-def _scale_hint(x, got, want, what, hints):
-    g = torch.as_tensor(got, dtype=torch.float64)
-    w = torch.as_tensor(want, dtype=torch.float64)
+def _scale_hint(pairs, what, hints, no_abs=None):
+    """The hint for wrong scales: ``pairs`` holds (the learner's, the right) scales for each
+    input tensor the scale was computed on, the graded one first. Each typical mistake is tested
+    for itself on the graded tensor (``no_abs`` is the scale from amax without ``abs``); scales
+    off by one factor on every value of every input (so amax is found) are told to check the
+    format's maximum; anything else gets the exercise's own hints."""
+    g, w = (torch.as_tensor(t, dtype=torch.float64) for t in pairs[0])
     if torch.allclose(g, 1 / w, rtol=1e-4):
         return hints.after("that is the inverse: the scale multiplies x up to e4m3's max, so "
                            "max / amax")
     if torch.allclose(g, w * 57344.0 / e4m3_max(), rtol=1e-4):
         return hints.after("57344 is e5m2's max (gradients); forward tensors use e4m3, whose "
                            "max is 448")
-    return hints.after(f"amax is the largest |x| ({what}): use x.abs(), not x, so negative "
-                       f"outliers count")
+    if no_abs is not None and torch.allclose(g, torch.as_tensor(no_abs, dtype=torch.float64),
+                                             rtol=1e-4):
+        return hints.after(f"amax is the largest |x| ({what}): use x.abs(), not x, so negative "
+                           f"outliers count")
+    ratios = torch.cat([(torch.as_tensor(a, dtype=torch.float64)
+                         / torch.as_tensor(b, dtype=torch.float64)).flatten() for a, b in pairs])
+    if len(ratios) > 1 and bool(torch.isfinite(ratios).all()) and torch.allclose(
+            ratios, ratios[:1].expand_as(ratios), rtol=1e-4):
+        return hints.after(f"your scales are {float(ratios[0]):.4g}x the right ones everywhere, "
+                           f"so amax is found: the maximum it divides is not e4m3's "
+                           f"{e4m3_max():g} (torch.float8_e4m3fn's)")
+    return hints
+
+
+def _other_tensor() -> torch.Tensor:
+    """A second input for a per-tensor scale, without the outlier: one number cannot tell a
+    wrong maximum from a wrong amax, two tensors can."""
+    x = test_tensor(seed=1)
+    x[3, 5] = 0.5
+    return x
+
+
+def _scale_on(fn, x):
+    """``fn``'s per-tensor scale of ``x`` as a 0-dim float64 tensor, or None."""
+    try:
+        return torch.as_tensor(fn(x.clone()), dtype=torch.float64).reshape(())
+    except Exception:  # noqa: BLE001 - the learner's code on a second input: no more to learn
+        return None
 
 
 def check_per_tensor_scale(fn: Callable) -> Check:
@@ -118,8 +148,13 @@ def check_per_tensor_scale(fn: Callable) -> Check:
     except (RuntimeError, TypeError, ValueError):
         return wrong(TENSOR, f"expected one scale for the whole tensor; got {got!r}", hint)
     if not torch.allclose(g, want.double(), rtol=1e-4):
+        pairs = [(g, want)]
+        other = _other_tensor()
+        g2 = _scale_on(fn, other)
+        if g2 is not None:
+            pairs.append((g2, reference_per_tensor(other)))
         return wrong(TENSOR, f"scale {float(g):.4g}; max/amax is {float(want):.4g}",
-                     _scale_hint(x, g, want, "over the whole tensor", hint))
+                     _scale_hint(pairs, "over the whole tensor", hint, e4m3_max() / x.max()))
     return passed(TENSOR, f"scale {float(want):.4g}; median relative error after an e4m3 round "
                   f"trip {_round_trip_error(x, want):.2%}")
 
@@ -151,7 +186,8 @@ def check_per_row_scale(fn: Callable) -> Check:
         return wrong(ROW, f"expected shape {tuple(want.shape)}; got {what}", why)
     if not torch.allclose(g, want.double(), rtol=1e-4):
         return wrong(ROW, "the scales differ from max / amax of each row",
-                     _scale_hint(x, g, want, "of each row", hint))
+                     _scale_hint([(g, want)], "of each row", hint,
+                                 e4m3_max() / x.amax(dim=-1, keepdim=True)))
     tensor_err = _round_trip_error(x, reference_per_tensor(x))
     return passed(ROW, f"median relative error after an e4m3 round trip {_round_trip_error(x, want):.2%} "
                   f"(one scale for the tensor: {tensor_err:.2%})")
@@ -175,12 +211,25 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
         return wrong(FILTER, f"{type(exc).__name__}: {exc}", hint)
     if all(v is None or v is Ellipsis for v in answers.values()):
         return unanswered(FILTER, hint)
-    for name, said in answers.items():
-        want = rows[name]["precision"] == "float8"
-        if bool(said) != want:
-            verb = "converts" if said else "keeps"
-            return wrong(FILTER, f"your filter {verb} {name} ({rows[name]['in']} -> "
-                         f"{rows[name]['out']}); the plan says {rows[name]['precision']}",
-                         hint.after(rows[name]["reason"]))
+    off = [(name, bool(said)) for name, said in answers.items()
+           if bool(said) != (rows[name]["precision"] == "float8")]
+    if len(off) == 1:
+        (name, said), = off
+        verb = "converts" if said else "keeps"
+        return wrong(FILTER, f"your filter {verb} {name} ({rows[name]['in']} -> "
+                     f"{rows[name]['out']}); the plan says {rows[name]['precision']}",
+                     hint.after(rows[name]["reason"]))
+    if off:  # every layer it gets wrong, with each one's reason: not the first layer's alone
+        parts = [f"{verb} {', '.join(n for n, s in off if s == converts)}"
+                 for verb, converts in (("converts", True), ("keeps", False))
+                 if any(s == converts for _, s in off)]
+        reasons = []
+        for name, _ in off:
+            reason = rows[name]["reason"]
+            if reason not in [r for _, r in reasons]:
+                reasons.append((name, reason))
+        return wrong(FILTER, f"your filter disagrees with the plan on {len(off)} of "
+                     f"{len(answers)} Linear layers: it {' and '.join(parts)}",
+                     hint.after("; ".join(f"{name}: {reason}" for name, reason in reasons)))
     n = sum(r["precision"] == "float8" for r in plan)
     return passed(FILTER, f"{n} of {len(plan)} Linear layers to FP8, as the plan says")

@@ -218,6 +218,10 @@ def test_ex01_predictions():
     assert_wrong(ex01.check_fp16_predictions(1.0001, t["hundredths"]), "rounds back to 1.0",
                  hints=hints)
     assert_wrong(ex01.check_fp16_predictions(1.0, 10.0), "exact sum", hints=hints)
+    # exact arithmetic for both: one mistake, named as such, not the first answer's fact alone
+    exact = ex01.check_fp16_predictions(1 + 1e-4, 10.0)
+    assert_wrong(exact, "both answers are the exact", "2**-7", hints=hints)
+    assert "rounds back to 1.0" not in exact.hint
 
 
 def test_ex01_scale_exponent():
@@ -430,6 +434,28 @@ def test_ex04_state_bytes_and_activation_ratio():
     assert_wrong(ex04.check_activation_ratio(0.25, amp, fp32), "halves", hints=ratio)
 
 
+def test_ex04_activation_ratio_on_lesson_04s_quick_rows():
+    # Lesson 04's quick profile (ResNet-18, 32x32, batch 4, on a CPU, AMP in bf16), its two plain
+    # rows measured as the notebook measures them: bf16 saves many times fp32's activation bytes
+    # (autocast's 16-bit weight copies dominate at this size), not the GPU's ~0.5 of the fixture
+    # above, so every answer, the textbook 0.5 included, gets the hint about what it counts.
+    from amp_lessons.lessons import l04_resnet50
+    configs = [c for c in l04_resnet50.lesson_configs("resnet18", 4, 32, amp="bf16",
+                                                      compile_precision=None)
+               if c.precision in ("fp32", "bf16") and not c.channels_last and c.compile is None
+               and not c.cuda_graph and c.model == "resnet18"
+               and c.optimizer == l04_resnet50.STANDARD["optimizer"]
+               and c.impl == l04_resnet50.STANDARD["impl"]]
+    quick = al.measure.standard_settings(quick=True)
+    rows = al.measure.run_configs(configs, "cpu", warmup=quick["warmup"], steps=quick["steps"])
+    amp, fp32 = (l04_resnet50.plain_row(rows, p, "resnet18") for p in ("bf16", "fp32"))
+    measured = amp["activations_gib"] / fp32["activations_gib"]
+    assert measured > 1 and ex04.check_activation_ratio(measured, amp, fp32)
+    for guess in (0.5, 1.0, 0.25):
+        assert_wrong(ex04.check_activation_ratio(guess, amp, fp32), "tiny sizes",
+                     hints=ex04.HINTS["ratio"])
+
+
 def test_ex04_channels_last():
     assert ex04.check_channels_last(ex04.reference_channels_last)
     hints = ex04.HINTS["layout"]
@@ -589,6 +615,42 @@ def test_ex06_efficiency():
     assert_unanswered(ex06.check_efficiency(lambda a, b, n: None, summary), hints)
     assert_wrong(ex06.check_efficiency(lambda a, b, n: b / a, summary), "speed-up", hints=hints)
     assert ex06.check_efficiency(ex06.reference_efficiency, summary[:1]).status == "skipped"
+
+
+def test_ex06_state_in_the_wrong_unit_is_not_blamed_on_ddp():
+    # Answers in bytes (or GiB) with every split right: the first key alone gave DDP's hint,
+    # "DDP replicates everything", the hint for a DDP answer that splits something.
+    n, world = 1_000_000, 2
+    measured = ex06.reference_state_per_rank(n, world)
+    hints = ex06.HINTS["state"]
+    in_bytes = {k: v * ex06.MIB for k, v in measured.items()}
+    check = ex06.check_state_per_rank(in_bytes, measured, world)
+    assert_wrong(check, "those are bytes", "2**20", hints=hints)
+    assert "replicates" not in check.hint
+    in_gib = {k: v / 1024 for k, v in measured.items()}
+    assert_wrong(ex06.check_state_per_rank(in_gib, measured, world), "those are GiB", hints=hints)
+    twelve = {k: v * 12 / 16 for k, v in measured.items()}  # 12 bytes per parameter everywhere
+    assert_wrong(ex06.check_state_per_rank(twelve, measured, world), "bytes per parameter",
+                 hints=hints)
+    fsdp_for_zero = {**measured, "zero": measured["fsdp2"]}  # one key off: its own fact
+    assert_wrong(ex06.check_state_per_rank(fsdp_for_zero, measured, world),
+                 "only the optimizer state", hints=hints)
+
+
+def test_ex06_efficiency_names_a_mistake_from_every_row():
+    # At 2 processes, speed-up / (n - 1) equals the speed-up: the first row alone told a learner
+    # who divides to divide. A sweep with 2 and 4 processes (the full profile) tells them apart.
+    summary = [{"label": "ddp bf16", "world_size": 1, "per_s": 100.0, "efficiency": 1.0},
+               {"label": "ddp bf16", "world_size": 2, "per_s": 190.0, "efficiency": 0.95},
+               {"label": "ddp bf16", "world_size": 4, "per_s": 360.0, "efficiency": 0.9}]
+    hints = ex06.HINTS["efficiency"]
+    off_by_one = ex06.check_efficiency(lambda a, b, n: b / a / (n - 1), summary)
+    assert off_by_one.status == "wrong" and off_by_one.hints == hints.levels, off_by_one
+    assert_wrong(ex06.check_efficiency(ex06.WRONG_EFFICIENCY["the speed-up"], summary),
+                 "speed-up", hints=hints)
+    assert_wrong(ex06.check_efficiency(ex06.WRONG_EFFICIENCY["the inverse"], summary),
+                 "inverse", hints=hints)
+    assert ex06.check_efficiency(ex06.reference_efficiency, summary)
 
 
 # --- lesson 07 --------------------------------------------------------------------------------
@@ -826,6 +888,13 @@ def test_ex09_a_mistake_is_named_from_every_report_not_the_first_alone():
     odd = ex09.check_scale_exponent(lambda r: {"a": 12, "b": 3}[r.model], [a, b])
     assert_wrong(odd, "round the exponent down", hints=ex09.HINTS["scale"])
     assert ex09.check_scale_exponent(ex09.reference_scale_exponent, [a, b])
+    # the smallest gradient's exponent, on a report whose gradients are all close together, is
+    # also the largest one's rounded up (12): report d tells them apart
+    c, d = _fake_report("c", 11.5, 5.0), _fake_report("d", 20.5, 5.0)
+    c.layers[0]["grad_min"], d.layers[0]["grad_min"] = 65504.0 / 2 ** 12.2, 65504.0 / 2 ** 25
+    smallest = ex09.check_scale_exponent(ex09.WRONG_SCALE["from the smallest gradient"], [c, d])
+    assert_wrong(smallest, "not the smallest", hints=ex09.HINTS["scale"])
+    assert "round the exponent down" not in str(smallest)
 
 
 def test_ex09_scale_exponent_that_is_not_finite_is_wrong_not_a_crash(doctor_reports):

@@ -74,6 +74,15 @@ def check_fp16_predictions(one_plus, hundredths) -> Check:
         return wrong(PREDICT, f"both answers must be numbers; got {one_plus!r} and {hundredths!r}",
                      hint)
     truth = fp16_truths()
+    if a != truth["one_plus"] and abs(b - truth["hundredths"]) > 0.03 and a == 1 + 1e-4 \
+            and b == 10.0:  # both graded before a hint is chosen: one mistake gives both
+        return wrong(PREDICT, f"fp16 gives 1 + 1e-4 = {truth['one_plus']!r} and a sum of "
+                     f"{truth['hundredths']:.6g}: {a!r} and {b!r} are what exact arithmetic "
+                     f"gives", hint.after(
+                         "both answers are the exact decimal results: fp16 rounds every addition "
+                         "to the nearest value it holds, and that gap grows with the number (next "
+                         "to 1 it is 2**-10, above 8 it is 2**-7): work out each sum with the gap "
+                         "where it happens"))
     if a != truth["one_plus"]:
         return wrong(PREDICT, f"fp16 gives 1 + 1e-4 = {truth['one_plus']!r}, not {a!r}",
                      hint.after("1e-4 is less than half the gap 2**-10 between 1.0 and the next "

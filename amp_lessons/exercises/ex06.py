@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..tables import plural
-from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, skipped,
-                    unanswered, within, wrong)
+from .check import (Check, HintText, hint_book, is_blank, matching_mistake, number, passed,
+                    read_hint, skipped, unanswered, within, wrong)
 
 SCRIPT = "Exercise 1 (implement): DDP and fully_shard, run with torchrun"
 STATE = "Exercise 3 (predict, then look): model state per rank"
@@ -277,6 +277,26 @@ def reference_state_per_rank(n_params: int, world_size: int) -> dict:
     return {"ddp": 16 * n, "zero": 8 * n + 8 * n / world_size, "fsdp2": 16 * n / world_size}
 
 
+def _common_factor(ratios: Mapping[str, float]) -> Optional[float]:
+    """The one factor every answer is off by (within 10% of each other), or None."""
+    values = list(ratios.values())
+    if len(values) < 2 or min(values) <= 0:
+        return None
+    first = values[0]
+    return first if all(within(v, first, 0.10) for v in values) else None
+
+
+def _unit_mistake(factor: float) -> str:
+    """The hint for answers whose splits across ranks are right but all off by ``factor``."""
+    if within(factor, MIB, 0.10):
+        return "those are bytes: the question asks for MiB, bytes / 2**20"
+    if within(factor, 1 / 1024, 0.10):
+        return "those are GiB: the question asks for MiB, 1,024 of them to a GiB"
+    return (f"all three are {factor:.3g}x the measured value, so each strategy's split is "
+            f"right: the bytes per parameter are not (in fp32: a weight, a gradient and "
+            f"AdamW's two moments)")
+
+
 def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, float],
                          world_size: int) -> Check:
     """Grade ``answer`` ({"ddp", "zero", "fsdp2"} -> MiB of parameters + gradients + optimizer
@@ -292,15 +312,22 @@ def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, flo
         return wrong(STATE, f"answer must be a dict with the keys {', '.join(why)}", hint)
     if all(measured.get(k) is None for k in why):
         return skipped(STATE, "none of the three strategies ran here")
+    said = {}
     for key in why:
-        got = number(answer[key])
-        if got is None:
+        said[key] = number(answer[key])
+        if said[key] is None:
             return wrong(STATE, f"{key}: expected MiB as a number; got {answer[key]!r}", hint)
-        if measured.get(key) is None:
-            continue
-        if not within(got, measured[key], 0.10):
-            return wrong(STATE, f"{key} at {world_size} process(es): you said {_mib(got)} MiB, "
-                         f"measured {_mib(measured[key])}", hint.after(why[key]))
+    graded = [k for k in why if measured.get(k) is not None]
+    off = [k for k in graded if not within(said[k], measured[k], 0.10)]
+    if off:
+        key = off[0]
+        message = (f"{key} at {world_size} process(es): you said {_mib(said[key])} MiB, "
+                   f"measured {_mib(measured[key])}")
+        factor = _common_factor({k: said[k] / measured[k] for k in graded if measured[k]})
+        if len(off) > 1 and factor is not None:  # every strategy off alike: not a split
+            return wrong(STATE, message + f" (every strategy {factor:.4g}x off)",
+                         hint.after(_unit_mistake(factor)))
+        return wrong(STATE, message, hint.after(why[key]))
     return passed(STATE, ", ".join(f"{k} {_mib(measured[k])} MiB" for k in why
                                    if measured.get(k) is not None) + " per rank")
 
@@ -308,6 +335,15 @@ def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, flo
 def reference_efficiency(per_s_1: float, per_s_n: float, n: int) -> float:
     """The reference solution: N processes' throughput over N times one process's."""
     return per_s_n / (n * per_s_1)
+
+
+WRONG_EFFICIENCY = {"the speed-up": lambda per_s_1, per_s_n, n: per_s_n / per_s_1,
+                    "the inverse": lambda per_s_1, per_s_n, n: n * per_s_1 / per_s_n}
+EFFICIENCY_MISTAKES = {
+    "the speed-up": "that is the speed-up; divide it by the number of processes",
+    "the inverse": "that is the inverse: what the n processes measured goes on top, the ideal "
+                   "(n times one process) below",
+}
 
 
 def check_efficiency(fn: Callable, summary: Sequence[Mapping]) -> Check:
@@ -319,18 +355,26 @@ def check_efficiency(fn: Callable, summary: Sequence[Mapping]) -> Check:
             and r["label"] in single]
     if not rows:
         return skipped(EFFICIENCY, "no configuration ran on one and on more processes here")
+    answers = []
     for r in rows:
+        inputs = (single[r["label"]], r["per_s"], r["world_size"])
         try:
-            got = fn(single[r["label"]], r["per_s"], r["world_size"])
+            got = fn(*inputs)
         except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
             return wrong(EFFICIENCY, f"{type(exc).__name__}: {exc}", hint)
         if is_blank(got):
             return unanswered(EFFICIENCY, hint)
-        v = number(got)
-        if v is None or not math.isclose(v, r["efficiency"], rel_tol=1e-9):
-            speedup = r["per_s"] / single[r["label"]]
-            why = (hint.after("that is the speed-up; divide it by the number of processes")
-                   if v is not None and math.isclose(v, speedup, rel_tol=1e-9) else hint)
-            return wrong(EFFICIENCY, f"{r['label']} on {plural(r['world_size'], 'process', 'processes')}: you give "
-                         f"{got!r}, the sweep {r['efficiency']:.4f}", why)
+        answers.append((r, inputs, got, number(got)))
+    off = [a for a in answers
+           if a[3] is None or not math.isclose(a[3], a[0]["efficiency"], rel_tol=1e-9)]
+    if off:
+        r, _, got, _ = off[0]
+        known = matching_mistake(  # on every row: at 2 processes speed-up / (n - 1) is the
+            {name: lambda inputs, bad=bad: bad(*inputs)  # speed-up itself
+             for name, bad in WRONG_EFFICIENCY.items()},
+            [(inputs, v) for _, inputs, _, v in answers],
+            lambda a, b: b is not None and math.isclose(a, b, rel_tol=1e-9))
+        why = hint.after(EFFICIENCY_MISTAKES[known]) if known else hint
+        return wrong(EFFICIENCY, f"{r['label']} on {plural(r['world_size'], 'process', 'processes')}: you give "
+                     f"{got!r}, the sweep {r['efficiency']:.4f}", why)
     return passed(EFFICIENCY, f"matches the sweep on {plural(len(rows), 'row')}")

@@ -369,8 +369,9 @@ def check_state_gib(answers: Mapping, memory: Sequence[Mapping],
             mistake = "Kahan keeps one more bf16 buffer per weight: its compensation"
         elif within(implied, _bytes_per_parameter(row, "weights MiB", "optimizer state MiB"),
                     0.03):
-            mistake = ("every weight has a gradient of the same dtype during the step: count "
-                       "the gradients too")
+            mistake = ("one tensor the size of the weights is missing: every weight has a "
+                       "gradient of the same dtype during the step (count the gradients too), "
+                       "and AdamW keeps two moments per weight, not one")
         elif within(implied, _bytes_per_parameter(row, "weights MiB"), 0.03):
             mistake = ("the weights are not all: training also keeps a gradient and the "
                        "optimizer's state for each parameter")

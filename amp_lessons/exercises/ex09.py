@@ -171,6 +171,9 @@ def _scale_mistake(report, k, known: Optional[str]) -> str:
                                            and not overflow):
         return ("the loss scale multiplies the gradients, not the activations: use the "
                 "gradients' largest value")
+    if known == "from the smallest gradient":
+        return ("at that scale the largest gradient overflows fp16 and GradScaler halves it: the "
+                "largest gradient decides the ceiling, not the smallest")
     if known == "rounded up" or overflow:
         return (f"at 2^{k:g} the largest gradient becomes {g * 2.0 ** k:,.0f}, past "
                 f"{fp16_max():,.0f}: round the exponent down, to the largest k that fits")

@@ -327,6 +327,35 @@ def test_ex02_fixed_loop_matches_the_trainer_bitwise():
         assert not [w for w in others[bug] if w in check.hint], (bug, check.hint)
 
 
+def test_ex02_the_clipping_bug_is_named_when_it_moves_a_skip(monkeypatch):
+    # Clipping the scaled gradients moves the weights less, and the scaler's overflows move with
+    # them: on the CPU the trainer's run skips step 7, the clip-first loop does not (it skips a
+    # later one). Cut at 8 steps, the clip-first loop steps the scheduler once more and its rate
+    # ends lower: the rate alone named the scheduler bug, which that loop does not have.
+    monkeypatch.setattr(ex02, "LOOP_STEPS", 8)
+    ex02.trainer_result.cache_clear()
+    try:
+        clip_lr = _final_lr(ex02._clip_before_unscale)
+        assert clip_lr < ex02.trainer_result("cpu")[1]  # the case: a rate that differs
+        hints = ex02.HINTS["loop"]
+        clip = ex02.check_fixed_loop(_one_bug("clip"), "cpu")
+        assert_wrong(clip, "clipping bug is the one left", "clip after scaler.unscale_",
+                     hints=hints)
+        assert "scheduler bug" not in repr(clip)
+        with pytest.warns(UserWarning, match="lr_scheduler.step"):
+            scheduler = ex02.check_fixed_loop(_one_bug("scheduler"), "cpu")
+        assert_wrong(scheduler, "scheduler bug", "get_scale()", hints=hints)
+        assert ex02.check_fixed_loop(ex02.reference_loop, "cpu")
+    finally:
+        ex02.trainer_result.cache_clear()
+
+
+def _final_lr(loop):
+    model, optimizer, scheduler, batches = ex02._loop_setup(torch.device("cpu"))
+    loop(model, optimizer, scheduler, batches, "cpu", ex02.LOOP_INIT_SCALE)
+    return scheduler.get_last_lr()[0]
+
+
 def test_ex02_autograd_function():
     assert ex02.check_autograd_function(ex02.reference_function("cpu"), "cpu")
     hints = ex02.HINTS["function"]

@@ -254,6 +254,28 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
                      "the loop", half)
     ref, ref_lr = trainer_result(device)
     lr = scheduler.get_last_lr()[0]
+    mine = model.state_dict()
+    if lr == ref_lr and _same_weights(mine, ref, device):
+        how = "bit for bit" if device.type == "cpu" else "to rounding"
+        return passed(LOOP, f"after {LOOP_STEPS} steps your weights equal the trainer's {how} "
+                      f"(final learning rate {lr:.4g})")
+    fixed = (f"the weights stay float32 and the learning rate matches (the .half() and "
+             f"scheduler bugs are fixed), but the weights after {LOOP_STEPS} steps differ "
+             f"from the trainer's")
+    clip_first = _loop_setup(device)
+    _clip_before_unscale(*clip_first, device.type, LOOP_INIT_SCALE)
+    clip_lr = clip_first[2].get_last_lr()[0]
+    # The whole result decides, weights and rate together: clipping the scaled gradients moves
+    # the weights less, which can move a later overflow, and so the number of skipped steps and
+    # the final rate; the rate alone then reads like the scheduler bug.
+    if lr == clip_lr and _same_weights(mine, clip_first[0].state_dict(), device):
+        said = (f"{fixed}: they equal a loop that clips before unscale_" if lr == ref_lr else
+                f"the weights stay float32 (the .half() bug is fixed), and the weights and the "
+                f"learning rate ({lr:.4g}, the trainer's {ref_lr:.4g}) after {LOOP_STEPS} steps "
+                f"equal a loop that clips before unscale_ (its scaler skipped other steps)")
+        return wrong(LOOP, f"{said}, so the clipping bug is the one left", hint.after(
+            "clip after scaler.unscale_(optimizer): before it, the gradients are multiplied by "
+            "the scale and clip_grad_norm_ shrinks them far too much"))
     if lr < ref_lr:  # StepLR only lowers the rate: a lower one means extra scheduler steps
         return wrong(LOOP, f"the scheduler bug is still there: it stepped on the steps the scaler "
                      f"skipped, so the learning rate ends at {lr:.4g}, the trainer's at "
@@ -266,26 +288,11 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
                      f"rate ends at {lr:.4g}, the trainer's at {ref_lr:.4g}", hint.after(
                          "skip scheduler.step() only on the steps the scaler skipped (its scale "
                          "dropped in scaler.update()), and step it after every other one"))
-    if not _same_weights(model.state_dict(), ref, device):
-        fixed = (f"the weights stay float32 and the learning rate matches (the .half() and "
-                 f"scheduler bugs are fixed), but the weights after {LOOP_STEPS} steps differ "
-                 f"from the trainer's")
-        clip_first = _loop_setup(device)
-        _clip_before_unscale(*clip_first, device.type, LOOP_INIT_SCALE)
-        if _same_weights(model.state_dict(), clip_first[0].state_dict(), device):
-            return wrong(LOOP, f"{fixed}: they equal a loop that clips before unscale_, so the "
-                         f"clipping bug is the one left", hint.after(
-                             "clip after scaler.unscale_(optimizer): before it, the gradients are "
-                             "multiplied by the scale and clip_grad_norm_ shrinks them far too "
-                             "much"))
-        return wrong(LOOP, f"{fixed}, and not because of the clipping order alone: something "
-                     f"else in the loop changed", hint.after(
-                         "keep everything else exactly as the lesson's loop has it: autocast "
-                         "around forward and loss, scaler.scale(loss).backward(), unscale_, clip "
-                         "to 1.0, scaler.step, scaler.update, zero_grad"))
-    how = "bit for bit" if device.type == "cpu" else "to rounding"
-    return passed(LOOP, f"after {LOOP_STEPS} steps your weights equal the trainer's {how} "
-                  f"(final learning rate {lr:.4g})")
+    return wrong(LOOP, f"{fixed}, and not because of the clipping order alone: something "
+                 f"else in the loop changed", hint.after(
+                     "keep everything else exactly as the lesson's loop has it: autocast "
+                     "around forward and loss, scaler.scale(loss).backward(), unscale_, clip "
+                     "to 1.0, scaler.step, scaler.update, zero_grad"))
 
 
 def reference_function(device_type: str):

@@ -456,6 +456,10 @@ def test_ex04_state_bytes_and_activation_ratio():
                  hints=state)
     assert_wrong(ex04.check_state_bytes({k: v / 2 ** 30 for k, v in ref.items()}, row), "GiB",
                  hints=state)
+    grads16 = ex04.check_state_bytes({**ref, "grads": ref["grads"] / 2}, row)
+    assert_wrong(grads16, "grads:", "gradient takes its parameter's dtype", hints=state)
+    assert_wrong(ex04.check_state_bytes({**ref, "momentum": 2 * ref["momentum"]}, row),
+                 "one momentum buffer", hints=state)
     amp, fp32 = {"activations_gib": 1.05}, {"activations_gib": 2.0}
     assert ex04.check_activation_ratio(0.5, amp, fp32)
     assert_unanswered(ex04.check_activation_ratio(None, amp, fp32), ratio)
@@ -757,6 +761,16 @@ def test_ex08_stochastic_rounding_is_unbiased():
     assert_wrong(ex08.check_stochastic_rounding(int64_noise), "torch.int32", hints=hints)
     assert_wrong(ex08.check_stochastic_rounding(lambda x: x.clone()), "torch.bfloat16",
                  hints=hints)
+
+
+def test_ex08_rounding_every_value_up_is_not_called_a_double_rounding():
+    # All the way up (the largest 16-bit value added below the cut, not a random one): every
+    # positive value is biased by more than 0.3 ulp, the test the double rounding's hint used.
+    def always_up(x):
+        return ((x.view(torch.int32) + 0xFFFF) & -65536).view(torch.float32).to(torch.bfloat16)
+    check = ex08.check_stochastic_rounding(always_up)
+    assert_wrong(check, "upper neighbour", "must be random", hints=ex08.HINTS["stochastic"])
+    assert "rounds to nearest a second time" not in check.hint
 
 
 def test_ex08_stochastic_rounding_must_draw_fresh_noise_each_call():

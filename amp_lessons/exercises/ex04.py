@@ -80,9 +80,15 @@ def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
             return wrong(STATE, f"{key}: expected a number of bytes; got {answer[key]!r}", hint)
         if not within(got, measured, 0.05):
             ratio = got / measured if measured else float("inf")
-            why = (hint.after("that is 2 bytes per parameter: the weights are not stored in 16 "
-                              "bits, autocast only casts copies per operation")
+            half = {"params": "the weights are not stored in 16 bits, autocast only casts "
+                              "copies per operation",
+                    "grads": "a gradient takes its parameter's dtype: the 16-bit copies' "
+                             "gradients flow back into the float32 weights' .grad",
+                    "momentum": "SGD's momentum buffer takes its parameter's dtype, float32"}
+            why = (hint.after(f"that is 2 bytes per parameter: {half[key]}")
                    if abs(ratio - 0.5) < 0.05 else
+                   hint.after("SGD keeps one momentum buffer per parameter (Adam keeps two)")
+                   if key == "momentum" and abs(ratio - 2) < 0.1 else
                    hint.after("that counts GiB or millions, not bytes") if ratio < 1e-3 else hint)
             return wrong(STATE, f"{key}: you said {got:,.0f} bytes, measured {measured:,.0f}", why)
     return passed(STATE, f"each of the three copies holds {row['params_gib'] * GIB:,.0f} bytes, "

@@ -152,6 +152,13 @@ def check_stochastic_rounding(fn: Callable) -> Check:
             mistake = ("clearing the low 16 bits alone always rounds toward zero: add random bits "
                        "below the cut first, so that x rounds up as often as it is close to the "
                        "upper neighbour")
+        # every value up: +0.3 to +0.9 ulp of bias, which the double rounding's test below
+        # also matches; tested first, for itself
+        elif bool((g == high).all()):
+            mistake = ("every value went to its upper neighbour (away from zero): that is as "
+                       "biased as truncating, the other way; x must round up only as often as "
+                       "it is close to the upper neighbour, so the bits added below the cut "
+                       "must be random")
         elif all(b > 0.3 for _, b in lines if _ > 0):
             mistake = ("after adding the noise, cut the low 16 bits off (& -65536); converting "
                        "with .to(torch.bfloat16) rounds to nearest a second time and adds about "

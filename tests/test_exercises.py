@@ -184,6 +184,17 @@ def test_the_first_hint_does_not_give_the_answer_away(key):
     assert [t for t in tokens if _says(hints.levels[-1], t)], hints.levels[-1]
 
 
+def test_matching_mistake_needs_every_input_and_passes_over_one_that_cannot_be_made():
+    from amp_lessons.exercises.check import matching_mistake
+    mistakes = {"plus one": lambda v: v + 1, "doubled": lambda v: 2 * v,
+                "inverse": lambda v: 1 / v}
+    assert matching_mistake(mistakes, [(1, 2)]) == "plus one"  # one input: the first look-alike
+    assert matching_mistake(mistakes, [(1, 2), (3, 6)]) == "doubled"  # every input decides
+    assert matching_mistake(mistakes, [(0, 0), (2, 4)]) == "doubled"  # 1 / 0 is passed over
+    assert matching_mistake(mistakes, [(0, 7)]) is None
+    assert matching_mistake(mistakes, [(2, 0.5)], lambda a, b: abs(a - b) < 1e-9) == "inverse"
+
+
 def test_blank_answers_and_unedited_code():
     assert is_blank(None) and is_blank(...) and is_blank({"a": None}) and not is_blank(0)
     assert same_code(ex02.buggy_loop, ex02.buggy_loop)

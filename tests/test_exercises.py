@@ -190,8 +190,9 @@ def test_matching_mistake_needs_every_input_and_passes_over_one_that_cannot_be_m
                 "inverse": lambda v: 1 / v}
     assert matching_mistake(mistakes, [(1, 2)]) == "plus one"  # one input: the first look-alike
     assert matching_mistake(mistakes, [(1, 2), (3, 6)]) == "doubled"  # every input decides
-    assert matching_mistake(mistakes, [(0, 0), (2, 4)]) == "doubled"  # 1 / 0 is passed over
-    assert matching_mistake(mistakes, [(0, 7)]) is None
+    assert matching_mistake(mistakes, [(0, 7)]) is None  # 1 / 0 raises: passed over, no crash
+    assert matching_mistake({"inverse": mistakes["inverse"], **mistakes}, [(0, 0), (2, 4)]) \
+        == "doubled"
     assert matching_mistake(mistakes, [(2, 0.5)], lambda a, b: abs(a - b) < 1e-9) == "inverse"
 
 

@@ -58,6 +58,22 @@ def hint_book(module: str, ladders: Mapping[str, Sequence[str]]) -> dict:
     return {name: Hints(module, name, tuple(levels)) for name, levels in ladders.items()}
 
 
+def hint_reader(book: Mapping[str, "Hints"], module: str) -> Callable[..., "HintText"]:
+    """A lesson's ``hint(exercise, level=1)`` (``exNN.hint``): hint ``level`` of one of
+    ``book``'s exercises, read with ``read_hint``; ``module`` is the grader module's
+    ``__name__``, which the function reports as its own."""
+    def hint(exercise: str, level: int = 1) -> HintText:
+        return read_hint(book, exercise, level)
+
+    names = ", ".join(f'"{name}"' for name in book)
+    hint.__doc__ = (f"Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of "
+                    f"``HINTS`` ({names}); level 1 is a nudge, the last is near the answer. "
+                    "Raises ValueError for another name or a level outside 1 ... the number of "
+                    "levels.")
+    hint.__module__ = module
+    return hint
+
+
 class HintText(str):
     """A hint as a string that a notebook shows as its text (with which level it is), not as a
     quoted Python string."""

@@ -5,8 +5,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .. import formats
-from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, unanswered,
-                    wrong)
+from .check import Check, hint_book, hint_reader, is_blank, number, passed, unanswered, wrong
 
 PREDICT = "Exercise 1 (predict, then run): fp16 rounding"
 SCALE = "Exercise 3 (find it): the smallest loss scale that flushes nothing"
@@ -50,11 +49,7 @@ HINTS = hint_book("ex01", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("predict", "master", "scale"); level 1 is a nudge, the last is near the answer. Raises
-    ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 
 def fp16_truths() -> dict:

@@ -9,8 +9,8 @@ from torch import nn
 
 from ..precision import as_device, check_precision
 from ..trainer import ScalerSettings, TrainConfig, Trainer
-from .check import (Check, HintText, hint_book, is_blank, passed, read_hint, same_code, skipped,
-                    unanswered, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, passed, same_code, skipped, unanswered,
+                    wrong)
 
 DTYPES = "Exercise 2 (predict, then run): dtypes under autocast"
 LOOP = "Exercise 3 (fix the bug): a loop with three bugs"
@@ -57,11 +57,7 @@ HINTS = hint_book("ex02", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("function", "dtypes", "loop"); level 1 is a nudge, the last is near the answer. Raises
-    ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 
 def _low_dtype(device_type: str) -> torch.dtype:

@@ -6,8 +6,8 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from ..tables import plural
 from ..trainer import ScalerSettings
-from .check import (Check, HintText, hint_book, is_blank, matching_mistake, passed, read_hint,
-                    unanswered, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, passed, unanswered,
+                    wrong)
 
 RULE = "Exercise 1 (implement): GradScaler's update rule"
 CAUSES = "Exercise 3 (match): three scale traces and their causes"
@@ -50,11 +50,7 @@ HINTS = hint_book("ex03", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("rule", "floor", "causes"); level 1 is a nudge, the last is near the answer. Raises
-    ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 
 def reference_update(scale: float, tracker: int, found_inf: bool, growth_factor: float,

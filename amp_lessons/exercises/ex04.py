@@ -6,8 +6,8 @@ import torch
 
 from ..models import SmallCNN
 from ..precision import as_device
-from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, skipped,
-                    unanswered, within, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, number, passed, skipped, unanswered,
+                    within, wrong)
 
 STATE = "Exercise 1 (predict, then run): bytes of weights, gradients and momentum"
 RATIO = "Exercise 2 (predict, then run): AMP's activation memory against fp32's"
@@ -50,11 +50,7 @@ HINTS = hint_book("ex04", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("state", "ratio", "layout"); level 1 is a nudge, the last is near the answer. Raises
-    ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 
 def reference_state_bytes(model: torch.nn.Module) -> dict:

@@ -11,8 +11,8 @@ from torch import nn
 from ..precision import as_device, check_precision
 from ..tables import plural
 from ..trainer import ScalerSettings, TrainConfig, Trainer
-from .check import (Check, HintText, hint_book, is_blank, matching_mistake, passed, read_hint,
-                    skipped, unanswered, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, passed, skipped,
+                    unanswered, wrong)
 
 ACCUMULATE = "Exercise 2 (implement): gradient accumulation"
 CHECKPOINT = "Exercise 1 (implement): activation checkpointing"
@@ -53,11 +53,7 @@ HINTS = hint_book("ex05", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("checkpoint", "accumulate", "resume"); level 1 is a nudge, the last is near the answer.
-    Raises ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:

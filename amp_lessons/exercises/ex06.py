@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..tables import plural
-from .check import (Check, HintText, hint_book, is_blank, matching_mistake, number, passed,
-                    read_hint, skipped, unanswered, within, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, number, passed,
+                    skipped, unanswered, within, wrong)
 
 SCRIPT = "Exercise 1 (implement): DDP and fully_shard, run with torchrun"
 STATE = "Exercise 3 (predict, then look): model state per rank"
@@ -58,11 +58,7 @@ HINTS = hint_book("ex06", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("script", "efficiency", "state"); level 1 is a nudge, the last is near the answer. Raises
-    ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 _HEAD = '''\
 # Run by torchrun, one copy per process (two CPU processes, gloo):

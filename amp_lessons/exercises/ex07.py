@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from .. import formats
-from .check import Check, HintText, hint_book, is_blank, passed, read_hint, unanswered, wrong
-
+from .check import Check, hint_book, hint_reader, is_blank, passed, unanswered, wrong
 TENSOR = "Exercise 1 (implement): per-tensor amax scaling"
 ROW = "Exercise 2 (implement): per-row amax scaling"
 FILTER = "Exercise 3 (implement): which layers to convert"
@@ -46,11 +45,7 @@ HINTS = hint_book("ex07", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("tensor", "row", "filter"); level 1 is a nudge, the last is near the answer. Raises
-    ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 
 def e4m3_max() -> float:

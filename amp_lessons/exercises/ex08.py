@@ -8,8 +8,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .. import formats, optim
-from .check import (Check, HintText, hint_book, is_blank, number, passed, read_hint, skipped,
-                    unanswered, within, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, number, passed, skipped, unanswered,
+                    within, wrong)
 
 STOCHASTIC = "Exercise 1 (implement): stochastic rounding to bf16"
 KAHAN = "Exercise 2 (implement): a Kahan-compensated bf16 update"
@@ -53,11 +53,7 @@ HINTS = hint_book("ex08", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("stochastic", "kahan", "memory"); level 1 is a nudge, the last is near the answer. Raises
-    ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 
 # --- exercise 1: stochastic rounding ------------------------------------------------------------
@@ -100,6 +96,14 @@ def _neighbours(x: torch.Tensor):
     return low, low + torch.sign(x) * ulp, ulp
 
 
+def _seeded(fn: Callable, x: torch.Tensor, seed: int):
+    """``fn`` on a copy of ``x`` with torch's CPU generator seeded ``seed``; the caller's random
+    state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return fn(x.clone())
+
+
 def check_stochastic_rounding(fn: Callable) -> Check:
     """Grade ``fn(x) -> bf16 tensor`` (``x`` fp32): every value must be one of the two bf16
     neighbours of its input, and the mean over many copies of three values must be the input
@@ -107,12 +111,10 @@ def check_stochastic_rounding(fn: Callable) -> Check:
     (another seed) must round differently: a fixed pattern repeats its error at every step."""
     hints = HINTS["stochastic"]
     x = _sr_input()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        try:
-            got = fn(x.clone())
-        except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-            return wrong(STOCHASTIC, f"{type(exc).__name__}: {exc}", hints)
+    try:
+        got = _seeded(fn, x, 0)
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(STOCHASTIC, f"{type(exc).__name__}: {exc}", hints)
     if is_blank(got):
         return unanswered(STOCHASTIC, hints)
     if not isinstance(got, torch.Tensor) or got.shape != x.shape:
@@ -169,12 +171,10 @@ def check_stochastic_rounding(fn: Callable) -> Check:
                        "cut does exactly that")
         return wrong(STOCHASTIC, f"biased: on average {worst[1]:+.2f} of an ulp away from "
                      f"{worst[0]:.6g}", hints.after(mistake))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        try:
-            again = fn(x.clone())
-        except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-            return wrong(STOCHASTIC, f"on a second call: {type(exc).__name__}: {exc}", hints)
+    try:
+        again = _seeded(fn, x, 1)
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(STOCHASTIC, f"on a second call: {type(exc).__name__}: {exc}", hints)
     if isinstance(again, torch.Tensor) and again.shape == got.shape and torch.equal(again, got):
         return wrong(STOCHASTIC, "a second call rounded every value the same way: the choice is "
                      "fixed, not random", hints.after(

@@ -10,8 +10,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from .. import formats
 from ..tables import plural
-from .check import (Check, HintText, hint_book, is_blank, matching_mistake, number, passed,
-                    read_hint, skipped, unanswered, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, number, passed,
+                    skipped, unanswered, wrong)
 
 OVERFLOW = "Exercise 2 (read the report): the layer that overflows fp16"
 SCALE = "Exercise 1 (implement): the loss scale from the report's ranges"
@@ -52,11 +52,7 @@ HINTS = hint_book("ex09", {
 })
 
 
-def hint(exercise: str, level: int = 1) -> HintText:
-    """Hint ``level`` of one of this lesson's exercises: ``exercise`` is one of ``HINTS``
-    ("overflow", "scale", "yours"); level 1 is a nudge, the last is near the answer. Raises
-    ValueError for another name or a level outside 1 ... the number of levels."""
-    return read_hint(HINTS, exercise, level)
+hint = hint_reader(HINTS, __name__)
 
 
 def fp16_max() -> float:

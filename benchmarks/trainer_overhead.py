@@ -38,6 +38,12 @@ with a non-finite gradient as GradScaler does it for a fused optimizer (one chec
 flag handed to fused AdamW): the trainer's lean (``nonfinite="skip"``) is also read against it,
 the row "trainer, lean (vs hand-written, skip via found_inf)", from the same rounds.
 
+"hand-written, logging norm and time" (recipe) and "hand-written, skip via found_inf, logging
+norm and time" (mlp_bf16) are the hand loop that records what the trainer's defaults record,
+as an engineer logs it (the loss, ``get_total_norm`` after ``unscale_``, two CUDA events a
+step): the defaults are also read against them, from the same rounds ("trainer, defaults (vs
+...)"): what the trainer's records cost beyond logging the same figures by hand.
+
 Checks. After the timing, fresh copies of the eager variants run ``--check-steps`` steps and
 their weights, buffers and optimizer state are compared bitwise with their hand loop's. On a
 GPU, also: a skipped step leaves everything bitwise as it was (fp16, bf16, fp32; fused and
@@ -75,8 +81,11 @@ from bench_rounds import SCHEDULES, Schedule, run_rounds  # noqa: E402
 
 HAND, AGAIN = "hand-written", "hand-written (again)"
 FOUND_INF = "hand-written, skip via found_inf"
+LOGGING = "hand-written, logging norm and time"
+LOGGING_CHECK = "hand-written, skip via found_inf, logging norm and time"
 # rows read from the same rounds against a second reference: network -> ((variant, reference),)
-ALSO_AGAINST = {"mlp_bf16": (("trainer, lean", FOUND_INF),)}
+ALSO_AGAINST = {"recipe": (("trainer, defaults", LOGGING),),
+                "mlp_bf16": (("trainer, lean", FOUND_INF), ("trainer, defaults", LOGGING_CHECK))}
 # lean: every record the trainer can leave out (grad norm, peak memory, step time) left out
 LEAN = dict(track_grad_norm=False, track_memory=False, track_time=False)
 NETWORKS = ("recipe", "digits", "mlp_bf16", "mlp_fp32", "resnet50")
@@ -202,6 +211,59 @@ def variants(network, device):
             return step, m, opt
         return make
 
+    def hand_logging(check=False):
+        """The hand loop that records what the trainer's defaults record, the way a careful
+        engineer logs them: the loss (``loss.detach()``), the total gradient norm (after
+        ``scaler.unscale_`` under fp16; ``torch.nn.utils.get_total_norm``, or before torch 2.6
+        ``clip_grad_norm_`` with ``max_norm=inf``) and the step time (two CUDA events a step, a
+        start and an end, elapsed time read later), kept in lists nobody reads here (like the
+        trainer's records in this benchmark), emptied every 1,000 steps. ``check``: also the
+        skip of "hand-written, skip via found_inf" (the bf16 MLP's defaults skip too)."""
+        def make(quick):
+            m, x, y = build(network, device, quick)
+            opt = optimizer(network, m)
+            params = [p for group in opt.param_groups for p in group["params"]]
+            scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+            norm_of = getattr(torch.nn.utils, "get_total_norm", None) or (
+                lambda grads: torch.nn.utils.clip_grad_norm_(params, float("inf")))
+            cuda = device.type == "cuda"
+            one = torch.ones((), dtype=torch.float32, device=device)
+            log = []
+
+            def step(a, b):
+                start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+                if cuda:
+                    start.record()
+                with T.autocast_for(precision, device.type):
+                    loss = F.cross_entropy(m(a), b)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                grads = [p.grad for p in params if p.grad is not None]
+                norm = norm_of(grads)
+                if check:
+                    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+                    opt.grad_scale, opt.found_inf = None, found_inf
+                    try:
+                        opt.step()
+                    finally:
+                        del opt.grad_scale, opt.found_inf
+                else:
+                    scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                if cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                else:
+                    end = time.perf_counter()
+                log.append((loss.detach(), norm, start, end))
+                if len(log) >= 1000:
+                    log.clear()
+                return loss.detach()
+            return step, m, opt
+        return make
+
     out[HAND] = (HAND, hand())
     out[AGAIN] = (HAND, hand())
     out["trainer, defaults"] = (HAND, trainer())
@@ -211,6 +273,10 @@ def variants(network, device):
     out["+ step time only"] = (HAND, trainer(**dict(LEAN, track_time=True)))
     if network in ("digits", "resnet50"):
         out["lean, no BN guard"] = (HAND, trainer(skip_safe_batchnorm=False, **LEAN))
+    if network == "recipe":
+        out[LOGGING] = (HAND, hand_logging())
+    if network == "mlp_bf16":
+        out[LOGGING_CHECK] = (HAND, hand_logging(check=True))
     if precision != "fp16":
         out["lean, nonfinite='ignore'"] = (HAND, trainer(nonfinite="ignore", **LEAN))
         out["lean, nonfinite='raise'"] = (HAND, trainer(nonfinite="raise", **LEAN))
@@ -557,6 +623,10 @@ GOALS = (("recipe", "trainer, defaults", 3.0, None, None),
          ("mlp_bf16", "trainer, lean", 1.0, None, None),
          ("mlp_bf16", "trainer, lean", 1.0, FOUND_INF,
           "mlp_bf16 trainer lean vs hand loop with the same check"),
+         ("recipe", "trainer, defaults", 3.0, LOGGING,
+          "recipe trainer defaults vs hand loop logging the same"),
+         ("mlp_bf16", "trainer, defaults", 3.0, LOGGING_CHECK,
+          "mlp_bf16 trainer defaults vs hand loop checking and logging the same"),
          ("recipe", "trainer lean, CUDA graph", 3.0, None, None))
 
 

@@ -1397,3 +1397,122 @@ def test_fit_trains_every_batch_it_takes_from_an_iterator(accumulate, max_steps)
     assert counted.drawn == 10 and trainer.step == reference.step == -(-10 // accumulate)
     assert_same_tensors(trainer.model.state_dict(), reference.model.state_dict())
     assert trainer.epoch == 1 and trainer.history.epochs[0]["partial"] is True
+
+
+# --- the fp16 gradient norm taken after scaler.step ----------------------------------------------
+
+GRAD_LEAVING = [
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2, foreach=True)),
+    ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=1e-2, maximize=True, foreach=False)),
+    ("SGD", dict(lr=0.1)),
+    ("Adam", dict(lr=1e-2, weight_decay=1e-2, amsgrad=True, foreach=True)),
+    ("Adam", dict(lr=1e-2, weight_decay=1e-2, maximize=True, foreach=False)),
+    ("AdamW", dict(lr=1e-2, weight_decay=1e-2)),
+    ("AdamW", dict(lr=1e-2, maximize=True, foreach=True)),
+]
+
+
+def _flat_mlp():
+    """No BatchNorm (its skip guard would keep the norm before the step): 8x8 images in."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _bits(values):
+    """float32 bit patterns: NaN equals NaN, -0.0 differs from 0.0."""
+    return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
+
+
+@pytest.mark.parametrize("name,kwargs", GRAD_LEAVING)
+def test_the_optimizers_assumed_to_leave_grads_do(name, kwargs):
+    """``_leaves_grads`` names the optimizers whose step the fp16 norm may follow: on this torch
+    each configuration listed (foreach and for-loop, momentum, dampening, weight decay,
+    maximize, amsgrad) steps twice (state made, then used) with every ``.grad`` bitwise kept."""
+    model = _flat_mlp()
+    opt = getattr(torch.optim, name)(model.parameters(), **kwargs)
+    assert T._leaves_grads(opt)
+    for x, y in batches(2):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters()))
+
+
+def test_optimizers_that_may_change_grads_are_not_assumed_to_leave_them():
+    """Nesterov SGD (foreach adds the momentum into the gradients in place), a subclass and
+    other optimizers keep the norm before the step."""
+    params = list(_flat_mlp().parameters())
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    assert not T._leaves_grads(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True))
+    assert not T._leaves_grads(MySGD(params, lr=0.1))
+    assert not T._leaves_grads(torch.optim.Rprop(params))
+    mixed = torch.optim.SGD([{"params": params[:2]},
+                             {"params": params[2:], "nesterov": True, "momentum": 0.9}], lr=0.1)
+    assert not T._leaves_grads(mixed)
+
+
+@pytest.mark.parametrize("name,kwargs", GRAD_LEAVING[:2] + GRAD_LEAVING[4:5] + GRAD_LEAVING[7:])
+def test_the_fp16_norm_after_the_step_is_the_recipe_norm(name, kwargs):
+    """fp16, a non-fused torch optimizer, no clipping, no hooks: the trainer takes the norm after
+    ``scaler.step`` (no explicit ``unscale_``). Every recorded norm equals, bit for bit, the
+    norm PyTorch's recipe reads after ``scaler.unscale_`` (skipped steps' NaN included), and
+    the weights and optimizer state end as the recipe's."""
+    settings = T.ScalerSettings(init_scale=2.0 ** 10, growth_interval=2)
+    data = batches(8)
+    bad = {3}  # a NaN input: every gradient NaN, the step skipped
+    data = [(x.clone().index_fill_(0, torch.tensor([0]), float("nan")) if i in bad else x, y)
+            for i, (x, y) in enumerate(data)]
+
+    model = _flat_mlp()
+    opt = getattr(torch.optim, name)(model.parameters(), **kwargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    norms = []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norms.append(T._total_norm([p.grad for p in model.parameters()], one_group=True).item())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    t_model = _flat_mlp()
+    t_opt = getattr(torch.optim, name)(t_model.parameters(), **kwargs)
+    trainer = T.Trainer(t_model, t_opt, T.TrainConfig(precision="fp16", scaler=settings,
+                                                      progress=False))
+    assert trainer._norm_after_step and not trainer._unscale_first
+    records = [trainer.train_step([b]) for b in data]
+    assert [r.skipped for r in records] == [i in bad for i in range(len(data))]
+    assert _bits([r.grad_norm for r in records]) == _bits(norms)
+    assert_same_tensors(model.state_dict(), t_model.state_dict())
+    assert_same_tensors(optimizer_tensors(opt), optimizer_tensors(t_opt))
+
+
+def test_the_fp16_norm_stays_before_the_step_where_something_else_needs_it():
+    """Clipping, a hook, a fused or Nesterov optimizer, BatchNorm's skip guard with a non-fused
+    optimizer, or no scaler: the norm is taken before the step, after an explicit ``unscale_``
+    where there is a scaler."""
+    def make(config=None, opt_kwargs=None, model=None, hooks=()):
+        model = model if model is not None else _flat_mlp()
+        opt = torch.optim.SGD(model.parameters(), **(opt_kwargs or dict(lr=0.1, momentum=0.9)))
+        return T.Trainer(model, opt, config or T.TrainConfig(precision="fp16", progress=False),
+                         hooks=list(hooks))
+
+    assert make()._norm_after_step
+    fp16 = dict(precision="fp16", progress=False)
+    for trainer in (make(T.TrainConfig(clip_value=1.0, **fp16)),
+                    make(T.TrainConfig(clip_norm=1.0, **fp16)),
+                    make(hooks=[Inject(set())]),
+                    make(opt_kwargs=dict(lr=0.1, momentum=0.9, nesterov=True)),
+                    make(model=TinyNet()),  # BatchNorm: the guard restores before the step
+                    make(T.TrainConfig(precision="fp16", track_grad_norm=False,
+                                       progress=False)),
+                    make(T.TrainConfig(precision="bf16", progress=False))):
+        assert not trainer._norm_after_step
+    assert make(model=TinyNet())._unscale_first

@@ -157,3 +157,36 @@ def test_the_found_inf_hand_loop_skips_a_bad_step(bench):
     assert all(torch.equal(before[k], after[k]) for k in before)
     step(x, y)
     assert not torch.equal(before["model.0.weight"], model.state_dict()["0.weight"])
+
+
+@pytest.mark.parametrize("network", ["recipe", "mlp_bf16"])
+def test_the_logging_hand_loop_logs_the_trainers_figures(bench, network):
+    """The hand loop that logs what the defaults record logs the same gradient norm as the
+    trainer's record, bit for bit, and a step time; on the bf16 MLP it also skips a step whose
+    gradients hold an inf, leaving weights and fused AdamW's state as they were."""
+    import torch
+
+    from amp_lessons import trainer as T
+
+    cpu = torch.device("cpu")
+    name = bench.LOGGING if network == "recipe" else bench.LOGGING_CHECK
+    table = bench.variants(network, cpu)
+    assert table[name][0] == bench.HAND
+    assert ("trainer, defaults", name) in bench.ALSO_AGAINST[network]
+    step, model, opt = table[name][1](True)
+    t_model, x, y = bench.build(network, cpu, True)
+    trainer = T.Trainer(t_model, bench.optimizer(network, t_model),
+                        T.TrainConfig(precision=bench.PRECISION[network], progress=False,
+                                      seed=None))
+    records = [trainer.train_step([(x, y)]) for _ in range(3)]
+    for _ in range(3):
+        step(x, y)
+    assert [n.item() for _, n, _, _ in step.log] == [r.grad_norm for r in records]
+    assert all(end >= start for _, _, start, end in step.log)
+    if network == "mlp_bf16":
+        before = {k: v.clone() for k, v in bench.state_of(model, opt).items()}
+        bad = x.clone()
+        bad[0, 0] = float("inf")
+        step(bad, y)
+        after = bench.state_of(model, opt)
+        assert all(torch.equal(before[k], after[k]) for k in before)

@@ -330,17 +330,9 @@ class Trainer:
         # unscale_ explicitly only when something reads the gradients between backward and step;
         # otherwise scaler.step unscales (fused optimizers then do it inside their kernel)
         needed = policy.unscale_first(self._guard)
-        # fp16 with an optimizer GradScaler steps from the host (not fused) and nothing else
-        # reading gradients before the step: the norm is taken after ``scaler.step``, which has
-        # unscaled them in place and left them as they were (``_leaves_grads``): the same bits,
-        # and its kernel queued behind the step's instead of before GradScaler's host sync
-        self._norm_after_step = bool(
-            cfg.track_grad_norm and cfg.clip_norm is None and cfg.clip_value is None
-            and policy.scaling and not policy.fused and not needed and not hooked
-            and _leaves_grads(self.optimizer))
         self._unscale_first = bool(cfg.clip_norm is not None or cfg.clip_value is not None
-                                   or (cfg.track_grad_norm and not self._norm_after_step)
-                                   or self._after_unscale or self._before_step or needed)
+                                   or cfg.track_grad_norm or self._after_unscale
+                                   or self._before_step or needed)
         self._check_first = policy.checks_before_step(self._unscale_first)
         # without a scaler gradients are true gradients already: no unscale_ call a step
         self._unscale_first = self._unscale_first and policy.scaling
@@ -454,10 +446,7 @@ class Trainer:
         ``ScaleLog`` replays GradScaler's update when the record is read, with one copy of the
         scale and its growth tracker per 256 steps); with ``track_grad_norm`` one
         foreach norm over the gradients (its stack and final norm run when the record is read;
-        under fp16 it runs after ``scaler.step``, which unscales in place, when the optimizer is
-        torch's SGD without Nesterov, Adam or AdamW, not fused, with no clipping and no hooks:
-        its kernel then waits behind the step's instead of delaying GradScaler's host check;
-        otherwise after an explicit ``unscale_``, which ``scaler.step`` would do anyway); with ``nonfinite``
+        under fp16 an explicit ``unscale_``, which ``scaler.step`` would do anyway); with ``nonfinite``
         skip/raise one check kernel, over the per-parameter norms when the norm is tracked (its
         flag comes from a block of zeros made once per 256 steps; fused optimizers then skip
         inside their kernel; others copy parameters and state aside); with skip-safe BatchNorm
@@ -576,8 +565,12 @@ class Trainer:
         grad_norm = None
         if self._config.clip_norm is not None:  # returns the norm before clipping
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self._config.clip_norm)
-        elif self._norm_wanted and not self._norm_after_step:
-            grad_norm = self._grad_norm(graphed)
+        elif self._norm_wanted:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if grads and self._one_group and not graphed:  # reduced when read (_NormParts)
+                grad_norm = _NormParts(torch._foreach_norm(grads))
+            else:
+                grad_norm = _total_norm(grads, self._one_group) if grads else None
         # the policy's check, before clipping by value could hide an inf
         found_inf = policy.check(loss_sum, grad_norm) if self._check_first else None
         if policy.name == "raise":  # the host reads it once the device is there, never waiting
@@ -598,22 +591,11 @@ class Trainer:
             guard.restore_if(found_inf)
         found_inf = policy.step(found_inf)
         self._phase = _STEPPED
-        if self._norm_after_step:  # the gradients the step used, unscaled by it
-            grad_norm = self._grad_norm(graphed)
         if guard is not None and not restored and found_inf is not None:
             guard.restore_if(found_inf)
         policy.update()
         opt.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, found_inf, policy.scale, policy.cause
-
-    def _grad_norm(self, graphed: bool):
-        """The total 2-norm of the gradients: a ``_NormParts`` (one foreach kernel now, reduced
-        when read) on one device and dtype outside a CUDA graph, else the reduced tensor; None
-        without gradients."""
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if grads and self._one_group and not graphed:
-            return _NormParts(torch._foreach_norm(grads))
-        return _total_norm(grads, self._one_group) if grads else None
 
     def capture(self, x: torch.Tensor, y: torch.Tensor, warmup: int = 3) -> Callable:
         """Opt-in: capture the whole step in one CUDA graph; returns ``step(x, y) -> StepRecord``.
@@ -899,16 +881,6 @@ class Trainer:
 
 
 # --- checks used before anything is loaded ------------------------------------------------------
-
-def _leaves_grads(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` leaves every ``.grad`` as it was: torch's own Adam and
-    AdamW, and SGD without Nesterov momentum (foreach SGD adds the momentum into the gradients
-    in place for Nesterov). Subclasses and other optimizers are not assumed to."""
-    kind = type(optimizer)
-    if kind in (torch.optim.Adam, torch.optim.AdamW):
-        return True
-    return kind is torch.optim.SGD and not any(g.get("nesterov") for g in optimizer.param_groups)
-
 
 def _check_owns_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """ValueError unless every trainable parameter of ``model`` is in ``optimizer``."""

@@ -4,9 +4,8 @@ GPU-only paths of the trainer's lazy records, checked on a real GPU (issue 22):
 1. the fp16 loss scale each record reads (ScaleLog replaying torch._amp_update_scale_ on CUDA
    copies) equals GradScaler's own scale before each step of a hand loop (bitwise), through
    growth and backoff;
-2. the gradient norm read lazily from _foreach_norm's one-tensor CUDA output, taken after
-   scaler.step (fp16, SGD without Nesterov, no clipping), equals clip_grad_norm_'s total norm
-   of the same gradients after scaler.unscale_ in the recipe (bitwise);
+2. the gradient norm read lazily from _foreach_norm's one-tensor CUDA output equals
+   clip_grad_norm_'s total norm of the same gradients (bitwise);
 3. step times from pooled, chained CUDA events: every time_s finite and > 0, their sum within 5%
    of the synchronised wall span, the pool bounded when records are read every 100 steps; the
    same through a captured step's replays."""
@@ -50,7 +49,6 @@ settings = ScalerSettings(init_scale=2.0 ** 10, growth_interval=7)
 model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 tr = T.Trainer(model, opt, T.TrainConfig(precision="fp16", scaler=settings, progress=False,
                                          track_memory=False))
-out["norm_after_step"] = tr._norm_after_step  # fp16, foreach SGD, no clip: the norm follows the step
 records = [tr.train_step([b]) for b in data]
 lazy = [r.scale for r in records]
 hand_model = mlp(); hand_opt = torch.optim.SGD(hand_model.parameters(), lr=0.01, momentum=0.9)

@@ -179,7 +179,8 @@ def _add_readme(sub) -> None:
                        description="Rebuild README.md's results section from the tables the "
                                    "committed notebooks published in their latest run, its T4 "
                                    "rehearsal table from docs/rehearsal_t4.json and its cheat "
-                                   "sheet from docs/cheat_sheet.md.")
+                                   "sheet from docs/cheat_sheet.md, its citations "
+                                   "{{KEY | ROW | COLUMN}} filled from the same tables.")
     p.add_argument("--check", action="store_true",
                    help="change nothing; exit 1 if the section is out of date")
     p.add_argument("--readme", type=Path, default=None, help="README to update (default: the repo's)")

@@ -219,32 +219,89 @@ def with_results(text: str, notebooks: Iterable[Path], name: str = "the README")
     return replace_block(text, START, END, results_section(notebooks), "results", name)
 
 
-def cheat_sheet_body(doc_text: str) -> str:
+CITATION = re.compile(r"\{\{(.+?)\}\}", re.S)
+
+
+def cite(results: Sequence[dict], citation: str) -> str:
+    """The published value that ``citation`` (``KEY | ROW | COLUMN``) names, written as the
+    README's tables write it: ``KEY`` a published table's key (the last table so keyed),
+    ``ROW`` the row whose first column reads so (as the README shows it: backticks and runs of
+    spaces do not count), or ``column=value`` pairs joined by ``;`` that single out one row, ``COLUMN`` a column's name. ValueError naming the citation
+    when its form is wrong, or the table, the row (none or several) or the column is missing."""
+    shown = "{{" + citation + "}}"
+    parts = [" ".join(p.split()) for p in citation.split("|")]
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"citation {shown} must read {{{{KEY | ROW | COLUMN}}}}")
+    key, selector, column = parts
+    tables = [r for r in results if r["key"] == key]
+    if not tables:
+        keys = sorted({r["key"] for r in results})
+        raise ValueError(f"citation {shown}: no published table {key!r}; published: {keys}")
+    table = tables[-1]
+    columns = table["columns"]
+    if column not in columns:
+        raise ValueError(f"citation {shown}: table {key!r} has no column {column!r}; "
+                         f"its columns: {columns}")
+    wanted = []
+    for part in selector.split(";"):
+        name, sep, value = part.partition("=")
+        if sep and name.strip() in columns:
+            wanted.append((name.strip(), value.strip()))
+        else:
+            wanted.append((columns[0], part.strip()))
+    def plain(text: str) -> str:  # the README writes code in backticks, the rows do not
+        return " ".join(str(text).replace("`", "").split())
+
+    rows = [r for r in table["rows"]
+            if all(plain(v) in (plain(_cell(r.get(c))), plain(r.get(c))) for c, v in wanted)]
+    if len(rows) != 1:
+        raise ValueError(f"citation {shown}: {len(rows)} rows of table {key!r} match "
+                         f"{selector!r}; it must single out one")
+    return _cell(rows[0].get(column))
+
+
+def resolve_citations(text: str, results: Sequence[dict]) -> str:
+    """``text`` with every citation ``{{KEY | ROW | COLUMN}}`` replaced by the value it names
+    (``cite``) in ``results`` (``collect``'s published tables)."""
+    return CITATION.sub(lambda m: cite(results, m.group(1)), text)
+
+
+def cheat_sheet_body(doc_text: str, results: Optional[Sequence[dict]] = None) -> str:
     """The cheat sheet's text as the README shows it: ``docs/cheat_sheet.md`` without its leading
-    HTML comment (the note to editors)."""
+    HTML comment (the note to editors), its citations filled from ``results`` (``collect``'s
+    published tables). ValueError when it cites and no ``results`` are given."""
     body = doc_text.split("-->", 1)[1] if doc_text.lstrip().startswith("<!--") else doc_text
+    if results is None:
+        if CITATION.search(body):
+            raise ValueError("the cheat sheet cites published tables: results must be given")
+    else:
+        body = resolve_citations(body, results)
     return body.strip("\n")
 
 
-def with_cheat_sheet(text: str, doc_text: str, name: str = "the README") -> str:
+def with_cheat_sheet(text: str, doc_text: str, name: str = "the README",
+                     results: Optional[Sequence[dict]] = None) -> str:
     """``text`` (a README) with the block between the cheat-sheet markers replaced by the cheat
-    sheet's body, so the README's copy cannot drift from ``docs/cheat_sheet.md``. ValueError
-    naming ``name`` when the markers are missing or out of order."""
-    block = f"{CHEAT_START}\n\n{cheat_sheet_body(doc_text)}\n\n{CHEAT_END}"
+    sheet's body (its citations filled from ``results``), so the README's copy cannot drift
+    from ``docs/cheat_sheet.md`` nor from the committed runs. ValueError naming ``name`` when
+    the markers are missing or out of order."""
+    block = f"{CHEAT_START}\n\n{cheat_sheet_body(doc_text, results)}\n\n{CHEAT_END}"
     return replace_block(text, CHEAT_START, CHEAT_END, block, "cheat-sheet", name)
 
 
 def readme_with_generated(readme: Path, text: str, notebooks: Iterable[Path]) -> str:
     """``text`` (the README at ``readme``) with its generated blocks rebuilt: the results from
     ``notebooks`` and, where the README holds the cheat-sheet markers and
-    ``docs/cheat_sheet.md`` exists beside it, the cheat sheet's copy. ValueError naming the file
-    when it lacks the results markers."""
+    ``docs/cheat_sheet.md`` exists beside it, the cheat sheet's copy, its citations filled from
+    the same notebooks. ValueError naming the file when it lacks the results markers."""
     from .files import read_text
 
+    notebooks = list(notebooks)
     new = with_results(text, notebooks, str(readme))
     doc = Path(readme).parent / "docs" / "cheat_sheet.md"
     if CHEAT_START in new and doc.is_file():
-        new = with_cheat_sheet(new, read_text(doc, "cheat sheet"), str(readme))
+        new = with_cheat_sheet(new, read_text(doc, "cheat sheet"), str(readme),
+                               collect(notebooks))
     return new
 
 

@@ -1,14 +1,48 @@
 """The practitioner's cheat sheet (docs/cheat_sheet.md) is the README's "Cheat sheet" section,
-cites only numbers the README's Results section publishes, and links to lessons that exist."""
+cites its numbers from the tables the committed notebooks publish (no number typed by hand),
+and links to lessons that exist."""
 import re
 
 import pytest
 from pathlib import Path
 
+from amp_lessons import report
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "cheat_sheet.md").read_text()
 README = (ROOT / "README.md").read_text()
-BODY = DOC.split("-->", 1)[1].strip("\n")
+RESULTS = report.collect(sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+RAW = DOC.split("-->", 1)[1].strip("\n")
+BODY = report.cheat_sheet_body(DOC, RESULTS)
+
+
+def test_every_number_is_cited_not_typed():
+    """Every bold number is a citation: the raw sheet holds none typed in, at least 20
+    citations, and each resolves to one published cell."""
+    assert not re.findall(r"\*\*[+-]?\d[\d,]*\.?\d*\*\*", RAW)
+    citations = report.CITATION.findall(RAW)
+    assert len(citations) >= 20
+    assert len(re.findall(r"\*\*\{\{", RAW)) >= 20
+    for c in citations:
+        assert report.cite(RESULTS, c)
+
+
+def test_a_citation_names_what_it_cannot_find():
+    rows = [{"run": "a", "x": 1.5, "y": "p"}, {"run": "b", "x": 2.0, "y": "p"},
+            {"run": "c", "x": 3.0, "y": "`q`"}]
+    results = [{"key": "t.one", "columns": ["run", "x", "y"], "rows": rows}]
+    assert report.cite(results, "t.one | b | x") == "2.00"
+    assert report.cite(results, "t.one | y=p; run=a | x") == "1.50"
+    assert report.cite(results, " t.one | `c` |  x ") == "3.00"  # backticks and spaces as shown
+    assert report.resolve_citations("**{{t.one | a | y}}** and {{t.one|c|y}}", results) == \
+        "**p** and `q`"
+    for bad, message in (("t.one | b", "must read"), ("t.two | b | x", "no published table"),
+                         ("t.one | b | z", "no column 'z'"), ("t.one | y=p | x", "2 rows"),
+                         ("t.one | d | x", "0 rows")):
+        with pytest.raises(ValueError, match=message):
+            report.cite(results, bad)
+    with pytest.raises(ValueError, match="results must be given"):
+        report.cheat_sheet_body("<!-- n -->\n**{{t.one | a | x}}**")
 
 
 def test_readme_cheat_sheet_is_the_doc():
@@ -40,13 +74,14 @@ def test_readme_block_is_rebuilt_from_the_doc():
     from amp_lessons import report
 
     stale = f"# R\n\n{report.CHEAT_START}\nold text, **1.00**\n{report.CHEAT_END}\n\n## Next\n"
-    new = report.with_cheat_sheet(stale, DOC)
+    new = report.with_cheat_sheet(stale, DOC, results=RESULTS)
     assert "old text" not in new and BODY in new and new.endswith("\n\n## Next\n")
     assert "The practitioner's cheat sheet" not in new  # the doc's note to editors stays out
-    assert report.with_cheat_sheet(new, DOC) == new
-    assert report.with_cheat_sheet(README, DOC) == README  # the committed copy is current
+    assert report.with_cheat_sheet(new, DOC, results=RESULTS) == new
+    # the committed copy is current: the doc, cited from the committed notebooks
+    assert report.with_cheat_sheet(README, DOC, results=RESULTS) == README
     with pytest.raises(ValueError, match="cheat-sheet markers"):
-        report.with_cheat_sheet("# R\n", DOC, "README.md")
+        report.with_cheat_sheet("# R\n", DOC, "README.md", RESULTS)
 
 
 def test_readme_with_generated_takes_the_doc_beside_the_readme(tmp_path):
@@ -58,5 +93,8 @@ def test_readme_with_generated_takes_the_doc_beside_the_readme(tmp_path):
     assert "STALE-COPY" in report.readme_with_generated(readme, text, [])  # no doc beside it: kept
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "cheat_sheet.md").write_text(DOC)
-    new = report.readme_with_generated(readme, text, [])
-    assert "STALE-COPY" not in new and BODY in new
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    new = report.readme_with_generated(readme, text, notebooks)
+    assert "STALE-COPY" not in new and BODY in new  # cited from the notebooks given
+    with pytest.raises(ValueError, match="no published table"):
+        report.readme_with_generated(readme, text, [])

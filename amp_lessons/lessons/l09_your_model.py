@@ -38,14 +38,16 @@ AGREEMENT = 0.05  # the doctor's ResNet-50 speed rows against lesson 04's: withi
 # --- the practitioner's cheat sheet ---------------------------------------------------------------
 
 def cheat_sheet() -> str:
-    """The course's cheat sheet as markdown: ``docs/cheat_sheet.md``, else the README's
+    """The course's cheat sheet as markdown: ``docs/cheat_sheet.md`` with its citations filled
+    from the committed notebooks' published tables (as the README shows it), else the README's
     ``## Cheat sheet`` section; where the package was installed without the repository (Colab,
     Kaggle), a line with its address instead."""
     if CHEAT_SHEET.is_file():
         text = CHEAT_SHEET.read_text(encoding="utf-8")
-        if text.lstrip().startswith("<!--"):  # the maintainers' note at its top
-            text = text.split("-->", 1)[1].lstrip("\n")
-        return text
+        results = None
+        if _report.CITATION.search(text):
+            results = _report.collect(sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+        return _report.cheat_sheet_body(text, results) + "\n"
     readme = REPO / "README.md"
     text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
     if "\n## Cheat sheet" in text:

@@ -1,0 +1,52 @@
+"""benchmarks/capture_bits.py, the diagnosis of "trainer defaults, CUDA graph" against the
+hand-captured step, runs on a CPU (its eager variants only) and finds them bitwise equal there;
+a variant that trains differently is caught at the step it diverges."""
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "capture_bits.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("capture_bits", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_eager_variants_agree_on_the_cpu(tmp_path, monkeypatch, capsys):
+    bits = load()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    bits.main(["--quick", "--steps", "3"])
+    out = json.loads((tmp_path / "capture_bits.json").read_text())
+    assert set(out["compare"]) == {"eager: hand", "eager: hand + unscale_",
+                                   "eager: trainer defaults", "eager: trainer lean"}
+    for row in out["compare"].values():
+        assert row["bitwise_equal_to_hand"] and row["first_step_whose_weights_differ"] is None
+    assert all(len(log) == 3 for log in out["runs"].values())
+    capsys.readouterr()
+
+
+def test_a_different_run_is_caught_at_its_first_step(monkeypatch, tmp_path, capsys):
+    bits = load()
+    real = bits.hand
+
+    def slower(device, quick, graph, unscale):  # a learning rate of its own: another run
+        step, m, opt = real(device, quick, graph, unscale)
+        if unscale:
+            for g in opt.param_groups:
+                g["lr"] = 0.02
+        return step, m, opt
+
+    monkeypatch.setattr(bits, "hand", slower)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    bits.main(["--quick", "--steps", "3"])
+    row = json.loads((tmp_path / "capture_bits.json").read_text())["compare"][
+        "eager: hand + unscale_"]
+    assert not row["bitwise_equal_to_hand"] and row["first_step_whose_weights_differ"] == 0
+    assert row["largest_difference"] > 0 and "model.0.weight" in row["differing"]
+    assert bits.weight_hash(torch.nn.Linear(2, 2)) != 0
+    capsys.readouterr()

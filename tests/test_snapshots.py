@@ -92,3 +92,112 @@ def test_plotly_js_draws_a_packed_figure_exactly_as_the_plain_one():
     assert snapshots.pack_figure(packed) == 1
     with snapshots._browser():
         assert snapshots.render_png(packed) == snapshots.render_png(plain)
+
+
+def _chart_like(path: Path):
+    """White, with anti-aliased discs: many pixels of one orange, a few of a red, a blue and a
+    teal (a chart whose series differ in size: lesson 04's fp16 and bf16 points)."""
+    from PIL import Image, ImageDraw
+
+    big = Image.new("RGB", (1600, 800), "white")
+    draw = ImageDraw.Draw(big)
+    for i in range(12):
+        draw.ellipse([60 + 110 * i, 100, 140 + 110 * i, 180], fill="#F58518")
+    for i, color in enumerate(("#E45756", "#E45756", "#4C78A8", "#72B7B2", "#72B7B2")):
+        draw.ellipse([60 + 150 * i, 500, 140 + 150 * i, 580], fill=color)
+    draw.text((40, 700), "peak allocated memory (GiB)", fill="#2a3f5f")
+    big.resize((400, 200), Image.LANCZOS).save(path)
+    return path
+
+
+def test_the_small_png_keeps_every_series_colour(tmp_path):
+    """The palette PNG keeps each solid colour (median cut, used before, turned the red and the
+    teal series into others), and is smaller than the full-colour PNG."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    raw = _chart_like(tmp_path / "c.png").read_bytes()
+    small = snapshots._small_png(raw)
+    before = Image.open(io.BytesIO(raw)).convert("RGB")
+    after = Image.open(io.BytesIO(small)).convert("RGB")
+    assert snapshots._keeps_colors(before, after)
+    pixels = np.asarray(after, dtype=np.int32).reshape(-1, 3)
+    for hex_color in ("#F58518", "#E45756", "#4C78A8", "#72B7B2"):
+        rgb = np.array([int(hex_color[i:i + 2], 16) for i in (1, 3, 5)])
+        assert np.abs(pixels - rgb).sum(axis=1).min() <= 12, hex_color
+    median = before.quantize(colors=8, method=Image.Quantize.MEDIANCUT).convert("RGB")
+    assert not snapshots._keeps_colors(before, median)  # the check sees a lost series
+    assert len(small) < len(raw)
+
+
+def test_the_small_png_falls_back_to_full_colour_when_a_colour_would_be_lost(tmp_path,
+                                                                             monkeypatch):
+    import io
+
+    from PIL import Image
+
+    raw = _chart_like(tmp_path / "c.png").read_bytes()
+    grey = Image.open(io.BytesIO(raw)).convert("L").convert("P")
+    monkeypatch.setattr(Image.Image, "quantize", lambda self, *a, **k: grey)
+    out = Image.open(io.BytesIO(snapshots._small_png(raw))).convert("RGB")
+    assert snapshots._keeps_colors(Image.open(io.BytesIO(raw)).convert("RGB"), out)
+
+
+def _trace_colors(figure: dict):
+    """The hex colours a figure's visible traces name for their markers and lines."""
+    found = set()
+    for trace in figure.get("data", []):
+        if trace.get("visible", True) is not True:
+            continue
+        for part in ("marker", "line"):
+            color = (trace.get(part) or {}).get("color")
+            if isinstance(color, str) and color.startswith("#") and len(color) == 7:
+                found.add(color.lower())
+    return sorted(found)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_committed_image_shows_each_series_colour(path):
+    """The static image of each committed figure shows every colour its visible traces name
+    (a palette that merges two series' colours, as median cut did to lesson 04's fp16 and bf16
+    points, fails here)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    nb = nbformat.read(path, as_version=4)
+    for cell, out in snapshots.figure_outputs(nb):
+        image = Image.open(io.BytesIO(base64.b64decode(out["data"][snapshots.IMAGE_MIME])))
+        pixels = np.unique(np.asarray(image.convert("RGB"), dtype=np.int32).reshape(-1, 3),
+                           axis=0)
+        for color in _trace_colors(out["data"][snapshots.PLOTLY_MIME]):
+            rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
+            assert np.abs(pixels - rgb).sum(axis=1).min() <= 12, \
+                f"{path.name} cell {cell}: {color} is not in its image"
+
+
+def test_figure_colors_reads_every_colour_a_figure_names():
+    fig = {"data": [{"marker": {"color": "#E45756"}, "line": {"color": "rgba(10, 20, 30, 0.5)"}}],
+           "layout": {"template": {"layout": {"xaxis": {"gridcolor": "#ebf0f8"}}},
+                      "paper_bgcolor": "rgb(300,0,0)"}}
+    assert snapshots.figure_colors(fig).tolist() == [[10, 20, 30], [228, 87, 86],
+                                                     [235, 240, 248], [255, 0, 0]]
+    assert snapshots.figure_colors({"data": []}).shape == (0, 3)
+
+
+def test_grid_lines_count_and_series_blends_do_not():
+    """A pale grey line between pixel rows (two rows of blends) is a grid line; a pale pink
+    run (the edge of a flat red series) and short runs are not."""
+    import numpy as np
+
+    a = np.full((40, 60, 3), 255, dtype=np.uint8)
+    a[10, :] = (240, 244, 250)
+    a[11, :] = (250, 251, 253)
+    a[20, 5:55] = (248, 213, 212)
+    a[30, 5:15] = (200, 200, 200)
+    lines = snapshots._line_colors(a).tolist()
+    assert [240, 244, 250] in lines and [250, 251, 253] in lines
+    assert [248, 213, 212] not in lines and [200, 200, 200] not in lines

@@ -1,20 +1,15 @@
 """benchmarks/capture_bits.py, the diagnosis of "trainer defaults, CUDA graph" against the
 hand-captured step, runs on a CPU (its eager variants only) and finds them bitwise equal there;
 a variant that trains differently is caught at the step it diverges."""
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "capture_bits.py"
+from script_helpers import load_benchmark
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("capture_bits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("capture_bits")
 
 
 def test_the_eager_variants_agree_on_the_cpu(tmp_path, monkeypatch, capsys):
@@ -50,3 +45,10 @@ def test_a_different_run_is_caught_at_its_first_step(monkeypatch, tmp_path, caps
     assert row["largest_difference"] > 0 and "model.0.weight" in row["differing"]
     assert bits.weight_hash(torch.nn.Linear(2, 2)) != 0
     capsys.readouterr()
+
+
+def test_load_benchmark_names_a_missing_script():
+    import pytest
+
+    with pytest.raises(ValueError, match="name must be a script in benchmarks/"):
+        load_benchmark("no_such_script")

@@ -2,22 +2,17 @@
 and the engine's timer run interleaved and are written with their costs and the noise floor; the
 plain loop and the engine's step train the same weights to the same result. The numbers mean
 nothing here; the H200 run decides (issue 21)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "instrument.py"
+from script_helpers import BENCHMARKS, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def instrument():
-    spec = importlib.util.spec_from_file_location("instrument", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("instrument")
 
 
 def test_bootstrap_gives_the_median_and_an_interval_around_it(instrument):
@@ -60,7 +55,7 @@ def test_smoke_run_writes_every_variant(instrument, tmp_path):
 
 def test_report_renders_a_committed_run(instrument, capsys):
     """``--report`` prints the JSON as NOTES.md's table, numbers from the JSON only."""
-    path = SCRIPT.parent / "results" / "instrument_h200_checkpoint.json"
+    path = BENCHMARKS / "results" / "instrument_h200_checkpoint.json"
     doc = json.loads(path.read_text())
     text = instrument.markdown(doc)
     c = doc["configs"][0]

@@ -1,22 +1,18 @@
 """benchmarks/trainer_overhead.py on the CPU (tiny sizes): it runs within its budget, reports
 its noise floor and each variant's interval, and every eager variant ends bitwise equal to its
 hand loop. The numbers themselves mean nothing here; the H200 run decides (issue 22)."""
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "trainer_overhead.py"
+from script_helpers import load_benchmark
+
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("trainer_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("trainer_overhead")
 
 
 def test_noise_floor_and_intervals(bench):
@@ -139,6 +135,20 @@ def test_rounds_stop_at_block_ends_and_keep_gc_off(bench):
                                 clock=lambda: now[0]) == rounds
 
 
+def assert_a_bad_step_changes_nothing(bench, step, model, opt, x, y) -> dict:
+    """Run ``step`` on ``x`` with an inf in it: weights, buffers and optimizer state stay
+    bitwise as they were. Returns them as they were."""
+    import torch
+
+    before = {k: v.clone() for k, v in bench.state_of(model, opt).items()}
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    step(bad, y)
+    after = bench.state_of(model, opt)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    return before
+
+
 def test_the_found_inf_hand_loop_skips_a_bad_step(bench):
     """The hand loop with the same check as the trainer's lean skip: a step whose gradients
     hold an inf leaves weights and fused AdamW's state bitwise as they were (on the CPU)."""
@@ -149,12 +159,7 @@ def test_the_found_inf_hand_loop_skips_a_bad_step(bench):
     _, x, y = bench.build("mlp_bf16", torch.device("cpu"), True)
     for _ in range(2):
         step(x, y)
-    before = {k: v.clone() for k, v in bench.state_of(model, opt).items()}
-    bad = x.clone()
-    bad[0, 0] = float("inf")
-    step(bad, y)
-    after = bench.state_of(model, opt)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    before = assert_a_bad_step_changes_nothing(bench, step, model, opt, x, y)
     step(x, y)
     assert not torch.equal(before["model.0.weight"], model.state_dict()["0.weight"])
 
@@ -184,9 +189,4 @@ def test_the_logging_hand_loop_logs_the_trainers_figures(bench, network):
     assert [n.item() for _, n, _, _ in step.log] == [r.grad_norm for r in records]
     assert all(end >= start for _, _, start, end in step.log)
     if network == "mlp_bf16":
-        before = {k: v.clone() for k, v in bench.state_of(model, opt).items()}
-        bad = x.clone()
-        bad[0, 0] = float("inf")
-        step(bad, y)
-        after = bench.state_of(model, opt)
-        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert_a_bad_step_changes_nothing(bench, step, model, opt, x, y)

@@ -2,18 +2,13 @@
 ``bench.run_configs`` as the notebook measures it; the compiled rows read "skipped" with the
 reason and run eagerly at tiny sizes; ``--report`` renders the JSON. The H200 run decides
 (issue 22)."""
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "trainer_row.py"
+from script_helpers import BENCHMARKS, load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("trainer_row", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("trainer_row")
 
 
 def test_the_trainer_row_runs_and_reports_on_the_cpu(tmp_path, capsys):
@@ -34,7 +29,7 @@ def test_the_trainer_row_runs_and_reports_on_the_cpu(tmp_path, capsys):
 
 
 def test_the_committed_h200_run_reads_back():
-    doc = json.loads((SCRIPT.parent / "results" / "trainer_row_h200.json").read_text())
+    doc = json.loads((BENCHMARKS / "results" / "trainer_row_h200.json").read_text())
     text = _load().markdown(doc)
     assert doc["rows"][0]["config"]["loop"] == "trainer" and doc["rows"][0]["status"] == "ok"
     assert f"{doc['rows'][0]['img_per_s']:,.0f}" in text and "batch 512" in text

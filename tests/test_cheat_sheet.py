@@ -38,7 +38,7 @@ def test_a_citation_names_what_it_cannot_find():
         "**p** and `q`"
     for bad, message in (("t.one | b", "must read"), ("t.two | b | x", "no published table"),
                          ("t.one | b | z", "no column 'z'"), ("t.one | y=p | x", "2 rows"),
-                         ("t.one | d | x", "0 rows")):
+                         ("t.one | d | x", "0 rows"), ("t.one | run=a; run=b | x", "0 rows")):
         with pytest.raises(ValueError, match=message):
             report.cite(results, bad)
     with pytest.raises(ValueError, match="results must be given"):

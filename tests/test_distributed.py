@@ -285,6 +285,7 @@ def test_scaling_and_memory_figures():
     assert [t.name for t in fig.data] == ["a", "a: perfect"]
     assert list(fig.data[1].y) == [pytest.approx(400.0), pytest.approx(800.0)]
     assert fig.data[0].text[1] == f"{result.find('a', 2)['efficiency']:.0%}"
+    assert fig.data[0].text[0] == "" and list(fig.data[0].customdata) == ["100%", fig.data[0].text[1]]
     assert fig.layout.title.text and fig.layout.xaxis.title.text
     assert "/s" in fig.layout.yaxis.title.text
     mem = plots.memory_per_rank_figure(result.rows)

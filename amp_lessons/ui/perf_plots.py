@@ -293,8 +293,9 @@ def scaling_figure(summary: Sequence[Dict[str, Any]],
     """Lesson 06: examples/s of each run against its world size, with perfect scaling dashed.
 
     ``summary``: ``SweepResult.summary()`` rows (label, world_size, per_s, efficiency, unit).
-    Each point is labelled with its scaling efficiency (throughput over world size x the
-    one-process throughput) where the sweep ran the one-process case.
+    Each point of two or more processes is labelled with its scaling efficiency (throughput
+    over world size x the one-process throughput) where the sweep ran the one-process case
+    (one process, 100% by definition, is not labelled; its hover says it).
     """
     if not summary:
         raise ValueError("summary must hold at least one row")
@@ -304,13 +305,15 @@ def scaling_figure(summary: Sequence[Dict[str, Any]],
         rows = sorted((r for r in summary if r["label"] == label), key=lambda r: r["world_size"])
         color = _L06_COLORS[i % len(_L06_COLORS)]
         n = [r["world_size"] for r in rows]
-        text = [f"{r['efficiency']:.0%}" if r.get("efficiency") is not None else ""
-                for r in rows]
+        efficiency = [f"{r['efficiency']:.0%}" if r.get("efficiency") is not None else "n/a"
+                      for r in rows]
+        # one process is 100% by definition: its label would only stack on the others'
+        text = ["" if k == 1 else e.replace("n/a", "") for k, e in zip(n, efficiency)]
         fig.add_trace(go.Scatter(x=n, y=[r["per_s"] for r in rows], name=label,
-                                 mode="lines+markers+text", text=text,
+                                 mode="lines+markers+text", text=text, customdata=efficiency,
                                  textposition="top left", line=dict(color=color),
                                  hovertemplate="%{x} processes: %{y:,.0f}/s<br>"
-                                               "scaling efficiency %{text}<extra>" + label
+                                               "scaling efficiency %{customdata}<extra>" + label
                                                + "</extra>"))
         one = next((r["per_s"] for r in rows if r["world_size"] == 1), None)
         if one is not None and len(n) > 1:

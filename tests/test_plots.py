@@ -281,3 +281,40 @@ def test_plots_has_one_import_block_and_no_claim_ids():
     assert not re.search(r"^(import|from) ", body, re.M), "imports only at the top"
     assert "_l01_" not in src and "_L0" not in src
     assert not re.search(r"\b(claim_|[RB]\d+[a-d]?\b)", src)
+
+
+def test_label_positions_keep_labels_apart_in_a_cluster():
+    """Seven long labels on points crowded into a corner (lesson 05's checkpointed runs):
+    no two estimated label boxes overlap; lone points keep their label beside them."""
+    from amp_lessons.ui import plots as P
+
+    x = [52.9, 55.7, 55.8, 60.3, 68.5, 75.3, 51.5, 120.0]
+    y = [5.43, 5.18, 4.94, 6.50, 4.75, 4.75, 7.19, 20.0]
+    labels = ["AMP + checkpointing stem+layer1-2 + CUDA graph",
+              "AMP + checkpointing stem+layer1-2", "AMP + checkpointing + CUDA graph",
+              "AMP + checkpointing per stage", "AMP + checkpointing", "bf16 + checkpointing",
+              "AMP + checkpointing stem+layer1", "TF32"]
+    places = P.label_positions(x, y, labels, (0, 150), (0, 23), height=520)
+    assert len(places) == len(x) and places[-1] == "top center"
+    assert all(isinstance(p, str) or (isinstance(p, tuple) and len(p) == 2) for p in places)
+    boxes = []
+    for i, place in enumerate(places):  # the same estimate the function makes
+        cx, cy = x[i] / 150 * 800, y[i] / 23 * 390
+        w, h = 6.0 * len(labels[i]), 12.0
+        if isinstance(place, tuple):
+            boxes.append((cx + place[0] - w / 2, cy + place[1] - h / 2,
+                          cx + place[0] + w / 2, cy + place[1] + h / 2))
+            continue
+        vertical, horizontal = place.split()
+        x0 = {"center": cx - w / 2, "right": cx + 6, "left": cx - 6 - w}[horizontal]
+        y0 = {"top": cy + 6, "bottom": cy - 6 - h, "middle": cy - h / 2}[vertical]
+        boxes.append((x0, y0, x0 + w, y0 + h))
+    for i in range(len(boxes)):
+        for j in range(i):
+            a, b = boxes[i], boxes[j]
+            assert min(a[2], b[2]) <= max(a[0], b[0]) or min(a[3], b[3]) <= max(a[1], b[1]), \
+                (labels[i], labels[j])
+    with pytest.raises(ValueError, match="same length"):
+        P.label_positions([1], [1, 2], ["a"], (0, 1), (0, 1))
+    with pytest.raises(ValueError, match="high > low"):
+        P.label_positions([1], [1], ["a"], (1, 1), (0, 1))

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 
 from .._validate import is_real
 from ..tables import plural, shown_technique
-from .plots import preset_comparison, styled, with_caveat
+from .plots import label_positions, preset_comparison, styled, with_caveat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,19 +94,6 @@ _L05_COLORS = {"fp32": "#4C78A8", "fp32 + checkpointing": "#9ECAE9", "AMP": "#F5
                "AMP + checkpointing + CUDA graph": "#FF7F7F",
                "AMP + checkpointing stem+layer1-2 + CUDA graph": "#8C1D18"}
 _L05_OTHER = ("#54A24B", "#B279A2", "#9D755D", "#BAB0AC")
-# AMP and bf16 land on top of each other: their labels go left and right, checkpointed below
-_L05_TEXT = {"fp32": "top center", "fp32 + checkpointing": "bottom center", "AMP": "top left",
-             "AMP + checkpointing": "bottom left", "bf16": "top right",
-             "bf16 + checkpointing": "bottom right",
-             "AMP + checkpointing stem+layer1": "top right",
-             "AMP + checkpointing stem+layer1-2": "bottom right",
-             "AMP + checkpointing layer1-2": "top right",
-             "AMP + checkpointing per stage": "bottom right",
-             "AMP + selective checkpointing": "top center", "AMP + CUDA graph": "bottom left",
-             "AMP + checkpointing + CUDA graph": "bottom left",
-             "AMP + checkpointing stem+layer1-2 + CUDA graph": "bottom left"}
-
-
 def _l05_color(name: str, i: int) -> str:
     return _L05_COLORS.get(name, _L05_OTHER[i % len(_L05_OTHER)])
 
@@ -150,12 +137,24 @@ def technique_memory_time(rows: Sequence[Mapping[str, Any]],
             x=[r["step_ms"] for r in on_front], y=[r["memory_gib"] for r in on_front],
             mode="lines", name="frontier", line=dict(color="#888", dash="dash", width=1.5),
             hoverinfo="skip"))
-    for i, (r, name) in enumerate(zip(shown, names)):
+    # room for the labels beside the outermost points
+    top_x = max([r["step_ms"] for r in shown] + list(time_lines.values()))
+    top_y = max([r["memory_gib"] for r in shown] + list(memory_lines.values()))
+    x_range, y_range = (0, 1.25 * top_x), (0, 1.15 * top_y)
+    labels = [shown_technique(r) for r in shown]  # TF32 where fp32 ran with TF32 math
+    positions = label_positions([r["step_ms"] for r in shown], [r["memory_gib"] for r in shown],
+                                labels, x_range, y_range, height=520)
+    for i, (r, name, label) in enumerate(zip(shown, names, labels)):
         star = name in frontier
-        label = shown_technique(r)  # TF32 where the fp32 technique ran with TF32 math
+        beside = isinstance(positions[i], str)
+        if not beside:  # a label farther out, joined to its point by a line
+            dx, dy = positions[i]
+            fig.add_annotation(x=r["step_ms"], y=r["memory_gib"], text=label, ax=dx, ay=-dy,
+                               showarrow=True, arrowhead=0, arrowwidth=1, arrowcolor="#999",
+                               standoff=6, font=dict(size=10))
         fig.add_trace(go.Scatter(
             x=[r["step_ms"]], y=[r["memory_gib"]], mode="markers+text", name=label,
-            text=[label], textposition=_L05_TEXT.get(name, "top center"),
+            text=[label if beside else ""], textposition=positions[i] if beside else "top center",
             textfont=dict(size=10),
             marker=dict(size=14 if star else 10, color=_l05_color(name, i),
                         symbol="star" if star else "circle", line=dict(width=1, color="#333")),
@@ -178,11 +177,8 @@ def technique_memory_time(rows: Sequence[Mapping[str, Any]],
     fig = styled(fig, title, "training step time (ms, median)", f"memory (GiB, {source})",
                  height=520)
     fig.update_layout(showlegend=len(shown) <= 6)
-    # room for the labels beside the outermost points
-    top_x = max([r["step_ms"] for r in shown] + list(time_lines.values()))
-    top_y = max([r["memory_gib"] for r in shown] + list(memory_lines.values()))
-    fig.update_xaxes(range=[0, 1.25 * top_x])
-    fig.update_yaxes(range=[0, 1.15 * top_y])
+    fig.update_xaxes(range=list(x_range))
+    fig.update_yaxes(range=list(y_range))
     return fig
 
 

@@ -35,6 +35,77 @@ def styled(fig: go.Figure, title: str, x_title: str, y_title: str, height: int =
     return fig
 
 
+# where plotly draws a text label beside its point
+_TEXT_POSITIONS = ("top center", "bottom center", "top right", "bottom right", "top left",
+                   "bottom left", "middle right", "middle left")
+# farther places, joined to the point by a line: (dx, dy) pixels from it to the label's centre
+_LEADER_OFFSETS = tuple((round(r * math.cos(a)), round(r * math.sin(a)))
+                        for r in (34, 56, 80) for a in np.linspace(0, 2 * math.pi, 12,
+                                                                   endpoint=False))
+
+
+def label_positions(x: Sequence[float], y: Sequence[float], labels: Sequence[str],
+                    x_range: Sequence[float], y_range: Sequence[float], width: int = 900,
+                    height: int = 420, font_px: float = 10.0,
+                    margin: Sequence[int] = (70, 30, 70, 60)) -> list:
+    """Where to write each point's label so that labels overlap neither each other nor the
+    points, as far as that can be done: a plotly ``textposition`` beside the point (a string),
+    or, where every place beside it is taken, an offset ``(dx, dy)`` in pixels (up is +dy) to a
+    label joined to the point by a line. Points are placed from the top of the chart down, each
+    in the first free place (beside it first, then farther out), else the one that overlaps
+    least. Boxes are estimated: ``font_px`` high, 0.6 ``font_px`` a character wide, in a
+    ``width`` x ``height`` figure with ``margin`` = (left, right, top, bottom) pixels around the
+    axes' ``x_range`` and ``y_range``. Fixed places chosen for one run's numbers collide in the
+    next (lesson 05's cluster of checkpointed runs did)."""
+    n = len(x)
+    if not (len(y) == len(labels) == n):
+        raise ValueError(f"x, y and labels must have the same length; got {n}, {len(y)}, "
+                         f"{len(labels)}")
+    if not (x_range[1] > x_range[0] and y_range[1] > y_range[0]):
+        raise ValueError(f"x_range and y_range must be (low, high) with high > low; got "
+                         f"{tuple(x_range)}, {tuple(y_range)}")
+    left, right, top, bottom = margin
+    plot_w, plot_h = max(width - left - right, 1), max(height - top - bottom, 1)
+    points = [((x[i] - x_range[0]) / (x_range[1] - x_range[0]) * plot_w,
+               (y[i] - y_range[0]) / (y_range[1] - y_range[0]) * plot_h) for i in range(n)]
+
+    def box(i, place):
+        (cx, cy), h, gap = points[i], 1.2 * font_px, 6.0
+        w = 0.6 * font_px * len(str(labels[i]))
+        if not isinstance(place, str):  # a label's centre at an offset
+            return cx + place[0] - w / 2, cy + place[1] - h / 2, cx + place[0] + w / 2, \
+                cy + place[1] + h / 2
+        vertical, horizontal = place.split()
+        x0 = {"center": cx - w / 2, "right": cx + gap, "left": cx - gap - w}[horizontal]
+        y0 = {"top": cy + gap, "bottom": cy - gap - h, "middle": cy - h / 2}[vertical]
+        return x0, y0, x0 + w, y0 + h
+
+    def overlap(a, b):
+        return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3])
+                                                                   - max(a[1], b[1]))
+
+    def outside(b):  # the part of a box beyond the plot area
+        kept = (max(0.0, min(b[2], plot_w) - max(b[0], 0))
+                * max(0.0, min(b[3], plot_h) - max(b[1], 0)))
+        return (b[2] - b[0]) * (b[3] - b[1]) - kept
+
+    markers = [(cx - 7, cy - 7, cx + 7, cy + 7) for cx, cy in points]
+    placed, out = [], [None] * n
+    for i in sorted(range(n), key=lambda k: (-y[k], x[k])):
+        best = None
+        for place in _TEXT_POSITIONS + _LEADER_OFFSETS:
+            b = box(i, place)
+            cost = (sum(overlap(b, p) for p in placed) + outside(b)
+                    + sum(overlap(b, m) for j, m in enumerate(markers) if j != i))
+            if best is None or cost < best[0]:
+                best = (cost, place, b)
+            if cost == 0:
+                break
+        out[i] = best[1]
+        placed.append(best[2])
+    return out
+
+
 def with_caveat(fig: go.Figure, caveat: str, width: int = 110) -> go.Figure:
     """``fig`` with ``caveat`` (what its numbers cannot show, in words) in a box below the plot,
     wrapped at ``width`` characters, so a saved image carries it too; ``""`` adds nothing."""

@@ -594,7 +594,7 @@ def test_loss_figure():
                  "status": "not run: no torchao"})
     fig = U.loss_figure(runs, smooth=1)
     assert "bf16 against FP8" in fig.layout.title.text
-    assert fig.layout.xaxis.title.text == "step" and "nats" in fig.layout.yaxis.title.text
+    assert fig.layout.xaxis.title.text == "optimizer step (count)" and "nats" in fig.layout.yaxis.title.text
     assert "nats" in fig.layout.yaxis2.title.text
     names = [t.name for t in fig.data]
     assert "tensorwise, seed 0 minus bf16" in names and len(names) == 5
@@ -656,3 +656,23 @@ def test_show_rows_shows_an_html_table_in_the_lessons_number_style(monkeypatch):
     assert bundle["text/plain"].splitlines()[0] == "runs" and "2,000" in bundle["text/plain"]
     with pytest.raises(ValueError, match="rows"):
         L.show_rows([])
+
+
+def test_lesson07_figures_wear_the_course_template():
+    """Lesson 07's figures use the template and title placement of every other lesson's, and
+    the loss figure's legend sits below its two panels (beside them it took a third of the
+    width)."""
+    from amp_lessons.ui import fp8_plots, plots
+
+    speed = fp8_plots.speed_figure([{"width": 1024, "recipe": "tensorwise", "speedup": 1.2,
+                                     "step_ms": 5.0, "peak_gib": 1.0}])
+    runs = [{"status": "trained", "label": f"bf16, seed {s}", "recipe": "bf16", "seed": s,
+             "losses": [3.0 - 0.01 * i for i in range(100)]} for s in (0, 1)]
+    runs.append({"status": "trained", "label": "float8 tensorwise, seed 0",
+                 "recipe": "tensorwise", "seed": 0, "losses": [3.0 - 0.011 * i for i in range(100)]})
+    loss = fp8_plots.loss_figure(runs)
+    for fig in (speed, loss):
+        assert fig.layout.template.layout.to_plotly_json() == \
+            plots.go.Figure(layout=dict(template=plots.TEMPLATE)).layout.template.layout.to_plotly_json()
+        assert fig.layout.title.x == 0.01
+    assert loss.layout.legend.orientation == "h" and loss.layout.legend.y < 0

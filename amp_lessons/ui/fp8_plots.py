@@ -18,6 +18,8 @@ def error_figure(rows: Sequence[Mapping], title: str = "FP8 round-trip error of 
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    from .plots import TEMPLATE
+
     summary = error_summary(rows) if rows and "layer" in rows[0] else list(rows)
     if not summary:
         raise ValueError("rows must hold at least one row (see error_table)")
@@ -41,7 +43,8 @@ def error_figure(rows: Sequence[Mapping], title: str = "FP8 round-trip error of 
                 row=1, col=col)
     fig.update_yaxes(type="log", title_text="relative error (%, log scale)", row=1, col=1)
     fig.update_xaxes(title_text="tensor (lesson 02's MLP on digits)")
-    fig.update_layout(title=title, barmode="group", height=380, legend_title_text="scaling")
+    fig.update_layout(title=dict(text=title, x=0.01), template=TEMPLATE, barmode="group",
+                      height=380, legend_title_text="scaling")
     return fig
 
 
@@ -50,6 +53,8 @@ def speed_figure(rows: Sequence[Mapping],
     """Speed-up over compiled bf16 (x) against MLP width, one line per float8 recipe; where
     nothing was measured, the figure says why."""
     import plotly.graph_objects as go
+
+    from .plots import styled
 
     if not rows:
         raise ValueError("rows must hold at least one row (see speed_sweep)")
@@ -71,10 +76,10 @@ def speed_figure(rows: Sequence[Mapping],
         why = next((r["status"] for r in rows), NOT_MEASURED)
         fig.add_annotation(text=why[:110] + ("..." if len(why) > 110 else ""), showarrow=False,
                            xref="paper", yref="paper", x=0.5, y=0.6)
-    fig.update_xaxes(type="log", tickvals=widths, ticktext=[f"{w:,}" for w in widths],
-                     title_text="MLP width d (Linear d -> 4d -> d, log scale)")
-    fig.update_yaxes(title_text="speed-up over compiled bf16 (x, step time ratio)", rangemode="tozero")
-    fig.update_layout(title=title, height=380)
+    styled(fig, title, "MLP width d (Linear d -> 4d -> d, log scale)",
+           "speed-up over compiled bf16 (x, step time ratio)", height=380)
+    fig.update_xaxes(type="log", tickvals=widths, ticktext=[f"{w:,}" for w in widths])
+    fig.update_yaxes(rangemode="tozero")
     return fig
 
 
@@ -95,6 +100,8 @@ def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Op
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    from .plots import TEMPLATE
+
     trained = [r for r in runs if r.get("status") == "trained"]
     if not trained:
         raise ValueError("runs must hold at least one trained run (see accuracy_runs)")
@@ -106,7 +113,7 @@ def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Op
     base = [r for r in trained if r["recipe"] == "bf16"]
     name = "fp32" if any(r["label"].startswith("fp32") for r in base) else "bf16"
     title = title or f"A small GPT on the standard library: {name} against FP8"
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14, subplot_titles=(
         "training loss", f"FP8 minus {name} (same seed), and the {name} seed band"))
     for r in trained:
         fp8 = r["recipe"] != "bf16"
@@ -129,9 +136,13 @@ def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Op
                 fig.add_trace(go.Scatter(x=x, y=gap, mode="lines", name=f"{r['label']} minus {name}",
                                          line=dict(width=2)), row=1, col=2)
     fig.add_hline(y=0, line_color="gray", line_dash="dash", row=1, col=2)
-    fig.update_xaxes(title_text="step")
+    fig.update_xaxes(title_text="optimizer step (count)")
     fig.update_yaxes(title_text="cross-entropy (nats per byte)", row=1, col=1)
     fig.update_yaxes(title_text="loss difference (nats per byte)", row=1, col=2)
-    fig.update_layout(title=f"{title} (smoothed over {plural(window, 'step')})", height=420)
+    # the legend below the two panels: beside them it took a third of the width
+    fig.update_layout(title=dict(text=f"{title} (smoothed over {plural(window, 'step')})",
+                                 x=0.01),
+                      template=TEMPLATE, height=500, margin=dict(l=70, r=30, t=90, b=150),
+                      legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0))
     return fig
 

@@ -167,3 +167,15 @@ def test_readme_module_table_matches_the_code():
     actual |= {p.parent.name for p in PKG.glob("*/__init__.py")} - {"ui", "lessons"}
     assert listed == actual, (f"README's module table lists {sorted(listed - actual)} that do not "
                               f"exist and misses {sorted(actual - listed)}")
+
+
+def test_readme_counts_and_lists_every_lesson():
+    """The README's opening counts the lesson notebooks there are, and its lessons table links
+    each of them (the opening said "Seven" for two lessons after 08 and 09 landed)."""
+    readme = (ROOT / "README.md").read_text()
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    words = {7: "Seven", 8: "Eight", 9: "Nine", 10: "Ten", 11: "Eleven", 12: "Twelve"}
+    opening = readme.split("\n## ", 1)[0]
+    assert f"{words[len(notebooks)]} ordered notebooks" in opening
+    table = readme.split("## The lessons", 1)[1].split("\n## ", 1)[0]
+    assert all(f"(notebooks/{nb.name})" in table for nb in notebooks)

@@ -84,6 +84,9 @@ def test_cheat_sheet_and_fingerprint(monkeypatch, tmp_path):
     (tmp_path / "sheet.md").write_text("<!-- note\nfor maintainers -->\n### Chart\n")
     monkeypatch.setattr(L, "CHEAT_SHEET", tmp_path / "sheet.md")
     assert L.cheat_sheet() == "### Chart\n"
+    # a citation the notebooks here cannot fill (none here): the README's filled copy
+    (tmp_path / "sheet.md").write_text("<!-- n -->\n**{{lesson04.resnet | fp32 | img/s}}**\n")
+    assert L.cheat_sheet() == "## Cheat sheet\n\n| a |\n"
     net = torch.nn.Linear(2, 2)
     before = L.fingerprint(net)
     assert L.unchanged(net, before)

@@ -39,15 +39,19 @@ AGREEMENT = 0.05  # the doctor's ResNet-50 speed rows against lesson 04's: withi
 
 def cheat_sheet() -> str:
     """The course's cheat sheet as markdown: ``docs/cheat_sheet.md`` with its citations filled
-    from the committed notebooks' published tables (as the README shows it), else the README's
-    ``## Cheat sheet`` section; where the package was installed without the repository (Colab,
-    Kaggle), a line with its address instead."""
+    from the notebooks' published tables (as the README shows it), else, where a citation finds
+    nothing there (the learner's own runs of the lessons replaced the committed ones, say), the
+    README's ``## Cheat sheet`` section, filled from the committed runs; where the package was
+    installed without the repository (Colab, Kaggle), a line with its address instead."""
     if CHEAT_SHEET.is_file():
         text = CHEAT_SHEET.read_text(encoding="utf-8")
         results = None
         if _report.CITATION.search(text):
             results = _report.collect(sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")))
-        return _report.cheat_sheet_body(text, results) + "\n"
+        try:
+            return _report.cheat_sheet_body(text, results) + "\n"
+        except ValueError:  # a citation the notebooks here cannot fill: the README's copy
+            pass
     readme = REPO / "README.md"
     text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
     if "\n## Cheat sheet" in text:

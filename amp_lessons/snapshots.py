@@ -78,20 +78,34 @@ def render_png(figure: dict, scale: float = 1.0) -> bytes:
     return _small_png(png, keep=figure_colors(figure))
 
 
+def _codes(rgb):
+    """An RGB image's pixels as one int each (0xRRGGBB), same shape without the channels."""
+    import numpy as np
+
+    a = np.asarray(rgb, dtype=np.int32)
+    return (a[..., 0] << 16) | (a[..., 1] << 8) | a[..., 2]
+
+
+def _colors(codes):
+    """``_codes``' ints back to an (n, 3) int array of RGB colours."""
+    import numpy as np
+
+    c = np.asarray(codes, dtype=np.int64).reshape(-1)
+    return np.stack([(c >> 16) & 255, (c >> 8) & 255, c & 255], axis=1).astype(np.int32)
+
+
 def _solid_colors(rgb, min_pixels: int = 10):
     """The colours of an RGB image that fill areas: colours of at least ``min_pixels`` pixels
     whose four neighbours share their colour (series markers, thick lines, fills, heatmap
     cells; not the blends anti-aliasing makes at edges and in text), an (n, 3) int array."""
     import numpy as np
 
-    a = np.asarray(rgb, dtype=np.int32)
-    code = (a[..., 0] << 16) | (a[..., 1] << 8) | a[..., 2]
+    code = _codes(rgb)
     inner = code[1:-1, 1:-1]
     same = ((inner == code[:-2, 1:-1]) & (inner == code[2:, 1:-1])
             & (inner == code[1:-1, :-2]) & (inner == code[1:-1, 2:]))
     values, counts = np.unique(inner[same], return_counts=True)
-    values = values[counts >= min_pixels]
-    return np.stack([(values >> 16) & 255, (values >> 8) & 255, values & 255], axis=1)
+    return _colors(values[counts >= min_pixels])
 
 
 def _line_colors(rgb, length: int = 24, pale: int = 200, grey: int = 16):
@@ -102,19 +116,19 @@ def _line_colors(rgb, length: int = 24, pale: int = 200, grey: int = 16):
     edges of its flat stretches do not count), an (n, 3) int array."""
     import numpy as np
 
-    a = np.asarray(rgb, dtype=np.int32)
-    code = (a[..., 0] << 16) | (a[..., 1] << 8) | a[..., 2]
+    code = _codes(rgb)
     found = set()
     for grid in (code, code.T):
-        run = np.ones(grid[:, : grid.shape[1] - length + 1].shape, dtype=bool)
+        starts = grid.shape[1] - length + 1  # where a run of ``length`` can begin
+        if starts < 1:
+            continue
+        run = np.ones((grid.shape[0], starts), dtype=bool)
         for k in range(1, length):
-            run &= grid[:, k: grid.shape[1] - length + 1 + k] == grid[:, : grid.shape[1] - length + 1]
-        found.update(np.unique(grid[:, : grid.shape[1] - length + 1][run]).tolist())
-    values = np.array(sorted(found), dtype=np.int64)
-    rgb_values = np.stack([(values >> 16) & 255, (values >> 8) & 255, values & 255],
-                          axis=1).astype(np.int32).reshape(-1, 3)
-    spread = rgb_values.max(axis=1) - rgb_values.min(axis=1)
-    return rgb_values[(rgb_values >= pale).all(axis=1) & (spread <= grey)]
+            run &= grid[:, k: starts + k] == grid[:, :starts]
+        found.update(np.unique(grid[:, :starts][run]).tolist())
+    colors = _colors(sorted(found))
+    spread = colors.max(axis=1, initial=0) - colors.min(axis=1, initial=255)
+    return colors[(colors >= pale).all(axis=1) & (spread <= grey)]
 
 
 _HEX = re.compile(r"#([0-9a-fA-F]{6})\b")

@@ -180,7 +180,9 @@ def _add_readme(sub) -> None:
                                    "committed notebooks published in their latest run, its T4 "
                                    "rehearsal table from docs/rehearsal_t4.json and its cheat "
                                    "sheet from docs/cheat_sheet.md, its citations "
-                                   "{{KEY | ROW | COLUMN}} filled from the same tables.")
+                                   "{{KEY | ROW | COLUMN}} filled from the same tables, "
+                                   "and the lessons' cited prose (markdown cells that keep "
+                                   "their citations in metadata amp_lessons.cited) too.")
     p.add_argument("--check", action="store_true",
                    help="change nothing; exit 1 if the section is out of date")
     p.add_argument("--readme", type=Path, default=None, help="README to update (default: the repo's)")
@@ -190,7 +192,7 @@ def _add_readme(sub) -> None:
 def _cmd_readme(args) -> int:
     from . import rehearsal
     from .files import read_text
-    from .report import readme_with_generated
+    from .report import cite_notebooks, readme_with_generated
     from .runner import NOTEBOOK_DIR, course_notebooks
 
     readme = args.readme or NOTEBOOK_DIR.parent / "README.md"
@@ -202,14 +204,18 @@ def _cmd_readme(args) -> int:
         new = readme_with_generated(readme, current, course_notebooks())
         if rehearsal_file.is_file():  # the T4 rehearsal's block, from its committed record
             new = rehearsal.with_rehearsal(new, rehearsal.read_record(rehearsal_file), str(readme))
+        stale = cite_notebooks(course_notebooks(), write=False)  # the lessons' cited prose
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail("readme", str(exc))
     if args.check:
-        if new != current:
-            print(f"{readme}: results, rehearsal or cheat-sheet section is out of date; run "
+        if new != current or stale:
+            names = ", ".join(p.name for p in stale)
+            print(f"{readme}: results, rehearsal or cheat-sheet section is out of date"
+                  f"{f', and the cited prose of {names}' if stale else ''}; run "
                   f"`python -m amp_lessons readme`", file=sys.stderr)
             return 1
-        print(f"{readme}: results, rehearsal and cheat-sheet sections are current")
+        print(f"{readme}: results, rehearsal and cheat-sheet sections and the lessons' cited "
+              f"prose are current")
         return 0
     if new != current:
         try:
@@ -217,6 +223,11 @@ def _cmd_readme(args) -> int:
         except OSError as exc:
             return fail("readme", write_failure(readme, exc), 1)
     print(f"{readme}: {'updated' if new != current else 'already current'}")
+    try:
+        for path in cite_notebooks(course_notebooks()):
+            print(f"{path}: cited prose updated")
+    except (OSError, ValueError) as exc:
+        return fail("readme", str(exc))
     return 0
 
 

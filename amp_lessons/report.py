@@ -266,6 +266,50 @@ def resolve_citations(text: str, results: Sequence[dict]) -> str:
     return CITATION.sub(lambda m: cite(results, m.group(1)), text)
 
 
+CITED = "cited"  # a markdown cell's metadata["amp_lessons"][CITED]: its text with citations
+
+
+def cited_prose(nb, results: Sequence[dict]) -> List[tuple]:
+    """``(cell index, text)`` for every markdown cell of ``nb`` whose metadata keeps its text
+    with citations (``metadata["amp_lessons"]["cited"]``), the text filled from ``results``
+    (``resolve_citations``): lesson prose that quotes a committed run's number says the
+    number that run published, not one typed in after an earlier run."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        template = cell.get("metadata", {}).get("amp_lessons", {}).get(CITED)
+        if cell.get("cell_type") == "markdown" and template is not None:
+            if not isinstance(template, str) or not CITATION.search(template):
+                raise ValueError(f"cell {i}: metadata amp_lessons.{CITED} must be the cell's "
+                                 f"text with at least one {{{{KEY | ROW | COLUMN}}}} citation")
+            out.append((i, resolve_citations(template, results)))
+    return out
+
+
+def cite_notebooks(notebooks: Iterable[Path], write: bool = True) -> List[Path]:
+    """Fill the cited prose (``cited_prose``) of each notebook from the tables all of them
+    publish; returns the notebooks whose text changed, written (atomically) unless ``write``
+    is False. ValueError naming the notebook and citation that finds nothing."""
+    from .files import read_notebook, write_notebook
+
+    notebooks = [Path(p) for p in notebooks]
+    results = collect(notebooks)
+    changed = []
+    for path in notebooks:
+        nb = read_notebook(path)
+        try:
+            filled = cited_prose(nb, results)
+        except ValueError as exc:
+            raise ValueError(f"{path.name}: {exc}") from None
+        stale = [(i, text) for i, text in filled if nb.cells[i].source != text]
+        if stale:
+            for i, text in stale:
+                nb.cells[i].source = text
+            if write:
+                write_notebook(nb, path)
+            changed.append(path)
+    return changed
+
+
 def cheat_sheet_body(doc_text: str, results: Optional[Sequence[dict]] = None) -> str:
     """The cheat sheet's text as the README shows it: ``docs/cheat_sheet.md`` without its leading
     HTML comment (the note to editors), its citations filled from ``results`` (``collect``'s

@@ -192,7 +192,7 @@ def _add_readme(sub) -> None:
 def _cmd_readme(args) -> int:
     from . import rehearsal
     from .files import read_text
-    from .report import cite_notebooks, readme_with_generated
+    from .report import cite_notebooks, collect, readme_with_generated
     from .runner import NOTEBOOK_DIR, course_notebooks
 
     readme = args.readme or NOTEBOOK_DIR.parent / "README.md"
@@ -201,10 +201,12 @@ def _cmd_readme(args) -> int:
     rehearsal_file = NOTEBOOK_DIR.parent / "docs" / "rehearsal_t4.json"
     try:  # every generated block is built before anything is written
         current = read_text(readme, "README")
-        new = readme_with_generated(readme, current, course_notebooks())
+        notebooks = course_notebooks()
+        results = collect(notebooks)  # every notebook read once, for every block
+        new = readme_with_generated(readme, current, notebooks, results)
         if rehearsal_file.is_file():  # the T4 rehearsal's block, from its committed record
             new = rehearsal.with_rehearsal(new, rehearsal.read_record(rehearsal_file), str(readme))
-        stale = cite_notebooks(course_notebooks(), write=False)  # the lessons' cited prose
+        stale = cite_notebooks(notebooks, write=False, results=results)  # lessons' cited prose
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail("readme", str(exc))
     if args.check:
@@ -224,7 +226,7 @@ def _cmd_readme(args) -> int:
             return fail("readme", write_failure(readme, exc), 1)
     print(f"{readme}: {'updated' if new != current else 'already current'}")
     try:
-        for path in cite_notebooks(course_notebooks()):
+        for path in cite_notebooks(stale, results=results):
             print(f"{path}: cited prose updated")
     except (OSError, ValueError) as exc:
         return fail("readme", str(exc))

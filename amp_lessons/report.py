@@ -171,10 +171,12 @@ def collect(notebooks: Iterable[Path]) -> List[dict]:
     return found
 
 
-def results_section(notebooks: Iterable[Path]) -> str:
-    """The README's results section: each published table with the run that measured it."""
+def results_section(notebooks: Iterable[Path],
+                    results: Optional[Sequence[dict]] = None) -> str:
+    """The README's results section: each published table with the run that measured it
+    (``results``: ``collect(notebooks)`` already read)."""
     parts = [START]
-    results = collect(notebooks)
+    results = collect(notebooks) if results is None else results
     for result in results:
         if result["key"].startswith(VERDICT_PREFIX):
             continue  # shown once per claim in the claims table below
@@ -213,10 +215,13 @@ def replace_block(text: str, start: str, end: str, block: str, what: str,
     return head + block + tail
 
 
-def with_results(text: str, notebooks: Iterable[Path], name: str = "the README") -> str:
-    """``text`` (a README) with the section between the markers rebuilt from ``notebooks``.
+def with_results(text: str, notebooks: Iterable[Path], name: str = "the README",
+                 results: Optional[Sequence[dict]] = None) -> str:
+    """``text`` (a README) with the section between the markers rebuilt from ``notebooks``
+    (``results``: ``collect(notebooks)`` already read).
     ValueError naming ``name`` when the markers are missing."""
-    return replace_block(text, START, END, results_section(notebooks), "results", name)
+    return replace_block(text, START, END, results_section(notebooks, results), "results",
+                         name)
 
 
 CITATION = re.compile(r"\{\{(.+?)\}\}", re.S)
@@ -285,14 +290,15 @@ def cited_prose(nb, results: Sequence[dict]) -> List[tuple]:
     return out
 
 
-def cite_notebooks(notebooks: Iterable[Path], write: bool = True) -> List[Path]:
+def cite_notebooks(notebooks: Iterable[Path], write: bool = True,
+                   results: Optional[Sequence[dict]] = None) -> List[Path]:
     """Fill the cited prose (``cited_prose``) of each notebook from the tables all of them
-    publish; returns the notebooks whose text changed, written (atomically) unless ``write``
-    is False. ValueError naming the notebook and citation that finds nothing."""
+    publish (or from ``results``, ``collect`` of every notebook already read); returns the
+    notebooks whose text changed, written (atomically) unless ``write`` is False. ValueError naming the notebook and citation that finds nothing."""
     from .files import read_notebook, write_notebook
 
     notebooks = [Path(p) for p in notebooks]
-    results = collect(notebooks)
+    results = collect(notebooks) if results is None else results
     changed = []
     for path in notebooks:
         nb = read_notebook(path)
@@ -333,19 +339,22 @@ def with_cheat_sheet(text: str, doc_text: str, name: str = "the README",
     return replace_block(text, CHEAT_START, CHEAT_END, block, "cheat-sheet", name)
 
 
-def readme_with_generated(readme: Path, text: str, notebooks: Iterable[Path]) -> str:
+def readme_with_generated(readme: Path, text: str, notebooks: Iterable[Path],
+                          results: Optional[Sequence[dict]] = None) -> str:
     """``text`` (the README at ``readme``) with its generated blocks rebuilt: the results from
     ``notebooks`` and, where the README holds the cheat-sheet markers and
     ``docs/cheat_sheet.md`` exists beside it, the cheat sheet's copy, its citations filled from
-    the same notebooks. ValueError naming the file when it lacks the results markers."""
+    the same notebooks (``results``: ``collect(notebooks)`` already read). ValueError naming the
+    file when it lacks the results markers."""
     from .files import read_text
 
     notebooks = list(notebooks)
-    new = with_results(text, notebooks, str(readme))
+    results = collect(notebooks) if results is None else results  # read once for both blocks
+    new = with_results(text, notebooks, str(readme), results)
     doc = Path(readme).parent / "docs" / "cheat_sheet.md"
     if CHEAT_START in new and doc.is_file():
         new = with_cheat_sheet(new, read_text(doc, "cheat sheet"), str(readme),
-                               collect(notebooks))
+                               results)
     return new
 
 

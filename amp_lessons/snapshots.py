@@ -146,40 +146,56 @@ def figure_colors(figure: dict):
     return np.array(sorted(found), dtype=np.int32).reshape(-1, 3)
 
 
-def _keeps_colors(before, after, colors=None, tolerance: int = 12,
-                  min_pixels: int = 10) -> bool:
-    """Whether ``after`` still shows every colour of ``before`` that matters, within
-    ``tolerance`` (the sum of the three channels' differences): each of ``colors`` (a figure's
+def _wanted_colors(before, colors=None, min_pixels: int = 10, lines=None):
+    """The colours of ``before`` that a smaller copy must keep: each of ``colors`` (a figure's
     own, ``figure_colors``) that ``before`` shows as such (within 2) on at least ``min_pixels``
     pixels, or without ``colors`` each solid colour of ``before`` (``_solid_colors``), and the
-    colour of every straight line (``_line_colors``). So no series takes another's colour and
-    no grid line fades."""
+    colour of every grid line (``lines``, else ``_line_colors(before)``), an (n, 3) int array."""
     import numpy as np
 
-    b = np.asarray(before, dtype=np.int32).reshape(-1, 3)
-    a = np.unique(np.asarray(after, dtype=np.int32).reshape(-1, 3), axis=0)
     if colors is None:
         wanted = list(_solid_colors(before, min_pixels))
     else:
-        shown = np.unique(b, axis=0, return_counts=True)
+        shown = np.unique(np.asarray(before, dtype=np.int32).reshape(-1, 3), axis=0,
+                          return_counts=True)
         wanted = [c for c in np.asarray(colors, dtype=np.int32).reshape(-1, 3)
                   if shown[1][np.abs(shown[0] - c).sum(axis=1) <= 2].sum() >= min_pixels]
-    wanted += list(_line_colors(before))
+    wanted += list(_line_colors(before) if lines is None else lines)
+    return np.array(wanted, dtype=np.int32).reshape(-1, 3)
+
+
+def _shows(after, wanted, tolerance: int = 12) -> bool:
+    """Whether the RGB image ``after`` shows each of ``wanted`` within ``tolerance`` (the sum of
+    the three channels' differences)."""
+    import numpy as np
+
+    a = np.unique(np.asarray(after, dtype=np.int32).reshape(-1, 3), axis=0)
     return all(np.abs(a - c).sum(axis=1).min() <= tolerance for c in wanted)
 
 
-def _quantized(image, colors: int, keep):
+def _keeps_colors(before, after, colors=None, tolerance: int = 12,
+                  min_pixels: int = 10) -> bool:
+    """Whether ``after`` still shows every colour of ``before`` that matters
+    (``_wanted_colors``), within ``tolerance``: no series takes another's colour and no grid
+    line fades."""
+    return _shows(after, _wanted_colors(before, colors, min_pixels), tolerance)
+
+
+def _quantized(image, colors: int, keep, lines=None, pixels=None):
     """``image`` in a median-cut palette of ``colors`` colours plus the colours of ``keep`` that
-    it shows (each as itself, within 2) and of its grid lines (``_line_colors``), at most 256:
-    every pixel takes its nearest palette colour, without dithering."""
+    it shows (each as itself, within 2) and of its grid lines (``lines``, else
+    ``_line_colors``), at most 256: every pixel takes its nearest palette colour, without
+    dithering. ``pixels``: the image's distinct colours, where already known."""
     import numpy as np
     from PIL import Image
 
     base = image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
     used = len(base.getcolors(256) or []) or colors
     palette = np.array(base.getpalette()[: 3 * used], dtype=np.int32).reshape(-1, 3)
-    pixels = np.unique(np.asarray(image, dtype=np.int32).reshape(-1, 3), axis=0)
-    wanted = list(keep if keep is not None else []) + list(_line_colors(image))
+    if pixels is None:
+        pixels = np.unique(np.asarray(image, dtype=np.int32).reshape(-1, 3), axis=0)
+    wanted = list(keep if keep is not None else []) + list(
+        _line_colors(image) if lines is None else lines)
     extra = [c for c in wanted if np.abs(pixels - c).sum(axis=1).min() <= 2
              and np.abs(palette - c).sum(axis=1).min() > 2]
     palette = np.concatenate([np.array(extra, dtype=np.int32).reshape(-1, 3), palette])[:256]
@@ -194,18 +210,23 @@ def _small_png(png: bytes, colors: int = 64, keep=None) -> bytes:
     or a few more: the first of an octree palette (which keeps a series' colour even when few
     pixels carry it), then median-cut palettes of ``colors``, twice that and 224 colours (which
     keep the pale blends of grid lines) with ``keep``'s colours added (``_quantized``), that
-    keeps every colour that matters (``_keeps_colors``, over ``keep``: the figure's own
+    keeps every colour that matters (``_wanted_colors``, over ``keep``: the figure's own
     colours, else the image's solid ones, and its lines' colours); else the full-colour PNG.
     Median cut alone, used before, turned lesson 04's bf16 points the orange of fp16."""
+    import numpy as np
     from PIL import Image
 
     image = Image.open(io.BytesIO(png)).convert("RGB")
+    lines = _line_colors(image)  # what every candidate is checked against, found once
+    wanted = _wanted_colors(image, keep, lines=lines)
+    pixels = np.unique(np.asarray(image, dtype=np.int32).reshape(-1, 3), axis=0)
     small = image  # unless a palette keeps every colour that matters: the first that does
     candidates = [lambda: image.quantize(colors=colors, method=Image.Quantize.FASTOCTREE)]
-    candidates += [lambda n=n: _quantized(image, n, keep) for n in (colors, 2 * colors, 224)]
+    candidates += [lambda n=n: _quantized(image, n, keep, lines, pixels)
+                   for n in (colors, 2 * colors, 224)]
     for make in candidates:
         candidate = make()
-        if _keeps_colors(image, candidate.convert("RGB"), keep):
+        if _shows(candidate.convert("RGB"), wanted):
             small = candidate
             break
     out = io.BytesIO()

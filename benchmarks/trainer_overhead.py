@@ -144,6 +144,20 @@ def optimizer(network, model, kind="default"):
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **extra)
 
 
+def step_unless_nonfinite(opt, grads, one):
+    """A fused optimizer's step, skipped inside its kernel where ``grads`` hold inf/NaN, as
+    ``GradScaler.step`` hands it the flag: one ``_amp_foreach_non_finite_check_and_unscale_``
+    into a zeroed float32 flag with the inverse scale ``one`` (1.0: values left as they are),
+    then ``grad_scale = None`` and ``found_inf`` set on the optimizer around ``step()``."""
+    found_inf = torch.zeros((), dtype=torch.float32, device=one.device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+    opt.grad_scale, opt.found_inf = None, found_inf
+    try:
+        opt.step()
+    finally:
+        del opt.grad_scale, opt.found_inf
+
+
 def variants(network, device):
     """name -> (reference name, builder) for one network; builders return (step, model, opt)."""
     precision = PRECISION[network]
@@ -198,14 +212,7 @@ def variants(network, device):
                 with torch.autocast(device.type, dtype=torch.bfloat16):
                     loss = F.cross_entropy(m(a), b)
                 loss.backward()
-                found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    [p.grad for p in params if p.grad is not None], found_inf, one)
-                opt.grad_scale, opt.found_inf = None, found_inf
-                try:
-                    opt.step()
-                finally:
-                    del opt.grad_scale, opt.found_inf
+                step_unless_nonfinite(opt, [p.grad for p in params if p.grad is not None], one)
                 opt.zero_grad(set_to_none=True)
                 return loss.detach()
             return step, m, opt
@@ -241,13 +248,7 @@ def variants(network, device):
                 grads = [p.grad for p in params if p.grad is not None]
                 norm = norm_of(grads)
                 if check:
-                    found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-                    opt.grad_scale, opt.found_inf = None, found_inf
-                    try:
-                        opt.step()
-                    finally:
-                        del opt.grad_scale, opt.found_inf
+                    step_unless_nonfinite(opt, grads, one)
                 else:
                     scaler.step(opt)
                 scaler.update()

@@ -1,8 +1,10 @@
 """The one place the package touches private PyTorch API: GradScaler's internals, the fused
 optimizers' ``found_inf`` protocol and the inf/NaN check kernel. Each use is guarded, so that a
 torch release that renames one of them degrades to an exact public fallback instead of failing
-(``tests/test_compat.py`` checks every accessor against the installed torch; the attributes read
-here exist unchanged from torch 2.4 to 2.14).
+(``tests/test_policies.py``, its ``test_compat_*`` tests, checks every accessor against the
+installed torch: ``make test`` runs them on torch 2.14.1 and, in ``make test-oldest``, on the
+oldest torch the package supports, 2.4.1; the attributes read here exist unchanged from torch 2.4
+to 2.14). ``torch_version`` is the one place versions are compared.
 
 What GradScaler keeps (``torch/amp/grad_scaler.py``, 2.4 to 2.14):
 
@@ -25,9 +27,18 @@ import torch
 
 from .records import Deferred
 
-__all__ = ["FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf", "forget_step",
+__all__ = ["torch_version", "FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf", "forget_step",
            "cap_growth_tracker", "init_scale", "reset_scale", "supports_found_inf",
            "step_skipping", "NonFiniteCheck", "ScaleLog"]
+
+
+def torch_version() -> "tuple[int, int]":
+    """(major, minor) of the installed torch: ``(2, 4)`` for ``2.4.1+cu121``."""
+    import re
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if found is None:
+        raise ValueError(f"cannot read a version from torch.__version__ {torch.__version__!r}")
+    return int(found.group(1)), int(found.group(2))
 
 
 #: whether this torch's GradScaler lets its per-step inf/NaN flag be read

@@ -227,6 +227,14 @@ def _worker_error(outdir: Path, exc: BaseException) -> Exception:
                         f"{first['traceback']}")
 
 
+def _join_options(context) -> Dict[str, float]:
+    """``grace_period=10`` where ``ProcessContext.join`` takes it (torch >= 2.5: the other ranks
+    get 10 s after a failure before they are killed), else nothing (torch 2.4 stops them at once)."""
+    import inspect
+    return {"grace_period": 10.0} if "grace_period" in inspect.signature(
+        context.join).parameters else {}
+
+
 def _stop(processes) -> None:
     for p in processes:
         if p.is_alive():
@@ -263,9 +271,9 @@ def launch(fn: Callable, world_size: int, args: tuple = (), backend: Optional[st
                 _spawn_entry,
                 args=(fn, world_size, backend, free_port(), tuple(args), tmp, timeout_s),
                 nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
+        deadline, options = time.monotonic() + timeout_s, _join_options(context)
         try:
-            while not context.join(timeout=1.0, grace_period=10.0):
+            while not context.join(timeout=1.0, **options):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the launch ran past timeout_s={timeout_s} s and was "
                                        "stopped")

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import models
+from ._compat import torch_version
 from ._launch import (BACKENDS, WORLD_SIZES, RankContext, available_world_sizes, barrier,
                       check_backend, check_same_settings, check_world_size, cpu_count,
                       default_backend, describe_world, device_slots, free_port, init_rank, launch,
@@ -71,8 +72,8 @@ __all__ = [  # the launcher's names (from _launch) and this module's own
     "device_slots", "free_port", "init_rank", "launch", "leave_now",
     "STRATEGIES", "OPTIMIZERS", "MODELS", "FSDP_WRAPS", "BN_MIXUP", "RunConfig", "grid",
     "build_model", "parameter_count", "make_batch", "make_optimizer", "shard_units",
-    "has_batchnorm", "fsdp2_shard", "fsdp_units", "fsdp2_available", "local_state_bytes",
-    "make_trainer", "repeat_blocks", "peak_spread", "timed_repeats", "row_noise", "run_one",
+    "has_batchnorm", "fsdp2_shard", "fsdp_units", "fsdp2_available", "fsdp2_problem",
+    "local_state_bytes", "make_trainer", "repeat_blocks", "peak_spread", "timed_repeats", "row_noise", "run_one",
     "run_plan", "SweepResult", "run_experiments", "PER_RANK_COLUMNS",
     "SUMMARY_COLUMNS", "main"]
 
@@ -568,16 +569,29 @@ def _device_name(device) -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
-def _torch_version() -> Tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+def fsdp2_problem(device) -> Optional[str]:
+    """Why FSDP2's ``fully_shard`` cannot train on ``device`` with this torch (a sentence), or
+    None when it can: it needs FSDP2 itself (torch >= 2.4) and, on a CPU (gloo), torch >= 2.7
+    (tried here: 2.4 and 2.5 stop with "FSDP requires CUDA for streams", 2.6 with "'Stream'
+    object has no attribute 'record_event'"; 2.7.1 trains)."""
+    device = torch.device(device)
+    if not fsdp2_available():
+        return f"this torch ({torch.__version__}) has no FSDP2 (fully_shard)"
+    if device.type != "cuda" and torch_version() < (2, 7):
+        return (f"FSDP2 on a CPU needs torch >= 2.7 (fully_shard needs CUDA streams before); "
+                f"this is torch {torch.__version__}: run it on GPUs")
+    return None
 
 
 def _precision_problem(config: RunConfig, device) -> Optional[str]:
     """Why ``config`` cannot run on ``device`` (None when it can), found before any training."""
-    if config.strategy == "fsdp2" and config.precision == "fp16" and _torch_version() < (2, 5):
-        return ("precision 'fp16' with strategy 'fsdp2' needs torch >= 2.5 (its GradScaler "
-                "handles sharded DTensor gradients from then on); use 'bf16'")
+    if config.strategy == "fsdp2":
+        problem = fsdp2_problem(device)
+        if problem:
+            return problem
+        if config.precision == "fp16" and torch_version() < (2, 5):
+            return ("precision 'fp16' with strategy 'fsdp2' needs torch >= 2.5 (its GradScaler "
+                    "handles sharded DTensor gradients from then on); use 'bf16'")
     try:
         check_precision(config.precision, device)
     except ValueError as exc:

@@ -6,7 +6,7 @@ trainer's skip-safe BatchNorm has something to protect).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -225,10 +225,25 @@ def without_batchnorm_fix(model: nn.Module) -> nn.Module:
     return model
 
 
+def selective_checkpointing_problem() -> Optional[str]:
+    """Why this torch cannot run ``checkpoint="sac"`` (a sentence), or None when it can:
+    selective activation checkpointing needs ``torch.utils.checkpoint``'s public
+    ``create_selective_checkpoint_contexts`` and ``CheckpointPolicy`` (torch >= 2.5)."""
+    import torch.utils.checkpoint as ckpt
+    if hasattr(ckpt, "create_selective_checkpoint_contexts") and hasattr(ckpt, "CheckpointPolicy"):
+        return None
+    return (f"checkpoint 'sac' needs torch >= 2.5 (torch.utils.checkpoint."
+            f"create_selective_checkpoint_contexts); this is torch {torch.__version__}")
+
+
 def _check_checkpoint(checkpoint) -> None:
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}; "
                          f"got {checkpoint!r}")
+    if checkpoint == "sac":
+        problem = selective_checkpointing_problem()
+        if problem:
+            raise ValueError(problem)
 
 
 def _checkpoint_plan(checkpoint) -> "tuple[bool, dict]":

@@ -19,6 +19,8 @@ from amp_lessons.models import TinyTransformer, lm_loss
 ROOT = Path(__file__).resolve().parent.parent
 TWO_CPUS = D.device_slots("gloo") >= 2
 needs_two = pytest.mark.skipif(not TWO_CPUS, reason="needs two CPU cores for two processes")
+FSDP2_CPU = D.fsdp2_problem("cpu")
+needs_fsdp2_cpu = pytest.mark.skipif(FSDP2_CPU is not None, reason=str(FSDP2_CPU))
 
 # Tolerances, stated: fp32 DDP vs one process differ only in summation order (~1e-7 here);
 # under autocast the two half-batch weight gradients are rounded separately before DDP averages
@@ -308,6 +310,22 @@ def test_describe_world_and_parameter_count():
     assert D.fsdp2_available()
 
 
+def test_fsdp2_problem_names_the_torch_that_cannot_shard_on_a_cpu(monkeypatch):
+    """FSDP2 on a CPU needs torch >= 2.7 (2.4 and 2.5 stop with "FSDP requires CUDA for
+    streams", 2.6 on a CPU stream's missing record_event); a run plan skips such a configuration
+    with that reason instead of failing."""
+    assert D.fsdp2_problem("cuda") is None  # GPUs: any torch with FSDP2
+    monkeypatch.setattr(D, "torch_version", lambda: (2, 6))
+    problem = D.fsdp2_problem("cpu")
+    assert problem.startswith("FSDP2 on a CPU needs torch >= 2.7") and torch.__version__ in problem
+    assert D._precision_problem(RunConfig(model="mlp", strategy="fsdp2"), "cpu") == problem
+    assert D._precision_problem(RunConfig(model="mlp", strategy="ddp"), "cpu") is None
+    monkeypatch.setattr(D, "torch_version", lambda: (2, 7))
+    assert D.fsdp2_problem("cpu") is None
+    monkeypatch.setattr(D, "fsdp2_available", lambda: False)
+    assert "has no FSDP2" in D.fsdp2_problem("cuda")
+
+
 def test_command_line_rejects_bad_flags(capsys):
     with pytest.raises(SystemExit) as exc:
         D.main(["--precision", "fp8"])
@@ -365,6 +383,7 @@ def test_ddp_with_amp_matches_one_process_on_the_whole_batch(sweep, precision):
 
 @pytest.mark.slow
 @needs_two
+@needs_fsdp2_cpu
 def test_fsdp2_matches_ddp(sweep):
     # fp32 parameters (the default wrap, autocast casts): DDP's arithmetic, sharded.
     for p in ("fp32", "bf16", "fp16"):
@@ -387,6 +406,7 @@ def test_fsdp2_matches_ddp(sweep):
 
 @pytest.mark.slow
 @needs_two
+@needs_fsdp2_cpu
 def test_every_fsdp2_wrap_of_a_resnet_trains_like_ddp(sweep):
     ddp = [r for r in sweep.rows if r["label"] == "resnet ddp blocks True"]
     for s, w, r in RESNET_WRAPS[1:]:
@@ -471,6 +491,7 @@ def test_a_failing_rank_is_reported_with_its_traceback():
 
 @pytest.mark.slow
 @needs_two
+@needs_fsdp2_cpu
 def test_fsdp2_fp16_scaler_skips_on_every_rank_together():
     results = D.launch(inf_on_one_rank_worker, 2, backend="gloo")
     for stepped, scale in results:  # rank 1's own shard was finite, yet it skipped too
@@ -480,6 +501,7 @@ def test_fsdp2_fp16_scaler_skips_on_every_rank_together():
 
 @pytest.mark.slow
 @needs_two
+@needs_fsdp2_cpu
 def test_torchrun_runs_the_module():
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():

@@ -47,7 +47,12 @@ def _buffers(model):
     return [b.clone() for b in model.buffers()]
 
 
-@pytest.mark.parametrize("mode", [m for m in models.CHECKPOINT_MODES if m])
+NO_SAC = models.selective_checkpointing_problem()  # torch 2.4: no selective checkpointing
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=pytest.mark.skipif(m == "sac" and NO_SAC is not None, reason=str(NO_SAC)))
+    for m in models.CHECKPOINT_MODES if m])
 def test_checkpointing_changes_nothing_but_memory(mode):
     torch.manual_seed(0)
     plain = models.resnet18(num_classes=10)
@@ -87,12 +92,31 @@ def test_checkpoint_modes_wrap_what_they_say():
     assert units("stage1-2") == [f"layer1.{i}" for i in range(3)] + [f"layer2.{i}" for i in range(4)]
     assert units("stem+stage1") == ["conv1"] + [f"layer1.{i}" for i in range(3)]
     assert len(units("stem+stage1-2")) == 8 and units("stem+stage1-2")[0] == "conv1"
-    net = models.resnet50(checkpoint="sac")
-    assert sum(isinstance(m, models.SelectiveCheckpointed) for m in net.modules()) == 16
+    if NO_SAC is None:
+        net = models.resnet50(checkpoint="sac")
+        assert sum(isinstance(m, models.SelectiveCheckpointed) for m in net.modules()) == 16
+    else:
+        with pytest.raises(ValueError, match="needs torch >= 2.5"):
+            models.resnet50(checkpoint="sac")
     assert set(models.CHECKPOINT_HELP) == set(models.CHECKPOINT_MODES)
     stem = models.resnet18(checkpoint="stem+stage1")
     assert isinstance(stem.bn1, torch.nn.Identity) and isinstance(stem.maxpool, torch.nn.Identity)
     assert _count(stem) == _count(models.resnet18())
+
+
+def test_selective_checkpointing_on_a_torch_without_it_is_refused_by_name(monkeypatch):
+    """A torch without create_selective_checkpoint_contexts (2.4): building a 'sac' model says
+    which torch it needs, and a benchmark row is skipped with the same sentence (no ImportError
+    in the middle of a lesson)."""
+    import torch.utils.checkpoint as ckpt
+    from amp_lessons.bench.config import BenchConfig, skip_reason
+    monkeypatch.delattr(ckpt, "create_selective_checkpoint_contexts", raising=False)
+    problem = models.selective_checkpointing_problem()
+    assert problem.startswith("checkpoint 'sac' needs torch >= 2.5") and torch.__version__ in problem
+    with pytest.raises(ValueError, match=r"checkpoint 'sac' needs torch >= 2\.5"):
+        models.resnet18(checkpoint="sac")
+    assert skip_reason(BenchConfig(model="resnet18", checkpoint="sac"), "cpu") == problem
+    assert skip_reason(BenchConfig(model="resnet18", checkpoint="block"), "cpu") is None
 
 
 def _renamed(state, target):

@@ -56,6 +56,14 @@ def test_compat_reads_gradscaler_on_this_torch():
     assert scaler.get_scale() == 32.0 and C.init_scale(scaler) == 32.0
 
 
+def test_compat_torch_version_reads_release_strings(monkeypatch):
+    assert C.torch_version() == tuple(int(v) for v in torch.__version__.split(".")[:2])
+    for text, want in (("2.4.1+cu121", (2, 4)), ("2.14.1", (2, 14)), ("2.6.0a0+git1234", (2, 6)),
+                       ("2.10.0.dev20251201+cpu", (2, 10)), ("3.0rc1", (3, 0))):
+        monkeypatch.setattr(torch, "__version__", text)
+        assert C.torch_version() == want, text
+
+
 def test_compat_found_inf_degrades_to_none_where_torch_hides_it():
     p = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)

@@ -826,24 +826,30 @@ class NaNOnce:
 
 # --- per-step host work: ops launched, against the hand loop -------------------------------------
 
-class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten ops (each one a kernel launch or more on a GPU) run inside it."""
+_NO_KERNEL = {"detach", "view", "_unsafe_view", "select", "alias", "unbind", "t", "transpose",
+              "reshape", "expand", "as_strided", "slice", "unsqueeze", "squeeze", "lift_fresh"}
+
+
+class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the aten ops run inside it."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.names = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.names.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
 def _ops_per_step(step, warmup=2):
+    """Kernel-launching aten ops of one step (views and ``detach`` left out: ``_NO_KERNEL``;
+    torch 2.4 dispatches ``loss.detach()`` as two ``detach`` ops, 2.14 as one)."""
     for _ in range(warmup):
         step()
-    with OpCounter() as counter:
+    with OpNames() as ops:
         step()
-    return counter.count
+    return sum(n not in _NO_KERNEL for n in ops.names)
 
 
 def _mlp():
@@ -856,10 +862,10 @@ def _mlp():
 def test_trainer_launches_few_ops_beyond_the_hand_loop(precision):
     """Per-step host work, counted as aten ops (not time) on the AMP recipe's network shape.
 
-    Budgets: the lean trainer (no grad norm, no memory tracking) adds at most 1 op to the hand
-    loop (the loss detach; fp16's scale copy is gone since issue 22: ``ScaleLog``) with
-    nonfinite='ignore'; the defaults add one more (the foreach norm, reduced when read:
-    issue 22; it was 5 more before); the skip check at most 6 (no zero fill: pre-zeroed
+    Budgets: the lean trainer (no grad norm, no memory tracking) adds no kernel to the hand
+    loop (its loss detach launches none; fp16's scale copy is gone since issue 22:
+    ``ScaleLog``) with nonfinite='ignore'; the defaults add one (the foreach norm, reduced when
+    read: issue 22; it was 5 more before); the skip check at most 6 (no zero fill: pre-zeroed
     flags). A change that launches more per step fails here."""
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
 
@@ -887,7 +893,7 @@ def test_trainer_launches_few_ops_beyond_the_hand_loop(precision):
     base = _ops_per_step(hand())
     lean = _ops_per_step(trainer(track_grad_norm=False, track_memory=False, nonfinite="ignore"))
     defaults = _ops_per_step(trainer(nonfinite="ignore"))
-    assert lean - base <= 1, (base, lean)
+    assert lean - base <= 0, (base, lean)
     assert defaults - lean <= 1, (lean, defaults)
     if precision != "fp16":  # the non-finite check: a few ops, not one per parameter
         skip = _ops_per_step(trainer(track_grad_norm=False, track_memory=False))
@@ -968,34 +974,25 @@ def test_trainer_host_calls_per_step_stay_few():
         return lambda: tr.train_step([(x, y)])
 
     lean_flags = dict(track_grad_norm=False, track_memory=False)
+    # the trainer passes autocast cache_enabled=True, which spares newer torch (2.14) one query
+    # of the cache flag that the hand loop makes; 2.4 to 2.6 query it anyway: one call of slack
+    told = _python_calls_per_step(
+        lambda: torch.autocast("cpu", dtype=torch.float16, cache_enabled=True))
+    spared = _python_calls_per_step(lambda: torch.autocast("cpu", dtype=torch.float16)) - told
+    assert spared in (0, 1), spared
+    slack = 1 - spared
     base = _python_calls_per_step(hand)
     lean = _python_calls_per_step(trainer(**lean_flags))
     leanest = _python_calls_per_step(trainer(**lean_flags, track_time=False))
     defaults = _python_calls_per_step(trainer())
-    assert lean - base <= 22, (base, lean)
-    assert leanest < lean and leanest - base <= 20, (base, leanest)
-    assert defaults - base <= 26, (base, defaults)
+    assert lean - base <= 22 + slack, (base, lean)
+    assert leanest < lean and leanest - base <= 20 + slack, (base, leanest)
+    assert defaults - base <= 26 + slack, (base, defaults)
     assert lean - leanest == 2, (lean, leanest)
     assert _python_calls_per_step(trainer(cuda_clock=True, **lean_flags)) - leanest == 4
 
 
 # --- CUDA-facing calls per step (issue 22): what the hand loop does not do ----------------------
-
-_NO_KERNEL = {"detach", "view", "_unsafe_view", "select", "alias", "unbind", "t", "transpose",
-              "reshape", "expand", "as_strided", "slice", "unsqueeze", "squeeze", "lift_fresh"}
-
-
-class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
-    """The names of the aten ops run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
 
 class FakeAllocator:
     """Stands in for the CUDA allocator's peak counter on the CPU: counts resets and reads."""

@@ -159,5 +159,7 @@ def skip_reason(config: BenchConfig, device) -> Optional[str]:
             return "GradScaler waits for the host in step() unless the optimizer is fused"
     if config.impl == "fused" and device.type not in ("cuda", "cpu"):
         return f"fused optimizers do not run on {device.type}"
+    if config.checkpoint == "sac":
+        return _models.selective_checkpointing_problem()
     return None
 

@@ -214,13 +214,18 @@ def check_script(source: str, timeout_s: float = 180.0) -> Check:
     """Run the learner's script with torchrun on two CPU processes and grade what its report
     says: DDP kept the ranks' weights identical, FSDP2 sharded them (one unit per Linear plus the
     root) and gathered them in bf16, every loss finite. ``source`` is the whole script or only
-    its body (``STUB_BODY`` filled in: see ``full_script``)."""
+    its body (``STUB_BODY`` filled in: see ``full_script``). Skipped, saying why, where this
+    torch cannot run FSDP2 on a CPU (``distributed.fsdp2_problem``: torch < 2.7)."""
     hint = HINTS["script"]
     if is_blank(source) or source.strip() in (STUB.strip(), _STUB_BODY.strip()) \
             or "\n...\n" in "\n" + source + "\n" or "= ...\n" in source + "\n":
         return unanswered(SCRIPT, hint)
     if "def make_model" not in source:
         source = full_script(source)
+    from ..distributed import fsdp2_problem
+    problem = fsdp2_problem("cpu")
+    if problem:  # the grader's two processes are CPU ones
+        return skipped(SCRIPT, f"cannot be run here: {problem}")
     result = run_script(source, timeout_s)
     if result["returncode"] != 0 or not result["reports"]:
         return wrong(SCRIPT, f"torchrun failed: {result['error']}", hint)

@@ -20,7 +20,20 @@ COLAB_PINS := -r tests/colab_versions.txt
 COLAB_STAMP := $(COLAB_VENV)/.amp-lessons-colab
 COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
 
-.PHONY: lab test unit notebooks browser colab figure-images screenshot claims torchao clean
+# The oldest torch the package supports (pyproject.toml: torch>=2.4), pinned in
+# tests/oldest_versions.txt: a third venv with only that torch and torchvision (and what they
+# need); everything else comes from .venv through a .pth file, as for the Colab venv.
+OLDEST_VENV := $(VENV)-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.amp-lessons-oldest
+OLDEST_SITE := $(OLDEST_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
+# The tests whose subject changes between torch releases: GradScaler's internals and the
+# trainer's policies, autocast, float8 formats, checkpointing (SAC), DDP/FSDP2 and lesson 06's
+# script grader. `make test-oldest OLDEST_TESTS=tests` runs every unit test there.
+OLDEST_TESTS ?= tests/test_policies.py tests/test_trainer.py tests/test_trainer_lazy.py \
+	tests/test_precision.py tests/test_formats.py tests/test_models_resnet.py \
+	tests/test_distributed.py tests/test_lesson05.py tests/test_checkpoint.py
+
+.PHONY: lab test test-oldest unit notebooks browser colab figure-images screenshot claims torchao clean
 
 # CPU=1 (`make lab CPU=1`, and CPU=1 on every later target: `make test CPU=1`): a machine without
 # an NVIDIA GPU. torch and torchvision at the pinned versions come from PyTorch's CPU-only wheel
@@ -52,11 +65,12 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_OK) --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
 		--ServerApp.root_dir=notebooks --ServerApp.open_browser=$(OPEN_BROWSER)
 
-test: $(STAMP) $(COLAB_STAMP)
+test: $(STAMP) $(COLAB_STAMP) $(OLDEST_STAMP)
 	$(BIN)/python -m pytest -q tests -m "not browser"
 	AMP_LESSONS_PROFILE=quick $(BIN)/python -m pytest -q $(NBVAL) notebooks
 	$(BIN)/python -m pytest -q tests -m browser -rs
 	$(MAKE) --no-print-directory colab
+	$(MAKE) --no-print-directory test-oldest
 
 $(COLAB_STAMP): $(STAMP) Makefile tests/colab_versions.txt
 	@test -x $(COLAB_VENV)/bin/python || $(PYTHON) -m venv $(COLAB_VENV)
@@ -73,6 +87,20 @@ colab: $(COLAB_STAMP)
 		tests/test_widgets.py tests/test_plots.py tests/test_lesson01.py tests/test_lesson03.py
 	AMP_LESSONS_PROFILE=quick $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NBVAL) \
 		notebooks/01_fp16_ranges_and_underflow.ipynb notebooks/03_grad_scaler_tuning.ipynb
+
+# (not after $(STAMP): `make -j2 test` builds the two venvs at once; the .pth names .venv's path)
+$(OLDEST_STAMP): Makefile tests/oldest_versions.txt
+	@test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q $(if $(CPU_ONLY),--index-url $(TORCH_CPU_INDEX)) \
+		-r tests/oldest_versions.txt
+	@printf '%s\n%s\n' "$(abspath $(VENV))/lib/$(notdir $(patsubst %/site-packages,%,$(OLDEST_SITE)))/site-packages" \
+		"$(CURDIR)" > $(OLDEST_SITE)/zz_amp_lessons_main_venv.pth
+	@touch $(OLDEST_STAMP)
+
+# The version-sensitive tests again on the oldest supported torch (2.4.1): `make test` runs it.
+test-oldest: $(STAMP) $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not browser" $(OLDEST_TESTS)
 
 # Static PNGs beside every figure of the committed notebooks (needs Chromium), after a GPU run.
 figure-images: $(STAMP)
@@ -95,4 +123,5 @@ browser: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m browser -rs
 
 clean:
-	rm -rf $(sort $(VENV) $(COLAB_VENV) .venv .venv-colab .venv-cpu .venv-cpu-colab) .pytest_cache test-output
+	rm -rf $(sort $(VENV) $(COLAB_VENV) $(OLDEST_VENV) .venv .venv-colab .venv-cpu .venv-cpu-colab \
+		.venv-oldest .venv-cpu-oldest) .pytest_cache test-output

@@ -6,11 +6,13 @@ trainer's skip-safe BatchNorm has something to protect).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
+from ._compat import torch_version
 from ._validate import check_bool, is_int
 
 
@@ -126,6 +128,14 @@ class KeepBatchNormStats:
             m.momentum, m.num_batches_tracked = momentum, count
         self.saved = []
         return False
+
+
+if torch_version() < (2, 5):
+    # torch 2.4's non-reentrant checkpoint recomputes under torch.cpu.amp.autocast (and
+    # torch.cuda.amp.autocast), the APIs it deprecated itself: a FutureWarning from torch's own
+    # code at every backward of a checkpointed model, which no learner can act on
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.utils\.checkpoint",
+                            message=r"`torch\.(cpu|cuda)\.amp\.autocast\(args\.\.\.\)` is deprecated")
 
 
 class Checkpointed(nn.Module):

@@ -61,11 +61,31 @@ def test_the_colab_venv_reuses_the_torch_of_the_set_up_it_belongs_to():
     assert ".venv-colab/" not in cpu and "/.venv/lib/" not in cpu
 
 
+def test_the_oldest_torch_venv_pins_pyprojects_lower_bound_and_reuses_the_rest():
+    """`make test-oldest`: torch and torchvision at the oldest release pyproject.toml admits, in
+    a venv of their own; the other packages and the course come from the set-up's venv."""
+    floor = re.search(r'"torch>=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    pins = [x for x in (ROOT / "tests/oldest_versions.txt").read_text().splitlines()
+            if x and not x.startswith("#")]
+    assert pins[0].startswith(f"torch=={floor}.") and pins[1].startswith("torchvision==")
+    default = dry_run(target="test-oldest")
+    cpu = " ".join(dry_run("CPU=1", target="test-oldest"))
+    joined = " ".join(default)
+    assert "-m venv .venv-oldest" in joined and "/.venv/lib/" in joined
+    assert "-r tests/oldest_versions.txt" in joined and CPU_INDEX not in joined
+    assert "-m venv .venv-cpu-oldest" in cpu and f"--index-url {CPU_INDEX}" in cpu
+    run = [c for c in default if "pytest" in c]
+    assert run and run[-1].startswith(".venv-oldest/bin/python -m pytest")
+    assert "tests/test_policies.py" in run[-1] and "tests/test_distributed.py" in run[-1]
+
+
 def test_clean_removes_both_set_ups_and_git_ignores_them():
     (clean,) = [c for c in dry_run(target="clean") if c.startswith("rm -rf")]
-    assert set(clean.split()) >= {".venv", ".venv-colab", ".venv-cpu", ".venv-cpu-colab"}
+    assert set(clean.split()) >= {".venv", ".venv-colab", ".venv-cpu", ".venv-cpu-colab",
+                                  ".venv-oldest", ".venv-cpu-oldest"}
     ignored = (ROOT / ".gitignore").read_text().splitlines()
-    assert {".venv/", "/.venv-colab/", "/.venv-cpu/", "/.venv-cpu-colab/"} <= set(ignored)
+    assert {".venv/", "/.venv-colab/", "/.venv-cpu/", "/.venv-cpu-colab/", "/.venv-oldest/",
+            "/.venv-cpu-oldest/"} <= set(ignored)
 
 
 def test_readme_documents_the_cpu_only_path_and_its_size():

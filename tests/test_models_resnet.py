@@ -119,6 +119,25 @@ def test_selective_checkpointing_on_a_torch_without_it_is_refused_by_name(monkey
     assert skip_reason(BenchConfig(model="resnet18", checkpoint="block"), "cpu") is None
 
 
+def test_a_checkpointed_backward_under_autocast_prints_no_warning_from_torch():
+    """torch 2.4's checkpoint recomputes under the autocast APIs it deprecated (a FutureWarning
+    at every backward, from torch's own code): ``models`` silences exactly that one, so a lesson's
+    output stays clean; checked in a fresh interpreter where FutureWarnings are errors."""
+    import subprocess
+    import sys
+    code = ("import torch, torch.nn.functional as F\n"
+            "from amp_lessons import models\n"
+            "net = models.resnet18(num_classes=10, checkpoint='block')\n"
+            "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+            "    loss = F.cross_entropy(net(torch.randn(2, 3, 32, 32)), torch.tensor([1, 2]))\n"
+            "loss.backward()\n"
+            "import warnings; warnings.warn('still an error', FutureWarning)\n")
+    out = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", code],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().endswith("FutureWarning: still an error"), \
+        out.stderr[-1500:]
+
+
 def _renamed(state, target):
     names = list(target.state_dict())
     plain_to_target = {_plain_name(n): n for n in names}

@@ -570,16 +570,20 @@ def _device_name(device) -> str:
 
 
 def fsdp2_problem(device) -> Optional[str]:
-    """Why FSDP2's ``fully_shard`` cannot train on ``device`` with this torch (a sentence), or
-    None when it can: it needs FSDP2 itself (torch >= 2.4) and, on a CPU (gloo), torch >= 2.7
-    (tried here: 2.4 and 2.5 stop with "FSDP requires CUDA for streams", 2.6 with "'Stream'
-    object has no attribute 'record_event'"; 2.7.1 trains)."""
+    """Why FSDP2's ``fully_shard`` cannot train correctly on ``device`` with this torch (a
+    sentence), or None when it can: it needs FSDP2 itself (torch >= 2.4) and, on CPU processes
+    (gloo), torch >= 2.9. Tried here: 2.4 and 2.5 stop with "FSDP requires CUDA for streams",
+    2.6 with "'Stream' object has no attribute 'record_event'"; 2.7.1 and 2.8.0 train, but sum
+    the gradients over gloo instead of averaging them (pytorch/pytorch#162338: after 4 fp32
+    steps their weights are 0.19 away from DDP's); 2.9.1 and later match DDP."""
     device = torch.device(device)
     if not fsdp2_available():
         return f"this torch ({torch.__version__}) has no FSDP2 (fully_shard)"
-    if device.type != "cuda" and torch_version() < (2, 7):
-        return (f"FSDP2 on a CPU needs torch >= 2.7 (fully_shard needs CUDA streams before); "
-                f"this is torch {torch.__version__}: run it on GPUs")
+    if device.type != "cuda" and torch_version() < (2, 9):
+        why = ("cannot run it" if torch_version() < (2, 7) else
+               "sums its gradients over gloo instead of averaging them, pytorch/pytorch#162338")
+        return (f"FSDP2 on CPU processes needs torch >= 2.9; this torch ({torch.__version__}) "
+                f"{why}: run it on GPUs")
     return None
 
 

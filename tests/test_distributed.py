@@ -107,7 +107,7 @@ def test_fsdp2_shard_refuses_bad_settings():
 
 def test_half_parameters_with_batchnorm_are_refused_before_training(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(D, "fsdp2_problem", lambda device: None)  # as on torch >= 2.7 (or GPUs)
+    monkeypatch.setattr(D, "fsdp2_problem", lambda device: None)  # as on torch >= 2.9 (or GPUs)
     bn = RunConfig(model="resnet18", strategy="fsdp2", fsdp_wrap="blocks-half-params")
     assert "BatchNorm" in D._precision_problem(bn, cpu)
     assert D.has_batchnorm(D.build_model(bn)) and not D.has_batchnorm(D.build_model(RunConfig(
@@ -312,16 +312,18 @@ def test_describe_world_and_parameter_count():
 
 
 def test_fsdp2_problem_names_the_torch_that_cannot_shard_on_a_cpu(monkeypatch):
-    """FSDP2 on a CPU needs torch >= 2.7 (2.4 and 2.5 stop with "FSDP requires CUDA for
-    streams", 2.6 on a CPU stream's missing record_event); a run plan skips such a configuration
-    with that reason instead of failing."""
+    """FSDP2 on CPU processes needs torch >= 2.9: 2.4 to 2.6 cannot run it, 2.7 and 2.8 average
+    wrongly over gloo; a run plan skips such a configuration with that reason instead."""
     assert D.fsdp2_problem("cuda") is None  # GPUs: any torch with FSDP2
     monkeypatch.setattr(D, "torch_version", lambda: (2, 6))
     problem = D.fsdp2_problem("cpu")
-    assert problem.startswith("FSDP2 on a CPU needs torch >= 2.7") and torch.__version__ in problem
+    assert problem.startswith("FSDP2 on CPU processes needs torch >= 2.9")
+    assert torch.__version__ in problem and "cannot run it" in problem
     assert D._precision_problem(RunConfig(model="mlp", strategy="fsdp2"), "cpu") == problem
     assert D._precision_problem(RunConfig(model="mlp", strategy="ddp"), "cpu") is None
-    monkeypatch.setattr(D, "torch_version", lambda: (2, 7))
+    monkeypatch.setattr(D, "torch_version", lambda: (2, 8))
+    assert "pytorch/pytorch#162338" in D.fsdp2_problem("cpu")
+    monkeypatch.setattr(D, "torch_version", lambda: (2, 9))
     assert D.fsdp2_problem("cpu") is None
     monkeypatch.setattr(D, "fsdp2_available", lambda: False)
     assert "has no FSDP2" in D.fsdp2_problem("cuda")

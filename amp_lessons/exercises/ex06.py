@@ -215,7 +215,7 @@ def check_script(source: str, timeout_s: float = 180.0) -> Check:
     says: DDP kept the ranks' weights identical, FSDP2 sharded them (one unit per Linear plus the
     root) and gathered them in bf16, every loss finite. ``source`` is the whole script or only
     its body (``STUB_BODY`` filled in: see ``full_script``). Skipped, saying why, where this
-    torch cannot run FSDP2 on a CPU (``distributed.fsdp2_problem``: torch < 2.7)."""
+    torch cannot run FSDP2 correctly on a CPU (``distributed.fsdp2_problem``: torch < 2.9)."""
     hint = HINTS["script"]
     if is_blank(source) or source.strip() in (STUB.strip(), _STUB_BODY.strip()) \
             or "\n...\n" in "\n" + source + "\n" or "= ...\n" in source + "\n":

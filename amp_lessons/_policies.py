@@ -250,6 +250,47 @@ class SkipPolicy(Policy):
         return found_inf
 
 
+class HostFlags:
+    """How ``RaisePolicy`` gets each step's flag to the host without waiting: on CUDA a pinned
+    slot the flag is copied into (non-blocking) and a CUDA event recorded after the copy, read
+    once ``event.query()`` says it is done; elsewhere the flag itself.
+
+    The slots are views of pinned blocks of ``POOL`` floats made at once, and a slot and its
+    event go back to a free list when their step has been read (``give_back``): per step one
+    copy and one event record, instead of a pinned allocation, a new event, a copy and a
+    record (before issue 22's fourth round). ``block`` and ``event`` make a block of n floats
+    and an event (tests pass stand-ins to run the CUDA path on a CPU)."""
+
+    POOL = 64
+
+    def __init__(self, device: torch.device, block=None, event=None):
+        self.cuda = torch.device(device).type == "cuda"
+        self._block = block or (lambda n: torch.empty(n, dtype=torch.float32, pin_memory=True))
+        self._event = event or torch.cuda.Event
+        self._free: list = []   # (slot, event) pairs whose step was read
+        self._slots: list = []  # slots of the newest block never handed out
+
+    def send(self, flag: torch.Tensor):
+        """(host tensor, event or None): the host tensor holds ``flag`` once the event is done."""
+        if not self.cuda:
+            return flag, None
+        if self._free:
+            slot, event = self._free.pop()
+        else:
+            if not self._slots:
+                self._slots = list(self._block(self.POOL).unbind())
+                self._slots.reverse()  # handed out in address order
+            slot, event = self._slots.pop(), self._event()
+        slot.copy_(flag, non_blocking=True)
+        event.record()
+        return slot, event
+
+    def give_back(self, host, event) -> None:
+        """Reuse ``send``'s pair once its event is done (the host has read the slot)."""
+        if self.cuda and event is not None:
+            self._free.append((host, event))
+
+
 class RaisePolicy(SkipPolicy):
     """``nonfinite="raise"``: skip on the device, stay skipped, tell the host without waiting."""
 
@@ -259,6 +300,7 @@ class RaisePolicy(SkipPolicy):
         super().__init__(optimizer, params, device)
         self.tripped = torch.zeros((), dtype=torch.float32, device=device)
         self.pending: list = []  # (step, epoch, batches_done, host flag, CUDA event or None)
+        self.host_flags = HostFlags(device)
 
     def check(self, loss, grad_norm):
         flag = super().check(loss, grad_norm)
@@ -270,22 +312,25 @@ class RaisePolicy(SkipPolicy):
 
     def watch(self, flag: torch.Tensor, step: int, epoch: int, batches_done: int) -> None:
         """Queue a host copy of ``flag`` for ``step`` (pinned, non-blocking on CUDA)."""
-        if flag.device.type == "cuda":
-            host = torch.empty((), dtype=flag.dtype, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = flag, None
+        host, event = self.host_flags.send(flag)
         self.pending.append((step, epoch, batches_done, host, event))
 
-    def reset(self):
+    def _drop_pending(self) -> None:
+        """Forget every queued step; the pairs whose copy is done go back to the pool (one still
+        in flight is left to the garbage collector, never written again)."""
+        for *_, host, event in self.pending:
+            if event is not None and event.query():
+                self.host_flags.give_back(host, event)
         self.pending.clear()
+
+    def reset(self):
+        self._drop_pending()
         self.tripped = torch.zeros((), dtype=torch.float32, device=self.device)
 
     def adopt(self, old):
         if isinstance(old, RaisePolicy):
             self.pending, self.tripped = old.pending, old.tripped
+            self.host_flags = old.host_flags  # the queued steps' slots come from its pool
 
     def first_bad(self, wait: bool = False):
         """(step, epoch, batches_done) of the first non-finite step the host can see, or None;
@@ -297,10 +342,10 @@ class RaisePolicy(SkipPolicy):
                     return None
                 event.synchronize()
             if host.tolist():
-                self.pending.clear()
-                self.tripped = torch.zeros((), dtype=torch.float32, device=self.device)
+                self.reset()
                 return step, epoch, done
             self.pending.pop(0)
+            self.host_flags.give_back(host, event)
         return None
 
 

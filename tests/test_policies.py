@@ -273,6 +273,58 @@ def test_raise_arrives_late_and_leaves_the_model_as_before_the_bad_step(kind, la
     assert not trainer.train_step([data[4]]).skipped  # the device flag was cleared
 
 
+class _CountedEvent:
+    """A CUDA event's stand-in for HostFlags on a CPU: done ``lag`` queries after its record."""
+
+    made = 0
+    lag = 0
+
+    def __init__(self):
+        _CountedEvent.made += 1
+        self.left = 0
+
+    def record(self):
+        self.left = _CountedEvent.lag
+
+    def query(self):
+        self.left -= 1
+        return self.left < 0
+
+    def synchronize(self):
+        self.left = -1
+
+
+def test_raise_reuses_its_pinned_slots_and_events(monkeypatch):
+    """The CUDA path of nonfinite='raise', run on a CPU with stand-ins (a block of host floats,
+    counted events): over 300 steps one block of slots and a handful of events are made, not a
+    pinned tensor and an event per step; a late flag still names its step."""
+    blocks = []
+
+    def block(n):
+        blocks.append(torch.zeros(n))
+        return blocks[-1]
+
+    data = batches(4)
+    hook = Inject(set(), float("inf"))
+    trainer = T.Trainer(*fresh(), T.TrainConfig(precision="bf16", nonfinite="raise",
+                                                progress=False), hooks=[hook])
+    flags = trainer._policy.host_flags = _policies.HostFlags(torch.device("cuda"), block,
+                                                             _CountedEvent)
+    _CountedEvent.made, _CountedEvent.lag = 0, 2  # the host sees a step two queries late
+    for i in range(300):
+        trainer.train_step([data[i % 4]])
+    assert len(blocks) == 1 and _CountedEvent.made <= 4, (len(blocks), _CountedEvent.made)
+    assert len(trainer._policy.pending) <= 3
+    hook.steps = {300}
+    trainer.train_step([data[0]])  # step 300 is bad; its flag reaches the host a step later
+    with pytest.raises(T.NonFiniteError, match=r"^step 300 "):
+        for _ in range(5):
+            trainer.train_step([data[1]])
+    assert trainer.step == 300 and not trainer._policy.pending
+    assert len(blocks) == 1 and _CountedEvent.made <= 4
+    assert flags.send(torch.ones(()))[0].item() == 1.0  # a reused slot holds the new flag
+
+
 def test_a_pending_bad_step_is_reported_before_a_checkpoint_or_a_policy_change(late_flags,
                                                                                tmp_path):
     data = batches(3)

@@ -27,8 +27,8 @@ import torch
 
 from .records import Deferred
 
-__all__ = ["torch_version", "FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf", "forget_step",
-           "cap_growth_tracker", "init_scale", "reset_scale", "supports_found_inf",
+__all__ = ["torch_version", "FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf",
+           "forget_step", "cap_growth_tracker", "init_scale", "reset_scale", "supports_found_inf",
            "step_skipping", "NonFiniteCheck", "ScaleLog"]
 
 

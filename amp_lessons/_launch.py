@@ -229,7 +229,8 @@ def _worker_error(outdir: Path, exc: BaseException) -> Exception:
 
 def _join_options(context) -> Dict[str, float]:
     """``grace_period=10`` where ``ProcessContext.join`` takes it (torch >= 2.5: the other ranks
-    get 10 s after a failure before they are killed), else nothing (torch 2.4 stops them at once)."""
+    get 10 s after a failure before they are killed), else nothing (torch 2.4 stops them at
+    once)."""
     import inspect
     return {"grace_period": 10.0} if "grace_period" in inspect.signature(
         context.join).parameters else {}

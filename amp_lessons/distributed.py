@@ -73,8 +73,8 @@ __all__ = [  # the launcher's names (from _launch) and this module's own
     "STRATEGIES", "OPTIMIZERS", "MODELS", "FSDP_WRAPS", "BN_MIXUP", "RunConfig", "grid",
     "build_model", "parameter_count", "make_batch", "make_optimizer", "shard_units",
     "has_batchnorm", "fsdp2_shard", "fsdp_units", "fsdp2_available", "fsdp2_problem",
-    "local_state_bytes", "make_trainer", "repeat_blocks", "peak_spread", "timed_repeats", "row_noise", "run_one",
-    "run_plan", "SweepResult", "run_experiments", "PER_RANK_COLUMNS",
+    "local_state_bytes", "make_trainer", "repeat_blocks", "peak_spread", "timed_repeats",
+    "row_noise", "run_one", "run_plan", "SweepResult", "run_experiments", "PER_RANK_COLUMNS",
     "SUMMARY_COLUMNS", "main"]
 
 STRATEGIES = ("ddp", "ddp_zero", "fsdp2")

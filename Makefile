@@ -27,11 +27,11 @@ OLDEST_VENV := $(VENV)-oldest
 OLDEST_STAMP := $(OLDEST_VENV)/.amp-lessons-oldest
 OLDEST_SITE := $(OLDEST_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
 # The tests whose subject changes between torch releases: GradScaler's internals and the
-# trainer's policies, autocast, float8 formats, checkpointing (SAC), DDP/FSDP2 and lesson 06's
-# script grader. `make test-oldest OLDEST_TESTS=tests` runs every unit test there.
+# trainer's policies, autocast, float8 formats, checkpointing (SAC), launching, DDP and FSDP2,
+# checkpoint files. `make test-oldest OLDEST_TESTS=tests` runs every unit test there.
 OLDEST_TESTS ?= tests/test_policies.py tests/test_trainer.py tests/test_trainer_lazy.py \
 	tests/test_precision.py tests/test_formats.py tests/test_models_resnet.py \
-	tests/test_distributed.py tests/test_lesson05.py tests/test_checkpoint.py
+	tests/test_distributed.py tests/test_checkpoint.py
 
 .PHONY: lab test test-oldest unit notebooks browser colab figure-images screenshot claims torchao clean
 
@@ -65,13 +65,12 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_OK) --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
 		--ServerApp.root_dir=notebooks --ServerApp.open_browser=$(OPEN_BROWSER)
 
-# The notebooks and the oldest-torch tests run side by side (neither times anything; each prints
-# when it is done): the CI machine's two cores finish both in about the notebooks' time alone.
 test: $(STAMP) $(COLAB_STAMP) $(OLDEST_STAMP)
 	$(BIN)/python -m pytest -q tests -m "not browser"
-	$(MAKE) --no-print-directory -j2 -Otarget notebooks test-oldest
+	AMP_LESSONS_PROFILE=quick $(BIN)/python -m pytest -q $(NBVAL) notebooks
 	$(BIN)/python -m pytest -q tests -m browser -rs
 	$(MAKE) --no-print-directory colab
+	$(MAKE) --no-print-directory test-oldest
 
 $(COLAB_STAMP): $(STAMP) Makefile tests/colab_versions.txt
 	@test -x $(COLAB_VENV)/bin/python || $(PYTHON) -m venv $(COLAB_VENV)

@@ -134,8 +134,9 @@ if torch_version() < (2, 5):
     # torch 2.4's non-reentrant checkpoint recomputes under torch.cpu.amp.autocast (and
     # torch.cuda.amp.autocast), the APIs it deprecated itself: a FutureWarning from torch's own
     # code at every backward of a checkpointed model, which no learner can act on
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.utils\.checkpoint",
-                            message=r"`torch\.(cpu|cuda)\.amp\.autocast\(args\.\.\.\)` is deprecated")
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning, module=r"torch\.utils\.checkpoint",
+        message=r"`torch\.(cpu|cuda)\.amp\.autocast\(args\.\.\.\)` is deprecated")
 
 
 class Checkpointed(nn.Module):

@@ -227,12 +227,19 @@ def with_results(text: str, notebooks: Iterable[Path], name: str = "the README",
 CITATION = re.compile(r"\{\{(.+?)\}\}", re.S)
 
 
+def _plain(text) -> str:
+    """A cell's text as a citation matches it: the README writes code in backticks, the rows do
+    not, and runs of spaces do not count."""
+    return " ".join(str(text).replace("`", "").split())
+
+
 def cite(results: Sequence[dict], citation: str) -> str:
     """The published value that ``citation`` (``KEY | ROW | COLUMN``) names, written as the
     README's tables write it: ``KEY`` a published table's key (the last table so keyed),
     ``ROW`` the row whose first column reads so (as the README shows it: backticks and runs of
-    spaces do not count), or ``column=value`` pairs joined by ``;`` that single out one row, ``COLUMN`` a column's name. ValueError naming the citation
-    when its form is wrong, or the table, the row (none or several) or the column is missing."""
+    spaces do not count), or ``column=value`` pairs joined by ``;`` that single out one row,
+    ``COLUMN`` a column's name. ValueError naming the citation when its form is wrong, or the
+    table, the row (none or several) or the column is missing."""
     shown = "{{" + citation + "}}"
     parts = [" ".join(p.split()) for p in citation.split("|")]
     if len(parts) != 3 or not all(parts):
@@ -254,11 +261,8 @@ def cite(results: Sequence[dict], citation: str) -> str:
             wanted.append((name.strip(), value.strip()))
         else:
             wanted.append((columns[0], part.strip()))
-    def plain(text: str) -> str:  # the README writes code in backticks, the rows do not
-        return " ".join(str(text).replace("`", "").split())
-
     rows = [r for r in table["rows"]
-            if all(plain(v) in (plain(_cell(r.get(c))), plain(r.get(c))) for c, v in wanted)]
+            if all(_plain(v) in (_plain(_cell(r.get(c))), _plain(r.get(c))) for c, v in wanted)]
     if len(rows) != 1:
         raise ValueError(f"citation {shown}: {plural(len(rows), 'row')} of table {key!r} match "
                          f"{selector!r}; it must single out one")
@@ -294,7 +298,8 @@ def cite_notebooks(notebooks: Iterable[Path], write: bool = True,
                    results: Optional[Sequence[dict]] = None) -> List[Path]:
     """Fill the cited prose (``cited_prose``) of each notebook from the tables all of them
     publish (or from ``results``, ``collect`` of every notebook already read); returns the
-    notebooks whose text changed, written (atomically) unless ``write`` is False. ValueError naming the notebook and citation that finds nothing."""
+    notebooks whose text changed, written (atomically) unless ``write`` is False. ValueError
+    naming the notebook and citation that finds nothing."""
     from .files import read_notebook, write_notebook
 
     notebooks = [Path(p) for p in notebooks]

@@ -181,21 +181,18 @@ def _keeps_colors(before, after, colors=None, tolerance: int = 12,
     return _shows(after, _wanted_colors(before, colors, min_pixels), tolerance)
 
 
-def _quantized(image, colors: int, keep, lines=None, pixels=None):
+def _quantized(image, colors: int, keep, lines, pixels):
     """``image`` in a median-cut palette of ``colors`` colours plus the colours of ``keep`` that
-    it shows (each as itself, within 2) and of its grid lines (``lines``, else
-    ``_line_colors``), at most 256: every pixel takes its nearest palette colour, without
-    dithering. ``pixels``: the image's distinct colours, where already known."""
+    it shows (each as itself, within 2) and of its grid lines (``lines``: ``_line_colors``), at
+    most 256: every pixel takes its nearest palette colour, without dithering. ``pixels``: the
+    image's distinct colours."""
     import numpy as np
     from PIL import Image
 
     base = image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
     used = len(base.getcolors(256) or []) or colors
     palette = np.array(base.getpalette()[: 3 * used], dtype=np.int32).reshape(-1, 3)
-    if pixels is None:
-        pixels = np.unique(np.asarray(image, dtype=np.int32).reshape(-1, 3), axis=0)
-    wanted = list(keep if keep is not None else []) + list(
-        _line_colors(image) if lines is None else lines)
+    wanted = list(keep if keep is not None else []) + list(lines)
     extra = [c for c in wanted if np.abs(pixels - c).sum(axis=1).min() <= 2
              and np.abs(palette - c).sum(axis=1).min() > 2]
     palette = np.concatenate([np.array(extra, dtype=np.int32).reshape(-1, 3), palette])[:256]

@@ -47,7 +47,8 @@ def cheat_sheet() -> str:
         text = CHEAT_SHEET.read_text(encoding="utf-8")
         results = None
         if _report.CITATION.search(text):
-            results = _report.collect(sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+            from ..runner import course_notebooks
+            results = _report.collect(course_notebooks(REPO / "notebooks"))
         try:
             return _report.cheat_sheet_body(text, results) + "\n"
         except ValueError:  # a citation the notebooks here cannot fill: the README's copy

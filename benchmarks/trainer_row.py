@@ -9,6 +9,11 @@ as the notebook's table does, so ``seconds`` is what the row adds to the lesson 
 included). ``--rows hand`` adds the same configuration as a hand-written loop, for comparison.
 
     python benchmarks/trainer_row.py --json OUT.json [--rows trainer hand]
+        [--compile max-autotune]
+
+``--compile max-autotune`` measures the same rows with inductor's kernel tuning (issue 22: the
+issue's hand loop reached 8,062 img/s that way after about 280 s of compiling); the lesson keeps
+``reduce-overhead``, which compiles in about a minute.
 
 On a CPU the rows read "skipped" (torch.compile is measured on a GPU only) and the same rows run
 eagerly at tiny sizes: a check of the script, no conclusions.
@@ -27,14 +32,15 @@ import amp_lessons as al  # noqa: E402
 from amp_lessons.lessons import l04_resnet50 as lesson  # noqa: E402
 
 
-def configs(env, which):
-    """The lesson's trainer row (and its hand-loop twin), sized as notebook 04 sizes them."""
+def configs(env, which, compile="reduce-overhead"):
+    """The lesson's trainer row (and its hand-loop twin), sized as notebook 04 sizes them;
+    ``compile``: the ``torch.compile`` mode of both."""
     model = "resnet18" if env.quick else "resnet50"
     image = 32 if env.quick else 224
     batch = 4 if env.quick else al.measure.batch_size_for(env.total_memory_gib, image)
     fast_batch = al.measure.batch_size_for(env.total_memory_gib, image, largest=2 * batch)
     amp = "fp16" if env.fp16_tensor_cores else "bf16"
-    row = lesson.trainer_fastest_config(model, fast_batch, image, precision=amp)
+    row = lesson.trainer_fastest_config(model, fast_batch, image, precision=amp, compile=compile)
     hand = dataclasses.replace(row, loop="hand", trainer_tracking=True, label="")
     out = {"trainer": row, "hand": dataclasses.replace(
         hand, label=f"hand-written loop: {hand.label}, batch {fast_batch}")}
@@ -71,6 +77,9 @@ def markdown(doc) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="+", choices=("trainer", "hand"), default=["trainer"])
+    p.add_argument("--compile", default="reduce-overhead",
+                   choices=[m for m in al.bench.COMPILE_MODES if m],
+                   help="torch.compile mode of the rows (default: the lesson's)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--report", type=Path, default=None,
                    help="print a JSON result of this script as a Markdown table; run nothing")
@@ -96,7 +105,7 @@ def main(argv=None):
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(doc, indent=1, default=str))
 
-    al.measure.run_configs(configs(env, args.rows), env.device, warmup=settings["warmup"],
+    al.measure.run_configs(configs(env, args.rows, args.compile), env.device, warmup=settings["warmup"],
                            steps=settings["steps"], progress=False, on_row=write)
     print(f"done in {doc['seconds']} s" + (f"; wrote {args.json}" if args.json else ""))
     return doc

@@ -91,6 +91,11 @@ def test_trainer_fastest_config_writes_its_settings_out():
         L.trainer_fastest_config(precision="fp32")
     with pytest.raises(ValueError, match="batch_size"):
         L.trainer_fastest_config(batch_size=0)
+    tuned = L.trainer_fastest_config(compile="max-autotune")
+    assert tuned.compile == "max-autotune" and "mode='max-autotune'" in tuned.label
+    for bad in (None, "fast", ""):
+        with pytest.raises(ValueError, match="compile must be one of"):
+            L.trainer_fastest_config(compile=bad)
 
 
 def _table_rows():

@@ -26,6 +26,9 @@ def test_the_trainer_row_runs_and_reports_on_the_cpu(tmp_path, capsys):
     assert "skipped: torch.compile" in text and f"{rows[1]['img_per_s']:,.0f}" in text
     hand = script.configs(script.al.setup(quiet=True), ["hand"])
     assert hand[0].loop == "hand" and hand[0].label.startswith("hand-written loop: ")
+    tuned = script.configs(script.al.setup(quiet=True), ["trainer", "hand"], "max-autotune")
+    assert [c.compile for c in tuned[:2]] == ["max-autotune"] * 2
+    assert "mode='max-autotune'" in tuned[0].label and "compile max-autotune" in tuned[1].label
 
 
 def test_the_committed_h200_run_reads_back():

@@ -16,8 +16,8 @@
 
 Everything public is importable from ``amp_lessons.bench`` itself.
 """
-from .config import (COMPILE_MODES, LOOPS, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS, STANDARD,
-                     BenchConfig, settings_caption, skip_reason, standard_settings)
+from .config import (COMPILE_MODES, LOOPS, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_NAMES,
+                     STANDARD, BenchConfig, settings_caption, skip_reason, standard_settings)
 from .memory import (GIB, SavedActivations, memory_breakdown, optimizer_state_tensors,
                      storage_key, tensor_bytes)
 from .oom import free_bytes, free_memory, is_out_of_memory, memory_cap

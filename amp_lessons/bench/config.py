@@ -21,6 +21,9 @@ MODELS = {
 }
 OPTIMIZERS = ("sgd", "adam", "adamw")
 OPTIMIZER_IMPLS = ("default", "for-loop", "foreach", "fused")
+#: how a row's label names each precision
+PRECISION_NAMES = {"fp32": "fp32, TF32 off", "tf32": "fp32, TF32 on", "fp16": "fp16 + GradScaler",
+                   "bf16": "bf16"}
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 LOOPS = ("hand", "trainer")
 
@@ -111,8 +114,7 @@ class BenchConfig:
 
     def describe(self) -> str:
         """A readable name, e.g. "fp16 + GradScaler, channels_last, compile, fused SGD"."""
-        parts = [{"fp32": "fp32, TF32 off", "tf32": "fp32, TF32 on",
-                  "fp16": "fp16 + GradScaler", "bf16": "bf16"}[self.precision]]
+        parts = [PRECISION_NAMES[self.precision]]
         if self.model.endswith("-selective"):
             parts.append("layer3/4+fc in fp32")
         if self.channels_last:

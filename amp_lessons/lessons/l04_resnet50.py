@@ -17,8 +17,8 @@ from .. import claims, models
 from .. import trainer as training
 from .._validate import check_choice, check_int
 from ..data import TensorBatches, digits
-from ..bench import (COMPILE_MODES, OPTIMIZERS, STANDARD, BenchConfig, build_optimizer, find_row,
-                     free_memory, ratio, wall_clock)
+from ..bench import (COMPILE_MODES, OPTIMIZERS, PRECISION_NAMES, STANDARD, BenchConfig,
+                     build_optimizer, find_row, free_memory, ratio, wall_clock)
 from ..optim import (adam_precision_facts, multi_tensor_status,  # noqa: F401 (the lesson's API)
                      skipped_step_check)
 from ..precision import (HALF_DTYPES, PRECISIONS, as_device, autocast_error_by_op,  # noqa: F401
@@ -90,21 +90,21 @@ def optimized_row(rows: Sequence[Dict[str, object]]) -> Optional[Dict[str, objec
 
 def trainer_fastest_config(model: str = "resnet50", batch_size: int = 512, image_size: int = 224,
                            num_classes: int = 1000, precision: str = "fp16",
-                           cudnn_benchmark: bool = STANDARD["cudnn_benchmark"]) -> BenchConfig:
+                           cudnn_benchmark: bool = STANDARD["cudnn_benchmark"],
+                           compile: str = "reduce-overhead") -> BenchConfig:
     """The row measured through the course's ``Trainer`` on its fastest path: ``precision``
-    (fp16 + GradScaler or bf16), channels_last, fused SGD, ``torch.compile(mode=
-    "reduce-overhead")`` and the trainer's grad-norm and memory tracking off. ``batch_size``: the
-    notebook passes twice its table's batch where the card's memory allows. Its label writes
-    every setting out, to copy into ``TrainConfig``/``torch.compile``."""
+    (fp16 + GradScaler or bf16), channels_last, fused SGD, ``torch.compile(mode=compile)``
+    (``"max-autotune"`` also tunes kernels, for minutes), grad-norm and memory tracking off;
+    ``batch_size``: twice the table's where memory allows. The label writes every setting out."""
     check_choice("precision", precision, tuple(HALF_DTYPES))
     check_int("batch_size", batch_size, 1)
-    name = {"fp16": "fp16 + GradScaler", "bf16": "bf16"}[precision]
-    label = (f"Trainer, fastest path: {name}, channels_last, SGD(fused=True), "
-             f"torch.compile(mode='reduce-overhead'), batch {batch_size}, "
+    check_choice("compile", compile, tuple(m for m in COMPILE_MODES if m))
+    label = (f"Trainer, fastest path: {PRECISION_NAMES[precision]}, channels_last, SGD(fused=True), "
+             f"torch.compile(mode='{compile}'), batch {batch_size}, "
              f"TrainConfig(track_grad_norm=False, track_memory=False)")
     return BenchConfig(label=label, model=model, precision=precision, channels_last=True,
                        batch_size=batch_size, image_size=image_size, num_classes=num_classes,
-                       optimizer="sgd", impl="fused", compile="reduce-overhead", loop="trainer",
+                       optimizer="sgd", impl="fused", compile=compile, loop="trainer",
                        trainer_tracking=False, cudnn_benchmark=cudnn_benchmark)
 
 

@@ -65,9 +65,20 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_OK) --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
 		--ServerApp.root_dir=notebooks --ServerApp.open_browser=$(OPEN_BROWSER)
 
+# The unit tests and the notebooks run in JOBS pytest-xdist workers (`auto`: one per core), each
+# torch on one thread (OMP_NUM_THREADS=1: two workers of two threads each thrash a 2-core CI
+# machine); the tests marked `serial` (they assert on wall time) run alone after them. `--dist
+# loadscope` keeps each notebook's cells in order on one worker. JOBS=0: everything in one process.
+JOBS   ?= auto
+XDIST  := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
+UNIT   := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests -m "not browser and not serial" $(XDIST)
+SERIAL := $(BIN)/python -m pytest -q tests -m "serial and not browser"
+
 test: $(STAMP) $(COLAB_STAMP) $(OLDEST_STAMP)
-	$(BIN)/python -m pytest -q tests -m "not browser"
-	AMP_LESSONS_PROFILE=quick $(BIN)/python -m pytest -q $(NBVAL) notebooks
+	$(UNIT)
+	$(SERIAL)
+	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(XDIST) \
+		$(if $(filter 0,$(JOBS)),,--dist loadscope) notebooks
 	$(BIN)/python -m pytest -q tests -m browser -rs
 	$(MAKE) --no-print-directory colab
 	$(MAKE) --no-print-directory test-oldest
@@ -82,10 +93,14 @@ $(COLAB_STAMP): $(STAMP) Makefile tests/colab_versions.txt
 	@touch $(COLAB_STAMP)
 
 # The widget and figure tests and lesson 03 under Colab's ipywidgets 7 / plotly 5, without anywidget.
+COLAB_TESTS := tests/test_controls.py tests/test_widgets.py tests/test_plots.py tests/test_lesson01.py \
+	tests/test_lesson03.py
 colab: $(COLAB_STAMP)
-	$(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not browser" tests/test_controls.py \
-		tests/test_widgets.py tests/test_plots.py tests/test_lesson01.py tests/test_lesson03.py
-	AMP_LESSONS_PROFILE=quick $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NBVAL) \
+	OMP_NUM_THREADS=1 $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not browser and not serial" \
+		$(XDIST) $(COLAB_TESTS)
+	$(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "serial and not browser" $(COLAB_TESTS)
+	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		$(NBVAL) $(XDIST) $(if $(filter 0,$(JOBS)),,--dist loadscope) \
 		notebooks/01_fp16_ranges_and_underflow.ipynb notebooks/03_grad_scaler_tuning.ipynb
 
 # (not after $(STAMP): `make -j2 test` builds the two venvs at once; the .pth names .venv's path)
@@ -100,7 +115,8 @@ $(OLDEST_STAMP): Makefile tests/oldest_versions.txt
 # The version-sensitive tests again on the oldest supported torch (2.4.1): `make test` runs it.
 test-oldest: $(STAMP) $(OLDEST_STAMP)
 	$(OLDEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
-	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not browser" $(OLDEST_TESTS)
+	OMP_NUM_THREADS=1 $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not browser and not serial" \
+		$(XDIST) $(OLDEST_TESTS)
 
 # Static PNGs beside every figure of the committed notebooks (needs Chromium), after a GPU run.
 figure-images: $(STAMP)
@@ -114,10 +130,12 @@ claims: $(STAMP)
 	$(BIN)/python -m amp_lessons claims --out docs/claims.md
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m "not browser"
+	$(UNIT)
+	$(SERIAL)
 
 notebooks: $(STAMP)
-	AMP_LESSONS_PROFILE=quick $(BIN)/python -m pytest -q $(NBVAL) notebooks
+	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(XDIST) \
+		$(if $(filter 0,$(JOBS)),,--dist loadscope) notebooks
 
 browser: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m browser -rs

@@ -378,6 +378,7 @@ def test_scaler_panel_rate_change_mid_run_reaches_the_injector():
     assert result.injected[:4] == [False] * 4 and all(result.injected[5:])
 
 
+@pytest.mark.serial
 def test_scaler_panel_reset_during_a_long_run_is_quick():
     p = U.scaler_panel(SETUP, steps=100_000, figure_mode="output", background=True)
     p.run_button.click()
@@ -389,6 +390,7 @@ def test_scaler_panel_reset_during_a_long_run_is_quick():
     assert not p.running and "Press" in p.summary.value
 
 
+@pytest.mark.serial
 def test_panel_overhead_is_linear_in_steps():
     """A 600-step panel run costs at most 2x the same training without the panel."""
     torch.set_num_threads(1)

@@ -75,7 +75,7 @@ def test_the_oldest_torch_venv_pins_pyprojects_lower_bound_and_reuses_the_rest()
     assert "-r tests/oldest_versions.txt" in joined and CPU_INDEX not in joined
     assert "-m venv .venv-cpu-oldest" in cpu and f"--index-url {CPU_INDEX}" in cpu
     run = [c for c in default if "pytest" in c]
-    assert run and run[-1].startswith(".venv-oldest/bin/python -m pytest")
+    assert run and ".venv-oldest/bin/python -m pytest" in run[-1]
     assert "tests/test_policies.py" in run[-1] and "tests/test_distributed.py" in run[-1]
 
 

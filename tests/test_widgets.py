@@ -332,6 +332,7 @@ def test_a_failing_run_in_any_mode_is_shown_and_the_panel_stays_usable(backgroun
     assert "Run 1:" in p.summary.value
 
 
+@pytest.mark.serial
 def test_background_run_and_quick_reset():
     p = panel("output", steps=100_000, background=True,
               run=lambda *a: fake_run(*a, step_seconds=0.001))

@@ -127,6 +127,7 @@ def main(argv=None):
            "torch": torch.__version__, "steps": args.steps, "quick": args.quick, "runs": {}}
     finals = {}
     for (kind, name), make in variants.items():
+        print(f"{kind}: {name}", flush=True)  # a failure below names its variant
         step, m, opt = make()
         log = []
         for _ in range(args.steps):

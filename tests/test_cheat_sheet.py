@@ -98,3 +98,17 @@ def test_readme_with_generated_takes_the_doc_beside_the_readme(tmp_path):
     assert "STALE-COPY" not in new and BODY in new  # cited from the notebooks given
     with pytest.raises(ValueError, match="no published table"):
         report.readme_with_generated(readme, text, [])
+
+
+def test_lesson_09_shows_the_cheat_sheet_of_the_committed_runs():
+    """Lesson 09 renders the cheat sheet from the other lessons' committed runs when it runs:
+    its committed output must be the sheet those runs give now (a lesson re-run after lesson
+    09 leaves it stale: run lesson 09 again)."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / "09_your_model.ipynb").read_text())
+    (cell,) = [c for c in nb["cells"] if c["cell_type"] == "code"
+               and "lesson.cheat_sheet()" in "".join(c["source"])]
+    (shown,) = [o["data"]["text/markdown"] for o in cell["outputs"]
+                if "text/markdown" in o.get("data", {})]
+    assert "".join(shown).strip() == BODY.strip(), "lesson 09's cheat sheet is stale: re-run it"

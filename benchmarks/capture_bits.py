@@ -62,6 +62,9 @@ def hand(device, quick, graph, unscale):
             before = scaler.get_scale()
             run()
             return before, scaler.get_scale() < before
+        # a graph reads x and y at their capture-time addresses: they must outlive it (when
+        # only the graph was kept, they were freed with ``inner`` and a replay read reused memory)
+        step.keep = (inner, x, y)
         return step
 
     if not graph:

@@ -52,3 +52,22 @@ def test_load_benchmark_names_a_missing_script():
 
     with pytest.raises(ValueError, match="name must be a script in benchmarks/"):
         load_benchmark("no_such_script")
+
+
+def test_the_committed_h200_run_falls_in_the_two_groups_notes_describe():
+    """results/capture_bits_h200.json: per-step weight hashes equal within each group of
+    benchmarks/NOTES.md ("Measured on the H200"), different between the groups."""
+    from script_helpers import BENCHMARKS
+
+    doc = json.loads((BENCHMARKS / "results" / "capture_bits_h200.json").read_text())
+    hashes = {name: [r["hash"] for r in log] for name, log in doc["runs"].items()}
+    plain = ["eager: hand", "graph: hand", "eager: trainer lean", "graph: trainer lean",
+             "graph: trainer lean + memory", "graph: trainer lean + time"]
+    unscaled = ["eager: hand + unscale_", "graph: hand + unscale_", "eager: trainer defaults",
+                "graph: trainer defaults", "graph: trainer lean + norm"]
+    assert set(hashes) == set(plain + unscaled) and doc["steps"] == 12
+    assert all(hashes[n] == hashes[plain[0]] for n in plain)
+    assert all(hashes[n] == hashes[unscaled[0]] for n in unscaled)
+    assert hashes[plain[0]][0] != hashes[unscaled[0]][0]  # from the first step on
+    assert all(doc["compare"][n]["equal_to_its_eager_twin"] for n in
+               ("graph: hand", "graph: trainer lean", "graph: trainer defaults"))

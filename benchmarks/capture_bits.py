@@ -17,6 +17,9 @@ weights, buffers and optimizer state are compared bitwise with the hand loop's o
 - the trainer eager: defaults, lean;
 - the trainer captured: defaults, lean, and lean plus each record alone (norm, memory, time).
 
+Then ``kernel_bits``: the same question for one parameter and one optimizer step at a time
+(fused and foreach SGD), ``scaler.step`` alone against ``scaler.unscale_`` before it.
+
 On a CPU only the eager variants run (a check of the script)."""
 import argparse
 import json
@@ -99,6 +102,45 @@ def trainer(device, quick, graph, **flags):
     return step, m, opt
 
 
+def kernel_bits(device, n: int = 1 << 20, steps: int = 3, impls=("fused", "foreach")) -> dict:
+    """The smallest case of the two groups: one parameter of ``n`` floats, loss ``(p * c).sum()``
+    (its gradient is ``c``), SGD momentum 0.9 (zero-primed buffers), GradScaler at its default
+    scale, ``steps`` steps with a new ``c`` each. Per optimizer ``impl``, the largest
+    ``|p_plain - p_unscaled|`` after each step, between ``scaler.step`` alone (a fused kernel is
+    handed ``grad_scale``) and ``scaler.unscale_`` before it (the kernel gets ``grad_scale=None``):
+    0.0 where the two give the same bits."""
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(n, generator=g) * 0.02
+    cs = [torch.randn(n, generator=g) * 1e-3 for _ in range(steps)]
+
+    def run(impl, unscale):
+        p = torch.nn.Parameter(w0.clone().to(device))  # a copy on the CPU too
+        opt = torch.optim.SGD([p], lr=0.01, momentum=0.9, **{impl: True})
+        T.prime_momentum_buffers(opt)
+        scaler = torch.amp.GradScaler(device.type)
+        out = []
+        for c in cs:
+            opt.zero_grad(set_to_none=True)
+            scaler.scale((p * c.to(device)).sum()).backward()
+            if unscale:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            out.append(p.detach().clone())
+        return out, scaler.get_scale()
+
+    result = {}
+    for impl in impls:
+        if impl == "fused" and device.type not in ("cuda", "cpu"):
+            continue
+        plain, scale = run(impl, False)
+        unscaled, _ = run(impl, True)
+        result[impl] = {"scale": scale, "max_abs_difference_per_step": [
+            float((a.double() - b.double()).abs().max()) for a, b in zip(plain, unscaled)],
+            "bitwise_equal": all(torch.equal(a, b) for a, b in zip(plain, unscaled))}
+    return result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -158,6 +200,8 @@ def main(argv=None):
             "equal_to_its_eager_twin": None if eager is None or kind == "eager" else all(
                 torch.equal(eager[k], state[k]) for k in eager)}
     out["compare"] = compare
+    out["kernel"] = kernel_bits(device)
+    print("kernel:", json.dumps(out["kernel"]))
     print(json.dumps(compare, indent=1))
     for name, log in out["runs"].items():
         print(name, [(int(r["scale"]), r["skipped"]) for r in log][:6])

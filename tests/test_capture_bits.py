@@ -22,7 +22,27 @@ def test_the_eager_variants_agree_on_the_cpu(tmp_path, monkeypatch, capsys):
     for row in out["compare"].values():
         assert row["bitwise_equal_to_hand"] and row["first_step_whose_weights_differ"] is None
     assert all(len(log) == 3 for log in out["runs"].values())
+    for impl in ("fused", "foreach"):  # scaler.step alone against unscale_ first: the same bits
+        assert out["kernel"][impl]["bitwise_equal"], out["kernel"]
+        assert out["kernel"][impl]["max_abs_difference_per_step"] == [0.0] * 3
     capsys.readouterr()
+
+
+def test_kernel_bits_tells_a_different_step_apart(monkeypatch):
+    bits = load()
+    real = torch.amp.GradScaler.unscale_
+
+    def off_by_a_bit(self, opt):  # unscale_, then nudge the gradient: another update (fused:
+        # scaler.step alone never calls unscale_, it hands the kernel grad_scale)
+        real(self, opt)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(1 + 2 ** -10)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", off_by_a_bit)
+    out = bits.kernel_bits(torch.device("cpu"), n=64, steps=2, impls=("fused",))
+    assert not out["fused"]["bitwise_equal"]
+    assert all(d > 0 for d in out["fused"]["max_abs_difference_per_step"])
 
 
 def test_a_different_run_is_caught_at_its_first_step(monkeypatch, tmp_path, capsys):

@@ -44,3 +44,17 @@ def test_the_committed_h200_runs_read_back_and_notes_quote_them(name, mode):
     assert f"{row['img_per_s']:,.0f}" in text and "batch 512" in text
     notes = (BENCHMARKS / "NOTES.md").read_text()
     assert text.splitlines()[-1] in notes  # the row as the report prints it
+
+
+def test_lesson_04_quotes_the_committed_trainer_rows():
+    """Lesson 04's section 10 quotes the two committed trainer-row runs (numbers measured
+    outside the lesson): each img/s as the JSON holds it, and the file it comes from."""
+    nb = json.loads((BENCHMARKS.parent / "notebooks" / "04_resnet50_memory_and_speed.ipynb").read_text())
+    prose = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    prose = " ".join(prose.split())  # the numbers may wrap
+    for name in ("trainer_row_h200", "trainer_row_h200_max_autotune"):
+        doc = json.loads((BENCHMARKS / "results" / f"{name}.json").read_text())
+        assert f"benchmarks/results/{name}.json" in prose
+        assert f"{doc['rows'][0]['img_per_s']:,.0f} " in prose, name
+    tuned = json.loads((BENCHMARKS / "results" / "trainer_row_h200_max_autotune.json").read_text())
+    assert f"after {tuned['rows'][0]['seconds']:.0f} s of compiling" in prose

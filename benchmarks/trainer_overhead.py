@@ -33,6 +33,15 @@ added until it is under ``--target-floor`` (after ``--min-rounds``) or the netwo
 ``--budget`` seconds is spent. Each row gives the median cost, its 95% bootstrap interval and
 interquartile range, and ``beyond_floor`` (|cost| larger than the floor).
 
+Host CPU time, a second reading of the same rounds: the trainer's cost on a short step is host
+work (Python, dispatch, launches), so each round also records this thread's CPU time across its
+step calls (``time.thread_time``, stopped before the round's closing sync: waiting on the GPU is
+not host work). Each row gives it per step and its paired cost (``host_cpu_cost_pct``, interval,
+IQR), and the network its own floor from the twin (``host_cpu_noise_floor_pct``). Time the host
+spends descheduled counts in the wall clock but not here, which is why it may resolve a smaller
+host cost than the wall clock can; a variant that synchronises in its step (``.item()``) counts
+the CUDA runtime's wait for the GPU as CPU time where that wait spins.
+
 On ``mlp_bf16``, "hand-written, skip via found_inf" is the hand loop that also skips a step
 with a non-finite gradient as GradScaler does it for a fused optimizer (one check kernel, the
 flag handed to fused AdamW): the trainer's lean (``nonfinite="skip"``) is also read against it,
@@ -309,9 +318,11 @@ def sync(device):
 
 
 def time_round(step, x, y, steps, device):
-    """(wall ms per step over the round, event ms per step list, host ms per call list)."""
+    """(wall ms per step over the round, event ms per step list, host ms per call list, host
+    CPU ms per step over the round: ``time.thread_time`` of this thread across the calls)."""
     sync(device)
     host = []
+    cpu_start = time.thread_time()
     t_start = time.perf_counter()
     if device.type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
@@ -322,6 +333,7 @@ def time_round(step, x, y, steps, device):
             step(x, y)
             host.append((time.perf_counter() - h0) * 1e3)
             ends[i].record()
+        cpu = time.thread_time() - cpu_start  # before the sync: waiting is not host work
         sync(device)
         events = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     else:
@@ -329,9 +341,10 @@ def time_round(step, x, y, steps, device):
             h0 = time.perf_counter()
             step(x, y)
             host.append((time.perf_counter() - h0) * 1e3)
+        cpu = time.thread_time() - cpu_start
         events = host
     wall = (time.perf_counter() - t_start) * 1e3 / steps
-    return wall, events, host
+    return wall, events, host, cpu * 1e3 / steps
 
 
 def median_ci(values, rng, resamples=2000):
@@ -434,13 +447,15 @@ def run_network(network, args, device, quick, deadline, rng):
     walls = {n: [] for n in table}
     events = {n: [] for n in table}
     hosts = {n: [] for n in table}
+    cpus = {n: [] for n in table}
     schedule = Schedule(list(table), args.schedule, seed=args.seed)
 
     def time_slot(name, r):
-        wall, ev, host = time_round(built[name], x, y, args.steps, device)
+        wall, ev, host, cpu = time_round(built[name], x, y, args.steps, device)
         walls[name].append(wall)
         events[name] += ev
         hosts[name] += host
+        cpus[name].append(cpu)
 
     def warm_slot(r):
         for _ in range(args.warm_steps):
@@ -457,6 +472,7 @@ def run_network(network, args, device, quick, deadline, rng):
                         at_block_end=lambda n: floor_now() < args.target_floor,
                         deadline=deadline, reserve=reserve)
     floor = floor_now()
+    cpu_floor = noise_floor([a / b for a, b in zip(cpus[AGAIN], cpus[HAND])], rng)
     rows = []
     for name, ref in [(n, r) for n, (r, _) in table.items()] + pairs:
         ratios = [a / b for a, b in zip(walls[name], walls[ref])]
@@ -467,6 +483,11 @@ def run_network(network, args, device, quick, deadline, rng):
                "rounds": rounds, "steps_per_round": args.steps, "round_ms": walls[name]}
         row.update(summarise(ratios, rng))
         row["beyond_floor"] = name not in (HAND, ref) and abs(row["cost_pct"]) > floor
+        # the same paired reading of the host's CPU time (the trainer's cost on a short step is
+        # host work; a descheduled or waiting host counts in the wall clock, not here)
+        row["host_cpu_ms_per_step"] = statistics.median(cpus[name])
+        row.update({f"host_cpu_{k}": v for k, v in summarise(
+            [a / b for a, b in zip(cpus[name], cpus[ref])], rng).items()})
         if args.profile:
             row.update(profile_counts(built[name], x, y, device))
         rows.append(row)
@@ -484,6 +505,7 @@ def run_network(network, args, device, quick, deadline, rng):
           f"({args.schedule} order, {args.warm_steps} warm steps a round); bitwise equal to the "
           f"reference after {args.check_steps} steps: {equal}", flush=True)
     return {"noise_floor_pct": floor, "floor_under_target": floor < args.target_floor,
+            "host_cpu_noise_floor_pct": cpu_floor,
             "rounds": rounds, "steps_per_round": args.steps,
             "schedule": schedule.describe(rounds, args.warm_steps), "rows": rows}
 
@@ -668,19 +690,29 @@ def markdown(doc) -> str:
         order = "" if order is None else (
             f"; {order['kind']} order, {order['warm_steps']} untimed warm "
             f"step{'' if order['warm_steps'] == 1 else 's'} a round")
+        cpu = "host_cpu_noise_floor_pct" in net  # results written before it: no such column
         lines += [f"**{network}** ({net['rows'][0]['precision']}): noise floor "
                   f"{net['noise_floor_pct']:.2f}% after {net['rounds']} rounds of "
-                  f"{net['steps_per_round']} steps{order}", "",
+                  f"{net['steps_per_round']} steps{order}" + (
+                      f"; host CPU time's noise floor {net['host_cpu_noise_floor_pct']:.2f}%"
+                      if cpu else ""), "",
                   "| variant | ms/step | cost | 95% interval | IQR | beyond floor | host ms/call "
-                  "| bitwise = reference |", "|---|---:|---:|---|---|---|---:|---|"]
+                  + ("| host CPU ms/step | host CPU cost [95%] " if cpu else "")
+                  + "| bitwise = reference |",
+                  "|---|---:|---:|---|---|---|---:|" + ("---:|---|" if cpu else "") + "---|"]
         for r in net["rows"]:
             lo, hi = r["cost_ci95_pct"]
             q1, q3 = r["cost_iqr_pct"]
             vs = "" if r["reference"] == HAND else f" (vs {r['reference']})"
+            host_cpu = ""
+            if cpu:
+                c_lo, c_hi = r["host_cpu_cost_ci95_pct"]
+                host_cpu = (f" {r['host_cpu_ms_per_step']:.3f} | {r['host_cpu_cost_pct']:+.2f}% "
+                            f"[{c_lo:+.2f}, {c_hi:+.2f}] |")
             lines.append(f"| {r['variant']}{vs} | {r['step_ms']:.3f} | {r['cost_pct']:+.2f}% | "
                          f"[{lo:+.2f}, {hi:+.2f}] | [{q1:+.2f}, {q3:+.2f}] | "
-                         f"{'yes' if r['beyond_floor'] else 'no'} | {r['host_ms_per_call']:.3f} | "
-                         f"{'yes' if r['bitwise_equal_to_reference'] else 'NO'} |")
+                         f"{'yes' if r['beyond_floor'] else 'no'} | {r['host_ms_per_call']:.3f} |"
+                         f"{host_cpu} {'yes' if r['bitwise_equal_to_reference'] else 'NO'} |")
         lines.append("")
     if doc["goals"]:
         lines += ["| goal | cost | 95% up to | floor | met | resolved |",

@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from script_helpers import load_benchmark
 
@@ -39,11 +40,47 @@ def test_smoke_run_writes_json_and_stays_bitwise(bench, tmp_path, capsys):
         low, high = row["cost_ci95_pct"]
         assert low <= row["cost_pct"] <= high
         assert row["bitwise_equal_to_reference"], row["variant"]
+        # the host's CPU time, read the same paired way
+        low, high = row["host_cpu_cost_ci95_pct"]
+        assert row["host_cpu_ms_per_step"] > 0 and low <= row["host_cpu_cost_pct"] <= high
+    assert net["host_cpu_noise_floor_pct"] >= 0
     assert {g["variant"] for g in doc["goals"]} == {"trainer, defaults", "trainer, lean"}
     capsys.readouterr()
     bench.main(["--report", str(out)])
     report = capsys.readouterr().out
     assert "**mlp_bf16** (bf16): noise floor" in report and "| trainer, lean |" in report
+    assert "host CPU time's noise floor" in report and "| host CPU cost [95%] |" in report
+    rows = [line for line in report.splitlines() if line.startswith("| trainer, lean |")]
+    assert rows and rows[0].count("|") == 11  # ten columns
+
+
+def test_time_round_counts_host_cpu_time_not_waiting(bench):
+    """A step that sleeps costs wall time but (almost) no CPU time; one that computes costs
+    both: the host-CPU column tells host work from waiting."""
+    import time as _time
+
+    def sleepy(x, y):
+        _time.sleep(0.005)
+
+    def busy(x, y):
+        end = _time.perf_counter() + 0.005
+        while _time.perf_counter() < end:
+            pass
+
+    cpu_device = torch.device("cpu")
+    wall_s, _, _, cpu_s = bench.time_round(sleepy, None, None, 4, cpu_device)
+    wall_b, _, _, cpu_b = bench.time_round(busy, None, None, 4, cpu_device)
+    assert wall_s >= 5 and wall_b >= 5
+    assert cpu_s < 0.5 * wall_s and cpu_b > 0.5 * wall_b
+
+
+def test_a_report_of_a_run_before_the_host_cpu_column_still_reads(bench):
+    from script_helpers import BENCHMARKS
+
+    doc = json.loads((BENCHMARKS / "results" / "trainer_overhead_h200_raise_pool.json")
+                     .read_text())
+    text = bench.markdown(doc)
+    assert "host CPU" not in text and "| trainer, lean | 2.115 |" in text
 
 
 class FirstSlotPenalty:

@@ -15,7 +15,9 @@ like nanoGPT's::
   (over the gradients, or over the per-parameter gradient norms when the trainer computes them:
   a gradient holds inf/NaN exactly where its norm does, barring a float32 overflow of the norm);
   fused optimizers skip inside their kernel (``found_inf``), others keep a device copy of
-  parameters and optimizer state and put it back where the flag is set. No host sync.
+  parameters and optimizer state and put it back where the flag is set, no host sync
+  (``TrainConfig(nonfused_skip="copy")``), or let one host sync decide whether to step
+  (``"sync"``: no copies).
 - ``RaisePolicy`` (``nonfinite="raise"``): skips like ``SkipPolicy`` and, once a step was
   non-finite, keeps skipping every later step on the device until the host learns of it (a
   pinned copy of the flag, read once its CUDA event has completed: ``Event.query`` never waits);
@@ -200,7 +202,8 @@ class SkipPolicy(Policy):
     """``nonfinite="skip"`` without a GradScaler (fp32, tf32, bf16)."""
 
     name, cause, can_skip = "skip", SKIPPED_NONFINITE, True
-    #: non-fused optimizers: "copy" (device copy put back, no sync) or "host" (one sync a step)
+    #: non-fused optimizers: "copy" (device copy put back, no sync) or "sync" (one host sync a
+    #: step); ``TrainConfig(nonfused_skip=...)``
     non_fused = "copy"
 
     def __init__(self, optimizer, params, device):
@@ -238,7 +241,7 @@ class SkipPolicy(Policy):
         if self.fused:  # the kernel reads found_inf and leaves everything as it was
             step_skipping(opt, found_inf)
             return found_inf
-        tensors = None if self.non_fused == "host" else self._update_guard.tensors()
+        tensors = None if self.non_fused == "sync" else self._update_guard.tensors()
         if tensors is None:  # no state yet (first step), state elsewhere, or chosen: the host
             if not bool(found_inf.item()):
                 opt.step()
@@ -352,8 +355,13 @@ class RaisePolicy(SkipPolicy):
 POLICIES = {"skip": SkipPolicy, "raise": RaisePolicy, "ignore": IgnorePolicy}
 
 
-def make_policy(precision: str, nonfinite: str, scaler, optimizer, params, device) -> Policy:
-    """The policy for a trainer: GradScaler's when it is enabled (fp16), else ``nonfinite``'s."""
+def make_policy(precision: str, nonfinite: str, scaler, optimizer, params, device,
+                nonfused_skip: str = "copy") -> Policy:
+    """The policy for a trainer: GradScaler's when it is enabled (fp16), else ``nonfinite``'s;
+    ``nonfused_skip`` ("copy" or "sync"): how skip and raise skip a non-fused optimizer."""
     if scaler.is_enabled():
         return ScalerPolicy(optimizer, params, device, scaler)
-    return POLICIES[nonfinite](optimizer, params, device)
+    policy = POLICIES[nonfinite](optimizer, params, device)
+    if isinstance(policy, SkipPolicy):
+        policy.non_fused = nonfused_skip
+    return policy

@@ -440,7 +440,7 @@ def _whole(text: str) -> int:
 
 def _add_train(sub) -> None:
     from .models import DIGITS_MODELS
-    from .trainer import EVAL_PRECISIONS, NONFINITE_POLICIES, PRECISIONS
+    from .trainer import EVAL_PRECISIONS, NONFINITE_POLICIES, NONFUSED_SKIPS, PRECISIONS
 
     p = sub.add_parser("train", help="train a digits model at one precision (lesson 02)",
                        description="Train on scikit-learn's digits with the course's trainer and "
@@ -467,6 +467,10 @@ def _add_train(sub) -> None:
     p.add_argument("--nonfinite", choices=NONFINITE_POLICIES, default="skip",
                    help="a step with an inf/NaN loss or gradient without GradScaler (fp32, tf32, "
                         "bf16): skip it (default), raise, or ignore")
+    p.add_argument("--nonfused-skip", choices=NONFUSED_SKIPS, default="copy",
+                   help="how --nonfinite skip/raise skip SGD's (non-fused) step: put a device "
+                        "copy back (default, no host sync, two copies of weights and momentum "
+                        "in memory) or let one host sync a step decide (no copies)")
     p.add_argument("--eval-precision", choices=EVAL_PRECISIONS, default="same",
                    help="evaluate under training's autocast (same) or another precision")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -545,7 +549,7 @@ def _cmd_train(args) -> int:
                            device=None if args.device == "auto" else args.device,
                            seed=args.seed, progress=not args.no_progress,
                            checkpoint=args.checkpoint, resume=args.resume, on_epoch=on_epoch,
-                           nonfinite=args.nonfinite)
+                           nonfinite=args.nonfinite, nonfused_skip=args.nonfused_skip)
     except (ValueError, OSError, FloatingPointError) as exc:
         # bad settings, a damaged --resume file (CheckpointError), a full disk (DiskFullError)
         return fail("train", str(exc))

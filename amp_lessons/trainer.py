@@ -29,7 +29,7 @@ copy), so a skipped step leaves the whole model exactly as it was.
 
 Non-finite values without a GradScaler (fp32, tf32, bf16): ``TrainConfig(nonfinite=...)`` decides.
 ``"skip"`` (the default) skips the step the way GradScaler does, on the device and without a host
-sync; ``"raise"`` stops with ``NonFiniteError`` naming the step, without a per-step sync;
+sync (a non-fused optimizer: as ``TrainConfig(nonfused_skip=...)`` chooses); ``"raise"`` stops with ``NonFiniteError`` naming the step, without a per-step sync;
 ``"ignore"`` trains on. See ``TrainConfig`` and docs/reliability.md. Each of these, and
 GradScaler, is a small policy object (``_policies``) with one interface, so the step itself is
 nanoGPT's: forward, backward, the policy's unscale and check, clip, step, update.
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Tuple, Union
 
@@ -51,116 +51,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._config import (EVAL_PRECISIONS, NONFINITE_POLICIES, NONFUSED_SKIPS,  # noqa: F401
+                      TrainConfig)  # (re-exported: the trainer's public API)
 from ._scaler import ScalerSettings
 from ._policies import SKIPPED_RAISE, make_policy
 from ._skipsafe import BatchNormGuard, fused_sgd_groups, prime_momentum_buffers
-from ._validate import check_bool, check_choice, check_int, check_positive, check_seed, is_int
+from ._validate import check_bool, check_int, is_int
 from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_training_state,
                          read_verified, rng_state, set_rng_state)
-from .precision import (HALF_DTYPES, PRECISION_ALIASES, PRECISIONS, Device, as_device,
+from .precision import (HALF_DTYPES, PRECISIONS, Device, as_device,  # noqa: F401 (PRECISIONS)
                         autocast_for, check_precision, normalize_precision, precision_settings)
 from ._graphed import GraphedStep as _GraphedStep
 from ._lazy import (NormParts as _NormParts, PeakWindow as _PeakWindow, StepClock as _StepClock,
                     total_norm as _total_norm)
 from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
 
-EVAL_PRECISIONS = ("same",) + PRECISIONS
-NONFINITE_POLICIES = ("skip", "raise", "ignore")
 CHECKPOINT_FORMAT = "amp-lessons-trainer/2"
 READABLE_FORMATS = ("amp-lessons-trainer/1", CHECKPOINT_FORMAT)
 
 
 class NonFiniteError(FloatingPointError):
     """A non-finite loss or gradient under ``TrainConfig(nonfinite="raise")``; names the step."""
-
-
-# --- configuration -------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything the loop does besides model, optimizer and data. Validated when built, and
-    immutable: change a setting with ``dataclasses.replace(config, clip_norm=...)``, which
-    validates the new config (a Trainer takes a new one through ``trainer.config = ...``).
-
-    ``precision``: fp32 | tf32 | fp16 (alias amp) | bf16. ``scaler`` is used for fp16 only.
-    ``clip_norm`` / ``clip_value``: clip by total norm / by value, after ``unscale_`` (one of them).
-    ``accumulate``: micro-batches per optimizer step (the loss is divided by their number).
-    ``eval_precision``: "same" (training's autocast) or a precision name such as "fp32".
-    ``track_grad_norm`` / ``track_memory``: record the unscaled gradient norm (one foreach norm
-    kernel a step; the stack and the final norm run when it is read) / the peak CUDA memory
-    (the device's peak counter is reset at the first step after the last reading and read
-    when a record is read: per window of steps, per step if each record's peak is read right
-    after its step; ``StepRecord`` says more).
-    ``track_time``: record each step's period, from the previous step's end to its own (the
-    host's work between steps, such as loading the batch, counts, as in throughput); the first
-    step, and the first after anything else the trainer did (evaluate, a checkpoint, capture, a
-    config change, a new epoch, a step that raised or was cancelled), from its own start
-    (``StepRecord.time_s``). Cost: one clock call a step, on a GPU one CUDA event recorded,
-    reused from a pool once read; off, ``time_s`` reads None. Epoch times are wall clock.
-    ``seed``: torch's generators are seeded with it when the Trainer is built (None: leave them).
-
-    ``nonfinite``: what a step with a non-finite (inf/NaN) loss or gradient does when no
-    GradScaler runs (fp32, tf32, bf16; under fp16 GradScaler always skips such steps, which is
-    how its loss scale calibrates itself):
-
-    - ``"skip"`` (default): the optimizer step, and the BatchNorm statistics of the step, are
-      undone on the device without a host sync, exactly as GradScaler skips a step; the step
-      is recorded with ``skipped=True`` and a ``skip_reason``. The default, because one bad batch
-      otherwise turns every weight into NaN for good, silently. Cost: a check of the gradients
-      per step; fused optimizers skip inside their kernel, others keep a copy of parameters and
-      optimizer state to put back (one extra copy of them in memory). An optimizer that has not
-      made its state yet, or keeps it on another device (Adam's CPU step counters), needs one
-      host sync for that step.
-    - ``"raise"``: stop with ``NonFiniteError`` naming the step; the model, optimizer state and
-      BatchNorm statistics are left as they were before it. No per-step sync: the step and
-      every later one are skipped on the device (as ``"skip"`` does) until the host sees the
-      flag of a finished step, at the next ``train_step`` (on a CPU: at once), at the end of a
-      ``fit`` epoch, or at ``trainer.wait()``; the step counter, history (and ``fit``'s place
-      in the epoch) are then put back to the non-finite step.
-    - ``"ignore"``: train on, as plain PyTorch does: no check, no cost.
-    """
-
-    precision: str = "fp32"
-    scaler: ScalerSettings = field(default_factory=ScalerSettings)
-    clip_norm: Optional[float] = None
-    clip_value: Optional[float] = None
-    accumulate: int = 1
-    skip_safe_batchnorm: bool = True
-    eval_precision: str = "same"
-    channels_last: bool = False
-    progress: bool = True
-    seed: Optional[int] = 0
-    track_grad_norm: bool = True
-    track_memory: bool = True
-    nonfinite: str = "skip"
-    track_time: bool = True
-
-    def __post_init__(self):
-        object.__setattr__(self, "precision", normalize_precision(self.precision))
-        if not isinstance(self.scaler, ScalerSettings):
-            raise ValueError(f"scaler must be a ScalerSettings; got {type(self.scaler).__name__}")
-        check_positive("clip_norm", self.clip_norm, optional=True)
-        check_positive("clip_value", self.clip_value, optional=True)
-        if self.clip_norm is not None and self.clip_value is not None:
-            raise ValueError("clip_norm and clip_value: set at most one of them; got both")
-        object.__setattr__(self, "accumulate", check_int("accumulate", self.accumulate, 1))
-        name = self.eval_precision.strip().lower() if isinstance(self.eval_precision, str) else None
-        name = PRECISION_ALIASES.get(name, name)
-        if name not in EVAL_PRECISIONS:
-            raise ValueError(f"eval_precision must be one of {', '.join(EVAL_PRECISIONS)}; "
-                             f"got {self.eval_precision!r}")
-        object.__setattr__(self, "eval_precision", name)
-        for flag in ("skip_safe_batchnorm", "channels_last", "progress", "track_grad_norm",
-                     "track_memory", "track_time"):
-            check_bool(flag, getattr(self, flag))
-        object.__setattr__(self, "seed", check_seed("seed", self.seed, optional=True))
-        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-
-    def as_dict(self) -> dict:
-        """Plain data (for checkpoints and JSON)."""
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "scaler"}
-        out["scaler"] = self.scaler.as_dict()
-        return out
 
 
 # --- hooks ---------------------------------------------------------------------------------------
@@ -315,7 +226,7 @@ class Trainer:
         self._before_step = _overrides(self.hooks, "before_step")
         self._after_step = _overrides(self.hooks, "after_step")
         policy = make_policy(cfg.precision, cfg.nonfinite, self.scaler, self.optimizer,
-                             self._params, self.device)
+                             self._params, self.device, cfg.nonfused_skip)
         old = getattr(self, "_policy", None)
         if old is not None:
             policy.adopt(old)
@@ -627,6 +538,9 @@ class Trainer:
             problems.append("a fused optimizer under fp16 (e.g. SGD(..., fused=True))")
         if self._policy.name == "raise":
             problems.append("nonfinite 'skip' or 'ignore', not 'raise'")
+        if self._policy.can_skip and not self._policy.fused and cfg.nonfused_skip == "sync":
+            problems.append("nonfused_skip 'copy' for a non-fused optimizer (a graph cannot "
+                            "wait for the host's decision; or a fused optimizer)")
         if problems:
             raise ValueError(f"capture needs {'; '.join(problems)}")
         check_int("warmup", warmup, 1)

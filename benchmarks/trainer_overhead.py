@@ -190,14 +190,12 @@ def variants(network, device):
             return step, m, opt
         return make
 
-    def trainer(kind="default", graph=False, mechanism=None, **flags):
+    def trainer(kind="default", graph=False, **flags):
         def make(quick):
             m, x, y = build(network, device, quick)
             opt = optimizer(network, m, kind)
             cfg = T.TrainConfig(precision=precision, progress=False, seed=None, **flags)
             tr = T.Trainer(m, opt, cfg)
-            if mechanism is not None:  # the non-fused skip mechanism, for this trainer only
-                tr._policy.non_fused = mechanism
             if graph:
                 return tr.capture(x, y, warmup=3), m, opt
             return (lambda a, b: tr.train_step([(a, b)])), m, opt
@@ -298,9 +296,9 @@ def variants(network, device):
         ref = "hand-written, foreach SGD"
         out[ref] = (ref, hand("sgd-foreach"))
         out["trainer lean, foreach SGD, skip by device copy"] = (
-            ref, trainer("sgd-foreach", mechanism="copy", **LEAN))
+            ref, trainer("sgd-foreach", nonfused_skip="copy", **LEAN))
         out["trainer lean, foreach SGD, skip by host decision"] = (
-            ref, trainer("sgd-foreach", mechanism="host", **LEAN))
+            ref, trainer("sgd-foreach", nonfused_skip="sync", **LEAN))
         out["trainer lean, foreach SGD, ignore"] = (
             ref, trainer("sgd-foreach", nonfinite="ignore", **LEAN))
     if device.type == "cuda" and network in ("recipe", "digits"):

@@ -140,19 +140,23 @@ def _everything(trainer):
 KINDS = ("sgd-foreach", "sgd-fused", "adamw", "adamw-fused")
 
 
-@pytest.mark.parametrize("precision,nonfinite,kind", [
-    *[("fp16", "skip", k) for k in KINDS], *[("bf16", "skip", k) for k in KINDS],
-    ("fp32", "skip", "adamw-fused"), ("bf16", "raise", "sgd-foreach"),
-    ("bf16", "raise", "adamw-fused")])
-def test_a_skipped_step_leaves_model_optimizer_and_batchnorm_bitwise(precision, nonfinite, kind):
+@pytest.mark.parametrize("precision,nonfinite,kind,nonfused_skip", [
+    *[("fp16", "skip", k, "copy") for k in KINDS], *[("bf16", "skip", k, "copy") for k in KINDS],
+    ("fp32", "skip", "adamw-fused", "copy"), ("bf16", "raise", "sgd-foreach", "copy"),
+    ("bf16", "raise", "adamw-fused", "copy"), ("bf16", "skip", "sgd-foreach", "sync"),
+    ("bf16", "skip", "adamw", "sync"), ("fp32", "skip", "adamw", "sync"),
+    ("bf16", "raise", "sgd-foreach", "sync")])
+def test_a_skipped_step_leaves_model_optimizer_and_batchnorm_bitwise(precision, nonfinite, kind,
+                                                                     nonfused_skip):
     """GradScaler (fp16) and the skip/raise policies: the bad step changes no bit of weights,
-    BatchNorm statistics or optimizer state, whether the optimizer skips in its kernel (fused)
-    or the trainer puts a copy back."""
+    BatchNorm statistics or optimizer state, whether the optimizer skips in its kernel (fused),
+    the trainer puts a copy back (``nonfused_skip="copy"``) or the host decides ("sync")."""
     data = batches(4)
     model, _ = fresh()
     hook = Inject({2}, float("nan"))
     trainer = T.Trainer(model, _optimizer(kind, model),
-                        T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False),
+                        T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False,
+                                      nonfused_skip=nonfused_skip),
                         hooks=[hook])
     trainer.train_step([data[0]])
     trainer.train_step([data[1]])
@@ -491,3 +495,58 @@ def test_policies_have_one_interface():
                 _policies.IgnorePolicy):
         assert all(callable(getattr(cls, n)) for n in names), cls
         assert cls.name in ("scaler", "skip", "raise", "ignore")
+
+
+# --- nonfused_skip: a device copy or the host's decision -----------------------------------------
+
+def _guard_floats(trainer):
+    """Floats the non-fused skip keeps aside (its flat buffers)."""
+    return sum(t.numel() for group in trainer._policy._update_guard._groups
+               for t in group[1:3])
+
+
+@pytest.mark.parametrize("kind", ["sgd-foreach", "adamw"])
+def test_nonfused_skip_copy_keeps_two_copies_and_sync_one_read_and_none(kind):
+    """``"copy"``: no device value read, two flat buffers of parameters + optimizer state (what
+    TrainConfig's docstring states); ``"sync"``: one read a step (a host sync on a GPU), no
+    buffer at all; both end bitwise where a run without the bad batch ends."""
+    data = batches(4)
+    ends = {}
+    for how in ("copy", "sync"):
+        model, _ = fresh()
+        trainer = T.Trainer(model, _optimizer(kind, model),
+                            T.TrainConfig(precision="bf16", progress=False, seed=None,
+                                          nonfused_skip=how), hooks=[Inject({3})])
+        trainer.train_step([data[0]])
+        trainer.train_step([data[1]])
+        with _ScalarReads() as reads:  # a finite step, as the hand loop's
+            trainer.train_step([data[2]])
+        extra = reads.count - _hand_reads("bf16", kind)
+        state = sum(t.numel() for t in optimizer_tensors(trainer.optimizer).values())
+        params = sum(p.numel() for p in model.parameters())
+        if how == "copy":
+            assert extra == 0 and _guard_floats(trainer) == 2 * (params + state)
+        else:
+            assert extra == 1 and _guard_floats(trainer) == 0
+        assert trainer.train_step([data[3]]).skipped
+        ends[how] = _everything(trainer)
+    assert_same_tensors(ends["copy"][0], ends["sync"][0])
+    assert_same_tensors(ends["copy"][1], ends["sync"][1])
+
+
+def test_nonfused_skip_names_its_choices_and_capture_refuses_sync():
+    with pytest.raises(ValueError, match=r"nonfused_skip must be one of 'copy', 'sync'; "
+                                         r"got 'host'"):
+        T.TrainConfig(nonfused_skip="host")
+    model, _ = fresh()
+    trainer = T.Trainer(model, _optimizer("sgd-foreach", model),
+                        T.TrainConfig(precision="bf16", progress=False, nonfused_skip="sync"))
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match="nonfused_skip 'copy' for a non-fused optimizer"):
+        trainer.capture(x, y)
+    fused = T.Trainer(*[(m, _optimizer("adamw-fused", m)) for m in [fresh()[0]]][0],
+                      T.TrainConfig(precision="bf16", progress=False, nonfused_skip="sync"))
+    with pytest.raises(ValueError) as err:  # a fused optimizer skips in its kernel: no complaint
+        fused.capture(x, y)
+    assert "nonfused_skip" not in str(err.value)
+    assert T.TrainConfig(nonfused_skip="sync").as_dict()["nonfused_skip"] == "sync"

@@ -29,10 +29,11 @@ copy), so a skipped step leaves the whole model exactly as it was.
 
 Non-finite values without a GradScaler (fp32, tf32, bf16): ``TrainConfig(nonfinite=...)`` decides.
 ``"skip"`` (the default) skips the step the way GradScaler does, on the device and without a host
-sync (a non-fused optimizer: as ``TrainConfig(nonfused_skip=...)`` chooses); ``"raise"`` stops with ``NonFiniteError`` naming the step, without a per-step sync;
-``"ignore"`` trains on. See ``TrainConfig`` and docs/reliability.md. Each of these, and
-GradScaler, is a small policy object (``_policies``) with one interface, so the step itself is
-nanoGPT's: forward, backward, the policy's unscale and check, clip, step, update.
+sync (a non-fused optimizer: as ``TrainConfig(nonfused_skip=...)`` chooses); ``"raise"`` stops
+with ``NonFiniteError`` naming the step, without a per-step sync; ``"ignore"`` trains on. See
+``TrainConfig`` and docs/reliability.md. Each of these, and GradScaler, is a small policy object
+(``_policies``) with one interface, so the step itself is nanoGPT's: forward, backward, the
+policy's unscale and check, clip, step, update.
 
 Hooks (``Hooks``) see the step at four points; a hook cancels a step with
 ``trainer.cancel_step(reason)``.

@@ -56,5 +56,6 @@ def test_lesson_04_quotes_the_committed_trainer_rows():
         doc = json.loads((BENCHMARKS / "results" / f"{name}.json").read_text())
         assert f"benchmarks/results/{name}.json" in prose
         assert f"{doc['rows'][0]['img_per_s']:,.0f} " in prose, name
-    tuned = json.loads((BENCHMARKS / "results" / "trainer_row_h200_max_autotune.json").read_text())
+    tuned = json.loads((BENCHMARKS / "results" / "trainer_row_h200_max_autotune.json")
+                       .read_text())
     assert f"after {tuned['rows'][0]['seconds']:.0f} s of compiling" in prose

@@ -62,16 +62,18 @@ class TrainConfig:
     - ``"copy"`` (default): parameters and optimizer state are copied aside before the step and
       put back on the device where it was non-finite: no host sync (it works inside
       ``capture``'s CUDA graph), but two extra copies of parameters and optimizer state in memory
-      (the values and a buffer to restore through: for AdamW six times the parameters' bytes)
-      and about five more kernels a step;
+      (the values and a buffer to restore through: for SGD with momentum four times the
+      parameters' bytes) and about five more kernels a step;
     - ``"sync"``: the host reads the step's flag (one sync a step) and calls the optimizer only
       when it is finite: no memory, no copies. On the H200's 2 ms bf16 MLP step (foreach SGD) it
       cost +5.3% to +10.9% over the hand loop against the copy's +10.4% to +16.2%, in five runs
       (``benchmarks/NOTES.md``); on a GPU-bound step the sync leaves the GPU idle while the next
       kernels are launched (not measured). ``capture`` needs ``"copy"``.
 
-    An optimizer that has not made its state yet, or keeps it on another device (Adam's CPU step
-    counters), takes the host's decision for that step whatever ``nonfused_skip`` says.
+    An optimizer that has not made its state yet (its first step) takes the host's decision for
+    that step whatever ``nonfused_skip`` says, and one that keeps state on another device takes
+    it every step: on a GPU that is Adam and AdamW unless fused or ``capturable=True`` (their
+    step counters live on the host), so for them ``"copy"`` costs no memory but syncs too.
     """
 
     precision: str = "fp32"

@@ -11,6 +11,9 @@ Networks (short steps, where the trainer's host work shows; issue 22):
   a device copy of parameters and state put back, or one host sync a step);
 - ``mlp_fp32``: the same MLP in fp32 (TF32 off), fused AdamW;
 - ``resnet50`` (not by default): lesson 04's ResNet-50, batch 256, channels_last, fp16.
+- ``resnet50_bf16`` (not by default): the same in bf16 with foreach SGD, a GPU-bound step, for
+  ``TrainConfig(nonfused_skip=...)``: lean ("copy", the default) against lean with "sync" and
+  with ``nonfinite="ignore"``.
 
 Variants: the hand loop, twice (the second is the noise floor); the trainer with its defaults;
 lean (``track_grad_norm=False, track_memory=False, track_time=False``: no record that costs a
@@ -97,10 +100,10 @@ ALSO_AGAINST = {"recipe": (("trainer, defaults", LOGGING),),
                 "mlp_bf16": (("trainer, lean", FOUND_INF), ("trainer, defaults", LOGGING_CHECK))}
 # lean: every record the trainer can leave out (grad norm, peak memory, step time) left out
 LEAN = dict(track_grad_norm=False, track_memory=False, track_time=False)
-NETWORKS = ("recipe", "digits", "mlp_bf16", "mlp_fp32", "resnet50")
+NETWORKS = ("recipe", "digits", "mlp_bf16", "mlp_fp32", "resnet50", "resnet50_bf16")
 DEFAULT_NETWORKS = ("recipe", "mlp_bf16", "digits", "mlp_fp32")
 PRECISION = {"recipe": "fp16", "digits": "fp16", "resnet50": "fp16", "mlp_bf16": "bf16",
-             "mlp_fp32": "fp32"}
+             "mlp_fp32": "fp32", "resnet50_bf16": "bf16"}
 
 
 def mlp(width: int, layers: int = 4) -> nn.Module:
@@ -117,10 +120,10 @@ def build(network: str, device, quick: bool):
     """(model, x, y) for a network; the same weights every call."""
     torch.manual_seed(0)
     g = torch.Generator(device="cpu").manual_seed(1)
-    if network == "resnet50":
+    if network in ("resnet50", "resnet50_bf16"):
         batch, size = (4, 32) if quick else (256, 224)
-        config = measure.BenchConfig(model="resnet50", precision="fp16", channels_last=True,
-                                     batch_size=batch, image_size=size)
+        config = measure.BenchConfig(model="resnet50", precision=PRECISION[network],
+                                     channels_last=True, batch_size=batch, image_size=size)
         model = measure.build_model(config, device)
         x, y = data.synthetic_images(batch, size, 1000, device, channels_last=True)
         return model, x, y
@@ -280,8 +283,10 @@ def variants(network, device):
     out["+ grad norm only"] = (HAND, trainer(**dict(LEAN, track_grad_norm=True)))
     out["+ memory only"] = (HAND, trainer(**dict(LEAN, track_memory=True)))
     out["+ step time only"] = (HAND, trainer(**dict(LEAN, track_time=True)))
-    if network in ("digits", "resnet50"):
+    if network in ("digits", "resnet50", "resnet50_bf16"):
         out["lean, no BN guard"] = (HAND, trainer(skip_safe_batchnorm=False, **LEAN))
+    if network == "resnet50_bf16":  # SGD's momentum lives on the device: the copy is made
+        out["lean, nonfused_skip='sync'"] = (HAND, trainer(nonfused_skip="sync", **LEAN))
     if network == "recipe":
         out[LOGGING] = (HAND, hand_logging())
     if network == "mlp_bf16":

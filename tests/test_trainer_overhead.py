@@ -227,3 +227,23 @@ def test_the_logging_hand_loop_logs_the_trainers_figures(bench, network):
     assert all(end >= start for _, _, start, end in step.log)
     if network == "mlp_bf16":
         assert_a_bad_step_changes_nothing(bench, step, model, opt, x, y)
+
+
+def test_the_gpu_bound_network_compares_both_nonfused_skips(bench):
+    """``resnet50_bf16`` (bf16, SGD with momentum: its state lives on the device) times lean
+    with the default copy against lean with ``nonfused_skip="sync"``; both train the same."""
+    cpu = torch.device("cpu")
+    table = bench.variants("resnet50_bf16", cpu)
+    assert {"trainer, lean", "lean, nonfused_skip='sync'", "lean, nonfinite='ignore'",
+            "lean, no BN guard"} <= set(table)
+    assert table["lean, nonfused_skip='sync'"][0] == bench.HAND
+    assert "resnet50_bf16" in bench.NETWORKS and "resnet50_bf16" not in bench.DEFAULT_NETWORKS
+    _, x, y = bench.build("resnet50_bf16", cpu, quick=True)
+    weights = []
+    for name in ("trainer, lean", "lean, nonfused_skip='sync'"):
+        step, model, opt = table[name][1](True)
+        assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.9
+        for _ in range(2):
+            step(x, y)
+        weights.append(model.fc.weight.detach().clone())
+    assert torch.equal(weights[0], weights[1])

@@ -71,14 +71,14 @@ lab: $(STAMP)
 # loadscope` keeps each notebook's cells in order on one worker. JOBS=0: everything in one process.
 JOBS   ?= auto
 XDIST  := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
+NB_XDIST := $(XDIST) $(if $(filter 0,$(JOBS)),,--dist loadscope)
 UNIT   := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests -m "not browser and not serial" $(XDIST)
 SERIAL := $(BIN)/python -m pytest -q tests -m "serial and not browser"
 
 test: $(STAMP) $(COLAB_STAMP) $(OLDEST_STAMP)
 	$(UNIT)
 	$(SERIAL)
-	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(XDIST) \
-		$(if $(filter 0,$(JOBS)),,--dist loadscope) notebooks
+	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(NB_XDIST) notebooks
 	$(BIN)/python -m pytest -q tests -m browser -rs
 	$(MAKE) --no-print-directory colab
 	$(MAKE) --no-print-directory test-oldest
@@ -100,7 +100,7 @@ colab: $(COLAB_STAMP)
 		$(XDIST) $(COLAB_TESTS)
 	$(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "serial and not browser" $(COLAB_TESTS)
 	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-		$(NBVAL) $(XDIST) $(if $(filter 0,$(JOBS)),,--dist loadscope) \
+		$(NBVAL) $(NB_XDIST) \
 		notebooks/01_fp16_ranges_and_underflow.ipynb notebooks/03_grad_scaler_tuning.ipynb
 
 # (not after $(STAMP): `make -j2 test` builds the two venvs at once; the .pth names .venv's path)
@@ -134,8 +134,7 @@ unit: $(STAMP)
 	$(SERIAL)
 
 notebooks: $(STAMP)
-	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(XDIST) \
-		$(if $(filter 0,$(JOBS)),,--dist loadscope) notebooks
+	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(NB_XDIST) notebooks
 
 browser: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m browser -rs

@@ -360,6 +360,11 @@ def median_ci(values, rng, resamples=2000):
     return med, meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
+def paired(series, name, ref):
+    """Per round, ``name``'s reading over ``ref``'s (``series``: variant -> one value a round)."""
+    return [a / b for a, b in zip(series[name], series[ref])]
+
+
 def summarise(ratios, rng):
     """Cost in % (median paired ratio - 1), its 95% interval and interquartile range."""
     pct = [100 * (r - 1) for r in ratios]
@@ -465,7 +470,7 @@ def run_network(network, args, device, quick, deadline, rng):
             warm_step(x, y)
 
     def floor_now():
-        return noise_floor([a / b for a, b in zip(walls[AGAIN], walls[HAND])], rng)
+        return noise_floor(paired(walls, AGAIN, HAND), rng)
 
     def reserve(round_s):  # the bitwise check after the rounds: a rebuild and check_steps
         return build_s + round_s * args.check_steps / args.steps * 1.5 + 1
@@ -475,10 +480,10 @@ def run_network(network, args, device, quick, deadline, rng):
                         at_block_end=lambda n: floor_now() < args.target_floor,
                         deadline=deadline, reserve=reserve)
     floor = floor_now()
-    cpu_floor = noise_floor([a / b for a, b in zip(cpus[AGAIN], cpus[HAND])], rng)
+    cpu_floor = noise_floor(paired(cpus, AGAIN, HAND), rng)
     rows = []
     for name, ref in [(n, r) for n, (r, _) in table.items()] + pairs:
-        ratios = [a / b for a, b in zip(walls[name], walls[ref])]
+        ratios = paired(walls, name, ref)
         row = {"network": network, "precision": PRECISION[network], "variant": name,
                "reference": ref, "step_ms": statistics.median(walls[name]),
                "event_step_ms": statistics.median(events[name]),
@@ -490,7 +495,7 @@ def run_network(network, args, device, quick, deadline, rng):
         # host work; a descheduled or waiting host counts in the wall clock, not here)
         row["host_cpu_ms_per_step"] = statistics.median(cpus[name])
         row.update({f"host_cpu_{k}": v for k, v in summarise(
-            [a / b for a, b in zip(cpus[name], cpus[ref])], rng).items()})
+            paired(cpus, name, ref), rng).items()})
         if args.profile:
             row.update(profile_counts(built[name], x, y, device))
         rows.append(row)

@@ -63,6 +63,7 @@ from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_train
 from .precision import (HALF_DTYPES, PRECISIONS, Device, as_device,  # noqa: F401 (PRECISIONS)
                         autocast_for, check_precision, normalize_precision, precision_settings)
 from ._graphed import GraphedStep as _GraphedStep
+from ._modes import restore_modes, saved_modes
 from ._lazy import (NormParts as _NormParts, PeakWindow as _PeakWindow, StepClock as _StepClock,
                     total_norm as _total_norm)
 from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
@@ -702,7 +703,7 @@ class Trainer:
             name, self.device)
         self._close_memory_window()  # steps trained before keep their own peak
         self._clock.reset()  # the next step is timed from its own start, not from before this
-        was_training = self.model.training
+        modes = saved_modes(self.model)  # each module's own mode comes back (a frozen BN too)
         self.model.eval()
         total_loss = torch.zeros((), device=self.device)
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -717,7 +718,7 @@ class Trainer:
                     correct += (out.argmax(dim=1) == y).sum()
                     count += len(y)
         finally:
-            self.model.train(was_training)
+            restore_modes(modes)
         if count == 0:
             raise ValueError("loader must yield at least one batch; got none")
         return {"loss": total_loss.item() / count, "accuracy": correct.item() / count,

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import models as _models
+from .._modes import kept_modes
 from .._validate import check_choice, check_int, check_positive
 from ..data import Corpus, batch_offsets, text_batch
 from ..env import CARD_FACTS, device_capability, simulated_card
@@ -384,15 +385,13 @@ def evaluate(model: nn.Module, text: torch.Tensor, seq_len: int, batch_size: int
     """Mean next-token loss on fixed batches of held-out ``text`` (the same batches every run)."""
     check_int("batches", batches, 1)
     offsets = batch_offsets(len(text), seq_len, batch_size, batches, seed=1234)
-    was_training = model.training
-    model.eval()
     losses = []
-    for row in offsets:
-        x, y = text_batch(text, row, seq_len)
-        with torch.autocast(text.device.type, dtype=amp_dtype or torch.float32,
-                            enabled=amp_dtype is not None):
-            losses.append(_models.lm_loss(model(x), y))
-    model.train(was_training)
+    with kept_modes(model, False):  # each module's own mode comes back afterwards
+        for row in offsets:
+            x, y = text_batch(text, row, seq_len)
+            with torch.autocast(text.device.type, dtype=amp_dtype or torch.float32,
+                                enabled=amp_dtype is not None):
+                losses.append(_models.lm_loss(model(x), y))
     return float(torch.stack(losses).mean())
 
 

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from .._modes import restore_modes, saved_modes
 from ..precision import autocast_for, precision_settings
 
 
@@ -44,7 +45,7 @@ def compare_compiled(model: nn.Module, inputs, precisions=("fp32",),
     ``model`` is called as ``model(inputs)`` (the doctor's ``Call`` wrapper). A failure to
     compile becomes a row with ``status`` "error" and the reason."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    was_training = model.training
+    modes = saved_modes(model)  # each module's own mode comes back afterwards
     model.eval()
     rows = []
     try:
@@ -75,6 +76,6 @@ def compare_compiled(model: nn.Module, inputs, precisions=("fp32",),
                              "max_abs_diff": None, "max_rel_diff": None, "compile_s": None,
                              "status": "error", "reason": f"{type(exc).__name__}: {first}"})
     finally:
-        model.train(was_training)
+        restore_modes(modes)
         torch._dynamo.reset()
     return rows

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._modes import restore_modes, saved_modes
 from ..tables import text_table
 
 
@@ -101,7 +102,7 @@ def trace(model: nn.Module, run: Callable[[], torch.Tensor], device_type: str,
         if name and not list(module.children()):
             handles.append(module.register_forward_hook(
                 lambda m, i, o, name=name: hook(m, i, o, name)))
-    was_training = model.training
+    modes = saved_modes(model)  # each module's own mode comes back afterwards
     model.train()
     try:
         model.zero_grad(set_to_none=True)
@@ -111,7 +112,7 @@ def trace(model: nn.Module, run: Callable[[], torch.Tensor], device_type: str,
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
+        restore_modes(modes)
     report = AutocastReport(
         layers=[(n, k, d, grads.get(i)) for i, (n, k, d, _) in enumerate(layers)],
         loss=loss.dtype, parameters={p.dtype for p in model.parameters()},

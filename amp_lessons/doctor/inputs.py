@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._modes import kept_modes
 from .dtype_trace import first_tensor
 
 # ``torchvision:resnet50`` means torchvision.models.resnet50, built without downloading weights
@@ -231,13 +232,8 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device) ->
         raise ValueError(f"loss_fn must be callable as loss_fn(output, target); got {loss_fn!r}")
     inputs = move(inputs, device)
     shape = shape_text(inputs)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), naming_layer(model, shape):
-            out = Call(model)(inputs)
-    finally:
-        model.train(was_training)
+    with kept_modes(model, False), torch.no_grad(), naming_layer(model, shape):
+        out = Call(model)(inputs)
     if not isinstance(out, torch.Tensor) or not out.is_floating_point():
         raise ValueError(f"the model's output must hold a floating-point tensor to take a loss "
                          f"of; got {type(out).__name__}")

@@ -73,7 +73,22 @@ class TrainConfig:
     An optimizer that has not made its state yet (its first step) takes the host's decision for
     that step whatever ``nonfused_skip`` says, and one that keeps state on another device takes
     it every step: on a GPU that is Adam and AdamW unless fused or ``capturable=True`` (their
-    step counters live on the host), so for them ``"copy"`` costs no memory but syncs too.
+    step counters live on the host), so for them ``"copy"`` costs no memory but syncs too. So
+    does an optimizer whose state holds Python numbers (a third-party one counting steps in an
+    ``int``); one that replaces its state tensors each step (``state["buf"] = beta * buf + g``)
+    is undone on the device; one whose step makes new state or changes its param groups' values
+    has the host read that step's flag and put the old ones back. A stateless one (SGD without
+    momentum) copies its parameters only.
+
+    With ``track_grad_norm`` the check reads the per-parameter gradient norms: a gradient whose
+    norm overflows float32 (elements beyond about 1e19) counts as non-finite and its step is
+    skipped although every element is finite (its reported norm would be inf anyway).
+
+    ``skip_safe_batchnorm``: under fp16, a step GradScaler skips also puts back the running
+    statistics its forward moved (BatchNorm, InstanceNorm with ``track_running_stats``,
+    spectral normalization's vectors, quantization observers: ``_skipsafe.stateful_modules``);
+    ``nonfinite`` "skip" and "raise" always do. Buffers a custom module writes itself are not
+    guarded.
     """
 
     precision: str = "fp32"
@@ -111,8 +126,11 @@ class TrainConfig:
                      "track_memory", "track_time"):
             check_bool(flag, getattr(self, flag))
         object.__setattr__(self, "seed", check_seed("seed", self.seed, optional=True))
-        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        check_choice("nonfused_skip", self.nonfused_skip, NONFUSED_SKIPS)
+        for name, choices in (("nonfinite", NONFINITE_POLICIES), ("nonfused_skip", NONFUSED_SKIPS)):
+            value = getattr(self, name)  # spelled freely, as precision is: " Skip " is "skip"
+            if isinstance(value, str):
+                object.__setattr__(self, name, value.strip().lower())
+            check_choice(name, getattr(self, name), choices)
 
     def as_dict(self) -> dict:
         """Plain data (for checkpoints and JSON)."""

@@ -232,24 +232,35 @@ class SkipPolicy(Policy):
             return self._check(tensors, self.device)
         tensors = [p.grad for p in self.params if p.grad is not None]
         tensors.append(loss)
-        if self._f32_device is not None and loss.device == self._f32_device:
-            return self._check(tensors, self._f32_device, uniform=True)
-        return self._check(tensors, self.device)
+        try:
+            if self._f32_device is not None and loss.device == self._f32_device:
+                return self._check(tensors, self._f32_device, uniform=True)
+            return self._check(tensors, self.device)
+        except (NotImplementedError, RuntimeError):
+            if not any(t.is_sparse for t in tensors):
+                raise
+        # sparse gradients (nn.Embedding(sparse=True)): the check kernel takes dense tensors;
+        # a sparse gradient holds inf/NaN exactly where its coalesced values do
+        return self._check([t.coalesce()._values() if t.is_sparse else t for t in tensors],
+                           self.device)
 
     def step(self, found_inf):
         opt = self.optimizer
         if self.fused:  # the kernel reads found_inf and leaves everything as it was
             step_skipping(opt, found_inf)
             return found_inf
-        tensors = None if self.non_fused == "sync" else self._update_guard.tensors()
+        guard = self._update_guard
+        tensors = None if self.non_fused == "sync" else guard.tensors()
         if tensors is None:  # no state yet (first step), state elsewhere, or chosen: the host
             if not bool(found_inf.item()):
                 opt.step()
+                guard.stepped = True
             return found_inf
         with torch.no_grad():  # parameters are written in place
-            self._update_guard.take(tensors)
+            guard.take(tensors)
             opt.step()
-            self._update_guard.restore_if(found_inf)
+            guard.stepped = True
+            guard.restore_if(found_inf)
         return found_inf
 
 

@@ -1,7 +1,8 @@
 """Skip safety, the trainer's (``trainer.py``): put tensors back on the device, without a host
-sync, when a step turns out to be skipped. ``BatchNormGuard`` keeps BatchNorm running statistics
-of a skipped step from moving; ``UpdateGuard`` undoes an optimizer step whose gradients were not
-finite (``TrainConfig(nonfinite="skip")`` with a non-fused optimizer). ``prime_momentum_buffers``
+sync, when a step turns out to be skipped. ``BufferGuard`` keeps the running statistics of
+BatchNorm (and of the other layers that write buffers in training) from moving on a skipped
+step; ``UpdateGuard`` undoes an optimizer step whose gradients were not finite
+(``TrainConfig(nonfinite="skip")`` with a non-fused optimizer). ``prime_momentum_buffers``
 works around fused SGD's uninitialised momentum after a skipped first step."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 
 # --- skip-safe state: BatchNorm buffers, parameters and optimizer state -------------------------
@@ -40,12 +42,29 @@ class Snapshot:
                                  [v.view(t.shape) for v, t in zip(current.split(sizes), ts)]))
 
     def take(self, tensors: list) -> None:
-        """Copy ``tensors`` aside (the buffers are reused while the list stays the same)."""
+        """Copy ``tensors`` aside (the buffers are reused while the list stays the same, or
+        holds new tensors of the same shapes: an optimizer that replaces its state each step)."""
         if len(tensors) != len(self._tensors) or any(
                 a is not b for a, b in zip(tensors, self._tensors)):
-            self._rebuild(tensors)
+            if not self._retarget(tensors):
+                self._rebuild(tensors)
         for ts, _, _, saved_views, _ in self._groups:
             torch._foreach_copy_(saved_views, ts)
+
+    def _retarget(self, tensors: list) -> bool:
+        """Point the snapshot at ``tensors`` (same number, shapes, dtypes and devices, in the
+        same order as the tensors taken) without new buffers; False where they differ."""
+        if len(tensors) != len(self._tensors) or any(
+                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                for a, b in zip(tensors, self._tensors)):
+            return False
+        grouped: Dict[tuple, list] = {}
+        for t in tensors:
+            grouped.setdefault((t.device, t.dtype), []).append(t)
+        for (ts, *_), new in zip(self._groups, grouped.values()):
+            ts[:] = new
+        self._tensors = list(tensors)
+        return True
 
     def restore(self) -> None:
         """Put every copy back, whatever happened since ``take`` (a step that raised)."""
@@ -64,55 +83,160 @@ class Snapshot:
             torch._foreach_copy_(ts, current_views)
 
 
-class BatchNormGuard(Snapshot):
-    """Snapshot BatchNorm buffers before a step; put them back if the step was skipped.
+def stateful_modules(model: nn.Module) -> List[nn.Module]:
+    """The modules of ``model`` whose forward pass in training mode writes their own buffers:
+    normalization layers with running statistics (BatchNorm, SyncBatchNorm, InstanceNorm with
+    ``track_running_stats``), spectral normalization's power-iteration vectors (both
+    ``torch.nn.utils.spectral_norm`` and ``parametrizations.spectral_norm``) and quantization-aware
+    training's observers and fake-quantize modules (``torch.ao.quantization``)."""
+    kinds = [nn.modules.batchnorm._NormBase]
+    spectral = getattr(torch.nn.utils.parametrizations, "_SpectralNorm", None)
+    if spectral is not None:
+        kinds.append(spectral)
+    try:
+        from torch.ao.quantization import FakeQuantizeBase, ObserverBase
+        kinds += [FakeQuantizeBase, ObserverBase]
+    except ImportError:  # pragma: no cover - a torch built without quantization
+        pass
+    kinds = tuple(kinds)
+    found = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and not m.track_running_stats:
+            continue
+        if isinstance(m, kinds) or any(isinstance(h, SpectralNorm)
+                                        for h in m._forward_pre_hooks.values()):
+            found.append(m)
+    return found
+
+
+class BufferGuard(Snapshot):
+    """Snapshot the buffers a training forward writes before a step; put them back if the step
+    was skipped: the running statistics of BatchNorm and every other normalization layer that
+    keeps them, spectral normalization's vectors, quantization observers (``stateful_modules``).
+    Other buffers a custom module writes in its forward are not guarded.
 
     The trainer calls ``restore_if`` before ``scaler.step``, whose host sync would otherwise leave
     the GPU idle while these kernels are launched. The snapshot is taken at every step: tensor
     version counters cannot tell whether something changed the buffers in between (BatchNorm's
     own kernels and ``.data`` writes leave ``running_mean``'s counter alone). A model without
-    BatchNorm gets no guard at all (no kernels).
+    such modules gets no guard at all (no kernels).
     """
-
-    _NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.modules = [m for m in model.modules()
-                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        self.modules = stateful_modules(model)
 
     def snapshot(self) -> None:
         """Copy the buffers aside (call before the step's first forward)."""
-        self.take([b for m in self.modules for b in (m._buffers.get(k) for k in self._NAMES)
-                   if b is not None])
+        self.take([b for m in self.modules for b in m._buffers.values() if b is not None])
 
 
 class UpdateGuard(Snapshot):
     """Undo an optimizer step on the device: parameters and optimizer state are copied before
     ``optimizer.step()`` and put back where the step's non-finite flag is set (the non-fused path
-    of ``nonfinite="skip"``)."""
+    of ``nonfinite="skip"``).
+
+    On the device, without a host sync: parameters and optimizer-state tensors on their
+    parameter's device, whether the optimizer writes into them (PyTorch's optimizers) or
+    replaces them with new tensors of the same shape (``state["buf"] = beta * buf + grad``: the
+    old values are written into the new tensors); a stateless optimizer (SGD without momentum)
+    needs its parameters only. Where that cannot be exact, the host decides (one sync):
+    ``tensors`` returns None before the first step (its state does not exist yet) and for state
+    on another device or holding Python numbers (the caller then steps only if the flag is
+    clear), and ``restore_if`` reads the flag itself when the step made or reshaped state, or
+    changed a param group's values (a custom optimizer's counters), and puts the old ones back
+    where it was set."""
 
     def __init__(self, params: List[torch.Tensor], optimizer: torch.optim.Optimizer):
         super().__init__()
         self.params, self.optimizer = params, optimizer
+        self.stepped = False  # the optimizer has stepped once: a param without state then has none
+        self._slots: list = []  # per tensor taken: (its state dict, key), None for a parameter
+        self._states: list = []  # (parameter, its state dict or None, the dict's keys)
+        # PyTorch's own optimizers keep their param groups' values; others are watched
+        self._watch_groups = not type(optimizer).__module__.startswith("torch.optim")
+        self._hyper: list = []
 
     def tensors(self) -> Optional[list]:
-        """Parameters with a gradient and their optimizer-state tensors; None when some state is
-        missing or lives on another device (then only a host-side decision is exact)."""
-        out = []
+        """Parameters with a gradient and their optimizer-state tensors; None when only a
+        host-side decision is exact (see the class)."""
+        out, slots, states = [], [], []
+        state_of = self.optimizer.state
         for p in self.params:
             if p.grad is None:
                 continue
-            state = self.optimizer.state.get(p)
-            if not state:
-                return None
+            state = state_of.get(p)
             out.append(p)
-            for v in state.values():
+            slots.append(None)
+            if not state:
+                if not self.stepped:
+                    return None
+                states.append((p, None, ()))
+                continue
+            states.append((p, state, tuple(state)))
+            for k, v in state.items():
                 if isinstance(v, torch.Tensor):
                     if v.device != p.device:
                         return None
                     out.append(v)
+                    slots.append((state, k))
+                elif v is not None:  # a Python number: only the host can put it back
+                    return None
+        self._slots, self._states = slots, states
+        if self._watch_groups:
+            self._hyper = [(g, {k: v for k, v in g.items() if k != "params"})
+                           for g in self.optimizer.param_groups]
         return out
+
+    def _held_now(self) -> Optional[list]:
+        """The tensors the optimizer holds now in the places taken, or None where the step made,
+        dropped or reshaped state, or changed a param group's values."""
+        state_of = self.optimizer.state
+        for p, state, keys in self._states:
+            now = state_of.get(p)
+            if (now is not state and (state is not None or now)) or (
+                    state is not None and len(state) != len(keys)):
+                return None
+        for group, values in self._hyper:
+            if any(group.get(k) is not v for k, v in values.items()):
+                return None
+        held = []
+        for slot, t in zip(self._slots, self._tensors):
+            if slot is None:
+                held.append(t)
+                continue
+            v = slot[0].get(slot[1])
+            if v is not t and not (isinstance(v, torch.Tensor) and v.shape == t.shape
+                                   and v.dtype == t.dtype and v.device == t.device):
+                return None
+            held.append(v)
+        return held
+
+    def restore_if(self, skipped: torch.Tensor) -> None:
+        """Where ``skipped`` is set, put parameters and state back (on the device where it can)."""
+        held = self._held_now()
+        if held is not None:
+            if any(a is not b for a, b in zip(held, self._tensors)):
+                self._retarget(held)  # the optimizer replaced state tensors: restore into those
+            super().restore_if(skipped)
+            return
+        old = list(self._tensors)
+        super().restore_if(skipped)  # what was written in place gets its old values back
+        if not bool(skipped.item()):  # the host decides: the step changed the state's shape
+            return
+        state_of = self.optimizer.state
+        for p, state, keys in self._states:
+            if state is None:
+                state_of.pop(p, None)
+                continue
+            state_of[p] = state
+            for k in [k for k in state if k not in keys]:
+                del state[k]
+        for slot, t in zip(self._slots, old):
+            if slot is not None:
+                slot[0][slot[1]] = t
+        for group, values in self._hyper:
+            group.update(values)
 
 
 # --- fused SGD and skipped first steps -------------------------------------------------------

@@ -52,11 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import check_owns_parameters, check_scheduler, loss_reduction
 from ._config import (EVAL_PRECISIONS, NONFINITE_POLICIES, NONFUSED_SKIPS,  # noqa: F401
                       TrainConfig)  # (re-exported: the trainer's public API)
 from ._scaler import ScalerSettings
 from ._policies import SKIPPED_RAISE, make_policy
-from ._skipsafe import BatchNormGuard, fused_sgd_groups, prime_momentum_buffers
+from ._skipsafe import BufferGuard, fused_sgd_groups, prime_momentum_buffers
 from ._validate import check_bool, check_int, is_int
 from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_training_state,
                          read_verified, rng_state, set_rng_state)
@@ -153,7 +154,9 @@ class Trainer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer; "
                              f"got {type(optimizer).__name__}")
-        _check_owns_parameters(model, optimizer)
+        check_owns_parameters(model, optimizer)
+        check_scheduler(scheduler, optimizer)
+        self._reduction = loss_reduction(loss_fn)
         self.device = as_device(device) if device is not None else _model_device(model)
         config = replace(config, precision=check_precision(config.precision, self.device))
         if config.eval_precision != "same":
@@ -175,7 +178,7 @@ class Trainer:
         for h in self.hooks:
             if not isinstance(h, Hooks):
                 raise ValueError(f"hooks must be Hooks instances; got {type(h).__name__}")
-        self._bn_guard = BatchNormGuard(model)
+        self._bn_guard = BufferGuard(model)
         self._config = config
         self._clock = _StepClock(self.device.type == "cuda")  # the step time (track_time)
         self.scaler = self._make_scaler(config.scaler)
@@ -210,6 +213,9 @@ class Trainer:
                              f"new Trainer")
         if config.eval_precision != "same":
             check_precision(config.eval_precision, self.device)
+        # refused before anything changes: a damped fused SGD where steps can now be skipped
+        self._check_fused_sgd(config.nonfinite != "ignore" or (
+            self._config.precision == "fp16" and config.scaler.enabled))
         if self._policy.name == "raise" and config.nonfinite != "raise":
             self._raise_if_nonfinite(wait=True)  # a pending bad step is reported first
         scaler_changed = config.scaler != self._config.scaler
@@ -217,6 +223,7 @@ class Trainer:
         if scaler_changed:
             self.set_scaler(config.scaler)
         self._configure()
+        self._prime_fused_sgd()  # steps may be skipped from now on (nonfinite 'ignore' -> 'skip')
 
     def _configure(self) -> None:
         """Derive what each step does from the config, the scaler and the hooks (once, not per
@@ -265,9 +272,15 @@ class Trainer:
         """Where steps can be skipped (fp16 with GradScaler, ``nonfinite`` skip or raise), give
         fused SGD zero momentum buffers (see ``prime_momentum_buffers``); refuse a damped fused
         group, which priming cannot fix."""
+        if self._check_fused_sgd(self._policy.can_skip):
+            prime_momentum_buffers(self.optimizer)
+
+    def _check_fused_sgd(self, can_skip: bool) -> bool:
+        """Whether fused SGD groups with momentum need priming (steps can be skipped); raise
+        ValueError for a damped one, which priming cannot fix."""
         groups = fused_sgd_groups(self.optimizer)
-        if not groups or not self._policy.can_skip:
-            return
+        if not groups or not can_skip:
+            return False
         damped = [g["dampening"] for g in groups if g.get("dampening", 0)]
         if damped:
             raise ValueError(f"dampening must be 0 for fused SGD when skipped steps are possible "
@@ -275,7 +288,7 @@ class Trainer:
                              f"is corrupted by a skipped first step, and only a zero buffer with "
                              f"dampening 0 fixes that; got {damped[0]!r}: use foreach=True, "
                              f"dampening=0 or nonfinite='ignore'")
-        prime_momentum_buffers(self.optimizer)
+        return True
 
     def _make_scaler(self, settings: ScalerSettings):
         if self._config.precision != "fp16":
@@ -297,12 +310,18 @@ class Trainer:
         self._prime_fused_sgd()
 
     def _to_device(self, x, y):
-        device = self.device
-        if x.device != device:  # a no-op .to() still costs a dispatcher call on a short step
+        """``x`` and ``y`` on the trainer's device: tensors, or tuples, lists and dicts of them
+        (a model that takes several inputs; ``model(x)`` gets the container)."""
+        device = self.device  # (type() first: no Python call for a plain tensor, short steps)
+        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
+            x = _moved(x, device, "x")
+        elif x.device != device:  # a no-op .to() still costs a dispatcher call on a short step
             x = x.to(device, non_blocking=True)
-        if y.device != device:
+        if type(y) is not torch.Tensor and not isinstance(y, torch.Tensor):
+            y = _moved(y, device, "y")
+        elif y.device != device:
             y = y.to(device, non_blocking=True)
-        if self._config.channels_last and x.dim() == 4:
+        if self._config.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
 
@@ -373,6 +392,10 @@ class Trainer:
         n = len(micro_batches)
         if n < 1:
             raise ValueError("micro_batches must hold at least one (x, y) batch; got none")
+        first = micro_batches[0]  # (type() first: no Python call where it is a pair)
+        if type(first) not in (tuple, list) and isinstance(first, torch.Tensor):
+            raise ValueError("micro_batches must be a list of (x, y) pairs; got a sequence of "
+                             "tensors (one pair?): pass [(x, y)]")
         policy = self._policy
         raising = policy.name == "raise"
         if raising:
@@ -385,15 +408,24 @@ class Trainer:
             clock.begin()
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
         loss_sum, grad_norm, found_inf, scale, cause = self._kernels(micro_batches)
+        failed = None
         if self.scheduler is not None and found_inf is not True and (
                 found_inf is None or not bool(found_inf.item())):  # the one sync, only here
-            self.scheduler.step()
+            try:
+                self.scheduler.step()
+            except Exception as exc:  # noqa: BLE001 - the optimizer stepped: record, then raise
+                failed = exc
         elapsed = clock.end() if timed else None  # one clock call (a CUDA event) a step
-        if self._cancelled is not None:  # the next step is timed from its own start
+        if self._cancelled is not None or failed is not None:  # timed from its own start
             clock.reset()
         if raising:  # a finished non-finite step (on a CPU: this one) raises before its record
             self._raise_if_nonfinite()
-        return self._record(loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed, window)
+        record = self._record(loss_sum, grad_norm, found_inf, scale, cause, lr, elapsed, window)
+        if failed is not None:  # e.g. OneCycleLR past its total_steps
+            raise RuntimeError(f"scheduler.step() raised after step {record.step}'s optimizer "
+                               f"step; that step is applied and recorded (trainer.step is now "
+                               f"{self.step}): {type(failed).__name__}: {failed}") from failed
+        return record
 
     def _memory_window(self) -> _PeakWindow:
         """The open peak-memory window, or a new one (the device's peak counter reset) when the
@@ -689,6 +721,9 @@ class Trainer:
 
     def evaluate(self, loader, precision: Optional[str] = None) -> dict:
         """Mean loss and accuracy (a fraction in [0, 1]) over ``loader``, without gradients.
+        The loss is per example (``loss_fn``'s batch mean weighted by the batch's rows, or its
+        sum where ``loss_fn.reduction == "sum"``); accuracy is None unless the model gives class
+        scores (``[N, C, ...]``) for integer targets (``[N, ...]``): a regression, a dict output.
 
         ``precision``: None uses ``config.eval_precision``; "same" is training's autocast; a
         precision name (e.g. "fp32") runs under that one instead. The model's train/eval mode is
@@ -707,21 +742,26 @@ class Trainer:
         self.model.eval()
         total_loss = torch.zeros((), device=self.device)
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        count = 0
+        count, classified, summed = 0, True, self._reduction == "sum"
         try:
             with torch.no_grad(), precision_settings(name, self.device), \
                     autocast_for(name, self.device.type):
                 for x, y in loader:
                     x, y = self._to_device(x, y)
                     out = self.model(x)
-                    total_loss += self.loss_fn(out, y).float() * len(y)
-                    correct += (out.argmax(dim=1) == y).sum()
-                    count += len(y)
+                    rows = _rows(y)
+                    loss = self.loss_fn(out, y).float()
+                    total_loss += loss if summed else loss * rows
+                    classified = classified and _class_ids(out, y)
+                    if classified:
+                        correct += (out.argmax(dim=1) == y).sum()
+                    count += rows
         finally:
             restore_modes(modes)
         if count == 0:
             raise ValueError("loader must yield at least one batch; got none")
-        return {"loss": total_loss.item() / count, "accuracy": correct.item() / count,
+        return {"loss": total_loss.item() / count,
+                "accuracy": correct.item() / count if classified else None,
                 "examples": count, "precision": name}
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -796,18 +836,28 @@ class Trainer:
         return state
 
 
-# --- checks used before anything is loaded ------------------------------------------------------
+def _moved(obj, device: torch.device, what: str):
+    """A tuple, list or dict of tensors (nested too) with every tensor on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, _moved(v, device, what)) for k, v in obj.items())
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_moved(v, device, what) for v in obj)
+    raise ValueError(f"{what} must be a tensor, or a tuple, list or dict of tensors; got "
+                     f"{type(obj).__name__}")
 
-def _check_owns_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """ValueError unless every trainable parameter of ``model`` is in ``optimizer``."""
-    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    missing = [n for n, p in trainable if id(p) not in owned]
-    if missing:
-        which = ("none of them" if len(missing) == len(trainable)
-                 else f"{len(trainable) - len(missing)} of {len(trainable)}")
-        names = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
-        raise ValueError(f"optimizer must own every trainable parameter of the model; it holds "
-                         f"{which} (missing: {names}). Build it from this model's parameters, "
-                         f"e.g. torch.optim.SGD(model.parameters(), ...), or freeze the others "
-                         f"with requires_grad_(False)")
+
+def _rows(y) -> int:
+    """The number of examples in a batch's target: its (first) tensor's leading dimension."""
+    while not isinstance(y, torch.Tensor):
+        y = next(iter(y.values() if isinstance(y, dict) else y))
+    return int(y.shape[0]) if y.dim() else 1
+
+
+def _class_ids(out, y) -> bool:
+    """Whether ``out`` holds class scores for the integer class ids ``y`` (``[N, C, ...]`` and
+    ``[N, ...]``): then accuracy means something."""
+    return (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor) and out.dim() >= 2
+            and not y.is_floating_point() and not y.is_complex()
+            and y.shape == out.shape[:1] + out.shape[2:])

@@ -54,6 +54,7 @@ def test_smoke_run_writes_json_and_stays_bitwise(bench, tmp_path, capsys):
     assert rows and rows[0].count("|") == 11  # ten columns
 
 
+@pytest.mark.serial  # asserts on CPU time against wall time: alone, not beside other workers
 def test_time_round_counts_host_cpu_time_not_waiting(bench):
     """A step that sleeps costs wall time but (almost) no CPU time; one that computes costs
     both: the host-CPU column tells host work from waiting."""

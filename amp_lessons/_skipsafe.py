@@ -151,39 +151,45 @@ class UpdateGuard(Snapshot):
         super().__init__()
         self.params, self.optimizer = params, optimizer
         self.stepped = False  # the optimizer has stepped once: a param without state then has none
+        # PyTorch's own optimizers write their state in place and leave their param groups
+        # alone: only the state a step makes is looked at after it (host work counts on short
+        # steps); any other optimizer is checked in full
+        self._trusted = type(optimizer).__module__.startswith("torch.optim")
         self._slots: list = []  # per tensor taken: (its state dict, key), None for a parameter
         self._states: list = []  # (parameter, its state dict or None, the dict's keys)
-        # PyTorch's own optimizers keep their param groups' values; others are watched
-        self._watch_groups = not type(optimizer).__module__.startswith("torch.optim")
-        self._hyper: list = []
+        self._hyper: list = []  # (param group, its values) of an optimizer not trusted
 
     def tensors(self) -> Optional[list]:
         """Parameters with a gradient and their optimizer-state tensors; None when only a
         host-side decision is exact (see the class)."""
-        out, slots, states = [], [], []
+        out, states = [], []
+        slots = None if self._trusted else []
         state_of = self.optimizer.state
         for p in self.params:
             if p.grad is None:
                 continue
             state = state_of.get(p)
             out.append(p)
-            slots.append(None)
+            if slots is not None:
+                slots.append(None)
             if not state:
                 if not self.stepped:
                     return None
                 states.append((p, None, ()))
                 continue
-            states.append((p, state, tuple(state)))
+            if slots is not None:
+                states.append((p, state, tuple(state)))
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
                     if v.device != p.device:
                         return None
                     out.append(v)
-                    slots.append((state, k))
+                    if slots is not None:
+                        slots.append((state, k))
                 elif v is not None:  # a Python number: only the host can put it back
                     return None
         self._slots, self._states = slots, states
-        if self._watch_groups:
+        if slots is not None:
             self._hyper = [(g, {k: v for k, v in g.items() if k != "params"})
                            for g in self.optimizer.param_groups]
         return out
@@ -197,6 +203,8 @@ class UpdateGuard(Snapshot):
             if (now is not state and (state is not None or now)) or (
                     state is not None and len(state) != len(keys)):
                 return None
+        if self._trusted:
+            return self._tensors
         for group, values in self._hyper:
             if any(group.get(k) is not v for k, v in values.items()):
                 return None
@@ -214,15 +222,15 @@ class UpdateGuard(Snapshot):
 
     def restore_if(self, skipped: torch.Tensor) -> None:
         """Where ``skipped`` is set, put parameters and state back (on the device where it can)."""
-        held = self._held_now()
+        held = self._held_now() if self._states or not self._trusted else self._tensors
         if held is not None:
-            if any(a is not b for a, b in zip(held, self._tensors)):
+            if held is not self._tensors and any(a is not b for a, b in zip(held, self._tensors)):
                 self._retarget(held)  # the optimizer replaced state tensors: restore into those
             super().restore_if(skipped)
             return
         old = list(self._tensors)
         super().restore_if(skipped)  # what was written in place gets its old values back
-        if not bool(skipped.item()):  # the host decides: the step changed the state's shape
+        if not bool(skipped.item()):  # the host decides: the step made or reshaped state
             return
         state_of = self.optimizer.state
         for p, state, keys in self._states:
@@ -232,7 +240,7 @@ class UpdateGuard(Snapshot):
             state_of[p] = state
             for k in [k for k in state if k not in keys]:
                 del state[k]
-        for slot, t in zip(self._slots, old):
+        for slot, t in zip(self._slots or (), old):
             if slot is not None:
                 slot[0][slot[1]] = t
         for group, values in self._hyper:

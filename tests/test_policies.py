@@ -13,7 +13,8 @@ from torch import nn
 from amp_lessons import _compat as C
 from amp_lessons import _policies
 from amp_lessons import trainer as T
-from trainer_helpers import (Inject, assert_same_tensors, batches, fresh, optimizer_tensors)
+from trainer_helpers import (Inject, ScalarReads, assert_same_tensors, batches, fresh,
+                             optimizer_tensors)
 
 
 # --- the compatibility module against the installed torch ----------------------------------------
@@ -366,17 +367,7 @@ def test_raise_in_fit_puts_the_epoch_position_back():
 
 # --- no host sync: no scalar read of a device value, per policy ---------------------------------
 
-class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts ``.item()``/``bool()`` reads (aten._local_scalar_dense): on a GPU each is a sync."""
 
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _hand_reads(precision, kind):
@@ -400,7 +391,7 @@ def _hand_reads(precision, kind):
 
     step(*data[0])
     step(*data[1])
-    with _ScalarReads() as reads:
+    with ScalarReads() as reads:
         step(*data[2])
     return reads.count
 
@@ -421,7 +412,7 @@ def test_no_policy_reads_a_device_value_per_step(precision, nonfinite, kind):
                         T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False))
     trainer.train_step([data[0]])
     trainer.train_step([data[1]])
-    with _ScalarReads() as reads:
+    with ScalarReads() as reads:
         trainer.train_step([data[2]])
     assert reads.count == _hand_reads(precision, kind)
     if kind.endswith("fused"):
@@ -519,7 +510,7 @@ def test_nonfused_skip_copy_keeps_two_copies_and_sync_one_read_and_none(kind):
                                           nonfused_skip=how), hooks=[Inject({3})])
         trainer.train_step([data[0]])
         trainer.train_step([data[1]])
-        with _ScalarReads() as reads:  # a finite step, as the hand loop's
+        with ScalarReads() as reads:  # a finite step, as the hand loop's
             trainer.train_step([data[2]])
         extra = reads.count - _hand_reads("bf16", kind)
         state = sum(t.numel() for t in optimizer_tensors(trainer.optimizer).values())

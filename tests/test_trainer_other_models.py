@@ -8,6 +8,7 @@ from torch import nn
 
 from amp_lessons import trainer as T
 from amp_lessons._skipsafe import stateful_modules
+from trainer_helpers import ScalarReads
 
 
 def cfg(**kw):
@@ -70,19 +71,6 @@ class OutOfPlaceMomentum(torch.optim.Optimizer):
                 st["step"] = st["step"] + 1  # a new int or a new tensor
                 st["buf"] = g["beta"] * st["buf"] + p.grad
                 p.add_(st["buf"], alpha=-g["lr"])
-
-
-class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts ``.item()``/``bool()`` reads: on a GPU each is a host sync."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("python_counter,group_counter", [(False, False), (True, False),

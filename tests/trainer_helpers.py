@@ -59,3 +59,16 @@ class Inject(T.Hooks):
     def after_backward(self, trainer, micro_step):
         if trainer.step in self.steps:
             trainer.model.conv.weight.grad[0, 0, 0, 0] = self.value
+
+
+class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ``.item()``/``bool()`` reads (aten._local_scalar_dense): on a GPU each is a sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -368,8 +368,6 @@ def test_raise_in_fit_puts_the_epoch_position_back():
 # --- no host sync: no scalar read of a device value, per policy ---------------------------------
 
 
-
-
 def _hand_reads(precision, kind):
     """Scalar reads of the hand-written loop's third step (the optimizer's own, e.g. Adam's
     step counters, which live on the host even for a CUDA model)."""

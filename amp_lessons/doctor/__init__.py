@@ -13,7 +13,11 @@ the learner's device and on copies of the model (the model itself is never chang
 - ``speed``: speed and peak memory per precision through the engine, gated (lesson 04);
 - ``fp8``: the Linear layers where FP8 pays, from lesson 07's crossover width, or why not here.
 
-It returns a ``report.DoctorReport``: a table in a notebook, JSON and a self-contained HTML page
+The fp16 evidence (the fp16 forward and the trial) overrides what the ranges predict: an inf/NaN
+there means fp16 is not safe, also when no layer's fp32 output passes 65,504; a model already
+inf/NaN in fp32 is told so. A measurement that fails (a layer fp16 autocast cannot run on this
+device) becomes a row or finding with its reason, never a lost report. It returns a
+``report.DoctorReport``: a table in a notebook, JSON and a self-contained HTML page
 (``ui.doctor_plots`` draws its figure). Command line: ``python -m amp_lessons doctor --model
 MODULE:FACTORY``.
 """

@@ -54,13 +54,10 @@ def run(args: argparse.Namespace) -> int:
 
         from ..precision import as_device
         from .inputs import build_model, parse_shape
-        from .run import doctor
+        from .run import check_device, doctor
 
         shape = parse_shape(args.batch_shape)
-        device = as_device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device must be a device this machine has; got {args.device!r} "
-                             f"but CUDA is not available (use cpu)")
+        device = check_device(as_device(args.device), name="--device")
         model = build_model(args.model).to(device)
         g = torch.Generator(device=device).manual_seed(0)
         if args.vocab is not None:

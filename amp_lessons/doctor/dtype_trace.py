@@ -46,7 +46,8 @@ class AutocastReport:
     output)`` per leaf module, in call order; ``loss``: the loss's dtype; ``parameters`` and
     ``gradients``: the set of dtypes of the parameters and of their ``.grad``; ``low``: the
     autocast dtype; ``input``: the input batch's dtype; ``nonfinite``: names of the layers whose
-    output held inf or NaN, in call order.
+    output held inf or NaN, in call order; ``loss_name``: the loss function's name (the loss
+    row's kind); ``loss_finite``: whether the loss itself was finite.
     """
 
     layers: List[Tuple[str, str, torch.dtype, Optional[torch.dtype]]]
@@ -56,6 +57,8 @@ class AutocastReport:
     low: torch.dtype
     input: torch.dtype
     nonfinite: List[str] = field(default_factory=list)
+    loss_name: str = "loss"
+    loss_finite: bool = True
 
     def rows(self) -> List[dict]:
         """Plain rows with dtype labels ("16-bit" = the autocast dtype)."""
@@ -63,7 +66,7 @@ class AutocastReport:
         out = [{"what": "input batch", "kind": "data", "dtype": lab(self.input), "grad": "-"}]
         out += [{"what": name, "kind": kind, "dtype": lab(dt), "grad": lab(gd)}
                 for name, kind, dt, gd in self.layers]
-        out.append({"what": "loss", "kind": "cross_entropy", "dtype": lab(self.loss), "grad": "-"})
+        out.append({"what": "loss", "kind": self.loss_name, "dtype": lab(self.loss), "grad": "-"})
         out.append({"what": "every parameter", "kind": "weights",
                     "dtype": ", ".join(sorted(lab(d) for d in self.parameters)),
                     "grad": ", ".join(sorted(lab(d) for d in self.gradients))})
@@ -76,10 +79,15 @@ class AutocastReport:
 
 
 def trace(model: nn.Module, run: Callable[[], torch.Tensor], device_type: str,
-          dtype: torch.dtype, input_dtype: torch.dtype = torch.float32) -> AutocastReport:
+          dtype: torch.dtype, input_dtype: torch.dtype = torch.float32,
+          loss_name: str = "loss") -> AutocastReport:
     """Call ``run()`` (forward and loss of ``model``) under ``torch.autocast(device_type, dtype)``,
-    backpropagate, and record every leaf layer's output and gradient dtype (``AutocastReport``).
-    Gradients are cleared afterwards; BatchNorm statistics move as in any training forward."""
+    backpropagate, and record every leaf layer's output and gradient dtype (``AutocastReport``;
+    ``input_dtype`` and ``loss_name`` label its input and loss rows). The pass runs in training
+    mode as the shared trainer runs it: a model in training mode keeps each module's own mode (a
+    frozen BatchNorm stays in eval mode), a model wholly in eval mode is put in training mode;
+    every module's mode comes back afterwards. Gradients are cleared afterwards; BatchNorm
+    statistics move as in any training forward."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16; got {dtype!r}")
     layers: list = []
@@ -103,7 +111,8 @@ def trace(model: nn.Module, run: Callable[[], torch.Tensor], device_type: str,
             handles.append(module.register_forward_hook(
                 lambda m, i, o, name=name: hook(m, i, o, name)))
     modes = saved_modes(model)  # each module's own mode comes back afterwards
-    model.train()
+    if not model.training:  # the trainer's rule: a frozen BatchNorm in a training model stays so
+        model.train()
     try:
         model.zero_grad(set_to_none=True)
         with torch.autocast(device_type=device_type, dtype=dtype):
@@ -117,7 +126,8 @@ def trace(model: nn.Module, run: Callable[[], torch.Tensor], device_type: str,
         layers=[(n, k, d, grads.get(i)) for i, (n, k, d, _) in enumerate(layers)],
         loss=loss.dtype, parameters={p.dtype for p in model.parameters()},
         gradients={p.grad.dtype for p in model.parameters() if p.grad is not None},
-        low=dtype, input=input_dtype, nonfinite=list(dict.fromkeys(bad)))
+        low=dtype, input=input_dtype, nonfinite=list(dict.fromkeys(bad)), loss_name=loss_name,
+        loss_finite=bool(torch.isfinite(loss.detach()).all()))
     model.zero_grad(set_to_none=True)
     return report
 
@@ -128,7 +138,9 @@ def autocast_report(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_t
     record the dtype of every leaf layer's output, of the gradient flowing back into it, of the
     loss, of the parameters and of their gradients (lesson 02). Gradients are cleared afterwards;
     BatchNorm statistics move as in any training forward."""
-    return trace(model, lambda: loss_fn(model(x), y), device_type, dtype, x.dtype)
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    return trace(model, lambda: loss_fn(model(x), y), device_type, dtype, x.dtype,
+                 "loss_fn" if name == "<lambda>" else name)
 
 
 def op_dtypes(run: Callable[[], torch.Tensor], device_type: str,

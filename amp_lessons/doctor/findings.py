@@ -2,6 +2,7 @@
 course that explains it (so a learner can go back and see the mechanism on a small example)."""
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from ..tables import percent, plural
@@ -28,12 +29,40 @@ def _share(counts: Mapping[str, int], key: str) -> str:
     return percent(counts[key], counts["nonzero"]) if counts["nonzero"] else "n/a"
 
 
+def _counts(rows: Sequence[Mapping], key: str) -> str:
+    return ", ".join(f"{r['layer']} ({r[key]:,})" for r in rows if r.get(key))
+
+
+def _trial_evidence(r: Mapping) -> str:
+    if r.get("status", "ok") != "ok":
+        return f"{r['settings']}: failed ({r.get('reason', '')})"
+    loss = r.get("final_loss")
+    bad = "" if loss is None or math.isfinite(loss) else f", final loss {loss}"
+    return (f"{r['settings']}: {r['skipped']} of {plural(r['steps'], 'step')} skipped, "
+            f"scale ended at {r['final_scale']:g}{bad}")
+
+
 def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optional[int],
             grad_totals: Mapping[str, Mapping[str, int]], act_totals: Mapping[str, Mapping[str, int]],
             advice: Mapping, trial: Sequence[Mapping], trace: Mapping, compiled: Mapping,
-            speed: Sequence[Mapping], fp8: Mapping) -> List[Dict[str, str]]:
-    """Every finding of one doctor run, in the order a learner should read them."""
+            speed: Sequence[Mapping], fp8: Mapping, fp32_nonfinite: Sequence[Mapping] = (),
+            fp32_loss_finite: bool = True, failures: Sequence[Mapping] = ()
+            ) -> List[Dict[str, str]]:
+    """Every finding of one doctor run, in the order a learner should read them.
+    ``fp32_nonfinite``: the layer rows whose fp32 output or gradients held inf/NaN (their
+    ``act_nonfinite`` / ``grad_nonfinite`` counts are named); ``fp32_loss_finite``: whether the
+    fp32 loss was finite; ``failures``: measurements that failed (``topic``, ``what``,
+    ``reason``), each a finding."""
     out = []
+    if fp32_nonfinite or not fp32_loss_finite:
+        acts, grads = _counts(fp32_nonfinite, "act_nonfinite"), _counts(fp32_nonfinite,
+                                                                        "grad_nonfinite")
+        where = "; ".join(part for part in (
+            f"layer outputs: {acts}" if acts else "", f"gradients: {grads}" if grads else "",
+            "" if fp32_loss_finite else "the loss") if part)
+        out.append(finding("ranges", f"the model is not finite in fp32: inf/NaN values already in "
+                           f"the float32 pass ({where}); no precision helps, fix the model first",
+                           "fp32 forward and backward, inf/NaN values counted per layer"))
     if overflow:
         worst = max(overflow, key=lambda r: r["value"])
         out.append(finding("overflow", f"fp16 overflows in the forward pass: "
@@ -45,6 +74,15 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
     else:
         out.append(finding("ranges", "no activation passes fp16's 65,504",
                            "fp32 forward, largest |activation| per layer"))
+        fp16_loss_bad = trace.get("loss_finite") is False if trace else False
+        if nonfinite_fp16 or fp16_loss_bad:
+            where = (f"first in {nonfinite_fp16[0]}" if nonfinite_fp16 else
+                     "in the loss, though every layer's output is finite")
+            out.append(finding("overflow", f"fp16 overflows inside the forward pass: under fp16 "
+                               f"autocast inf/NaN appears {where}, in an op that is no layer's "
+                               f"output (a matmul such as q @ k^T, a sum, an exp)",
+                               "one forward under fp16 autocast, every leaf layer's output and "
+                               "the loss checked for inf/NaN"))
     if grad_totals:
         g = grad_totals
         where = f"at the loss scale 2^{k}" if k is not None else "unscaled"
@@ -61,14 +99,23 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
                            f"scaling; fp16 underflows {_share(a['fp16'], 'underflow')}",
                            "fp32 forward, every leaf layer's output"))
     out.append(finding("scale", " ".join(advice["lines"][:2]),
-                       "; ".join(f"{r['settings']}: {r['skipped']} of {plural(r['steps'], 'step')} skipped, "
-                                 f"scale ended at {r['final_scale']:g}" for r in trial)
+                       "; ".join(_trial_evidence(r) for r in trial)
                        or "derived from the largest gradient"))
-    if trace:
-        out.append(finding("trace", f"under {trace['low']} autocast, {trace['low_ops']} op kinds ran "
-                           f"in 16 bits and {trace['fp32_ops']} in float32 "
-                           f"({', '.join(trace['fp32_examples'][:5]) or 'none'})",
+    if trace and trace.get("ops"):
+        both = trace.get("both_ops") or 0
+        text = (f"under {trace['low']} autocast, {trace['low_ops']} op kinds ran in 16 bits and "
+                f"{trace['fp32_ops']} {'only ' if both else ''}in float32 "
+                f"({', '.join(trace['fp32_examples'][:5]) or 'none'})")
+        if both:
+            text += (f"; {plural(both, 'kind')} of the 16-bit ones also ran in float32 at some "
+                     f"calls ({', '.join(trace['both_examples'][:5])})")
+        out.append(finding("trace", text,
                            "one forward under autocast, ops counted by output dtype"))
+    elif trace and trace.get("reason") and not any(f["topic"] == "trace" for f in failures):
+        out.append(finding("trace", "the dtype trace was not run", trace["reason"]))
+    for f in failures:
+        out.append(finding(f["topic"], f"not measured: {f['what']} failed on this model here",
+                           f["reason"]))
     if compiled.get("rows"):
         ok = [r for r in compiled["rows"] if r["status"] == "ok"]
         if ok:
@@ -98,7 +145,7 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
             out.append(finding("idle", f"the GPU sat idle up to {max(idle):.0%} of a step: the "
                                f"model is too small (or the batch) for precision to matter",
                                "torch.profiler, kernel time against the median step"))
-    out.append(finding("fp8", f"{fp8['status']}: {fp8['reason']}",
+    out.append(finding("fp8", f"{fp8.get('summary', fp8['status'])}: {fp8['reason']}",
                        f"crossover width {fp8['crossover']:,} ({fp8['source']})"
                        if fp8.get("crossover") else "no crossover measured"))
     return out

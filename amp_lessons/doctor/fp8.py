@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import torch
 from torch import nn
 
 from ..bench.float8 import conversion_plan, fp8_support
@@ -26,16 +27,21 @@ def fp8_unavailable(device) -> Optional[str]:
 def candidates(model: nn.Module, device, crossover: Optional[int],
                source: str = "") -> Dict[str, object]:
     """The FP8 verdict for ``model`` on ``device``: ``status`` ("no FP8 on this GPU",
-    "not decided" without a measured crossover, or "measured"), ``reason``, and ``layers``: the
+    "not decided" without a measured crossover, or "measured"), ``summary`` (the status as the
+    report shows it: "not on a GPU" off CUDA), ``reason``, and ``layers``: the
     engine's ``conversion_plan(model, min_features=crossover)``, each row with ``candidate``
     (True where the plan trains it in float8) beside the plan's ``precision`` and ``reason``."""
     why = fp8_unavailable(device)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     base = {"crossover": crossover, "source": source, "linear_layers": linears}
     if why:
-        return {**base, "status": "no FP8 on this GPU", "reason": why, "layers": []}
+        # ``status`` stays the one key for "FP8 does not run here" (lesson 09 asserts it); the
+        # report's words say what is missing: off CUDA there is no GPU at all
+        shown = "no FP8 on this GPU" if torch.device(device).type == "cuda" else "not on a GPU"
+        return {**base, "status": "no FP8 on this GPU", "summary": shown, "reason": why,
+                "layers": []}
     if crossover is None:
-        return {**base, "status": "not decided",
+        return {**base, "status": "not decided", "summary": "not decided",
                 "reason": "no measured crossover width: run lesson 07 on this GPU (its speed "
                           "sweep) and pass fp8_crossover=", "layers": []}
     rows = [{**r, "candidate": r["precision"] == "float8"}
@@ -43,7 +49,7 @@ def candidates(model: nn.Module, device, crossover: Optional[int],
     chosen = [r for r in rows if r["candidate"]]
     total = sum(r["params"] for r in rows)
     share = sum(r["params"] for r in chosen) / total if total else 0.0
-    return {**base, "status": "measured", "layers": rows,
+    return {**base, "status": "measured", "summary": "measured", "layers": rows,
             "reason": f"{len(chosen)} of {plural(len(rows), 'Linear layer')} ({share:.0%} of Linear "
                       f"weights) would train in FP8 (the engine's conversion plan at lesson 07's "
                       f"crossover width {crossover:,})"}

@@ -119,6 +119,29 @@ def batch_size(x) -> int:
     return int(t.shape[0]) if t is not None and t.dim() else 1
 
 
+def input_dtype(x) -> torch.dtype:
+    """The dtype of the (first) input tensor: what the model is fed (token ids are int64)."""
+    t = first_tensor(x)
+    return t.dtype if t is not None else torch.float32
+
+
+def is_class_ids(target: torch.Tensor) -> bool:
+    """True for an integer target (any signed or unsigned width: int8 ... int64, uint8 ...
+    uint64): class ids or next tokens, taken with cross-entropy. Bool and float targets are
+    values (mean squared error)."""
+    return not (target.is_floating_point() or target.is_complex() or target.dtype == torch.bool)
+
+
+def check_not_empty(x, shape: str) -> None:
+    """ValueError when an input tensor has no rows: a batch of 0 samples measures nothing (its
+    loss is NaN, its speed 0)."""
+    tensors = [x] if isinstance(x, torch.Tensor) else list(x.values()) if isinstance(x, dict) \
+        else list(x)
+    if any(t.dim() and t.shape[0] == 0 for t in tensors):
+        raise ValueError(f"batch must hold at least one sample; got a batch of shape {shape} "
+                         f"(0 rows): pass a batch from your data loader")
+
+
 def shape_text(x) -> str:
     """The input's shape(s) as text, for messages and the report."""
     if isinstance(x, torch.Tensor):
@@ -130,7 +153,8 @@ def shape_text(x) -> str:
 class Call(nn.Module):
     """``model`` called on one input object: a tensor, a tuple/list (``model(*x)``) or a dict
     (``model(**x)``), so the engine's steps (which call ``model(x)``) run any forward signature.
-    The output is the first tensor of what the model returns (logits of a ModelOutput...)."""
+    The output is the logits where the model returns them (a ``.logits`` attribute, as a
+    ModelOutput has, or a ``"logits"`` key of a dict), else the first tensor it returns."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -146,13 +170,15 @@ class Call(nn.Module):
         if isinstance(out, torch.Tensor):
             return out
         logits = getattr(out, "logits", None)
+        if logits is None and isinstance(out, dict):
+            logits = out.get("logits")
         return logits if isinstance(logits, torch.Tensor) else first_tensor(out)
 
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension for integer targets (classes, next tokens), mean
     squared error (in float32) for float targets of the output's shape."""
-    if target.dtype in (torch.int64, torch.int32, torch.uint8, torch.int16):
+    if is_class_ids(target):
         return F.cross_entropy(output.flatten(0, -2).float(), target.flatten().long())
     return F.mse_loss(output.float(), target.float())
 
@@ -178,6 +204,7 @@ class Batch:
     loss_text: str
     size: int
     shape: str
+    loss_name: str = "loss"
 
 
 @contextmanager
@@ -232,6 +259,7 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device) ->
         raise ValueError(f"loss_fn must be callable as loss_fn(output, target); got {loss_fn!r}")
     inputs = move(inputs, device)
     shape = shape_text(inputs)
+    check_not_empty(inputs, shape)
     with kept_modes(model, False), torch.no_grad(), naming_layer(model, shape):
         out = Call(model)(inputs)
     if not isinstance(out, torch.Tensor) or not out.is_floating_point():
@@ -241,12 +269,17 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device) ->
         target, against = made_target(out)
     else:
         target, against = target.to(device), "the target given"
+    if target.dim() and target.shape[0] == 0:
+        raise ValueError(f"the target must hold at least one sample; got shape "
+                         f"{tuple(target.shape)}")
     if loss_fn is not None:
         text = f"the loss_fn given, against {against}"
-    elif target.dtype in (torch.int64, torch.int32, torch.uint8, torch.int16):
-        text = f"cross-entropy against {against}"
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        name = "loss_fn" if name == "<lambda>" else name
+    elif is_class_ids(target):
+        text, name = f"cross-entropy against {against}", "cross_entropy"
     else:
-        text = f"mean squared error against {against}"
+        text, name = f"mean squared error against {against}", "mse_loss"
     chosen = loss_fn or default_loss
     try:
         loss = chosen(out, target)
@@ -255,26 +288,36 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device) ->
                          f"target {tuple(target.shape)}: {type(exc).__name__}: {exc}") from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn must return a single-number tensor (a scalar loss)")
-    return Batch(inputs, target, chosen, text, batch_size(inputs), shape)
+    return Batch(inputs, target, chosen, text, batch_size(inputs), shape, name)
 
 
 def work_copy(model: nn.Module, device) -> nn.Module:
-    """A deep copy of ``model`` on ``device``, in training mode: the doctor trains and hooks the
-    copy, so the learner's model is never touched."""
+    """A deep copy of ``model`` on ``device``, in training mode as the shared trainer puts it: a
+    model in training mode keeps each module's own mode (a BatchNorm or dropout the learner put
+    in eval mode stays so, and is measured as the learner runs it); a model wholly in eval mode
+    is put in training mode. The doctor trains and hooks the copy, so the learner's model is
+    never touched."""
     try:
         clone = copy.deepcopy(model)
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"model cannot be copied (copy.deepcopy failed: {type(exc).__name__}: "
                          f"{exc}); the doctor measures a copy so your model stays as it was"
                          ) from None
-    return clone.to(device).train()
+    clone = clone.to(device)
+    if not clone.training:  # the trainer's rule (Trainer.train_step): only a model in eval mode
+        clone.train()
+    return clone
 
 
 def as_sequence(values, name: str, allowed: Sequence[str]) -> Tuple[str, ...]:
     """A tuple of names, each one of ``allowed``; ValueError naming ``name`` otherwise."""
     if isinstance(values, str):
         values = (values,)
-    values = tuple(values)
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise ValueError(f"{name} must be names from {', '.join(allowed)} (a tuple, list or one "
+                         f"name); got {values!r}") from None
     bad = [v for v in values if v not in allowed]
     if not values or bad:
         raise ValueError(f"{name} must be names from {', '.join(allowed)}; got {values!r}")

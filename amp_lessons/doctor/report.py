@@ -119,7 +119,10 @@ class DoctorReport:
                                                      ("init_scale", "init_scale"),
                                                      ("steps", "steps"), ("skipped", "skipped"),
                                                      ("final_scale", "final scale"),
-                                                     ("final_loss", "final loss"))),
+                                                     ("final_loss", "final loss"))
+                                 + ((("status", "status"), ("reason", "reason"))
+                                    if any(r.get("status", "ok") != "ok"
+                                           for r in self.scaler_trial) else ())),
                  "<h4>fp16 overflow sites</h4>",
                  self.html_table(self.overflow, (("layer", "layer"), ("kind", "kind"),
                                                  ("value", "largest |activation|"),
@@ -136,15 +139,22 @@ class DoctorReport:
                      ("compile_s", "first call s"), ("status", "status"), ("reason", "reason")))
                   if self.compiled.get("rows") else
                   f"<p>not run: {e(self.compiled.get('reason', ''))}</p>"),
-                 f"<h4>FP8 candidates: {e(self.fp8['status'])}</h4><p>{e(self.fp8['reason'])}</p>",
+                 f"<h4>FP8 candidates: {e(self.fp8.get('summary', self.fp8['status']))}</h4>"
+                 f"<p>{e(self.fp8['reason'])}</p>",
                  self.html_table(self.fp8.get("layers", []), (
                      ("layer", "Linear"), ("in", "in"), ("out", "out"),
                      ("precision", "trains in"), ("reason", "why"))) if self.fp8.get("layers") else "",
                  f"<h4>Layer ranges ({'every layer' if all_layers else 'the 12 nearest fp16 limits'}"
-                 f"; gradients at the loss scale 2^{self.scale_exponent})</h4>",
+                 f"; {self._scale_words()})</h4>",
                  self.html_table(self.layers if all_layers else self.riskiest_layers(),
                                  LAYER_COLUMNS)]
         return '<div class="amp-doctor">\n' + "\n".join(parts) + "\n</div>"
+
+    def _scale_words(self) -> str:
+        if self.scale_exponent is not None:
+            return f"gradients at the loss scale 2^{self.scale_exponent}"
+        return ("gradients unscaled: loss scale not derived, no finite nonzero gradient was "
+                "found")
 
     def _repr_html_(self) -> str:
         return f"<style>{CSS}</style>" + self.html_body()

@@ -38,31 +38,75 @@ def reached_scale(largest_gradient: Optional[float]) -> Optional[int]:
     return int(min(max(k, EXPONENT_RANGE[0]), EXPONENT_RANGE[1]))
 
 
+def trial_nonfinite(trial: Sequence[Dict[str, object]]) -> List[str]:
+    """The ``scaler_trial`` settings whose fp16 run ended with a loss that is inf or NaN."""
+    return [str(r["settings"]) for r in trial
+            if r.get("final_loss") is not None and not math.isfinite(r["final_loss"])]
+
+
+def _not_safe(bf16_native: bool, lines: List[str]) -> Dict[str, object]:
+    return {"precision": "bf16" if bf16_native else "fp16 with fp32 layers", "fp16_safe": False,
+            "settings": None, "lines": lines}
+
+
 def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at_k: float,
            underflow_at_default: float, bf16_native: bool,
-           flushed_at_k: float = 0.0) -> Dict[str, object]:
+           flushed_at_k: float = 0.0, fp16_nonfinite: Sequence[str] = (),
+           fp32_nonfinite: Sequence[str] = (), trial: Sequence[Dict[str, object]] = (),
+           fp16_unchecked: str = "") -> Dict[str, object]:
     """What to train this model in, as data: ``precision`` (fp16 or bf16), ``fp16_safe``,
     ``settings`` (ScalerSettings as a dict, for fp16), and ``lines``: the advice in sentences,
     each with the measurement behind it. ``overflow``: the fp16 overflow sites of the forward
     pass; the underflow shares (flushed or subnormal) are of all nonzero gradient values at
     ``2**k`` and at the default init_scale; ``flushed_at_k``: the share flushed to zero at
-    ``2**k`` (lost, not only less precise), which decides for bf16 above ``MAX_FLUSHED``."""
+    ``2**k`` (lost, not only less precise), which decides for bf16 above ``MAX_FLUSHED``.
+
+    The measured fp16 evidence overrides what the ranges predict: ``fp16_nonfinite``, where the
+    forward under fp16 autocast gave inf/NaN (layer names, or "the loss"), and ``trial``, the
+    ``scaler_trial`` rows (a run that ended with an inf/NaN loss), make fp16 not safe even where
+    no layer's fp32 output passes 65,504 (an op inside or between layers overflowed).
+    ``fp32_nonfinite``: where the fp32 forward or backward already held inf/NaN; then no
+    precision helps and the advice says so. ``fp16_unchecked``: why the fp16 forward could not be
+    run on this device; then ``fp16_safe`` is None (not checked)."""
     lines: List[str] = []
     alt = "bf16 (fp32's range in 16 bits)" if bf16_native else \
         "keep those layers in fp32 (this GPU has no native bf16)"
+    if fp32_nonfinite:
+        shown = ", ".join(fp32_nonfinite[:3]) + (" ..." if len(fp32_nonfinite) > 3 else "")
+        lines.append(f"The model is not finite in fp32: the float32 forward or backward already "
+                     f"holds inf/NaN (in {shown}). No precision helps (bf16 has float32's range, "
+                     f"fp16 less): find the op that makes it (an exp, a division, a large weight) "
+                     f"and fix the model in fp32 first; no loss scale is advised until then.")
+        return {"precision": "none (inf/NaN in fp32)", "fp16_safe": False, "settings": None,
+                "lines": lines}
     if overflow:
         worst = max(overflow, key=lambda r: r["value"])
         lines.append(f"fp16 is not safe: the forward pass overflows fp16 in "
                      f"{plural(len(overflow), 'layer')}, worst {worst['layer']} at {worst['value']:.4g} > 65,504. A loss "
                      f"scale only scales gradients, so no GradScaler setting helps: train in "
                      f"{alt}, or run those layers in fp32 (selective autocast).")
-        return {"precision": "bf16" if bf16_native else "fp16 with fp32 layers",
-                "fp16_safe": False, "settings": None, "lines": lines}
+        return _not_safe(bf16_native, lines)
+    if fp16_nonfinite:
+        lines.append(f"fp16 is not safe: under fp16 autocast the forward pass gives inf/NaN, first "
+                     f"in {fp16_nonfinite[0]}, although no layer's fp32 output passes 65,504: an "
+                     f"op inside or between layers (a matmul such as q @ k^T, a sum, an exp) "
+                     f"overflows fp16. A loss scale only scales gradients, so no GradScaler "
+                     f"setting helps: train in {alt}, or run that part in fp32 (selective "
+                     f"autocast).")
+        return _not_safe(bf16_native, lines)
+    bad_trial = trial_nonfinite(trial)
+    if bad_trial:
+        lines.append(f"fp16 is not safe as measured: the fp16 trial with the shared trainer ended "
+                     f"with an inf/NaN loss ({', '.join(bad_trial)} settings) although the fp32 "
+                     f"ranges fit fp16. Either an op overflows fp16 during training or training "
+                     f"diverges on this batch (compare an fp32 run, lower the learning rate); "
+                     f"until an fp16 run stays finite, train in {alt}.")
+        return _not_safe(bf16_native, lines)
     if k is None:
         lines.append("No nonzero gradient was found, so no loss scale can be derived.")
         return {"precision": "bf16" if bf16_native else "fp16", "fp16_safe": None,
                 "settings": None, "lines": lines}
-    init_k = min(k - 1, EXPONENT_RANGE[1])
+    init_k = max(min(k - 1, EXPONENT_RANGE[1]), EXPONENT_RANGE[0])
     settings = ScalerSettings(init_scale=2.0 ** init_k)
     default_k = int(math.log2(DEFAULT.init_scale))
     lines.append(f"GradScaler would settle near 2^{k} = {2.0 ** k:,.6g}: the largest power of two "
@@ -73,10 +117,15 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
                      f"span more than fp16's range. Train in {alt}.")
         return {"precision": "bf16" if bf16_native else "fp16", "fp16_safe": False,
                 "settings": settings.as_dict(), "lines": lines}
-    if init_k < default_k:
+    # the default fits when 2^default_k <= 2^k: only a default above the ceiling overflows
+    if k < default_k:
         lines.append(f"The default init_scale 2^{default_k} is too high: the first "
                      f"{plural(default_k - k, 'step')} would overflow and be skipped while the scale backs "
                      f"off. Start at init_scale=2^{init_k} (one halving of headroom).")
+    elif k == default_k:
+        lines.append(f"The default init_scale 2^{default_k} is that ceiling: the largest gradient "
+                     f"fits there, so no step is skipped at the start: keep it.")
+        settings = DEFAULT
     elif init_k > default_k and underflow_at_default - underflow_at_k <= MIN_GAIN:
         lines.append(f"The default init_scale 2^{default_k} is safe and loses hardly more gradient "
                      f"values than 2^{k} ({underflow_at_default:.3%} against {underflow_at_k:.3%} "
@@ -96,6 +145,13 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
     lines.append(f"growth_interval: keep the default {DEFAULT.growth_interval}; with the scale "
                  f"started at or under its ceiling it only needs to track gradients that "
                  f"shrink over training (a shorter interval means more skipped steps).")
+    if fp16_unchecked:
+        lines.append(f"fp16 with GradScaler: not checked here, the fp16 forward could not run on "
+                     f"this device ({fp16_unchecked}); at the settled scale {flushed_at_k:.3%} "
+                     f"of gradient values would be flushed to zero ({underflow_at_k:.3%} flushed "
+                     f"or subnormal).")
+        return {"precision": "fp16", "fp16_safe": None, "settings": settings.as_dict(),
+                "lines": lines}
     lines.append(f"fp16 with GradScaler is safe here: at the settled scale {flushed_at_k:.3%} of "
                  f"gradient values are flushed to zero ({underflow_at_k:.3%} flushed or "
                  f"subnormal).")
@@ -109,18 +165,35 @@ def scaler_trial(make_model: Callable[[], nn.Module], inputs, target, loss_fn: C
                  ) -> List[Dict[str, object]]:
     """Train a fresh copy (``make_model()``) for ``steps`` fp16 steps with the shared trainer
     under each named ``ScalerSettings``, on the same batch: skipped steps and the scale each run
-    ended at, so the advice is checked, not only derived."""
+    ended at, so the advice is checked, not only derived. A setting whose run fails (a layer
+    fp16 autocast cannot run on this device) becomes a row with ``status`` "error" and the
+    reason, never an exception."""
     rows = []
     for name, s in settings.items():
-        model = make_model()
-        optimizer = make_optimizer(model)
-        config = TrainConfig(precision="fp16", scaler=s, progress=False, seed=None,
-                             track_grad_norm=False, track_memory=False)
-        trainer = Trainer(model, optimizer, config, loss_fn=loss_fn)
-        records = [trainer.train_step([(inputs, target)]) for _ in range(steps)]
-        rows.append({"settings": name, "init_scale": s.init_scale, "steps": steps,
-                     "skipped": sum(bool(r.skipped) for r in records),
-                     "final_scale": float(trainer.scaler.get_scale()),
-                     "final_loss": float(records[-1].loss)})
-        del model, optimizer, trainer
+        row: Dict[str, object] = {"settings": name, "init_scale": s.init_scale, "steps": steps,
+                                  "skipped": None, "final_scale": None, "final_loss": None,
+                                  "status": "ok", "reason": ""}
+        model = optimizer = trainer = None
+        try:
+            model = make_model()
+            optimizer = make_optimizer(model)
+            config = TrainConfig(precision="fp16", scaler=s, progress=False, seed=None,
+                                 track_grad_norm=False, track_memory=False)
+            trainer = Trainer(model, optimizer, config, loss_fn=loss_fn)
+            records = [trainer.train_step([(inputs, target)]) for _ in range(steps)]
+            row.update(skipped=sum(bool(r.skipped) for r in records),
+                       final_scale=float(trainer.scaler.get_scale()),
+                       final_loss=float(records[-1].loss))
+        except Exception as exc:  # noqa: BLE001 - a trial that fails is a row, not a dead report
+            row.update(status="error", reason=failure_text(exc))
+        finally:
+            del model, optimizer, trainer
+        rows.append(row)
     return rows
+
+
+def failure_text(exc: BaseException) -> str:
+    """``"TypeName: first line of the message"`` (at most 200 characters): a failed
+    measurement's reason, as its row or finding shows it."""
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}".rstrip(": ")

@@ -20,6 +20,7 @@ from torch import nn
 from .. import bench
 from ..claims import rows_timing_gate
 from ..precision import PRECISIONS, check_precision, precision_settings
+from .inputs import batch_size as _batch_size
 
 GIB = 2 ** 30
 
@@ -60,8 +61,11 @@ def skip_reason(precision: str, device) -> Optional[str]:
 
 def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn: Callable,
                    make_optimizer: Callable, precision: str, device, warmup: int, steps: int,
-                   channels_last: bool, idle: bool = True) -> Dict[str, object]:
-    """One row: ``precision``'s training step of a fresh model copy, timed and measured."""
+                   channels_last: bool, idle: bool = True,
+                   batch_size: Optional[int] = None) -> Dict[str, object]:
+    """One row: ``precision``'s training step of a fresh model copy, timed and measured.
+    ``batch_size``: the samples per step (default: the leading dimension of the first input
+    tensor, also of a tuple/list/dict of inputs)."""
     row: Dict[str, object] = {"precision": precision, "status": "ok", "reason": "",
                               "samples_per_s": None, "step_ms": None, "peak_gib": None,
                               "gpu_idle_fraction": None, "speedup": None, "memory_ratio": None}
@@ -83,7 +87,8 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
             step = bench.hand_step(model, optimizer, precision, device, loss_fn=loss_fn)
             timing = bench.time_steps(step, x, target, warmup=warmup, steps=steps,
                                         device=device)
-            row.update(bench.summarize_times(timing["times_ms"], _batch(x)))
+            row.update(bench.summarize_times(timing["times_ms"],
+                                             batch_size if batch_size is not None else _batch(x)))
             row["samples_per_s"] = row.pop("img_per_s")
             row.update(loss=timing["loss"], timer=timing["timer"], steps=steps, warmup=warmup)
             if device.type == "cuda":
@@ -107,22 +112,24 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
 
 
 def _batch(x) -> int:
-    return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() else 1
+    return _batch_size(x)  # the first input tensor's rows: a tuple or dict of inputs too
 
 
 def speed_rows(make_model: Callable[[], nn.Module], inputs, target, loss_fn: Callable,
                make_optimizer: Callable, device, precisions: Sequence[str] = PRECISIONS,
-               warmup: int = 5, steps: int = 15, channels_last: Optional[bool] = None
-               ) -> List[Dict[str, object]]:
+               warmup: int = 5, steps: int = 15, channels_last: Optional[bool] = None,
+               batch_size: Optional[int] = None) -> List[Dict[str, object]]:
     """``time_precision`` for each precision, with ``speedup`` and ``memory_ratio`` against the
     fp32 row (TF32 off) of the same run. ``channels_last`` defaults to the standard setting for
-    4-D image batches (NCHW otherwise)."""
+    4-D image batches (NCHW otherwise); ``batch_size``: samples per step (the doctor's
+    ``Batch.size``; default from the first input tensor)."""
     device = torch.device(device)
     if channels_last is None:
         channels_last = bool(bench.STANDARD["channels_last"]) and \
             isinstance(inputs, torch.Tensor) and inputs.dim() == 4
     rows = [time_precision(make_model, inputs, target, loss_fn, make_optimizer, p, device,
-                           warmup, steps, channels_last) for p in precisions]
+                           warmup, steps, channels_last, batch_size=batch_size)
+            for p in precisions]
     base = next((r for r in rows if r["precision"] == "fp32"), None)
     for r in rows:
         r["channels_last"] = channels_last

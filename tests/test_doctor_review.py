@@ -218,6 +218,19 @@ def test_a_model_already_inf_in_fp32_is_told_so():
         assert f"{row['layer']} ({row['act_nonfinite']:,})" in first["finding"]
 
 
+class Mask(nn.Module):
+    def forward(self, x):
+        return x.masked_fill(torch.arange(x.shape[-1]) == 3, float("-inf"))
+
+
+def test_a_minus_inf_mask_is_not_called_a_broken_model():
+    net = nn.Sequential(nn.Linear(8, 4), Mask())
+    r = al.doctor(net, (torch.randn(4, 8), torch.tensor([0, 1, 2, 0])), **QUICK)
+    assert r.layers[1]["act_nonfinite"] == 4 and r.advice["fp16_safe"] is True
+    note = r.findings[0]
+    assert "-inf mask" in note["finding"] and "1 (4)" in note["finding"]
+
+
 def test_an_empty_batch_is_refused_and_a_missing_scale_is_said():
     with pytest.raises(ValueError, match="at least one sample; got a batch of shape 0x8"):
         al.doctor(nn.Linear(8, 3), torch.randn(0, 8), **QUICK)

@@ -33,6 +33,12 @@ def _counts(rows: Sequence[Mapping], key: str) -> str:
     return ", ".join(f"{r['layer']} ({r[key]:,})" for r in rows if r.get(key))
 
 
+def fp32_broken(rows: Sequence[Mapping], loss_finite: bool) -> bool:
+    """True when the fp32 pass itself is not finite: its loss or any layer's gradients hold
+    inf/NaN. Layer outputs alone may hold -inf on purpose (a mask before a softmax)."""
+    return not loss_finite or any(r.get("grad_nonfinite") for r in rows)
+
+
 def _trial_evidence(r: Mapping) -> str:
     if r.get("status", "ok") != "ok":
         return f"{r['settings']}: failed ({r.get('reason', '')})"
@@ -60,9 +66,16 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
         where = "; ".join(part for part in (
             f"layer outputs: {acts}" if acts else "", f"gradients: {grads}" if grads else "",
             "" if fp32_loss_finite else "the loss") if part)
-        out.append(finding("ranges", f"the model is not finite in fp32: inf/NaN values already in "
-                           f"the float32 pass ({where}); no precision helps, fix the model first",
-                           "fp32 forward and backward, inf/NaN values counted per layer"))
+        if fp32_broken(fp32_nonfinite, fp32_loss_finite):
+            out.append(finding("ranges", f"the model is not finite in fp32: inf/NaN values "
+                               f"already in the float32 pass ({where}); no precision helps, fix "
+                               f"the model first", "fp32 forward and backward, inf/NaN values "
+                               "counted per layer"))
+        else:
+            out.append(finding("ranges", f"inf/NaN values in fp32 layer outputs ({where}) while "
+                               f"the loss and every gradient stay finite: fine for a -inf mask "
+                               f"before a softmax, a bug otherwise", "fp32 forward and backward, "
+                               "inf/NaN values counted per layer"))
     if overflow:
         worst = max(overflow, key=lambda r: r["value"])
         out.append(finding("overflow", f"fp16 overflows in the forward pass: "

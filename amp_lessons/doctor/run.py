@@ -121,8 +121,12 @@ def _check_parameters(model: nn.Module) -> None:
 
 
 def _fp32_nonfinite(layers: Sequence[Dict[str, object]], loss_finite: bool) -> List[str]:
-    """Where the fp32 forward or backward already held inf/NaN: layer names (``act_nonfinite``
-    or ``grad_nonfinite`` counts above 0), then "the loss" when the fp32 loss was not finite."""
+    """Where the fp32 pass is broken: when the fp32 loss or a gradient holds inf/NaN
+    (``findings.fp32_broken``), the layer names with ``act_nonfinite`` or ``grad_nonfinite``
+    counts above 0, then "the loss" when it was not finite; else none (an inf in a layer's
+    output alone, with a finite loss and gradients, is a -inf mask)."""
+    if not _findings.fp32_broken(layers, loss_finite):
+        return []
     bad = [str(r["layer"]) for r in layers if r.get("act_nonfinite") or r.get("grad_nonfinite")]
     return bad + ([] if loss_finite else ["the loss"])
 
@@ -236,7 +240,10 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
         except Exception as exc:  # noqa: BLE001
             failures.append({"topic": "trace", "what": "the op count under fp16 autocast",
                              "reason": _scale.failure_text(exc)})
-    fp16_bad = list(nonfinite) or (["the loss"] if trace_doc["loss_finite"] is False else [])
+    # fp16's own inf/NaN: layers whose output was finite in fp32 (a -inf mask is not fp16's)
+    fp32_inf = {r["layer"] for r in layers if r.get("act_nonfinite")}
+    fp16_new = [n for n in nonfinite if n not in fp32_inf]
+    fp16_bad = fp16_new or (["the loss"] if trace_doc["loss_finite"] is False else [])
     advice_args = (k, overflow, under_k, under_default, bf16, flushed_k)
     advice_kw = dict(fp16_nonfinite=fp16_bad, fp32_nonfinite=fp32_bad,
                      fp16_unchecked=fp16_unchecked)
@@ -284,7 +291,7 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
     except Exception as exc:  # noqa: BLE001
         fp8 = {"crossover": crossover, "source": source, "status": "error", "layers": [],
                "reason": f"the FP8 conversion plan failed: {_scale.failure_text(exc)}"}
-    found = _findings.collect(overflow, nonfinite, k, grad_totals, act_totals, advice,
+    found = _findings.collect(overflow, fp16_new, k, grad_totals, act_totals, advice,
                               trial, trace_doc, compiled_doc, speed, fp8,
                               fp32_nonfinite=[r for r in layers if r.get("act_nonfinite")
                                               or r.get("grad_nonfinite")],

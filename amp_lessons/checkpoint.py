@@ -275,6 +275,11 @@ def check_training_state(state, model, optimizer, scaler, scheduler, formats) ->
     if state["scheduler"] is not None and scheduler is None:
         raise CheckpointError("scheduler: the checkpoint holds a scheduler state but this "
                               "Trainer has no scheduler; pass the same kind of scheduler")
+    if scheduler is not None and state["scheduler"] is None and state.get("step"):
+        raise CheckpointError(f"scheduler: this Trainer has a {type(scheduler).__name__} but the "
+                              f"checkpoint (step {state['step']}) was saved without one: its "
+                              f"schedule would start again at 0 while training resumes at step "
+                              f"{state['step']}; pass scheduler=None to resume this checkpoint")
     if scheduler is not None and state["scheduler"] is not None:
         saved, live = state["scheduler"], scheduler.state_dict()
         if not isinstance(saved, dict) or set(saved) != set(live):

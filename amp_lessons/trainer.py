@@ -798,7 +798,8 @@ class Trainer:
     def load_checkpoint(self, path: Union[str, Path], load_scaler: bool = True) -> dict:
         """Load a checkpoint written by ``save_checkpoint`` and continue exactly where it stopped
         (model, optimizer, scaler, scheduler, counters, history, RNG). ``load_scaler=False``
-        keeps this trainer's scaler. Returns the loaded dict.
+        keeps this trainer's scaler. Returns the loaded dict. The optimizer's settings (lr,
+        momentum, ...) come from the checkpoint, as ``optimizer.load_state_dict`` does.
 
         All or nothing: every byte is verified (checksum), the file is read with
         ``weights_only=True``, and every part is checked against this trainer (model keys,

@@ -306,6 +306,23 @@ def test_load_checkpoint_errors(tmp_path):
         trainer.load_checkpoint(tmp_path / "s.pt")
 
 
+def test_a_checkpoint_without_a_scheduler_is_refused_by_a_trainer_with_one(tmp_path):
+    """The schedule would restart at 0 while the step counter resumes: refused, unless the
+    checkpoint was saved before any step."""
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    plain = T.Trainer(*fresh(), T.TrainConfig(progress=False))
+    plain.save_checkpoint(tmp_path / "start.pt")
+    plain.train_step([(x, y)])
+    plain.save_checkpoint(tmp_path / "later.pt")
+    model, opt = fresh()
+    scheduled = T.Trainer(model, opt, T.TrainConfig(progress=False),
+                          scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    scheduled.load_checkpoint(tmp_path / "start.pt")  # step 0: a fresh schedule is right
+    with pytest.raises(C.CheckpointError, match=r"this Trainer has a StepLR but the checkpoint "
+                                                r"\(step 1\) was saved without one"):
+        scheduled.load_checkpoint(tmp_path / "later.pt")
+
+
 # --- temporary files of interrupted saves --------------------------------------------------------
 
 KILLED_SAVER = r"""

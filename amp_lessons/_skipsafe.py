@@ -25,10 +25,12 @@ class Snapshot:
 
     def __init__(self):
         self._tensors: list = []
+        self._shapes: list = []
         self._groups: list = []  # (tensors, saved, current, saved_views, current_views)
 
     def _rebuild(self, tensors: list) -> None:
         self._tensors = tensors
+        self._shapes = [t.shape for t in tensors]
         grouped: Dict[tuple, list] = {}
         for t in tensors:
             grouped.setdefault((t.device, t.dtype), []).append(t)
@@ -41,13 +43,17 @@ class Snapshot:
                                  [v.view(t.shape) for v, t in zip(saved.split(sizes), ts)],
                                  [v.view(t.shape) for v, t in zip(current.split(sizes), ts)]))
 
-    def take(self, tensors: list) -> None:
+    def take(self, tensors: list, resizable: bool = False) -> None:
         """Copy ``tensors`` aside (the buffers are reused while the list stays the same, or
-        holds new tensors of the same shapes: an optimizer that replaces its state each step)."""
+        holds new tensors of the same shapes: an optimizer that replaces its state each step).
+        ``resizable``: the tensors may have been resized in place since (a quantization
+        observer's per-channel statistics start empty): their shapes are compared too."""
         if len(tensors) != len(self._tensors) or any(
                 a is not b for a, b in zip(tensors, self._tensors)):
             if not self._retarget(tensors):
                 self._rebuild(tensors)
+        elif resizable and any(t.shape != s for t, s in zip(tensors, self._shapes)):
+            self._rebuild(tensors)
         for ts, _, _, saved_views, _ in self._groups:
             torch._foreach_copy_(saved_views, ts)
 
@@ -93,12 +99,7 @@ def stateful_modules(model: nn.Module) -> List[nn.Module]:
     spectral = getattr(torch.nn.utils.parametrizations, "_SpectralNorm", None)
     if spectral is not None:
         kinds.append(spectral)
-    try:
-        from torch.ao.quantization import FakeQuantizeBase, ObserverBase
-        kinds += [FakeQuantizeBase, ObserverBase]
-    except ImportError:  # pragma: no cover - a torch built without quantization
-        pass
-    kinds = tuple(kinds)
+    kinds = tuple(kinds) + _quantization_kinds()
     found = []
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._NormBase) and not m.track_running_stats:
@@ -107,6 +108,15 @@ def stateful_modules(model: nn.Module) -> List[nn.Module]:
                                         for h in m._forward_pre_hooks.values()):
             found.append(m)
     return found
+
+
+def _quantization_kinds() -> tuple:
+    """Quantization-aware training's observer and fake-quantize module classes."""
+    try:
+        from torch.ao.quantization import FakeQuantizeBase, ObserverBase
+    except ImportError:  # pragma: no cover - a torch built without quantization
+        return ()
+    return (FakeQuantizeBase, ObserverBase)
 
 
 class BufferGuard(Snapshot):
@@ -125,10 +135,35 @@ class BufferGuard(Snapshot):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.modules = stateful_modules(model)
+        kinds = _quantization_kinds()  # observers resize their statistics in place
+        self._resizable = bool(kinds) and any(isinstance(m, kinds) for m in self.modules)
 
     def snapshot(self) -> None:
         """Copy the buffers aside (call before the step's first forward)."""
-        self.take([b for m in self.modules for b in m._buffers.values() if b is not None])
+        self.take([b for m in self.modules for b in m._buffers.values() if b is not None],
+                  self._resizable)
+
+    def _resized(self) -> bool:
+        """Whether the step's forward resized a buffer (an observer's first statistics)."""
+        return self._resizable and any(t.shape != s for t, s in zip(self._tensors, self._shapes))
+
+    def restore(self) -> None:
+        """Put every buffer back, with its shape before the step."""
+        if self._resized():
+            with torch.no_grad():
+                for t, shape in zip(self._tensors, self._shapes):
+                    if t.shape != shape:
+                        t.resize_(shape)
+        super().restore()
+
+    def restore_if(self, skipped: torch.Tensor) -> None:
+        """Where ``skipped`` is set, put the buffers back; a buffer the step resized makes the
+        host read the flag (a shape cannot follow a device value)."""
+        if self._resized():
+            if bool(skipped.item()):
+                self.restore()
+            return
+        super().restore_if(skipped)
 
 
 class UpdateGuard(Snapshot):

@@ -309,3 +309,28 @@ def test_sparse_gradients_are_checked_and_skipped():
 def test_nonfinite_and_nonfused_skip_are_spelled_freely():
     config = T.TrainConfig(nonfinite=" SKIP ", nonfused_skip="Sync")
     assert (config.nonfinite, config.nonfused_skip) == ("skip", "sync")
+
+
+# torch.ao.quantization's own deprecation notices are not about this test
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:Please use quant_min:UserWarning")
+@pytest.mark.parametrize("bad_step", [0, 2])
+def test_quantization_aware_training_observers_are_put_back(bad_step):
+    """QAT's observers resize their per-channel statistics in the first forward: a skipped
+    first step puts back even their shapes (the host reads that step's flag), a later one their
+    values on the device."""
+    quant = pytest.importorskip("torch.ao.quantization")  # deprecated in torch: may go
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).train()
+    model.qconfig = quant.get_default_qat_qconfig("x86")
+    model = quant.prepare_qat(model)
+    trainer = T.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), cfg())
+    batches = data(4)
+    for batch in batches[:bad_step]:
+        trainer.train_step([batch])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert trainer.train_step([poisoned(batches[bad_step])]).skipped
+    after = model.state_dict()
+    for k in before:
+        assert before[k].shape == after[k].shape and torch.equal(before[k], after[k]), k
+    trainer.train_step([batches[3]])  # trains on from there
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -107,7 +107,7 @@ class TensorBatches:
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         n = len(self.x)
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
             order = torch.randperm(n, generator=g).to(self.x.device)
         else:
             order = torch.arange(n, device=self.x.device)
@@ -128,13 +128,15 @@ def digits_loaders(batch_size: int = 64, image_size: Optional[int] = None,
 
 def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 1000,
                      device: Union[str, torch.device, None] = None,
-                     channels_last: bool = False, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One ImageNet-shaped batch ``(x, y)`` of random data made directly on ``device``.
+                     channels_last: bool = False, seed: int = 0,
+                     channels: int = 3) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One ImageNet-shaped batch ``(x, y)`` of random data made directly on ``device``:
+    ``batch_size x channels x image_size x image_size`` images (``channels`` >= 1, 3 by default).
 
     Speed and memory do not depend on pixel values, so lessons time the model, not a loader.
     """
     for name, value, low in (("batch_size", batch_size, 1), ("image_size", image_size, 8),
-                             ("num_classes", num_classes, 2)):
+                             ("num_classes", num_classes, 2), ("channels", channels, 1)):
         if not is_int(value) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
     seed = check_seed("seed", seed)
@@ -142,7 +144,7 @@ def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 
     device = as_device(device) if device is not None else None
     g = torch.Generator(device=device).manual_seed(seed) if device is not None else \
         torch.Generator().manual_seed(seed)
-    x = torch.randn(batch_size, 3, image_size, image_size, device=device, generator=g)
+    x = torch.randn(batch_size, channels, image_size, image_size, device=device, generator=g)
     y = torch.randint(0, num_classes, (batch_size,), device=device, generator=g)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -151,9 +153,16 @@ def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 
 
 # --- learners' own images (image folders) and torchvision's classic sets ------------------------
 
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The generator seed of one epoch's shuffle (the same formula as ``TensorBatches``)."""
-    return seed * 100_003 + epoch
+#: torch.Generator.manual_seed takes seeds as unsigned 64-bit numbers (a negative one wraps)
+_SEED_MODULUS = 2**64
+
+
+def epoch_seed(seed: int, epoch: int, offset: int = 0) -> int:
+    """The generator seed of one epoch's shuffle (``TensorBatches``, ``EpochShuffleSampler``):
+    ``seed * 100_003 + epoch + offset`` modulo 2**64, the range ``torch.Generator.manual_seed``
+    takes (it wraps negative seeds the same way), so every valid ``seed`` (up to 2**63 - 1) and
+    epoch works and the seeds that fitted before draw exactly the same orders."""
+    return (int(seed) * 100_003 + int(epoch) + int(offset)) % _SEED_MODULUS
 
 
 class EpochShuffleSampler(torch.utils.data.Sampler):
@@ -193,7 +202,7 @@ class EpochDataLoader(torch.utils.data.DataLoader):
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
         if self.generator is not None:
-            self.generator.manual_seed(epoch_seed(self.seed, int(epoch)) + 1)
+            self.generator.manual_seed(epoch_seed(self.seed, int(epoch), offset=1))
 
 
 class UnreadableImageError(ValueError):
@@ -225,7 +234,8 @@ def _epoch_loader(dataset, batch_size: int, shuffle: bool, num_workers: int, see
     return EpochDataLoader(dataset, seed=seed, batch_size=batch_size, sampler=sampler,
                            drop_last=drop_last, num_workers=num_workers,
                            pin_memory=torch.cuda.is_available(),
-                           generator=torch.Generator().manual_seed(epoch_seed(seed, 0) + 1))
+                           generator=torch.Generator().manual_seed(
+                               epoch_seed(seed, 0, offset=1)))
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

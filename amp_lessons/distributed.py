@@ -209,7 +209,8 @@ def parameter_count(config: RunConfig) -> int:
 
 def make_batch(config: RunConfig, model: nn.Module, rank: int, world_size: int,
                device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the global batch (``world_size * batch_size`` examples from seed)."""
+    """This rank's slice of the global batch (``world_size * batch_size`` examples from seed);
+    images with the channels the model takes (``models.input_channels``)."""
     total = world_size * config.batch_size
     g = torch.Generator(device=device).manual_seed(config.seed)
     if config.model == "tiny_transformer":
@@ -222,7 +223,7 @@ def make_batch(config: RunConfig, model: nn.Module, rank: int, world_size: int,
     else:
         num_classes = config.model_kwargs.get("num_classes", 10)
         x, y = synthetic_images(total, config.image_size, num_classes, device=device,
-                                seed=config.seed)
+                                seed=config.seed, channels=models.input_channels(model))
     part = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
     return x[part].clone(), y[part].clone()
 
@@ -668,13 +669,19 @@ class SweepResult:
 
         Throughput counts the whole world's examples per second at the slowest rank's median
         step time; ``efficiency`` is that over ``world_size`` times the same config's one-process
-        throughput (1.0 = perfect scaling), where the sweep ran it on one process.
+        throughput (1.0 = perfect scaling), where the sweep ran it on one process. A ValueError
+        where rows of one label and world size come from two runs (a rank twice, other settings).
         """
         groups: Dict[Tuple[str, int], List[dict]] = {}
         for r in self.rows:
             groups.setdefault((r["label"], r["world_size"]), []).append(r)
         out = []
         for (label, n), rs in groups.items():
+            differ = [k for k in _SAME_IN_A_RUN if len({repr(r.get(k)) for r in rs}) > 1]
+            if differ or len({r.get("rank") for r in rs}) != len(rs):
+                raise ValueError(f"rows labelled {label!r} at world size {n} come from more than "
+                                 f"one run ({', '.join(differ) or 'a rank repeats'}): labels "
+                                 f"must be unique")
             held = max(r["param_mib"] + r["grad_mib"] + r["optimizer_state_mib"] for r in rs)
             slowest = max(r["step_ms"] for r in rs)
             peaks = [r["peak_gib"] for r in rs if r["peak_gib"] is not None]
@@ -748,6 +755,9 @@ class SweepResult:
         return text_table(self.summary(), SUMMARY_COLUMNS)
 
 
+_SAME_IN_A_RUN = ("model", "strategy", "precision", "fsdp_wrap", "batch_size", "steps", "warmup")
+
+
 def _pct(share: Optional[float]) -> Optional[float]:
     return 100 * share if share is not None else None
 
@@ -770,6 +780,8 @@ def run_experiments(plan: Sequence[Tuple[RunConfig, int]], backend: Optional[str
 
     Launches ``max(world_size)`` processes once; each world size trains on a sub-group of ranks
     ``0..n-1`` while the rest wait, so starting processes and CUDA is paid once, not per run.
+    A ValueError before anything runs where two different configs share a ``name`` (label) or
+    a (config, world size) pair repeats: the summary groups rows by label and world size.
     """
     plan = list(plan)
     if not plan:
@@ -778,6 +790,13 @@ def run_experiments(plan: Sequence[Tuple[RunConfig, int]], backend: Optional[str
         if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], RunConfig)):
             raise ValueError(f"plan items must be (RunConfig, world_size) pairs; got {item!r}")
         check_int("world size", item[1], 1)
+    named: Dict[str, RunConfig] = {}
+    for i, (config, n) in enumerate(plan):
+        if named.setdefault(config.name, config) != config:
+            raise ValueError(f"configuration labels must be unique: two different configs are "
+                             f"labelled {config.name!r}; set label= on each")
+        if (config, n) in plan[:i]:
+            raise ValueError(f"plan holds ({config.name!r}, world size {n}) twice")
     backend = check_backend(backend)
     launched = max(n for _, n in plan)
     check_world_size(launched, backend)

@@ -100,6 +100,13 @@ CHECKPOINT_HELP = {
 """What each ``checkpoint=`` mode of ``resnet50``/``resnet18`` recomputes (lesson 05)."""
 
 
+def input_channels(model: nn.Module) -> int:
+    """Channels of the images ``model`` takes: its first convolution's ``in_channels`` (3 for a
+    model without a convolution)."""
+    first = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    return first.in_channels if first is not None else 3
+
+
 class KeepBatchNormStats:
     """Recompute context for checkpointing: BatchNorm running statistics stay as they are.
 
@@ -139,22 +146,92 @@ if torch_version() < (2, 5):
         message=r"`torch\.(cpu|cuda)\.amp\.autocast\(args\.\.\.\)` is deprecated")
 
 
+def _known_deterministic_types() -> "dict[type, object]":
+    """Module types whose own ``forward`` draws no random numbers (their children are checked
+    one by one): type -> None, or a test of the instance (attention draws a dropout mask only
+    when its ``dropout`` is above 0). Exact types only: a subclass may override ``forward``."""
+    import torchvision.models.resnet as tv_resnet
+    plain = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.Unflatten,
+             nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear, nn.Bilinear,
+             nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+             nn.ConvTranspose2d, nn.ConvTranspose3d, nn.BatchNorm1d, nn.BatchNorm2d,
+             nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d,
+             nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm, nn.Embedding,
+             nn.EmbeddingBag, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU,
+             nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh,
+             nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Softmax, nn.LogSoftmax, nn.GLU,
+             nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+             nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+             nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Upsample,
+             nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
+             nn.PixelShuffle, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+             nn.TransformerEncoder, nn.TransformerDecoder,
+             tv_resnet.BasicBlock, tv_resnet.Bottleneck, tv_resnet.ResNet,
+             SimpleNet, MLP, SmallCNN, TransformerBlock, TinyTransformer)
+    known: dict = {t: None for t in plain}
+    known[nn.MultiheadAttention] = lambda m: not m.dropout
+    for t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+              nn.FeatureAlphaDropout):
+        known[t] = lambda m: not m.p
+    return known
+
+
+def random_modules(module: nn.Module) -> "list[str]":
+    """Names of the submodules of ``module`` (itself included, as ``""``) whose forward may draw
+    random numbers, or whose type the course does not know (a custom ``forward`` may call
+    ``F.dropout``, ``torch.rand``, stochastic depth ...): what makes ``Checkpointed`` save and
+    restore the RNG state. Empty when every module is of a known deterministic type (ResNet's
+    blocks and stem, the course's models, Linear/Conv/BatchNorm/activations/pooling, dropout
+    with ``p=0``, ``MultiheadAttention`` with ``dropout=0``); ``nn.RReLU`` and dropout with
+    ``p > 0`` are always listed, even in eval mode (``Checkpointed`` refuses ``nn.RReLU``)."""
+    known = _known_deterministic_types()
+    found = []
+    for name, m in module.named_modules():
+        test = known.get(type(m), False)
+        if test is False or (test is not None and not test(m)):
+            found.append(name)
+    return found
+
+
 class Checkpointed(nn.Module):
     """Run ``module`` under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 
     Only the input is kept for backward; the activations inside are recomputed. Safe with
     torchvision's in-place ReLUs because the wrapped unit (a residual block, a stage or the stem)
     never modifies its own input in place, and BatchNorm statistics are updated once per step.
-    The random-number state is saved for the replay only when ``module`` has dropout (a ResNet
-    block draws no random numbers; saving and restoring the state cost 8 ms of host time per
-    ResNet-50 step on an H200, where per-block checkpointing is limited by host time).
+
+    The replay must draw the random numbers the first forward drew (the same dropout mask),
+    else gradients are silently wrong. ``deterministic`` says whether it can skip saving and
+    restoring the random-number state: ``None`` (default) decides from the modules inside
+    (``random_modules``): the state is saved unless every module is of a type known to draw no
+    random numbers, so dropout written with ``F.dropout`` in a custom ``forward``, attention
+    dropout, ``nn.RReLU`` or stochastic depth keep it; ``True`` says the forward draws none
+    (skip it), ``False`` always saves it. The cost of saving: copying the CPU and device RNG
+    states at every checkpointed forward and restoring them at the replay, 8 ms of host time per
+    ResNet-50 step on an H200 with per-block checkpointing (ResNet blocks are known
+    deterministic, so the course's ResNets skip it).
+
+    ``nn.RReLU`` is refused (a ValueError): even with the RNG state kept, torch's non-reentrant
+    checkpoint saves its noise uninitialised on the replay and the gradients come out wrong
+    (pytorch/pytorch#193671, open; seen on torch 2.14); nothing can see ``F.rrelu`` inside a
+    custom ``forward``, which has the same problem: keep it outside checkpointed units.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, deterministic: Optional[bool] = None):
         super().__init__()
+        if deterministic is not None:
+            check_bool("deterministic", deterministic)
+        rrelu = [n or "the module itself" for n, m in module.named_modules()
+                 if isinstance(m, nn.RReLU)]
+        if rrelu:
+            raise ValueError(f"module must not hold nn.RReLU (found at {', '.join(rrelu)}): "
+                             f"torch's non-reentrant checkpoint replays its noise wrong and the "
+                             f"gradients come out wrong (pytorch/pytorch#193671); checkpoint the "
+                             f"modules around it")
         self.module = module
-        self.preserve_rng_state = any(isinstance(m, nn.modules.dropout._DropoutNd)
-                                      for m in module.modules())
+        self.deterministic = deterministic
+        self.preserve_rng_state = (bool(random_modules(module)) if deterministic is None
+                                   else not deterministic)
 
     def _contexts(self):
         from contextlib import nullcontext

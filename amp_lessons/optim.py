@@ -30,6 +30,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ._compat import found_inf, scale_tensor
 from ._validate import check_bool, check_choice, check_int, check_real
 from .bench import (BenchConfig, SavedActivations, Step, free_memory,
                     is_out_of_memory, optimizer_state_tensors, tensor_bytes)
@@ -87,14 +88,23 @@ class BF16AdamW(torch.optim.Optimizer):
         check_int("seed", seed, 0)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dtype != torch.bfloat16:
-                    raise ValueError(f"params must be bfloat16 tensors (BF16AdamW stores bf16 "
-                                     f"weights); got one of dtype {p.dtype}")
         self.rounding = rounding
         self.seed = seed
         self._generators: Dict[torch.device, torch.Generator] = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of parameters (``torch.optim.Optimizer.add_param_group``); its params must
+        be bfloat16 tensors, as the constructor's: a ValueError names the dtype found, and the
+        group is not added. The constructor adds its own groups through here."""
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not isinstance(params, (torch.Tensor, set, list, tuple)):
+            params = param_group["params"] = list(params)  # a generator is read once: keep it
+        params = [params] if isinstance(params, torch.Tensor) else params
+        for p in params if isinstance(params, (list, tuple)) else []:
+            if isinstance(p, torch.Tensor) and p.dtype != torch.bfloat16:
+                raise ValueError(f"params must be bfloat16 tensors (BF16AdamW stores bf16 "
+                                 f"weights); got one of dtype {p.dtype}")
+        super().add_param_group(param_group)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -328,7 +338,8 @@ def build_optimizer(recipe: WeightRecipe, params, lr: float, betas=(0.9, 0.95),
 
 def _row(recipe: WeightRecipe, seed: int, status: str) -> dict:
     return {"recipe": recipe.name, "about": recipe.about, "seed": seed, "status": status,
-            "losses": [], "rounded_away": [], "final_loss": None, "params": None,
+            "losses": [], "rounded_away": [], "skipped_steps": [], "final_loss": None,
+            "params": None,
             "weights_mib": None, "grads_mib": None, "state_mib": None, "activations_mib": None,
             "step_ms": None, "optimizer_ms": None, "optimizer_compiled_ms": None,
             "step_spread": None, "optimizer_spread": None, "optimizer_compiled_spread": None,
@@ -349,12 +360,15 @@ def train_recipe(recipe: WeightRecipe, make_model: Callable[[], nn.Module],
     fp32-weight recipes run the forward under autocast in ``amp_dtype`` (a GradScaler where that
     is fp16); bf16-weight recipes cast the model to bf16 and run without autocast. ``lr_at(step)``
     sets the learning rate of every step. Every ``count_every`` steps the share of weights whose
-    update was rounded away is recorded (``RoundedAway``). After training: bytes of weights,
+    update was rounded away is recorded (``RoundedAway``), except on steps GradScaler skipped
+    (inf/NaN gradients in fp16: no weight moved, and none was rounded away): those are listed in
+    ``skipped_steps`` (step indices) instead. After training: bytes of weights,
     gradients, optimizer state and saved activations (one more step, counted); with
     ``time_steps_n`` > 0 the median training step and optimizer step (``timing.time_steps``) and,
     for torchao states, the optimizer step under ``torch.compile``, each with its repeat spread
-    (``*_spread``: ``bench.repeat_spread``), then peak memory on a GPU. Returns a row; ``status`` is ``trained``, ``not run: <why>``, ``out of memory`` or
-    ``error: <what>``.
+    (``*_spread``: ``bench.repeat_spread``), then peak memory on a GPU. Returns a row; ``status``
+    is ``trained``, ``diverged``, ``not trained: GradScaler skipped all <n> steps``,
+    ``not run: <why>``, ``out of memory`` or ``error: <what>``.
     """
     check_int("steps", steps, 1)
     check_int("seed", seed, 0)
@@ -410,35 +424,51 @@ def _train(row, recipe, make_model, batch, loss_fn, steps, lr_at, device, seed, 
         scaler.scale(loss).backward()
 
     def update(count=False):
+        """One optimizer step through the scaler: (rounded-away share or None, skipped flag: a
+        0-d tensor, 1.0 where GradScaler skipped the step, or None without a scaler)."""
         if clip is not None:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(params, clip)
         if count:
             counter.before()
+        scale_before = scale_tensor(scaler) if scaler.is_enabled() else None
+        scale_before = scale_before.clone() if scale_before is not None else None
         scaler.step(opt)
+        skipped = found_inf(scaler, opt) if scaler.is_enabled() else None
+        skipped = skipped.clone() if skipped is not None else None
         scaler.update()
+        if skipped is None and scale_before is not None:  # a skipped step backs the scale off
+            after = scale_tensor(scaler)
+            skipped = (after < scale_before).float() if after is not None else None
         shared = counter.share() if count else None
         opt.zero_grad(set_to_none=True)
-        return shared
+        return shared, skipped
 
     losses = torch.zeros(steps, device=device)
+    skips = torch.zeros(steps, device=device)
     shares = []
     for step in range(steps):
         set_lr(opt, lr_at(step))
         x, y = batch(step)
         loss = forward(x, y)
         backward(loss)
-        share = update(count=step % count_every == 0)
+        share, skipped = update(count=step % count_every == 0)
         losses[step] = loss.detach().float()
+        if skipped is not None:
+            skips[step] = skipped.to(skips.device).float()
         if share is not None:
             shares.append((step, share))
     curve = losses.cpu().tolist()
     row["losses"] = curve
-    row["rounded_away"] = [(s, float(v)) for s, v in shares]
+    skipped_steps = [s for s, flag in enumerate(skips.cpu().tolist()) if flag]
+    row["skipped_steps"] = skipped_steps
+    row["rounded_away"] = [(s, float(v)) for s, v in shares if s not in set(skipped_steps)]
+    if len(skipped_steps) == steps:
+        row["status"] = f"not trained: GradScaler skipped all {steps} steps"
     tail = curve[-max(1, steps // 10):]
     row["final_loss"] = statistics.fmean(tail) if all(map(math.isfinite, tail)) else math.nan
     row["params"] = sum(p.numel() for p in params)
-    if not all(map(math.isfinite, curve)):
+    if not all(map(math.isfinite, curve)) and row["status"] == "trained":
         row["status"] = "diverged"
     # where the memory goes: one more step, activations counted as autograd saves them
     x, y = batch(steps)
@@ -452,7 +482,7 @@ def _train(row, recipe, make_model, batch, loss_fn, steps, lr_at, device, seed, 
     row["activations_mib"] = saved.bytes / MIB
     if not time_steps_n:
         return
-    plain = Step(model, opt, scaler, forward, backward, lambda: update())
+    plain = Step(model, opt, scaler, forward, backward, lambda: update()[0])
     timed = time_steps(plain, x, y, warmup=warmup, steps=time_steps_n, device=device)
     row["step_ms"], row["timer"] = statistics.median(timed["times_ms"]), timed["timer"]
     row["step_spread"] = repeat_spread(timed["times_ms"])

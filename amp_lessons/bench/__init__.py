@@ -23,7 +23,7 @@ from .memory import (GIB, SavedActivations, memory_breakdown, optimizer_state_te
 from .oom import free_bytes, free_memory, is_out_of_memory, memory_cap
 from .rows import (DEFAULT_COLUMNS, MEMORY_COLUMNS, MeasuredRow, find_row, noisy, published_rows,
                    ratio, results_document, with_ratios)
-from .runner import ROW_KEYS, compare_loops, measure, run_configs
+from .runner import ROW_KEYS, compare_loops, measure, overhead_noise, run_configs
 from .search import LargestBatch, batch_size_for, fit_batch_memory, largest_batch
 from .steps import Step, build_model, build_optimizer, cuda_graph_step, hand_step, trainer_step
 from .timer import (NOISY_SPREAD, device_busy_ms, idle_fraction, interval_union, repeat_spread,

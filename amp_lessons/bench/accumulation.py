@@ -107,12 +107,22 @@ def accumulation_equivalence(model: str = "mlp", precision: str = "fp32", micro_
     "cnn" has, and BatchNorm normalises each micro-batch by its own statistics, so the two
     differ by more than rounding there). Returns ``loss_diff``, ``grad_rel_diff`` (largest
     relative difference of the gradients, unscaled), ``weight_rel_diff`` (after the step), the
-    ``scale`` each used and whether either step was ``skipped``.
+    ``scale`` each used and whether either step was ``skipped``. ``micro_batch *
+    micro_batches`` must not exceed the digits training split (a ValueError names the count
+    available): every micro-batch holds exactly ``micro_batch`` examples.
     """
     check_int("micro_batch", micro_batch, 1)
     check_int("micro_batches", micro_batches, 1)
     device = as_device(device)
     precision = check_precision(precision, device)
+    _, size = models.build_digits_model(model)
+    x_all, y_all = digits("train", size, device)
+    wanted = micro_batch * micro_batches
+    if wanted > len(x_all):
+        raise ValueError(f"micro_batch * micro_batches must be at most {len(x_all)} (the digits "
+                         f"training examples available); got micro_batch={micro_batch} * "
+                         f"micro_batches={micro_batches} = {wanted}")
+    x_all, y_all = x_all[:wanted], y_all[:wanted]
 
     class KeepGrads(Hooks):
         grads: List[torch.Tensor] = []
@@ -123,15 +133,14 @@ def accumulation_equivalence(model: str = "mlp", precision: str = "fp32", micro_
     results = []
     for n in (micro_batches, 1):
         torch.manual_seed(seed)
-        net, size = models.build_digits_model(model)
-        x, y = digits("train", size, device)
-        x, y = x[:micro_batch * micro_batches], y[:micro_batch * micro_batches]
+        net, _ = models.build_digits_model(model)
+        x, y = x_all, y_all
         hook = KeepGrads()
         trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1),
                           TrainConfig(precision=precision, accumulate=n, progress=False,
                                       seed=None, track_grad_norm=False),
                           device=device, hooks=[hook])
-        size_each = len(x) // n
+        size_each = wanted // n  # micro_batch examples each (n micro-batches) or all of them
         record = trainer.train_step([(x[i * size_each:(i + 1) * size_each],
                                       y[i * size_each:(i + 1) * size_each]) for i in range(n)])
         results.append((float(record.loss), hook.grads, list(net.parameters()),

@@ -5,6 +5,7 @@ steps: the breakdown before the warm-up, the profiler after the peak memory was 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
@@ -20,6 +21,7 @@ from . import provenance as _provenance
 from .config import BenchConfig, skip_reason
 from .memory import GIB, memory_breakdown, optimizer_state_tensors, tensor_bytes
 from .oom import free_memory, is_out_of_memory
+from .rows import noisy
 from .steps import build_model, build_optimizer, cuda_graph_step, hand_step, trainer_step
 from .timer import device_busy_ms, idle_fraction, summarize_times, time_steps
 
@@ -82,10 +84,30 @@ def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
         if graphed:
             row["reason"] = ("peak over warm-up, capture and timed steps: a CUDA graph holds "
                              "its memory pool for the whole run")
+    if not optimizer_state_tensors(optimizer):
+        # GradScaler skipped every step (inf/NaN gradients in fp16): the optimizer never made
+        # its state, so 0 bytes would be wrong. Count it after everything above was read
+        row["optimizer_state_gib"] = _unskipped_state_bytes(config, model) / GIB
+        note = ("GradScaler skipped every step: the step time leaves out the optimizer update, "
+                "and the optimizer state is counted from one unscaled step after the timing")
+        row["reason"] = f"{row['reason']}; {note}" if row["reason"] else note
     if not math.isfinite(row["loss"]):
         row["status"] = "error"
         row["reason"] = f"loss is {row['loss']} after {plural(warmup + steps, 'step')} (timing kept)"
     return row
+
+
+def _unskipped_state_bytes(config: BenchConfig, model: torch.nn.Module) -> int:
+    """Bytes of the state ``config``'s optimizer holds over ``model``'s parameters once one step
+    was taken: a fresh optimizer of the same kind and kernels steps once on zero gradients (the
+    parameters may move; the measurement they served is over)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fresh = build_optimizer(config, params)
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    fresh.step()
+    return tensor_bytes(optimizer_state_tensors(fresh))
 
 
 def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
@@ -97,7 +119,8 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
     busy, which a comparison between precisions must state.
 
     ``status`` is ``"ok"``, ``"skipped"`` (``reason`` says why: no bf16, no GPU for compile...),
-    ``"out of memory"`` or ``"error"``. Memory is freed before returning, also after a failure.
+    ``"out of memory"`` or ``"error"``. Where GradScaler skipped every step (fp16), the optimizer
+    state is counted from a fresh optimizer's one step after the timing, and ``reason`` says so. Memory is freed before returning, also after a failure.
     """
     if not isinstance(config, BenchConfig):
         raise ValueError(f"config must be a BenchConfig; got {type(config).__name__}")
@@ -169,7 +192,13 @@ def compare_loops(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
 
     Both train the same model with the same optimizer; ``rounds`` alternating blocks of
     ``steps`` timed steps each cancel slow drifts (clocks, other processes). Returns the median
-    img/s of each and ``overhead_pct`` (how much slower the trainer is; negative: faster).
+    img/s of each and ``overhead_pct`` (how much slower the trainer is; negative: faster), with
+    its noise: ``overhead_rounds_pct`` (the overhead from each round's medians),
+    ``overhead_spread_pct`` (slowest minus fastest round, in percentage points; None with one
+    round), ``spread`` (the larger ``repeat_spread`` of the two loops' step times, as in
+    ``measure``'s rows) and ``note``: "" when the overhead stands, else why it decides nothing
+    (``noisy``: repeats differ by over 10%; or "undecided": one round, or the overhead is no
+    larger than the rounds' spread, the noise floor).
     """
     check_int("rounds", rounds, 1)
     device = torch.device(device)
@@ -188,12 +217,16 @@ def compare_loops(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
             hand = hand_step(model, optimizer, config.precision, device)
             trained = trainer_step(model, optimizer, config, device)
             times: Dict[str, List[float]] = {"hand": [], "trainer": []}
+            per_round: List[Dict[str, float]] = []
             for r in range(rounds):
+                medians: Dict[str, float] = {}
                 for name, step in (("hand", hand), ("trainer", trained)) if r % 2 == 0 else \
                         (("trainer", trained), ("hand", hand)):
                     t = time_steps(step, x, y, warmup=warmup if r == 0 else 1, steps=steps,
                                    device=device)
                     times[name] += t["times_ms"]
+                    medians[name] = statistics.median(t["times_ms"])
+                per_round.append(medians)
     except Exception as exc:  # noqa: BLE001
         status = "out of memory" if is_out_of_memory(exc) else "error"
         return {"label": config.label, "status": status, "reason": f"{type(exc).__name__}: {exc}"[:300]}
@@ -202,10 +235,40 @@ def compare_loops(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
         free_memory(device)
     hand_s = summarize_times(times["hand"], config.batch_size)
     trainer_s = summarize_times(times["trainer"], config.batch_size)
-    return {"label": config.label, "status": "ok", "reason": "",
-            "hand_img_per_s": hand_s["img_per_s"], "trainer_img_per_s": trainer_s["img_per_s"],
-            "overhead_pct": 100 * (hand_s["img_per_s"] / trainer_s["img_per_s"] - 1),
-            "steps_each": len(times["hand"]), "timer": "CUDA events" if device.type == "cuda"
-            else "perf_counter"}
+    out = {"label": config.label, "status": "ok", "reason": "",
+           "hand_img_per_s": hand_s["img_per_s"], "trainer_img_per_s": trainer_s["img_per_s"],
+           "overhead_pct": 100 * (hand_s["img_per_s"] / trainer_s["img_per_s"] - 1),
+           "steps_each": len(times["hand"]), "timer": "CUDA events" if device.type == "cuda"
+           else "perf_counter"}
+    out.update(overhead_noise(out["overhead_pct"], per_round, hand_s["spread"],
+                              trainer_s["spread"]))
+    return out
+
+
+def overhead_noise(overhead_pct: float, per_round: Sequence[Dict[str, float]],
+                   hand_spread: Optional[float] = None,
+                   trainer_spread: Optional[float] = None) -> Dict[str, object]:
+    """How far ``compare_loops``' ``overhead_pct`` can be trusted: ``per_round`` holds each
+    round's median step time of both loops (``{"hand": ms, "trainer": ms}``, times > 0).
+    Returns ``overhead_rounds_pct``, ``overhead_spread_pct`` (max - min of those, percentage
+    points; None with one round), ``spread`` (the larger repeat spread of the loops, None when
+    neither has one) and ``note`` ("" when the overhead stands: larger than the rounds' spread
+    and the repeats within ``NOISY_SPREAD``)."""
+    rounds = [100 * (r["trainer"] / r["hand"] - 1) for r in per_round if r["hand"] > 0]
+    if not rounds:
+        raise ValueError("per_round must hold at least one round's medians")
+    spreads = [s for s in (hand_spread, trainer_spread) if s is not None]
+    out: Dict[str, object] = {"overhead_rounds_pct": rounds,
+                              "overhead_spread_pct": max(rounds) - min(rounds)
+                              if len(rounds) > 1 else None,
+                              "spread": max(spreads) if spreads else None}
+    floor = out["overhead_spread_pct"]
+    out["note"] = (noisy(out) or
+                   ("undecided: one round gives no spread to compare the overhead against "
+                    "(rounds >= 2)" if floor is None else
+                    f"undecided: the overhead ({overhead_pct:+.1f}%) is within the rounds' "
+                    f"spread ({floor:.1f} points), the noise floor"
+                    if abs(overhead_pct) <= floor else ""))
+    return out
 
 

@@ -182,10 +182,23 @@ def repeat_spread(times_ms: Sequence[float], repeats: int = REPEATS) -> Optional
 
 def summarize_times(times_ms: Sequence[float], batch_size: int) -> Dict[str, float]:
     """Median step time, img/s from it, the spread (quartiles) of the step times, and
-    ``spread``: how much the repeats disagree (``repeat_spread``; None with too few steps)."""
+    ``spread``: how much the repeats disagree (``repeat_spread``; None with too few steps).
+
+    ``times_ms``: at least one finite time >= 0 with a median above 0 ms (a ValueError
+    otherwise: no rate follows from a 0 ms step); ``batch_size``: a whole number >= 1.
+    """
+    check_int("batch_size", batch_size, 1)
+    times_ms = list(times_ms)
     if not times_ms:
         raise ValueError("times_ms must hold at least one step time")
+    if not all(is_real(t) and t >= 0 for t in times_ms):
+        bad = next(t for t in times_ms if not (is_real(t) and t >= 0))
+        raise ValueError(f"times_ms must hold finite step times >= 0 ms; got {bad!r}")
     median = statistics.median(times_ms)
+    if not median > 0:
+        raise ValueError(f"times_ms must have a median above 0 ms (a step too short for the timer "
+                         f"gives no img/s); got a median of {median!r} over "
+                         f"{len(times_ms)} step times")
     q1, q3 = (statistics.quantiles(times_ms, n=4)[i] for i in (0, 2)) if len(times_ms) > 1 \
         else (median, median)
     return {"step_ms": median, "step_ms_q1": q1, "step_ms_q3": q3,

@@ -61,13 +61,17 @@ def reference_state_bytes(model: torch.nn.Module) -> dict:
 
 def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
     """Grade ``answer`` ({"params", "grads", "momentum"} -> bytes) against a measured row of
-    ``al.measure`` (its ``params_gib``, ``grads_gib``, ``optimizer_state_gib``), within 5%."""
+    ``al.measure`` (its ``params_gib``, ``grads_gib``, ``optimizer_state_gib``), within 5%;
+    skipped, never graded, where the row holds no optimizer state (no step ran)."""
     hint = HINTS["state"]
     if is_blank(answer):
         return unanswered(STATE, hint)
     if row is None or any(row.get(c) is None for c in KEYS.values()):
         return skipped(STATE, "the row was not measured here: "
                        f"{(row or {}).get('status', 'no such row')}")
+    if not row["optimizer_state_gib"]:  # no step ran: nothing to grade the momentum against
+        return skipped(STATE, "the row's optimizer state is 0 bytes: no optimizer step ran "
+                       "(GradScaler skipped every step); measure the row again")
     if not isinstance(answer, Mapping) or set(answer) != set(KEYS):
         return wrong(STATE, f"answer must be a dict with the keys {', '.join(KEYS)}", hint)
     for key, column in KEYS.items():

@@ -189,7 +189,9 @@ def _saved_bytes(forward: Callable) -> tuple:
 
 def check_checkpointing(fn: Callable, device=None) -> Check:
     """Grade ``fn(blocks, x) -> output``: it must give the plain forward's output and gradients
-    and save less for backward (the graph's saved tensors, counted by a saved-tensors hook)."""
+    and save at most half of what the plain forward saves for backward (the graph's saved
+    tensors, counted by a saved-tensors hook); a wrong answer says how much it saved against
+    the plain forward and against every block checkpointed."""
     hint = HINTS["checkpoint"]
     reentrant = hint.after("use_reentrant=True runs the block under no_grad and, with an input "
                            "that needs no gradient, nothing reaches the weights: pass "
@@ -227,11 +229,23 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
                                 "output: checkpointing recomputes exactly the same blocks on the "
                                 "same input"))
     if mine_bytes > plain_bytes / 2:
-        return wrong(CHECKPOINT, f"the graph saved {plural(mine_bytes, 'byte')}, the plain forward "
-                     f"{plain_bytes:,}: nothing was checkpointed", hint.after(
-                         "calling block(x) yourself keeps everything the block computes for "
-                         "backward: hand the block and its input to "
-                         "torch.utils.checkpoint.checkpoint instead, which keeps only the input"))
+        if mine_bytes >= plain_bytes:
+            return wrong(CHECKPOINT, f"the graph saved {plural(mine_bytes, 'byte')}, the plain "
+                         f"forward {plain_bytes:,}: nothing was checkpointed", hint.after(
+                             "calling block(x) yourself keeps everything the block computes for "
+                             "backward: hand the block and its input to "
+                             "torch.utils.checkpoint.checkpoint instead, which keeps only the "
+                             "input"))
+        blocks.zero_grad(set_to_none=True)
+        _, reference_bytes = _saved_bytes(lambda: reference_checkpointed_forward(blocks, x))
+        blocks.zero_grad(set_to_none=True)
+        return wrong(CHECKPOINT, f"the graph saved {plural(mine_bytes, 'byte')}, "
+                     f"{100 * mine_bytes / plain_bytes:.0f}% of the plain forward's "
+                     f"{plain_bytes:,}: only part of the forward was checkpointed (with every "
+                     f"block checkpointed it saves {reference_bytes:,}; 50% or less passes)", hint.after(
+                         "a block called as block(x), or the last segment of "
+                         "checkpoint_sequential, keeps everything it computes: checkpoint every "
+                         "block"))
     return passed(CHECKPOINT, f"same gradients; the graph saved {plural(mine_bytes, 'byte')} instead of "
                   f"{plain_bytes:,}")
 

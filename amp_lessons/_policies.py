@@ -16,8 +16,8 @@ like nanoGPT's::
   a gradient holds inf/NaN exactly where its norm does, barring a float32 overflow of the norm);
   fused optimizers skip inside their kernel (``found_inf``), others keep a device copy of
   parameters and optimizer state and put it back where the flag is set, no host sync
-  (``TrainConfig(nonfused_skip="copy")``), or let one host sync decide whether to step
-  (``"sync"``: no copies).
+  (``TrainConfig(nonfused_skip="copy")``, the default on a GPU), or let one host read decide
+  whether to step (``"sync"``: no copies; the default on a CPU, where a read waits for nothing).
 - ``RaisePolicy`` (``nonfinite="raise"``): skips like ``SkipPolicy`` and, once a step was
   non-finite, keeps skipping every later step on the device until the host learns of it (a
   pinned copy of the flag, read once its CUDA event has completed: ``Event.query`` never waits);
@@ -367,12 +367,25 @@ POLICIES = {"skip": SkipPolicy, "raise": RaisePolicy, "ignore": IgnorePolicy}
 
 
 def make_policy(precision: str, nonfinite: str, scaler, optimizer, params, device,
-                nonfused_skip: str = "copy") -> Policy:
+                nonfused_skip: str = "auto") -> Policy:
     """The policy for a trainer: GradScaler's when it is enabled (fp16), else ``nonfinite``'s;
-    ``nonfused_skip`` ("copy" or "sync"): how skip and raise skip a non-fused optimizer."""
+    ``nonfused_skip`` ("auto", "copy" or "sync"): how skip and raise skip a non-fused optimizer
+    ("auto": "sync" on a CPU, where a read waits for nothing, else "copy")."""
     if scaler.is_enabled():
         return ScalerPolicy(optimizer, params, device, scaler)
     policy = POLICIES[nonfinite](optimizer, params, device)
     if isinstance(policy, SkipPolicy):
-        policy.non_fused = nonfused_skip
+        policy.non_fused = resolve_nonfused_skip(nonfused_skip, device)
     return policy
+
+
+def resolve_nonfused_skip(nonfused_skip: str, device) -> str:
+    """``"auto"`` made concrete for ``device``: ``"sync"`` on a CPU (reading a flag there waits for
+    no queued work, and copying parameters and state costs time), ``"copy"`` elsewhere; "copy"
+    and "sync" stay as they are."""
+    if nonfused_skip not in ("auto", "copy", "sync"):
+        raise ValueError(f"nonfused_skip must be one of 'auto', 'copy', 'sync'; "
+                         f"got {nonfused_skip!r}")
+    if nonfused_skip != "auto":
+        return nonfused_skip
+    return "sync" if torch.device(device).type == "cpu" else "copy"

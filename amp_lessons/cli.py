@@ -467,10 +467,11 @@ def _add_train(sub) -> None:
     p.add_argument("--nonfinite", choices=NONFINITE_POLICIES, default="skip",
                    help="a step with an inf/NaN loss or gradient without GradScaler (fp32, tf32, "
                         "bf16): skip it (default), raise, or ignore")
-    p.add_argument("--nonfused-skip", choices=NONFUSED_SKIPS, default="copy",
-                   help="how --nonfinite skip/raise skip SGD's (non-fused) step: put a device "
-                        "copy back (default, no host sync, two copies of weights and momentum "
-                        "in memory) or let one host sync a step decide (no copies)")
+    p.add_argument("--nonfused-skip", choices=NONFUSED_SKIPS, default="auto",
+                   help="how --nonfinite skip/raise skip SGD's (non-fused) step: auto "
+                        "(default: sync on a CPU, copy on a GPU), copy (put a device copy "
+                        "back: no host sync, two copies of weights and momentum in memory) or "
+                        "sync (one host read a step decides: no copies)")
     p.add_argument("--eval-precision", choices=EVAL_PRECISIONS, default="same",
                    help="evaluate under training's autocast (same) or another precision")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

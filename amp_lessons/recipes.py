@@ -71,7 +71,7 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
                  resume: Union[str, Path, None] = None, hooks: Sequence[Hooks] = (),
                  on_epoch: Optional[Callable[[dict], None]] = None,
                  lr_schedule: str = "constant", nonfinite: str = "skip",
-                 nonfused_skip: str = "copy") -> DigitsRun:
+                 nonfused_skip: str = "auto") -> DigitsRun:
     """Train a digits model (SGD, momentum 0.9) and evaluate it on the test split every epoch.
 
     ``lr_schedule``: ``"constant"`` (``lr`` throughout) or ``"cosine"`` (``lr`` decayed to 0 over
@@ -81,7 +81,8 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
     ``checkpoint``: saved (atomically) after every epoch. ``image_size`` overrides the CNN's 32.
     ``on_epoch`` gets each epoch's summary as it finishes (the CLI prints it).
     ``nonfinite``: the trainer's policy for inf/NaN without a GradScaler (``TrainConfig``);
-    ``nonfused_skip``: how it skips this non-fused SGD's step, "copy" or "sync" (``TrainConfig``).
+    ``nonfused_skip``: how it skips this non-fused SGD's step, "auto", "copy" or "sync"
+    (``TrainConfig``).
     """
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("width", width)):
         check_int(name, value, 1)

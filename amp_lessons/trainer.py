@@ -572,7 +572,8 @@ class Trainer:
             problems.append("a fused optimizer under fp16 (e.g. SGD(..., fused=True))")
         if self._policy.name == "raise":
             problems.append("nonfinite 'skip' or 'ignore', not 'raise'")
-        if self._policy.can_skip and not self._policy.fused and cfg.nonfused_skip == "sync":
+        if self._policy.can_skip and not self._policy.fused and \
+                getattr(self._policy, "non_fused", None) == "sync":
             problems.append("nonfused_skip 'copy' for a non-fused optimizer (a graph cannot "
                             "wait for the host's decision; or a fused optimizer)")
         if problems:

@@ -13,6 +13,7 @@ from torch import nn
 from amp_lessons import _compat as C
 from amp_lessons import _policies
 from amp_lessons import trainer as T
+from amp_lessons._policies import resolve_nonfused_skip
 from trainer_helpers import (Inject, ScalarReads, assert_same_tensors, batches, fresh,
                              optimizer_tensors)
 
@@ -407,7 +408,8 @@ def test_no_policy_reads_a_device_value_per_step(precision, nonfinite, kind):
     data = batches(3)
     model, _ = fresh()
     trainer = T.Trainer(model, _optimizer(kind, model),
-                        T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False))
+                        T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False,
+                                      nonfused_skip="copy"))  # the GPU's default, no read
     trainer.train_step([data[0]])
     trainer.train_step([data[1]])
     with ScalarReads() as reads:
@@ -524,7 +526,7 @@ def test_nonfused_skip_copy_keeps_two_copies_and_sync_one_read_and_none(kind):
 
 
 def test_nonfused_skip_names_its_choices_and_capture_refuses_sync():
-    with pytest.raises(ValueError, match=r"nonfused_skip must be one of 'copy', 'sync'; "
+    with pytest.raises(ValueError, match=r"nonfused_skip must be one of 'auto', 'copy', 'sync'; "
                                          r"got 'host'"):
         T.TrainConfig(nonfused_skip="host")
     model, _ = fresh()
@@ -539,3 +541,23 @@ def test_nonfused_skip_names_its_choices_and_capture_refuses_sync():
         fused.capture(x, y)
     assert "nonfused_skip" not in str(err.value)
     assert T.TrainConfig(nonfused_skip="sync").as_dict()["nonfused_skip"] == "sync"
+
+
+def test_nonfused_skip_auto_is_sync_on_a_cpu_and_copy_elsewhere():
+    """A read on a CPU waits for no queued work, and the copies only cost time: "auto" takes the
+    host's decision there (one read a step, no copy) and the device copy on a GPU."""
+    assert T.TrainConfig().nonfused_skip == "auto"
+    assert resolve_nonfused_skip("auto", "cpu") == "sync"
+    assert resolve_nonfused_skip("auto", "cuda") == "copy"
+    assert resolve_nonfused_skip("copy", "cpu") == "copy"
+    assert resolve_nonfused_skip("sync", "cuda:1") == "sync"
+    with pytest.raises(ValueError, match="nonfused_skip must be one of 'auto', 'copy', 'sync'"):
+        resolve_nonfused_skip("fast", "cpu")
+    model, _ = fresh()
+    trainer = T.Trainer(model, _optimizer("sgd-foreach", model),
+                        T.TrainConfig(precision="bf16", progress=False, seed=None))
+    data = batches(3)
+    trainer.train_step([data[0]])
+    with ScalarReads() as reads:
+        trainer.train_step([data[1]])
+    assert reads.count == 1 + _hand_reads("bf16", "sgd-foreach") and _guard_floats(trainer) == 0

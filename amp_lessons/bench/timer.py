@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .._validate import check_choice, check_int, is_real
+from ..tables import plural
 
 
 def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5,
@@ -198,7 +199,7 @@ def summarize_times(times_ms: Sequence[float], batch_size: int) -> Dict[str, flo
     if not median > 0:
         raise ValueError(f"times_ms must have a median above 0 ms (a step too short for the timer "
                          f"gives no img/s); got a median of {median!r} over "
-                         f"{len(times_ms)} step times")
+                         f"{plural(len(times_ms), 'step time')}")
     q1, q3 = (statistics.quantiles(times_ms, n=4)[i] for i in (0, 2)) if len(times_ms) > 1 \
         else (median, median)
     return {"step_ms": median, "step_ms_q1": q1, "step_ms_q3": q3,

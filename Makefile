@@ -31,7 +31,8 @@ OLDEST_SITE := $(OLDEST_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print(
 # checkpoint files. `make test-oldest OLDEST_TESTS=tests` runs every unit test there.
 OLDEST_TESTS ?= tests/test_policies.py tests/test_trainer.py tests/test_trainer_lazy.py \
 	tests/test_precision.py tests/test_formats.py tests/test_models_resnet.py \
-	tests/test_distributed.py tests/test_checkpoint.py tests/test_trainer_other_models.py
+	tests/test_distributed.py tests/test_checkpoint.py tests/test_trainer_other_models.py \
+	tests/test_trainer_fit_resume.py
 
 .PHONY: lab test test-oldest unit notebooks browser colab figure-images screenshot claims torchao clean
 

@@ -188,6 +188,7 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self._batches_done = 0  # micro-batches consumed in the current epoch (for exact resume)
+        self._fit_batches = 0  # micro-batches of the step fit is running (added when applied)
         self._open_iterator = None  # a one-shot iterator whose epoch a max_steps stop left open
         self._phase, self._cancelled = _STARTED, None
         self._window: Optional[_PeakWindow] = None  # the open peak-memory window (track_memory)
@@ -407,6 +408,8 @@ class Trainer:
         if timed and clock.last is None:  # the chain of step ends is broken: mark a start
             clock.begin()
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
+        if type(lr) is not float and isinstance(lr, torch.Tensor):  # changed in place later
+            lr = lr.detach().clone()
         loss_sum, grad_norm, found_inf, scale, cause = self._kernels(micro_batches)
         failed = None
         if self.scheduler is not None and found_inf is not True and (
@@ -451,6 +454,8 @@ class Trainer:
                                  found_inf if found_inf is not None else False, grad_norm, lr,
                                  elapsed, window, cause)
         self.step += 1
+        self._batches_done += self._fit_batches  # fit's place in the epoch, before any hook runs
+        self._fit_batches = 0
         self.history.append(record)
         for h in self._after_step:
             h.after_step(self, record)
@@ -660,11 +665,13 @@ class Trainer:
             every = max(1, (total or 50) // 10)
             group, stopped, drawn = [], False, 0
             try:
+                # batches a resumed epoch already used are drawn again (a loader may not support
+                # seeking), with the random generators put back afterwards, since drawing them
+                # (and a DataLoader's iter(), which draws its base seed) used random numbers the
+                # checkpoint's RNG state already counted
+                generators = rng_state() if to_skip else None
                 iterator = iter(loader)
-                if to_skip:  # batches a resumed epoch already used: drawn again (a loader may
-                    # not support seeking), with the random generators put back afterwards,
-                    # since drawing them ran augmentations the checkpoint's RNG state counted
-                    generators = rng_state()
+                if to_skip:
                     for _ in range(to_skip):
                         if next(iterator, None) is None:
                             break
@@ -685,22 +692,26 @@ class Trainer:
                     taken += 1
             finally:
                 bar.close()
-            if stopped:
-                if one_shot:
+                if one_shot:  # a stop or an error: the iterator goes on from where it is
                     self._open_iterator = loader
+            if stopped:
                 return self.history
             if drawn == 0 and to_skip == skip:
                 raise ValueError(f"loader must yield at least one batch per epoch; epoch "
                                  f"{self.epoch + 1} got none (an empty loader, or an iterator "
                                  f"or generator already used up); nothing was trained")
+            self._open_iterator = None  # a whole epoch: nothing of it is left to skip
             self._end_epoch(first, t0, eval_loader, skip)
             if max_steps is not None and taken >= max_steps:
                 break
         return self.history
 
     def _run(self, group, bar, every) -> None:
-        record = self.train_step(group)
-        self._batches_done += len(group)
+        self._fit_batches = len(group)  # counted in the epoch once the step is applied (_record)
+        try:
+            record = self.train_step(group)
+        finally:
+            self._fit_batches = 0
         bar.update(1)
         if not bar.disable and bar.n % every == 0:
             bar.set_postfix(loss=f"{record.loss:.4f}", scale=f"{record.scale:g}")

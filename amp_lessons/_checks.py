@@ -1,6 +1,8 @@
 """What the trainer checks before it trains (``trainer.Trainer``): that the optimizer owns the
 model's parameters, that the scheduler can be stepped once per optimizer step, and that the loss
-function returns one number per batch. Each refusal names the setting and what it accepts."""
+function returns one number per batch. Each refusal names the setting and what it accepts.
+Also how it reads what it is given: batches of nested tensors, their rows, class scores, a
+``torch.compile``d model's own module."""
 from __future__ import annotations
 
 import inspect
@@ -68,3 +70,44 @@ def loss_reduction(loss_fn) -> str:
         raise ValueError(f"loss_fn.reduction must be one of {', '.join(LOSS_REDUCTIONS)} (the "
                          f"trainer calls backward on one number per batch); got {reduction!r}")
     return reduction
+
+
+def moved(obj, device: torch.device, what: str):
+    """A tuple, list or dict of tensors (nested too) with every tensor on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, moved(v, device, what)) for k, v in obj.items())
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(moved(v, device, what) for v in obj)
+    raise ValueError(f"{what} must be a tensor, or a tuple, list or dict of tensors; got "
+                     f"{type(obj).__name__}")
+
+
+def batch_rows(y) -> int:
+    """The number of examples in a batch's target: its (first) tensor's leading dimension."""
+    while not isinstance(y, torch.Tensor):
+        y = next(iter(y.values() if isinstance(y, dict) else y))
+    return int(y.shape[0]) if y.dim() else 1
+
+
+def class_ids(out, y) -> bool:
+    """Whether ``out`` holds class scores for the integer class ids ``y`` (``[N, C, ...]`` and
+    ``[N, ...]``): then accuracy means something."""
+    return (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor) and out.dim() >= 2
+            and not y.is_floating_point() and not y.is_complex()
+            and y.shape == out.shape[:1] + out.shape[2:])
+
+
+def length_text(batch) -> str:
+    """" of length n" where ``batch`` has a length, for error messages."""
+    try:
+        return f" of length {len(batch)}"
+    except TypeError:
+        return ""
+
+
+def plain_module(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its state dict has no ``_orig_mod.`` prefix), else
+    ``model``: a checkpoint of a compiled model loads into the plain one and back."""
+    return getattr(model, "_orig_mod", model)

@@ -315,14 +315,31 @@ class RaisePolicy(SkipPolicy):
         self.tripped = torch.zeros((), dtype=torch.float32, device=device)
         self.pending: list = []  # (step, epoch, batches_done, host flag, CUDA event or None)
         self.host_flags = HostFlags(device)
+        self._undo = None  # (sticky flag, queue length) before this step's check
 
     def check(self, loss, grad_norm):
         flag = super().check(loss, grad_norm)
+        self._undo = (self.tripped, len(self.pending))
         # sticky: once a step was non-finite, every later step is skipped too, until raised
         # into the step's own fresh flag (NonFiniteCheck's), which becomes the sticky one: one
         # kernel, and no earlier step's flag (a record's) is ever written again
         self.tripped = torch.maximum(self.tripped, flag, out=flag)
         return flag
+
+    def update(self):
+        self._undo = None  # the step completed: its flag stays
+
+    def forget(self):
+        """A step cancelled by a hook, or one that raised, never happened: its flag is not
+        sticky and is not reported (a NaN step a hook cancelled raises nothing)."""
+        if self._undo is None:
+            return
+        self.tripped, kept = self._undo
+        self._undo = None
+        for *_, host, event in self.pending[kept:]:
+            if event is not None and event.query():
+                self.host_flags.give_back(host, event)
+        del self.pending[kept:]
 
     def watch(self, flag: torch.Tensor, step: int, epoch: int, batches_done: int) -> None:
         """Queue a host copy of ``flag`` for ``step`` (pinned, non-blocking on CUDA)."""
@@ -340,6 +357,7 @@ class RaisePolicy(SkipPolicy):
     def reset(self):
         self._drop_pending()
         self.tripped = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._undo = None
 
     def adopt(self, old):
         if isinstance(old, RaisePolicy):

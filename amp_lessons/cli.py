@@ -17,6 +17,7 @@ from typing import List, Optional
 from . import __version__
 from .tables import plural
 from .files import check_writable, write_atomic, write_failure, write_json  # noqa: F401 - check_writable: this module's API too
+from ._validate import check_seed
 
 PROG = "python -m amp_lessons"
 
@@ -525,8 +526,7 @@ def _cmd_train(args) -> int:
 
     env_doc = None
     try:
-        if args.seed < 0:
-            raise ValueError(f"seed must be a whole number >= 0; got {args.seed}")
+        check_seed("seed", args.seed)
         if args.json is not None:  # probed before training: a failure costs no training run
             from .env import probe
 

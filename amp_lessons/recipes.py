@@ -13,7 +13,8 @@ from .data import digits_loaders
 from .models import build_digits_model
 from .precision import Device, as_device, check_precision
 from .records import History
-from ._validate import check_int, is_real
+from ._validate import check_int, check_seed, is_real
+from .files import check_writable
 from .trainer import Hooks, ScalerSettings, TrainConfig, Trainer
 
 
@@ -86,6 +87,14 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
     """
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("width", width)):
         check_int(name, value, 1)
+    seed = check_seed("seed", seed)  # checked before anything trains (torch takes < 2**63)
+    if scaler is not None and not isinstance(scaler, ScalerSettings):
+        raise ValueError(f"scaler must be None or a ScalerSettings; got {type(scaler).__name__}")
+    if on_epoch is not None and not callable(on_epoch):
+        raise ValueError(f"on_epoch must be None or a function of the epoch's summary; "
+                         f"got {on_epoch!r}")
+    if checkpoint is not None:
+        check_writable(checkpoint, "checkpoint")  # not after the first epoch has trained
     if not is_real(lr) or lr <= 0:
         raise ValueError(f"lr must be a finite number > 0; got {lr!r}")
     if lr_schedule not in ("constant", "cosine"):
@@ -98,7 +107,8 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
     if image_size is not None and size is not None:
         size = image_size
     train, test = digits_loaders(batch_size, size, dev, seed)
-    config = TrainConfig(precision=precision, scaler=scaler or ScalerSettings(),
+    config = TrainConfig(precision=precision,
+                         scaler=scaler if scaler is not None else ScalerSettings(),
                          clip_norm=clip_norm, accumulate=accumulate,
                          eval_precision=eval_precision, progress=progress, seed=seed,
                          nonfinite=nonfinite, nonfused_skip=nonfused_skip)

@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_owns_parameters, check_scheduler, loss_reduction
+from ._checks import (batch_rows, check_owns_parameters, check_scheduler, class_ids,
+                      length_text, loss_reduction, moved, plain_module)
 from ._config import (EVAL_PRECISIONS, NONFINITE_POLICIES, NONFUSED_SKIPS,  # noqa: F401
                       TrainConfig)  # (re-exported: the trainer's public API)
 from ._scaler import ScalerSettings
@@ -106,7 +107,7 @@ def _overrides(hooks: Sequence[Hooks], name: str) -> list:
 
 _NO_CONTEXT = contextlib.nullcontext()
 # how far a step got, for undoing one that raised (Trainer._undo_failed_step)
-_STARTED, _SNAPSHOT_TAKEN, _STEPPED = 0, 1, 2
+_STARTED, _SNAPSHOT_TAKEN, _STEPPED, _IDLE = 0, 1, 2, 3  # _IDLE: between steps
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -174,7 +175,14 @@ class Trainer:
                                  "gradients); got float16 parameters: was .half() called on "
                                  "the model?")
         self.model, self.optimizer, self.scheduler, self.loss_fn = model, optimizer, scheduler, loss_fn
-        self.hooks = list(hooks)
+        if isinstance(hooks, Hooks):
+            raise ValueError("hooks must be a list of Hooks instances; got one Hooks instance: "
+                             "pass hooks=[it]")
+        try:
+            self.hooks = list(hooks if hooks is not None else ())
+        except TypeError:
+            raise ValueError(f"hooks must be a list of Hooks instances; "
+                             f"got {type(hooks).__name__}") from None
         for h in self.hooks:
             if not isinstance(h, Hooks):
                 raise ValueError(f"hooks must be Hooks instances; got {type(h).__name__}")
@@ -190,7 +198,7 @@ class Trainer:
         self._batches_done = 0  # micro-batches consumed in the current epoch (for exact resume)
         self._fit_batches = 0  # micro-batches of the step fit is running (added when applied)
         self._open_iterator = None  # a one-shot iterator whose epoch a max_steps stop left open
-        self._phase, self._cancelled = _STARTED, None
+        self._phase, self._cancelled = _IDLE, None
         self._window: Optional[_PeakWindow] = None  # the open peak-memory window (track_memory)
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -315,11 +323,11 @@ class Trainer:
         (a model that takes several inputs; ``model(x)`` gets the container)."""
         device = self.device  # (type() first: no Python call for a plain tensor, short steps)
         if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
-            x = _moved(x, device, "x")
+            x = moved(x, device, "x")
         elif x.device != device:  # a no-op .to() still costs a dispatcher call on a short step
             x = x.to(device, non_blocking=True)
         if type(y) is not torch.Tensor and not isinstance(y, torch.Tensor):
-            y = _moved(y, device, "y")
+            y = moved(y, device, "y")
         elif y.device != device:
             y = y.to(device, non_blocking=True)
         if self._config.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
@@ -334,6 +342,10 @@ class Trainer:
         as a step. A host-side decision: it costs nothing on the device."""
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError(f"reason must be a non-empty string; got {reason!r}")
+        if self._phase not in (_STARTED, _SNAPSHOT_TAKEN):
+            raise ValueError("cancel_step works only during a step, from a hook's after_backward, "
+                             "after_unscale or before_step (before the optimizer steps); it was "
+                             "called outside them")
         self._cancelled = reason
 
     def wait(self) -> None:
@@ -390,7 +402,12 @@ class Trainer:
         nonfinite="ignore")`` leaves only the detach on a model without BatchNorm: no device
         call beyond the hand loop's.
         """
-        n = len(micro_batches)
+        try:
+            n = len(micro_batches)
+        except TypeError:
+            raise ValueError(f"micro_batches must be a list of (x, y) pairs; got "
+                             f"{type(micro_batches).__name__} (a generator? pass list(...))"
+                             ) from None
         if n < 1:
             raise ValueError("micro_batches must hold at least one (x, y) batch; got none")
         first = micro_batches[0]  # (type() first: no Python call where it is a pair)
@@ -475,6 +492,8 @@ class Trainer:
         except BaseException:
             self._undo_failed_step()
             raise
+        finally:
+            self._phase = _IDLE  # cancel_step means nothing between steps
 
     def _undo_failed_step(self) -> None:
         """Leave the trainer as before a step that raised (docs/reliability.md): no gradients,
@@ -496,7 +515,12 @@ class Trainer:
             guard.snapshot()
             self._phase = _SNAPSHOT_TAKEN
         loss_sum = None
-        for i, (x, y) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
+            try:
+                x, y = batch
+            except (TypeError, ValueError):
+                raise ValueError(f"micro_batches must hold (x, y) pairs; micro-batch {i} is a "
+                                 f"{type(batch).__name__}{length_text(batch)}") from None
             x, y = self._to_device(x, y)
             with (_NO_CONTEXT if half is None else
                   torch.autocast(device_type, dtype=half, cache_enabled=cache_enabled)):
@@ -634,6 +658,9 @@ class Trainer:
         counted.
         """
         epochs = check_int("epochs", epochs, 1)
+        if not hasattr(loader, "__iter__"):
+            raise ValueError(f"loader must be iterable (a list of (x, y) batches, TensorBatches, "
+                             f"a DataLoader, a generator); got {type(loader).__name__}")
         if max_steps is not None and (not is_int(max_steps) or max_steps < 1):
             raise ValueError(f"max_steps must be None or a whole number >= 1; got {max_steps!r}")
         one_shot = isinstance(loader, Iterator)
@@ -758,13 +785,18 @@ class Trainer:
         try:
             with torch.no_grad(), precision_settings(name, self.device), \
                     autocast_for(name, self.device.type):
-                for x, y in loader:
+                for batch in loader:
+                    try:
+                        x, y = batch
+                    except (TypeError, ValueError):
+                        raise ValueError(f"loader must yield (x, y) pairs; got a "
+                                         f"{type(batch).__name__}{length_text(batch)}") from None
                     x, y = self._to_device(x, y)
                     out = self.model(x)
-                    rows = _rows(y)
+                    rows = batch_rows(y)
                     loss = self.loss_fn(out, y).float()
                     total_loss += loss if summed else loss * rows
-                    classified = classified and _class_ids(out, y)
+                    classified = classified and class_ids(out, y)
                     if classified:
                         correct += (out.argmax(dim=1) == y).sum()
                     count += rows
@@ -787,7 +819,7 @@ class Trainer:
         return {
             "format": CHECKPOINT_FORMAT,
             CHECKSUM_KEY: True,
-            "model": self.model.state_dict(),
+            "model": plain_module(self.model).state_dict(),  # torch.compile's keys too
             "optimizer": self.optimizer.state_dict(),
             "optimizer_class": type(self.optimizer).__name__,
             "scaler": self.scaler.state_dict(),
@@ -826,12 +858,12 @@ class Trainer:
         path = Path(path)
         state = read_verified(path)
         try:
-            check_training_state(state, self.model, self.optimizer,
+            check_training_state(state, plain_module(self.model), self.optimizer,
                                  self.scaler if load_scaler else None, self.scheduler,
                                  formats=READABLE_FORMATS)
         except CheckpointError as exc:
             raise type(exc)(f"{path}: {exc}") from None
-        self.model.load_state_dict(state["model"])
+        plain_module(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._prime_fused_sgd()  # a checkpoint saved before the first step holds no buffers
         if load_scaler and state["scaler"] and self.scaler.is_enabled():
@@ -848,29 +880,3 @@ class Trainer:
         set_rng_state(state["rng"])
         return state
 
-
-def _moved(obj, device: torch.device, what: str):
-    """A tuple, list or dict of tensors (nested too) with every tensor on ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, _moved(v, device, what)) for k, v in obj.items())
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_moved(v, device, what) for v in obj)
-    raise ValueError(f"{what} must be a tensor, or a tuple, list or dict of tensors; got "
-                     f"{type(obj).__name__}")
-
-
-def _rows(y) -> int:
-    """The number of examples in a batch's target: its (first) tensor's leading dimension."""
-    while not isinstance(y, torch.Tensor):
-        y = next(iter(y.values() if isinstance(y, dict) else y))
-    return int(y.shape[0]) if y.dim() else 1
-
-
-def _class_ids(out, y) -> bool:
-    """Whether ``out`` holds class scores for the integer class ids ``y`` (``[N, C, ...]`` and
-    ``[N, ...]``): then accuracy means something."""
-    return (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor) and out.dim() >= 2
-            and not y.is_floating_point() and not y.is_complex()
-            and y.shape == out.shape[:1] + out.shape[2:])

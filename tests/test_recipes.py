@@ -32,6 +32,12 @@ def test_train_digits_checkpoint_and_resume_to_a_total(tmp_path):
     (dict(model="vgg"), "model must be one of"),
     (dict(precision="fp8"), "precision must be one of"),
     (dict(nonfinite="warn"), "nonfinite must be one of 'skip', 'raise', 'ignore'"),
+    # checked before anything trains (a second review: these failed after a whole epoch)
+    (dict(seed=None), r"seed must be a whole number >= 0 \(at most 2\*\*63 - 1"),
+    (dict(seed=2 ** 64), r"seed must be a whole number >= 0 \(at most 2\*\*63 - 1"),
+    (dict(scaler={}), "scaler must be None or a ScalerSettings; got dict"),
+    (dict(on_epoch=1), "on_epoch must be None or a function"),
+    (dict(checkpoint="tests"), "checkpoint must name a file, not a folder"),
 ])
 def test_train_digits_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -114,3 +114,70 @@ def test_a_tensor_learning_rate_is_recorded_as_it_was_during_the_step():
     late = [float(v) for v in trainer.history.columns()["lr"]]
     expected = [0.01 * 0.5 ** i for i in range(4)]
     assert now == pytest.approx(expected) and late == pytest.approx(expected)
+
+
+def test_cancel_step_outside_a_step_is_refused():
+    class Late(T.Hooks):
+        def after_step(self, trainer, record):
+            trainer.cancel_step("too late")
+
+    trainer = new(hooks=[Late()])
+    with pytest.raises(ValueError, match="cancel_step works only during a step"):
+        trainer.train_step([data(1)[0]])
+    with pytest.raises(ValueError, match="cancel_step works only during a step"):
+        new().cancel_step("between steps")
+
+
+def test_a_cancelled_nan_step_under_raise_raises_nothing_and_is_not_sticky():
+    """A hook that cancels the step it found bad: under nonfinite='raise' that step never
+    happened, so its flag neither raises later nor keeps later steps skipped."""
+    class CancelBad(T.Hooks):
+        def before_step(self, trainer):
+            if trainer.step == 1:
+                trainer.cancel_step("bad batch, cancelled by hook")
+
+    batches = data(4)
+    x, y = batches[1]
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    trainer = new(hooks=[CancelBad()], nonfinite="raise")
+    trainer.train_step([batches[0]])
+    assert trainer.train_step([(bad, y)]).skip_reason == "bad batch, cancelled by hook"
+    for batch in batches[2:]:
+        assert not trainer.train_step([batch]).skipped
+    trainer.wait()
+    assert trainer.step == 4
+
+
+def test_arguments_that_are_not_what_the_trainer_takes_are_named():
+    with pytest.raises(ValueError, match=r"hooks must be a list of Hooks instances; got one Hooks "
+                                         r"instance: pass hooks=\[it\]"):
+        new(hooks=T.Hooks())
+    assert new(hooks=None).hooks == []
+    trainer = new()
+    batches = data(3)
+    with pytest.raises(ValueError, match=r"micro_batches must be a list of \(x, y\) pairs; got "
+                                         r"generator"):
+        trainer.train_step(b for b in batches)
+    x, y = batches[0]
+    with pytest.raises(ValueError, match=r"micro-batch 0 is a tuple of length 3"):
+        trainer.train_step([(x, y, y)])
+    with pytest.raises(ValueError, match=r"loader must yield \(x, y\) pairs; got a tuple of "
+                                         r"length 1"):
+        trainer.evaluate([(x,)])
+    with pytest.raises(ValueError, match="loader must be iterable"):
+        trainer.fit(None)
+    assert trainer.step == 0
+
+
+def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
+    """``torch.compile`` prefixes its state dict's keys with ``_orig_mod.``: the trainer saves
+    and loads the module it wraps, so either side can resume the other."""
+    compiled = new(torch.compile(mlp(seed=1)))
+    compiled.save_checkpoint(tmp_path / "c.pt")
+    plain = new(mlp(seed=2))
+    plain.load_checkpoint(tmp_path / "c.pt")
+    assert all(torch.equal(a, b) for a, b in zip(compiled.model._orig_mod.state_dict().values(),
+                                                  plain.model.state_dict().values()))
+    plain.save_checkpoint(tmp_path / "p.pt")
+    new(torch.compile(mlp(seed=3))).load_checkpoint(tmp_path / "p.pt")

@@ -463,3 +463,8 @@ def test_short_runs_decide_neither_r3_nor_the_generous_b4():
     better = _fake_run("t", [True] * 2 + [False] * 20)
     v = L.verdict_r3((wobbly, better))
     assert v.held is None and "only 22 steps" in v.why and v.outcome == "not decided here"
+
+
+def test_measured_defaults_refuses_a_device_type_torch_does_not_know():
+    with pytest.raises(ValueError, match="device_type must be a device type torch knows.*'tpu'"):
+        L.measured_defaults("tpu")

@@ -676,3 +676,8 @@ def test_lesson07_figures_wear_the_course_template():
             plots.go.Figure(layout=dict(template=plots.TEMPLATE)).layout.template.layout.to_plotly_json()
         assert fig.layout.title.x == 0.01
     assert loss.layout.legend.orientation == "h" and loss.layout.legend.y < 0
+
+
+def test_scaling_walkthrough_refuses_inf_and_nan():
+    with pytest.raises(ValueError, match="x must hold finite values .* got 16 inf/NaN of 16"):
+        L.scaling_walkthrough(torch.full((4, 4), float("nan")))

@@ -352,3 +352,11 @@ def test_show_rows_shows_an_html_table_in_the_lessons_number_style(monkeypatch, 
     assert ">-</td>" in shown[-1]["text/html"]
     L.show_rows([])
     assert capsys.readouterr().out == "(no rows)\n" and len(shown) == 2
+
+
+def test_cosine_lr_refuses_a_warmup_that_leaves_no_decay():
+    """warmup >= steps used to be accepted, and the rate never decayed to floor * lr."""
+    with pytest.raises(ValueError, match=r"warmup must be below steps \(10"):
+        L.cosine_lr(1e-3, 10, warmup=20)
+    at = L.cosine_lr(1e-3, 10, warmup=8)
+    assert at(7) == pytest.approx(1e-3) and at(9) == pytest.approx(1e-3 * 0.1)

@@ -51,6 +51,13 @@ def measured_defaults(device_type: str = "cpu") -> ScalerSettings:
     Measured, not typed: ``get_scale()``, ``get_growth_factor()``, ``get_backoff_factor()`` and
     ``get_growth_interval()`` of a scaler built with no arguments (claim R2 compares these).
     """
+    try:
+        known = isinstance(device_type, str) and torch.device(device_type).type == device_type
+    except RuntimeError:
+        known = False
+    if not known:
+        raise ValueError(f"device_type must be a device type torch knows, such as 'cpu' or "
+                         f"'cuda'; got {device_type!r}")
     scaler = torch.amp.GradScaler(device_type)
     if not scaler.is_enabled():
         raise ValueError(f"GradScaler cannot run on device_type {device_type!r} here")

@@ -78,6 +78,9 @@ def scaling_walkthrough(x: Optional[torch.Tensor] = None, fmt: str = "e4m3") -> 
     x = torch.tensor(OUTLIER_EXAMPLE) if x is None else x.detach().float().cpu()
     if x.dim() != 2:
         raise ValueError(f"x must be a 2-d tensor (rows x values); got {x.dim()} dimensions")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x must hold finite values (an inf or NaN makes every scale inf or NaN); "
+                         f"got {int((~torch.isfinite(x)).sum())} inf/NaN of {x.numel()}")
     out = {granularity: fake_quantize(x, fmt, granularity) for granularity in SCALINGS}
     rows = []
     for i in range(x.shape[0]):

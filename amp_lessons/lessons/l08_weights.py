@@ -110,6 +110,9 @@ def cosine_lr(lr: float, steps: int, warmup: int = 0, floor: float = 0.1) -> Cal
     check_real("lr", lr, 0.0, low_open=True)
     check_int("steps", steps, 1)
     check_int("warmup", warmup, 0)
+    if warmup >= steps:
+        raise ValueError(f"warmup must be below steps ({steps}: the decay needs at least one "
+                         f"step); got {warmup}")
     check_real("floor", floor, 0.0, 1.0)
 
     def at(step: int) -> float:

@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import html
 import inspect
+import math
 import operator
 import textwrap
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
@@ -221,6 +222,16 @@ def is_blank(answer: Any) -> bool:
     return False
 
 
+def not_a_function(exercise: str, fn: Any, hint: HintsLike) -> Optional[Check]:
+    """The grade for an answer that should be a function and is not: "not answered yet" for a
+    stub (None, ``...``), "wrong" for anything else that cannot be called; None for a callable."""
+    if callable(fn):
+        return None
+    if is_blank(fn):
+        return unanswered(exercise, hint)
+    return wrong(exercise, f"expected a function; got {type(fn).__name__} {fn!r:.80}", hint)
+
+
 def _function_ast(fn: Callable) -> Optional[str]:
     """``fn``'s definition as an AST dump without its name, docstring, comments or line numbers
     (None where its source cannot be read)."""
@@ -254,13 +265,60 @@ def same_code(fn: Callable, reference: Callable) -> bool:
 
 
 def number(value: Any) -> Optional[float]:
-    """``value`` as a float, or None when it is not a number (a grader then says so)."""
-    if isinstance(value, bool):
+    """``value`` as a float, or None when it is not a number (a grader then says so): ints,
+    floats, NumPy scalars and one-value tensors count, whatever their dtype; bools, strings
+    (even "0.5": a quoted number is not the number), None and containers do not. NaN and inf
+    come back as they are: a grader compares with ``within`` or ``close``, which reject them."""
+    if value is None or isinstance(value, (bool, str, bytes)) or type(value).__name__ == "bool_":
+        return None
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and (str(dtype).endswith("bool") or "complex" in str(dtype)):
         return None
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - anything float() refuses is not a number
         return None
+
+
+def whole_number(value: Any) -> Optional[int]:
+    """``value`` as an int when it is a whole number in any numeric type (``5``, ``5.0``,
+    ``np.int64(5)``, ``torch.tensor(5)``), else None (a bool, ``5.5``, NaN, a string...)."""
+    v = number(value)
+    if v is None or not math.isfinite(v) or v != int(v):
+        return None
+    return int(v)
+
+
+def close(value: Optional[float], target: float, rel: float = 0.0, abs_tol: float = 0.0) -> bool:
+    """True when ``value`` is a finite number within ``rel`` (a fraction of ``target``) or
+    ``abs_tol`` of ``target``; never for None, NaN or inf (``abs(nan - x) > tol`` is never
+    true, so a tolerance test must be written this way round)."""
+    if value is None or not math.isfinite(value):
+        return False
+    return abs(value - target) <= max(rel * abs(target), abs_tol)
+
+
+def text_key(value: Any) -> str:
+    """``value`` as a graded string: lower case, ``_`` read as a space, the spaces around and
+    inside collapsed (``" Init_Scale  too high "`` -> ``"init scale too high"``)."""
+    return " ".join(str(value).replace("_", " ").lower().split())
+
+
+def keyed(answer: Any, names: Iterable[str]) -> Optional[dict]:
+    """``answer`` (a mapping) re-keyed by ``names``, each of its keys matched to a name by
+    ``text_key`` (so ``"FP16 safe"`` and ``" fp16_safe"`` are ``"fp16 safe"``); None when it is
+    not a mapping or its keys are not exactly the names."""
+    names = list(names)
+    if not isinstance(answer, Mapping):
+        return None
+    by_key = {text_key(n): n for n in names}
+    out = {}
+    for key, value in answer.items():
+        name = by_key.get(text_key(key))
+        if name is None or name in out:
+            return None
+        out[name] = value
+    return out if len(out) == len(names) else None
 
 
 def matching_mistake(mistakes: Mapping[str, Callable], answers: Iterable[Tuple[Any, Any]],
@@ -282,5 +340,5 @@ def matching_mistake(mistakes: Mapping[str, Callable], answers: Iterable[Tuple[A
 
 
 def within(value: float, target: float, rel: float) -> bool:
-    """True when ``value`` is within ``rel`` (a fraction) of ``target``."""
-    return abs(value - target) <= rel * abs(target)
+    """True when ``value`` is within ``rel`` (a fraction) of ``target``; never for NaN or inf."""
+    return close(value, target, rel)

@@ -1,11 +1,13 @@
 """Lesson 01's exercises: predict fp16 rounding, find the smallest loss scale that flushes no
 gradient, keep an fp32 master weight. Graded with ``amp_lessons.formats``."""
+import math
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .. import formats
-from .check import Check, hint_book, hint_reader, is_blank, number, passed, unanswered, wrong
+from .check import (Check, close, hint_book, hint_reader, is_blank, number, passed, unanswered,
+                    whole_number, wrong)
 
 PREDICT = "Exercise 1 (predict, then run): fp16 rounding"
 SCALE = "Exercise 3 (find it): the smallest loss scale that flushes nothing"
@@ -68,8 +70,11 @@ def check_fp16_predictions(one_plus, hundredths) -> Check:
     if a is None or b is None:
         return wrong(PREDICT, f"both answers must be numbers; got {one_plus!r} and {hundredths!r}",
                      hint)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return wrong(PREDICT, f"both answers must be finite numbers; got {a!r} and {b!r}", hint)
     truth = fp16_truths()
-    if a != truth["one_plus"] and abs(b - truth["hundredths"]) > 0.03 and a == 1 + 1e-4 \
+    near = close(b, truth["hundredths"], abs_tol=0.03)
+    if a != truth["one_plus"] and not near and a == 1 + 1e-4 \
             and b == 10.0:  # both graded before a hint is chosen: one mistake gives both
         return wrong(PREDICT, f"fp16 gives 1 + 1e-4 = {truth['one_plus']!r} and a sum of "
                      f"{truth['hundredths']:.6g}: {a!r} and {b!r} are what exact arithmetic "
@@ -83,7 +88,7 @@ def check_fp16_predictions(one_plus, hundredths) -> Check:
                      hint.after("1e-4 is less than half the gap 2**-10 between 1.0 and the next "
                                 "fp16 value, so the sum rounds back to 1.0: the update is lost "
                                 "(swamping)"))
-    if abs(b - truth["hundredths"]) > 0.03:
+    if not near:
         if b == 10.0:
             why = hint.after("10.0 is the exact sum; in fp16 every addition rounds, and above 8 "
                              "the gap is 2**-7 = 0.0078, so each 0.01 lands a little off and the "
@@ -108,12 +113,19 @@ def check_scale_exponent(k, grads) -> Check:
     hint = HINTS["scale"]
     if is_blank(k):
         return unanswered(SCALE, hint)
-    if not isinstance(k, int) or isinstance(k, bool):
-        return wrong(SCALE, f"k must be an integer exponent (the scale is 2**k); got {k!r}", hint)
+    given, k = k, whole_number(k)
+    if k is None:
+        return wrong(SCALE, f"k must be a whole-number exponent (the scale is 2**k); got "
+                     f"{given!r}", hint)
     best = smallest_safe_exponent(grads)
     if best is None:
         return wrong(SCALE, "no scale up to 2**32 keeps every gradient here", hint)
-    at_k = formats.scaled_fractions(grads, 2.0 ** k, "fp16")
+    if k == 2 ** best and k != best:
+        return wrong(SCALE, f"{given!r} is the scale 2**{best} itself; k is its integer exponent",
+                     hint.after("answer with k, the power of two: the scale is 2**k"))
+    # 2.0 ** k overflows a Python float past k = 1023; past 2**200 everything is inf in fp16
+    # and fp32 alike, so the fractions at k are those at the clamped exponent
+    at_k = formats.scaled_fractions(grads, 2.0 ** max(-200, min(k, 200)), "fp16")
     if k < best:
         return wrong(SCALE, f"at 2**{k}, {at_k['flushed']:.3%} of the nonzero gradients are still "
                      f"flushed to zero", hint.after("a larger scale moves every gradient up by "
@@ -154,32 +166,71 @@ def _update_in_fp32_weight_in_fp16(start: float, update: float, steps: int) -> f
 WRONG_MASTER = {"fp16 weight": _fp16_only, "rounded to fp16 every step": _update_in_fp32_weight_in_fp16}
 
 
-def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-4,
-                        steps: int = 1000) -> Check:
-    """Grade ``train(start, update, steps) -> float``: it must keep an fp32 master weight and end
-    where ``formats.accumulate`` (fp32 weight, fp16 update) ends, cast to fp16."""
+# Other inputs a train function is run on after the default one: a start other than 1 (an
+# ignored ``start`` shows), an update above half the fp16 gap at 0.5 and few enough steps that
+# one step more or less moves the fp16 result (an off-by-one loop shows), and a single step.
+MASTER_INPUTS = ((0.5, 3e-4, 200), (0.5, 3e-4, 1), (-2.0, 7e-4, 37))
+
+
+def master_truth(start: float, update: float, steps: int) -> float:
+    """Where an fp32 master weight ends, cast to fp16: ``formats.accumulate`` with an fp32
+    weight and an fp16 update."""
+    master = formats.accumulate(update, steps, "fp32", start=start, update_fmt="fp16")[-1]
+    return float(torch.tensor(master, dtype=torch.float32).half())
+
+
+def _run_train(train: Callable, start: float, update: float, steps: int):
+    """(the number ``train`` returns, None) or (None, a wrong Check)."""
     hint = HINTS["master"]
     try:
         got = train(start, update, steps) if callable(train) else train
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-        return wrong(MASTER, f"train raised {type(exc).__name__}: {exc}", hint)
+        return None, wrong(MASTER, f"train({start}, {update}, {steps}) raised "
+                           f"{type(exc).__name__}: {exc}", hint)
     if is_blank(got):
-        return unanswered(MASTER, hint)
+        return None, unanswered(MASTER, hint)
     v = number(got)
-    if v is None:
-        return wrong(MASTER, f"train must return the final weight as a number; got {got!r}", hint)
-    master = formats.accumulate(update, steps, "fp32", start=start, update_fmt="fp16")[-1]
-    want = float(torch.tensor(master, dtype=torch.float32).half())
+    if v is None or not math.isfinite(v):
+        return None, wrong(MASTER, f"train must return the final weight as a finite number; got "
+                           f"{got!r}", hint)
+    return v, None
+
+
+def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-4,
+                        steps: int = 1000) -> Check:
+    """Grade ``train(start, update, steps) -> float``: it must keep an fp32 master weight and end
+    where ``formats.accumulate`` (fp32 weight, fp16 update) ends, cast to fp16: on the given
+    inputs first, then on ``MASTER_INPUTS`` (another start, one step, a few steps: a loop that
+    runs one step too few or ignores ``start`` differs there)."""
+    hint = HINTS["master"]
+    v, bad = _run_train(train, start, update, steps)
+    if bad is not None:
+        return bad
+    want = master_truth(start, update, steps)
     fp16 = float(formats.accumulate(update, steps, "fp16", start=start)[-1])
-    if v == want:
-        return passed(MASTER, f"the weight moved from {start} to {v:.6g}; stored in fp16 it "
-                      f"would have stayed at {fp16:.6g}")
-    if v == fp16:
+    if v == fp16 and v != want:
         return wrong(MASTER, f"the weight stayed at {v:.6g}: every update was swamped",
                      hint.after("the weight that accumulates the updates is (or becomes again, "
-                                "each step) fp16, and 1e-4 is below half its gap next to 1: keep "
-                                "the running weight in torch.float32 from start to end"))
-    return wrong(MASTER, f"the weight ended at {v:.6g}; an fp32 master ends at {want:.6g}",
-                 hint.after("add the fp16 update, cast up, to the fp32 master at every step, and "
-                            "cast to fp16 once, at the end: any other rounding in between moves "
-                            "the result"))
+                                "each step) a 16-bit one, fp16 or bf16, and 1e-4 is below half "
+                                "its gap next to 1 (2**-10 in fp16, 2**-7 in bf16): keep the "
+                                "running weight in torch.float32 from start to end"))
+    if v != want:
+        return wrong(MASTER, f"the weight ended at {v:.6g}; an fp32 master ends at {want:.6g}",
+                     hint.after("add the fp16 update, cast up, to the fp32 master at every step, "
+                                "and cast to fp16 once, at the end: any other rounding in between "
+                                "moves the result"))
+    for other in MASTER_INPUTS:
+        got, bad = _run_train(train, *other)
+        if bad is not None:
+            return bad if bad.status == "wrong" else wrong(
+                MASTER, f"train{other} returned nothing", hint)
+        truth = master_truth(*other)
+        if got != truth:
+            return wrong(MASTER, f"right at start={start}, update={update}, steps={steps}, but "
+                         f"train{other} ends at {got:.6g}; an fp32 master ends at {truth:.6g}",
+                         hint.after("use every argument: start from `start`, add the update "
+                                    "exactly `steps` times (range(steps)), and return the fp16 "
+                                    "copy of the fp32 master"))
+    fp16 = float(formats.accumulate(update, steps, "fp16", start=start)[-1])
+    return passed(MASTER, f"the weight moved from {start} to {v:.6g}; stored in fp16 it "
+                  f"would have stayed at {fp16:.6g}")

@@ -6,8 +6,8 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from ..tables import plural
 from ..trainer import ScalerSettings
-from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, passed, unanswered,
-                    wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, keyed, matching_mistake,
+                    not_a_function, number, passed, text_key, unanswered, whole_number, wrong)
 
 RULE = "Exercise 1 (implement): GradScaler's update rule"
 CAUSES = "Exercise 3 (match): three scale traces and their causes"
@@ -95,50 +95,106 @@ RULE_MISTAKES = {
 }
 
 
+class NotAPair(TypeError):
+    """What ``replay`` raises when an update rule returns something other than (scale, tracker)
+    with a number for the scale: the learner's return value, not an error inside their code."""
+
+    def __init__(self, result):
+        super().__init__(f"expected (scale, tracker); got {result!r}")
+        self.result = result
+
+
 def replay(update: Callable, scales: Sequence[float], skipped: Sequence[bool],
            settings: ScalerSettings) -> list:
-    """The scale trace ``update`` gives from ``scales[0]`` with the run's ``skipped`` flags."""
+    """The scale trace ``update`` gives from ``scales[0]`` with the run's ``skipped`` flags
+    (None where ``update`` returns None: the stub); raises ``NotAPair`` where it returns
+    anything else that is not a (scale, tracker) pair."""
     scale, tracker, out = float(scales[0]), 0, [float(scales[0])]
     for found_inf in skipped[:-1]:
         result = update(scale, tracker, bool(found_inf), settings.growth_factor,
                         settings.backoff_factor, settings.growth_interval)
         if result is None:
             return None
+        if not (isinstance(result, (tuple, list)) and len(result) == 2) \
+                or number(result[0]) is None:
+            raise NotAPair(result)
         scale, tracker = result
-        out.append(float(scale))
+        out.append(number(scale))
     return out
+
+
+# Settings other than any demo's, with skips at other places: a rule that hard-codes the
+# demo's factors or interval (0.5, 2, 10) instead of using its arguments differs here.
+OTHER_SETTINGS = ScalerSettings(init_scale=2.0 ** 10, growth_factor=4.0, backoff_factor=0.25,
+                                growth_interval=3)
+OTHER_SKIPPED = (False,) * 7 + (True, True) + (False,) * 5 + (True,) + (False,) * 4
+
+
+def _first_difference(mine: Sequence[float], scales: Sequence[float]) -> Optional[int]:
+    return next((i for i, (a, b) in enumerate(zip(mine, scales)) if a != float(b)), None)
 
 
 def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequence[bool],
                       settings: ScalerSettings) -> Check:
     """Replay the run's ``skipped`` flags through ``update(scale, tracker, found_inf,
     growth_factor, backoff_factor, growth_interval) -> (scale, tracker)`` and compare with the
-    ``scales`` the run used, step for step (the run must start with a fresh tracker)."""
+    ``scales`` the run used, step for step (the run must start with a fresh tracker); then replay
+    ``OTHER_SKIPPED`` under ``OTHER_SETTINGS`` against ``reference_update``: the rule must use
+    its arguments, not the demo's values."""
     hint = HINTS["rule"]
+    if not_a_function(RULE, update, hint) is not None:
+        return not_a_function(RULE, update, hint)
     if len(scales) != len(skipped) or len(scales) < 2:
         raise ValueError("scales and skipped must be the same run's columns, 2 steps or more")
+    not_a_pair = hint.after("return two values, the new scale and the new tracker: "
+                            "return scale, tracker (on every path, a skipped step's too)")
     try:
         mine = replay(update, scales, skipped, settings)
+    except NotAPair as exc:
+        return wrong(RULE, f"update must return (scale, tracker); it returned {exc.result!r}",
+                     not_a_pair)
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(RULE, f"update raised {type(exc).__name__}: {exc}", hint)
     if mine is None:
         return unanswered(RULE, hint)
-    for i, (a, b) in enumerate(zip(mine, scales)):
-        if a != float(b):
-            prev = "skipped" if skipped[i - 1] else "clean"
-            known = matching_mistake(  # the whole trace decides it, not step i alone
-                {name: lambda run, rule=rule: replay(rule, *run)
-                 for name, rule in WRONG_RULES.items()}, [((scales, skipped, settings), mine)])
-            why = hint.after(RULE_MISTAKES[known]) if known else hint.after(
-                "after a skipped step the scale is multiplied by backoff_factor and the clean "
-                "count restarts at 0" if skipped[i - 1] else
-                "the scale grew (or stayed) at the wrong step: count only the clean steps since "
-                "the last change of scale (a growth and a skip both restart the count) and grow "
-                "when that count reaches growth_interval, not a step earlier or later")
-            return wrong(RULE, f"step {i} (after a {prev} step): your rule gives {a:g}, the run "
-                         f"used {float(b):g}", why)
+    i = _first_difference(mine, scales)
+    if i is not None:
+        a, b = mine[i], scales[i]
+        prev = "skipped" if skipped[i - 1] else "clean"
+        known = matching_mistake(  # the whole trace decides it, not step i alone
+            {name: lambda run, rule=rule: replay(rule, *run)
+             for name, rule in WRONG_RULES.items()}, [((scales, skipped, settings), mine)])
+        why = hint.after(RULE_MISTAKES[known]) if known else hint.after(
+            "after a skipped step the scale is multiplied by backoff_factor and the clean "
+            "count restarts at 0" if skipped[i - 1] else
+            "the scale grew (or stayed) at the wrong step: count only the clean steps since "
+            "the last change of scale (a growth and a skip both restart the count) and grow "
+            "when that count reaches growth_interval, not a step earlier or later")
+        return wrong(RULE, f"step {i} (after a {prev} step): your rule gives {a:g}, the run "
+                     f"used {float(b):g}", why)
+    st = OTHER_SETTINGS
+    want = replay(reference_update, [st.init_scale] * len(OTHER_SKIPPED), OTHER_SKIPPED, st)
+    try:
+        other = replay(update, want, OTHER_SKIPPED, st)
+    except NotAPair as exc:
+        return wrong(RULE, f"with other settings, update returned {exc.result!r}, not "
+                     f"(scale, tracker)", not_a_pair)
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return wrong(RULE, f"with other settings, update raised {type(exc).__name__}: {exc}",
+                     hint)
+    i = None if other is None else _first_difference(other, want)
+    if other is None or i is not None:
+        said = "nothing" if other is None else f"{other[i]:g}"
+        return wrong(RULE, f"your rule reproduces the run, but with growth_factor="
+                     f"{st.growth_factor:g}, backoff_factor={st.backoff_factor:g} and "
+                     f"growth_interval={st.growth_interval} it gives {said} at step "
+                     f"{i if i is not None else 1}, where the rule gives "
+                     f"{want[i if i is not None else 1]:g}", hint.after(
+                         "use the arguments growth_factor, backoff_factor and growth_interval, "
+                         "not the demo's numbers: the same rule runs under any settings"))
     return passed(RULE, f"your rule reproduces all {len(scales)} scales of the run, "
-                  f"{plural(sum(map(bool, skipped)), 'skip')} included")
+                  f"{plural(sum(map(bool, skipped)), 'skip')} included (and a run under other "
+                  f"settings)")
 
 
 def trace_cause(scales: Sequence[float], skipped: Sequence[bool]) -> str:
@@ -158,9 +214,12 @@ def check_trace_causes(answer: Mapping[str, str],
     hint = HINTS["causes"]
     if is_blank(answer):
         return unanswered(CAUSES, hint)
-    if not isinstance(answer, Mapping) or set(answer) != set(traces):
+    given = keyed(answer, traces)
+    if given is None:
         return wrong(CAUSES, f"answer must map each of {', '.join(sorted(traces))} to a cause",
                      hint)
+    names = {text_key(n): n for n in CAUSE_NAMES}
+    answer = {k: names.get(text_key(v), v) for k, v in given.items()}
     for letter in sorted(traces):
         said = answer[letter]
         if said not in CAUSE_NAMES:
@@ -207,8 +266,9 @@ def check_steps_below_one(answer, settings: ScalerSettings) -> Check:
     truth = first_below_one(scales)
     if truth is None:
         raise ValueError("settings whose scale never falls below 1 while every step overflows")
-    if not isinstance(answer, int) or isinstance(answer, bool):
-        return wrong(FLOOR, f"answer must be a step number (an int); got {answer!r}", hint)
+    given, answer = answer, whole_number(answer)
+    if answer is None:
+        return wrong(FLOOR, f"answer must be a step number (a whole number); got {given!r}", hint)
     if answer != truth:
         off = (hint.after(f"step {truth - 1} uses {scales[truth - 1]:g}, which is not below 1")
                if answer == truth - 1 else hint.after(

@@ -1,13 +1,15 @@
 """Lesson 04's exercises: predict the bytes of parameters, gradients and momentum and AMP's
 activation ratio (within 5% of the measured rows); put a model and its input in channels_last."""
+import math
 from typing import Callable, Mapping
 
 import torch
+from torch import nn
 
 from ..models import SmallCNN
 from ..precision import as_device
-from .check import (Check, hint_book, hint_reader, is_blank, number, passed, skipped, unanswered,
-                    within, wrong)
+from .check import (Check, close, hint_book, hint_reader, is_blank, keyed, not_a_function, number,
+                    passed, skipped, unanswered, within, wrong)
 
 STATE = "Exercise 1 (predict, then run): bytes of weights, gradients and momentum"
 RATIO = "Exercise 2 (predict, then run): AMP's activation memory against fp32's"
@@ -72,12 +74,23 @@ def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
     if not row["optimizer_state_gib"]:  # no step ran: nothing to grade the momentum against
         return skipped(STATE, "the row's optimizer state is 0 bytes: no optimizer step ran "
                        "(GradScaler skipped every step); measure the row again")
-    if not isinstance(answer, Mapping) or set(answer) != set(KEYS):
+    given = keyed(answer, KEYS)
+    if given is None:
         return wrong(STATE, f"answer must be a dict with the keys {', '.join(KEYS)}", hint)
+    answer = given
     for key, column in KEYS.items():
         got, measured = number(answer[key]), row[column] * GIB
-        if got is None:
-            return wrong(STATE, f"{key}: expected a number of bytes; got {answer[key]!r}", hint)
+        if got is None or not math.isfinite(got):
+            return wrong(STATE, f"{key}: expected a finite number of bytes; got "
+                         f"{answer[key]!r}", hint)
+        if got <= 0:
+            return wrong(STATE, f"{key}: you said {got:,.0f} bytes; a tensor of this model "
+                         f"holds more than 0 bytes (measured {measured:,.0f})", hint)
+        if close(got, 4, abs_tol=0.5) or close(got, 2, abs_tol=0.5) or close(got, 8, abs_tol=0.5):
+            return wrong(STATE, f"{key}: you said {got:g} bytes, the size of one parameter's "
+                         f"value; measured {measured:,.0f} for the whole model", hint.after(
+                             "the question asks for the bytes of the whole tensor set: multiply "
+                             "the bytes per value by the model's number of parameters"))
         if not within(got, measured, 0.05):
             ratio = got / measured if measured else float("inf")
             half = {"params": "the weights are not stored in 16 bits, autocast only casts "
@@ -89,8 +102,16 @@ def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
                    if abs(ratio - 0.5) < 0.05 else
                    hint.after("SGD keeps one momentum buffer per parameter (Adam keeps two)")
                    if key == "momentum" and abs(ratio - 2) < 0.1 else
-                   hint.after("that counts GiB or millions, not bytes") if ratio < 1e-3 else hint)
-            return wrong(STATE, f"{key}: you said {got:,.0f} bytes, measured {measured:,.0f}", why)
+                   hint.after("that is GiB: the question asks for bytes, 2**30 to a GiB")
+                   if within(got * GIB, measured, 0.05) else
+                   hint.after("that is MiB or MB: the question asks for bytes")
+                   if within(got * 2 ** 20, measured, 0.05) or within(got * 1e6, measured, 0.05)
+                   else hint.after("that is a count of parameters, not bytes: each float32 "
+                                   "value takes 4 bytes") if within(got * 4, measured, 0.05)
+                   else hint)
+            return wrong(STATE, f"{key}: you said {got:,.0f} bytes, measured {measured:,.0f}"
+                         if got >= 1000 else f"{key}: you said {got:.4g} bytes, measured "
+                         f"{measured:,.0f}", why)
     return passed(STATE, f"each of the three copies holds {row['params_gib'] * GIB:,.0f} bytes, "
                   f"in every precision")
 
@@ -102,8 +123,8 @@ def check_activation_ratio(answer, amp_row: Mapping, fp32_row: Mapping) -> Check
     if is_blank(answer):
         return unanswered(RATIO, hint)
     got = number(answer)
-    if got is None:
-        return wrong(RATIO, f"answer must be a number; got {answer!r}", hint)
+    if got is None or not math.isfinite(got):
+        return wrong(RATIO, f"answer must be a finite number; got {answer!r}", hint)
     if any(r is None or not r.get("activations_gib") for r in (amp_row, fp32_row)):
         return skipped(RATIO, "the two rows were not both measured here")
     measured = amp_row["activations_gib"] / fp32_row["activations_gib"]
@@ -131,6 +152,8 @@ def check_channels_last(fn: Callable, device=None) -> Check:
     """Grade ``fn(model, x) -> (model, x)``: a conv net's 4-D weights and the input must come
     back channels_last, the output unchanged."""
     hint = HINTS["layout"]
+    if not_a_function(LAYOUT, fn, hint) is not None:
+        return not_a_function(LAYOUT, fn, hint)
     torch.manual_seed(0)
     model = SmallCNN(in_channels=3, width=8).to(as_device(device)).eval()
     x = torch.randn(2, 3, 16, 16, device=as_device(device))
@@ -141,11 +164,29 @@ def check_channels_last(fn: Callable, device=None) -> Check:
         return wrong(LAYOUT, f"{type(exc).__name__}: {exc}", hint)
     if is_blank(out):
         return unanswered(LAYOUT, hint)
-    if not (isinstance(out, tuple) and len(out) == 2):
-        return wrong(LAYOUT, "return (model, x)", hint)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        return wrong(LAYOUT, f"return two things, (model, x); got {type(out).__name__}", hint)
     m, y = out
+    if isinstance(m, torch.Tensor) and isinstance(y, nn.Module):
+        return wrong(LAYOUT, "the two are swapped: return (model, x), the model first",
+                     hint.after("the check unpacks model, x = fn(model, x): return them in "
+                                "that order"))
+    if not isinstance(m, nn.Module) or not isinstance(y, torch.Tensor):
+        return wrong(LAYOUT, f"return (model, x), a module and a tensor; got "
+                     f"({type(m).__name__}, {type(y).__name__})", hint)
     cl = torch.channels_last
     weights = [p for p in m.parameters() if p.dim() == 4]
+    dtypes = {p.dtype for p in m.parameters()} | {y.dtype}
+    if dtypes != {want.dtype}:
+        return wrong(LAYOUT, f"the model or the input changed dtype ({', '.join(sorted(map(str, dtypes)))}; "
+                     f"it was {want.dtype})", hint.after(
+                         "channels_last changes the memory order only: convert with "
+                         "memory_format=torch.channels_last and nothing else (no .half())"))
+    if y.shape != x.shape:
+        return wrong(LAYOUT, f"the input's shape changed to {tuple(y.shape)} (it was "
+                     f"{tuple(x.shape)})", hint.after(
+                         "channels_last keeps the shape (N, C, H, W) and changes the memory "
+                         "order: use memory_format, not permute"))
     if not all(p.is_contiguous(memory_format=cl) for p in weights):
         return wrong(LAYOUT, "the convolution weights are still NCHW",
                      hint.after("model.to(memory_format=torch.channels_last) returns the model "
@@ -155,7 +196,12 @@ def check_channels_last(fn: Callable, device=None) -> Check:
                      hint.after("the input needs its own conversion, "
                                 "x.contiguous(memory_format=torch.channels_last): same values, "
                                 "NHWC in memory"))
-    if not torch.allclose(m(y), want, atol=1e-5, rtol=1e-4):
+    try:
+        same = torch.allclose(m(y), want, atol=1e-5, rtol=1e-4)
+    except Exception as exc:  # noqa: BLE001 - the learner's model: report, do not crash
+        return wrong(LAYOUT, f"the returned model failed on the returned input: "
+                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", hint)
+    if not same:
         return wrong(LAYOUT, "the output changed", hint.after(
             "channels_last changes the memory order, not the values or the shape"))
     return passed(LAYOUT, "weights and input are NHWC in memory, the output is the same")

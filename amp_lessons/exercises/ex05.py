@@ -2,22 +2,26 @@
 checkpointing (checked against the plain forward: same gradients, fewer saved tensors), and a
 resume that keeps the scaler's state (checked against an uninterrupted ``Trainer`` run)."""
 import io
+import math
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._validate import check_int
 from ..precision import as_device, check_precision
 from ..tables import plural
 from ..trainer import ScalerSettings, TrainConfig, Trainer
-from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, passed, skipped,
-                    unanswered, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, not_a_function,
+                    passed, skipped, unanswered, wrong)
 
 ACCUMULATE = "Exercise 2 (implement): gradient accumulation"
 CHECKPOINT = "Exercise 1 (implement): activation checkpointing"
 RESUME = "Exercise 3 (implement): a resume that keeps the scaler's state"
 RESUME_STEPS, RESUME_AT = 12, 6
+RESUME_GROWTH_INTERVAL = 4  # at step 6 the scaler's growth tracker is 2: a resume must carry it
+BATCH = 32  # the accumulation check's batch, rounded up to a multiple of micro_batches
 
 HINTS = hint_book("ex05", {
     "checkpoint": (
@@ -118,27 +122,64 @@ def _uniform_factor(mine: list, want: list) -> Optional[float]:
     return c
 
 
+def _batch_size(micro_batches: int) -> int:
+    """``BATCH`` rounded up to a multiple of ``micro_batches``: every micro-batch the same size,
+    so that dividing each mean loss by their number gives the whole batch's mean."""
+    return micro_batches * math.ceil(BATCH / micro_batches)
+
+
 def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Check:
     """Grade ``fn(model, x, y, micro_batches)``: the gradients it leaves must equal one backward
-    over the whole batch (a model without BatchNorm: to float rounding). A wrong answer is named
-    from all its gradients: a typical mistake (``WRONG_ACCUMULATE``) that leaves the same ones,
-    else the right direction at a wrong size, else only that they differ."""
+    over the whole batch (a model without BatchNorm: to float rounding), and they must have been
+    accumulated: no forward over more than one micro-batch of samples, and one backward per
+    micro-batch (hooks on the model count them). The batch is 32 samples, rounded up to a
+    multiple of ``micro_batches`` (a whole number >= 1; ValueError otherwise). A wrong answer is
+    named from all its gradients: a typical mistake (``WRONG_ACCUMULATE``) that leaves the same
+    ones, else the right direction at a wrong size, else only that they differ."""
+    micro_batches = check_int("micro_batches", micro_batches, 1)
     hint = HINTS["accumulate"]
+    if not_a_function(ACCUMULATE, fn, hint) is not None:
+        return not_a_function(ACCUMULATE, fn, hint)
     device = as_device(device)
-    x, y = (t.to(device) for t in _data())
+    x, y = (t.to(device) for t in _data(_batch_size(micro_batches)))
     big = _mlp().to(device)
     F.cross_entropy(big(x), y).backward()
     model = _mlp().to(device)
+    seen, backwards = [], [0]
+    hooks = [model.register_forward_pre_hook(
+                 lambda mod, args: seen.append(args[0].shape[0] if args and hasattr(
+                     args[0], "shape") and args[0].dim() else 0)),
+             model[-1].weight.register_hook(lambda g: backwards.__setitem__(0, backwards[0] + 1))]
     try:
         fn(model, x, y, micro_batches)
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(ACCUMULATE, f"{type(exc).__name__}: {exc}", hint)
+    finally:
+        for h in hooks:
+            h.remove()
     mine, want = _grads(model), _grads(big)
     if all(g is None for g in mine):
         return unanswered(ACCUMULATE, hint)
     if any(g is None for g in mine):
         return wrong(ACCUMULATE, "some parameters got no gradient", hint)
     if _same_grads(mine, want):
+        size = len(x) // micro_batches
+        if seen and max(seen) > size:
+            return wrong(ACCUMULATE, f"the gradients are right, but the model ran a forward over "
+                         f"{plural(max(seen), 'sample')} at once: no accumulation happened (a micro-batch "
+                         f"holds {size} of the {len(x)})", hint.after(
+                             "one forward and backward over the whole batch gives these "
+                             "gradients too, but needs the memory of the whole batch: split x "
+                             "and y into micro_batches slices (x.chunk) and run forward and "
+                             "backward on each slice"))
+        if micro_batches > 1 and backwards[0] < micro_batches:
+            return wrong(ACCUMULATE, f"the gradients are right, but backward ran "
+                         f"{plural(backwards[0], 'time')} for "
+                         f"{plural(micro_batches, 'micro-batch', 'micro-batches')}: every "
+                         f"micro-batch's graph was kept until then", hint.after(
+                             "call backward on each micro-batch's loss inside the loop: .grad "
+                             "adds them up, and each graph is freed before the next forward "
+                             "(adding the losses first keeps every graph in memory)"))
         return passed(ACCUMULATE, f"{plural(micro_batches, 'micro-batch', 'micro-batches')} give the gradients of one "
                       f"batch of {len(x)}")
     ratio = float(mine[0].norm() / want[0].norm())
@@ -187,12 +228,27 @@ def _saved_bytes(forward: Callable) -> tuple:
     return out, total[0]
 
 
+def _reentrant_symptom(fn: Callable, blocks, x) -> bool:
+    """True when ``fn``'s output needs a gradient once its input does: reentrant checkpointing
+    (``use_reentrant=True``) with an input that needs none, not a forward under no_grad or a
+    detach (those lose the graph whatever the input)."""
+    try:
+        out = fn(blocks, x.detach().clone().requires_grad_())
+        return isinstance(out, torch.Tensor) and out.requires_grad
+    except Exception:  # noqa: BLE001 - the learner's code on a probe: no more to learn
+        return False
+    finally:
+        blocks.zero_grad(set_to_none=True)
+
+
 def check_checkpointing(fn: Callable, device=None) -> Check:
     """Grade ``fn(blocks, x) -> output``: it must give the plain forward's output and gradients
     and save at most half of what the plain forward saves for backward (the graph's saved
     tensors, counted by a saved-tensors hook); a wrong answer says how much it saved against
     the plain forward and against every block checkpointed."""
     hint = HINTS["checkpoint"]
+    if not_a_function(CHECKPOINT, fn, hint) is not None:
+        return not_a_function(CHECKPOINT, fn, hint)
     reentrant = hint.after("use_reentrant=True runs the block under no_grad and, with an input "
                            "that needs no gradient, nothing reaches the weights: pass "
                            "use_reentrant=False")
@@ -211,17 +267,31 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
     out.square().mean().backward()
     want = _grads(blocks)
     blocks.zero_grad(set_to_none=True)
+    no_graph = hint.after("the output must carry the autograd graph: run the blocks without "
+                          "torch.no_grad() and without .detach(); checkpoint itself frees the "
+                          "blocks' inner activations and recomputes them in backward")
     try:
         mine, mine_bytes = _saved_bytes(lambda: fn(blocks, x))
-        if mine is None:
+        if mine is None or mine is Ellipsis:
             return unanswered(CHECKPOINT, hint)
-        mine.square().mean().backward()
+        if not isinstance(mine, torch.Tensor):
+            return wrong(CHECKPOINT, f"expected the last block's output, a tensor; got "
+                         f"{type(mine).__name__}", hint)
+        if not mine.requires_grad:
+            return wrong(CHECKPOINT, "the output has no autograd graph, so no gradient can "
+                         "reach the blocks' weights",
+                         reentrant if _reentrant_symptom(fn, blocks, x) else no_graph)
+        mine.float().square().mean().backward()
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-        return wrong(CHECKPOINT, f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
-                     reentrant if "does not require grad" in str(exc) else hint)
+        return wrong(CHECKPOINT, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hint)
     got = _grads(blocks)
     if any(g is None for g in got):
-        return wrong(CHECKPOINT, "the blocks' weights got no gradient", reentrant)
+        return wrong(CHECKPOINT, "the blocks' weights got no gradient", hint)
+    if mine.dtype != out.dtype or mine.shape != out.shape:
+        return wrong(CHECKPOINT, f"the output is {mine.dtype} {tuple(mine.shape)}; the plain "
+                     f"forward's is {out.dtype} {tuple(out.shape)}", hint.after(
+                         "return the last block's output as it comes: checkpointing changes "
+                         "what is saved for backward, not the output's dtype or shape"))
     if not torch.allclose(mine, out) or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
                                                   for a, b in zip(got, want)):
         return wrong(CHECKPOINT, "the output or the gradients differ from the plain forward's",
@@ -288,7 +358,8 @@ def _trainer(seed: int, device) -> Trainer:
     model = _mlp(seed).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     config = TrainConfig(precision="fp16", progress=False, seed=None, track_memory=False,
-                         scaler=ScalerSettings(init_scale=2.0 ** 10, growth_interval=2))
+                         scaler=ScalerSettings(init_scale=2.0 ** 10,
+                                                 growth_interval=RESUME_GROWTH_INTERVAL))
     return Trainer(model, opt, config)
 
 
@@ -323,8 +394,9 @@ _RESUME_MISSING = {
                 "model.state_dict() and load it with model.load_state_dict()",
     ("optimizer",): "the weights or SGD's momentum buffers did not come back: save and load "
                     "optimizer.state_dict() as well as the model's",
-    ("scaler",): "the scaler restarted from init_scale: save scaler.state_dict() and load it "
-                 "with scaler.load_state_dict()",
+    ("scaler",): "the scaler's state did not come back whole (its scale, or its count of clean "
+                 "steps since the last growth, which decides when it next grows): save "
+                 "scaler.state_dict() and load it with scaler.load_state_dict()",
 }
 
 
@@ -341,8 +413,13 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
     """Grade ``save(model, optimizer, scaler) -> dict`` and ``load(state, model, optimizer,
     scaler)``: a run stopped at step 6 of 12, saved (through ``torch.save`` and
     ``torch.load(weights_only=True)``) and loaded into fresh objects, must continue exactly as
-    the uninterrupted run: same losses and loss scales, bit for bit."""
+    the uninterrupted run: same losses and loss scales, bit for bit, and the loaded model,
+    optimizer and scaler states (the scaler's growth tracker included: it is 2 at the save)
+    equal to the saved ones."""
     hint = HINTS["resume"]
+    for fn in (save, load):
+        if not_a_function(RESUME, fn, hint) is not None:
+            return not_a_function(RESUME, fn, hint)
     device = as_device(device)
     try:
         check_precision("fp16", device)
@@ -386,5 +463,9 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
             return wrong(RESUME, f"step {i}: loss {float(a.loss):.6f} after resuming, "
                          f"{float(b.loss):.6f} without the interruption, with the same loss "
                          f"scale", hint.after(_resume_mistake(missing or ["optimizer"])))
+    if missing:  # the same losses and scales here, but not the saved state
+        return wrong(RESUME, f"steps {RESUME_AT}-{RESUME_STEPS - 1} gave the same losses and "
+                     f"scales, but after loading, the state of {', '.join(missing)} differs "
+                     f"from the saved run's", hint.after(_resume_mistake(missing)))
     return passed(RESUME, f"steps {RESUME_AT}-{RESUME_STEPS - 1} after resuming: same losses "
                   f"and loss scales as the uninterrupted run, bit for bit")

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from .. import formats
-from .check import Check, hint_book, hint_reader, is_blank, passed, unanswered, wrong
+from .check import (Check, hint_book, hint_reader, is_blank, not_a_function, passed, unanswered,
+                    wrong)
+
 TENSOR = "Exercise 1 (implement): per-tensor amax scaling"
 ROW = "Exercise 2 (implement): per-row amax scaling"
 FILTER = "Exercise 3 (implement): which layers to convert"
@@ -89,7 +91,8 @@ def _scale_hint(pairs, what, hints, no_abs=None):
     input tensor the scale was computed on, the graded one first. Each typical mistake is tested
     for itself on the graded tensor (``no_abs`` is the scale from amax without ``abs``); scales
     off by one factor on every value of every input (so amax is found) are told to check the
-    format's maximum; anything else gets the exercise's own hints."""
+    format's maximum; a zero, negative or non-finite scale is told what a scale must be;
+    anything else gets the exercise's own hints."""
     g, w = (torch.as_tensor(t, dtype=torch.float64) for t in pairs[0])
     if torch.allclose(g, 1 / w, rtol=1e-4):
         return hints.after("that is the inverse: the scale multiplies x up to e4m3's max, so "
@@ -101,6 +104,12 @@ def _scale_hint(pairs, what, hints, no_abs=None):
                                              rtol=1e-4):
         return hints.after(f"amax is the largest |x| ({what}): use x.abs(), not x, so negative "
                            f"outliers count")
+    if not bool(torch.isfinite(g).all()) or bool((g <= 0).any()):
+        bad = "a scale of 0" if bool((g == 0).any()) else "a NaN or infinite scale" if not bool(
+            torch.isfinite(g).all()) else "a negative scale"
+        return hints.after(f"{bad} cannot carry amax onto e4m3's maximum: x * scale "
+                           f"must reach {e4m3_max():g} at amax, so the scale is a positive, "
+                           f"finite max / amax")
     ratios = torch.cat([(torch.as_tensor(a, dtype=torch.float64)
                          / torch.as_tensor(b, dtype=torch.float64)).flatten() for a, b in pairs])
     if len(ratios) > 1 and bool(torch.isfinite(ratios).all()) and torch.allclose(
@@ -130,6 +139,8 @@ def _scale_on(fn, x):
 def check_per_tensor_scale(fn: Callable) -> Check:
     """Grade ``fn(x) -> scale``: e4m3's max over ``amax(|x|)`` (a 0-dim tensor or a number)."""
     hint = HINTS["tensor"]
+    if not_a_function(TENSOR, fn, hint) is not None:
+        return not_a_function(TENSOR, fn, hint)
     x = test_tensor()
     try:
         got = fn(x)
@@ -141,7 +152,9 @@ def check_per_tensor_scale(fn: Callable) -> Check:
     try:
         g = torch.as_tensor(got, dtype=torch.float64).reshape(())
     except (RuntimeError, TypeError, ValueError):
-        return wrong(TENSOR, f"expected one scale for the whole tensor; got {got!r}", hint)
+        what = (f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor)
+                else f"{got!r:.80}")
+        return wrong(TENSOR, f"expected one scale for the whole tensor; got {what}", hint)
     if not torch.allclose(g, want.double(), rtol=1e-4):
         pairs = [(g, want)]
         other = _other_tensor()
@@ -157,6 +170,8 @@ def check_per_tensor_scale(fn: Callable) -> Check:
 def check_per_row_scale(fn: Callable) -> Check:
     """Grade ``fn(x) -> scales``: one e4m3 scale per row, shape ``(rows, 1)``."""
     hint = HINTS["row"]
+    if not_a_function(ROW, fn, hint) is not None:
+        return not_a_function(ROW, fn, hint)
     x = test_tensor()
     try:
         got = fn(x)
@@ -165,7 +180,14 @@ def check_per_row_scale(fn: Callable) -> Check:
     if is_blank(got):
         return unanswered(ROW, hint)
     want = reference_per_row(x)
-    g = torch.as_tensor(got, dtype=torch.float64)
+    try:
+        g = torch.as_tensor(got, dtype=torch.float64)
+    except (RuntimeError, TypeError, ValueError):
+        try:  # a list of one-value tensors, one per row
+            g = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in got])
+        except Exception:  # noqa: BLE001 - not numbers: say so
+            return wrong(ROW, f"expected a tensor of scales, one per row; got "
+                         f"{type(got).__name__} {got!r:.80}", hint)
     if g.shape != want.shape:
         if g.numel() == x.shape[1]:
             what, why = "one scale per column", hint.after(
@@ -198,6 +220,8 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
     on every ``nn.Linear`` of ``model`` against ``plan`` (rows with ``layer``, ``precision``
     "float8" | "bf16" and ``reason``)."""
     hint = HINTS["filter"]
+    if not_a_function(FILTER, fn, hint) is not None:
+        return not_a_function(FILTER, fn, hint)
     rows = {r["layer"]: r for r in plan}
     try:
         answers = {name: fn(m, name) for name, m in model.named_modules()

@@ -3,13 +3,14 @@ round-to-nearest and the package's ``optim.stochastic_round_bf16``), a Kahan-com
 update (checked against the exact sum and ``optim.add_rounded``), and the memory of a large
 model's training state per recipe (checked against the bytes per parameter the lesson measured,
 ``optim.memory_rows``)."""
+import math
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .. import formats, optim
-from .check import (Check, hint_book, hint_reader, is_blank, number, passed, skipped, unanswered,
-                    within, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, not_a_function, number, passed,
+                    skipped, text_key, unanswered, within, wrong)
 
 STOCHASTIC = "Exercise 1 (implement): stochastic rounding to bf16"
 KAHAN = "Exercise 2 (implement): a Kahan-compensated bf16 update"
@@ -110,6 +111,8 @@ def check_stochastic_rounding(fn: Callable) -> Check:
     (within 2% of a bf16 ulp: round-to-nearest and truncation miss by 13-70%); a second call
     (another seed) must round differently: a fixed pattern repeats its error at every step."""
     hints = HINTS["stochastic"]
+    if not_a_function(STOCHASTIC, fn, hints) is not None:
+        return not_a_function(STOCHASTIC, fn, hints)
     x = _sr_input()
     try:
         got = _seeded(fn, x, 0)
@@ -277,6 +280,8 @@ def check_kahan_update(fn: Callable) -> Check:
     The first step, taken again after the run, must give the same outputs: the weight and the
     compensation are the whole state (an fp32 copy kept between calls is not Kahan)."""
     hints = HINTS["kahan"]
+    if not_a_function(KAHAN, fn, hints) is not None:
+        return not_a_function(KAHAN, fn, hints)
     start, update = _kahan_case()
     try:
         first = _run_kahan(fn, start, update, 1)  # taken again after the run: must not change
@@ -350,6 +355,8 @@ def check_state_gib(answers: Mapping, memory: Sequence[Mapping],
                      hints)
     if is_blank(answers):
         return unanswered(MEMORY, hints)
+    names = {text_key(r): r for r in MEMORY_RECIPES}
+    answers = {names.get(text_key(k), k): v for k, v in answers.items()}
     by = measured_bytes(memory)
     if "fp32 master" not in by:
         return skipped(MEMORY, "the fp32-master reference was not measured in this run")
@@ -359,10 +366,14 @@ def check_state_gib(answers: Mapping, memory: Sequence[Mapping],
             continue
         row = by[recipe]
         want = row["bytes per parameter"] * parameters / GIB
-        got = number(answers.get(recipe))
-        if got is None:
-            return wrong(MEMORY, f"{recipe}: expected a number of GiB; got "
-                         f"{answers.get(recipe)!r}", hints)
+        if recipe not in answers:
+            return wrong(MEMORY, f"no answer for {recipe!r}: the dict needs the keys "
+                         f"{', '.join(map(repr, MEMORY_RECIPES))}; it has "
+                         f"{', '.join(map(repr, answers))}", hints)
+        got = number(answers[recipe])
+        if got is None or not math.isfinite(got):
+            return wrong(MEMORY, f"{recipe}: expected a finite number of GiB; got "
+                         f"{answers[recipe]!r}", hints)
         if within(got, want, 0.03):
             graded.append(f"{recipe} {want:.1f}")
             continue

@@ -10,8 +10,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from .. import formats
 from ..tables import plural
-from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, number, passed,
-                    skipped, unanswered, wrong)
+from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, not_a_function,
+                    number, passed, skipped, text_key, unanswered, whole_number, wrong)
 
 OVERFLOW = "Exercise 2 (read the report): the layer that overflows fp16"
 SCALE = "Exercise 1 (implement): the loss scale from the report's ranges"
@@ -64,6 +64,24 @@ def _layer(report, name) -> Optional[Mapping]:
     return next((r for r in report.layers if r["layer"] == name), None)
 
 
+def _layer_name(report, answer) -> str:
+    """``answer`` as one of ``report``'s layer names: stripped, and matched without regard to
+    case where exactly one layer matches so; else the stripped text, as given."""
+    name = str(answer).strip()
+    names = [r["layer"] for r in report.layers]
+    if name in names:
+        return name
+    same = [n for n in names if n.lower() == name.lower()]
+    return same[0] if len(same) == 1 else name
+
+
+def _absmax(row: Optional[Mapping]) -> str:
+    """A row's act_absmax for a message: "none recorded" where the doctor left it None (a
+    layer whose output was all zeros, for one)."""
+    value = (row or {}).get("act_absmax")
+    return f"{value:.3g}" if number(value) is not None else "none recorded"
+
+
 # --- exercise 1 ---------------------------------------------------------------------------------
 
 def reference_overflow_layer(report) -> str:
@@ -84,7 +102,7 @@ def check_overflow_layer(answer, report) -> Check:
     if not report.overflow:
         return skipped(OVERFLOW, "nothing overflows fp16 in this report")
     sites = {o["layer"]: o for o in report.overflow}
-    name = str(answer).strip()
+    name = _layer_name(report, answer)
     if name in sites:
         return passed(OVERFLOW, f"{name} ({sites[name]['kind']}) reaches "
                       f"{sites[name]['value']:,.0f}, past fp16's {fp16_max():,.0f}")
@@ -185,6 +203,8 @@ def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
     of the report's ``layers`` (and its ``model`` name) only, so that returning the doctor's
     answer, or changing the report, is not possible."""
     hints = HINTS["scale"]
+    if not_a_function(SCALE, fn, hints) is not None:
+        return not_a_function(SCALE, fn, hints)
     reports = [r for r in reports if r.scale_exponent is not None]
     if not reports:
         return skipped(SCALE, "no report here has a nonzero gradient")
@@ -244,7 +264,12 @@ def check_report_answers(answers, report) -> Check:
     if is_blank(answers):
         return unanswered(YOURS, hints)
     want = reference_answers(report)
-    got = {q: answers.get(q) for q in QUESTIONS}
+    names = {text_key(q): q for q in QUESTIONS}
+    got = {names[text_key(k)]: v for k, v in answers.items() if text_key(k) in names}
+    missing = [q for q in QUESTIONS if q not in got]
+    if missing:
+        return wrong(YOURS, f"no answer for {', '.join(map(repr, missing))}: the dict needs the "
+                     f"keys {', '.join(map(repr, QUESTIONS))}", hints)
     if not _is_bool(got["fp16 safe"]):
         return wrong(YOURS, f"fp16 safe: expected True or False; got {got['fp16 safe']!r}",
                      hints.after("answer fp16 safe with the bool True or False (no quotes), "
@@ -254,23 +279,25 @@ def check_report_answers(answers, report) -> Check:
                      f"{want['fp16 safe']}", hints.after(
                          "the advice's last line says whether fp16 with GradScaler is safe "
                          "here; True or False"))
-    if want["scale exponent"] is not None and number(got["scale exponent"]) != want["scale exponent"]:
+    if want["scale exponent"] is not None and whole_number(got["scale exponent"]) \
+            != want["scale exponent"]:
         return wrong(YOURS, f"scale exponent: {got['scale exponent']!r}; the report's is "
                      f"{want['scale exponent']}", hints.after(
                          "2^16 is GradScaler's default start, not where it settles: the "
                          "advice's first line names the power of two it would settle near"
-                         if number(got["scale exponent"]) == 16 else
+                         if whole_number(got["scale exponent"]) == 16 else
                          "the advice's first line names the power of two GradScaler would settle "
                          "near: give its exponent"))
-    row = _layer(report, got["largest activation"])
+    name = _layer_name(report, got["largest activation"])
+    row = _layer(report, name)
     best = _layer(report, want["largest activation"])
     if row is None or (row.get("act_absmax") or 0) < (best.get("act_absmax") or 0):
-        said = (f"{got['largest activation']} reaches {row.get('act_absmax') or 0:.3g}"
-                if row else f"{got['largest activation']!r} is not a layer of the report")
-        return wrong(YOURS, f"largest activation: {said}; {best['layer']} reaches "
-                     f"{best['act_absmax']:.3g}", hints.after(
+        said = (f"{name}'s act absmax is {_absmax(row)}" if row
+                else f"{got['largest activation']!r} is not a layer of the report")
+        return wrong(YOURS, f"largest activation: {said}; the largest is {best['layer']}'s "
+                     f"({_absmax(best)})", hints.after(
                          "the largest output is not always the last layer's: compare the act "
                          "absmax column over all layers"))
     return passed(YOURS, f"{report.model}: fp16 {'safe' if want['fp16 safe'] else 'not safe'}, "
                   f"scale 2^{want['scale exponent']}, largest activation in "
-                  f"{want['largest activation']} ({best['act_absmax']:.3g})")
+                  f"{want['largest activation']} ({_absmax(best)})")

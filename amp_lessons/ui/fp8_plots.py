@@ -3,10 +3,11 @@ recipes against bf16 per width, and the loss curves of the GPT runs. Pure builde
 plotly figure out."""
 from __future__ import annotations
 
+import math
 from typing import List, Mapping, Optional, Sequence
 
 from ..bench.float8 import FP8_RECIPES, NOT_MEASURED
-from .._validate import check_int
+from .._validate import check_int, is_real
 from ..fp8 import FP8_FORMATS as FORMATS
 from ..fp8 import SCALINGS, TENSOR_KINDS, error_summary
 from ..tables import plural
@@ -34,11 +35,15 @@ def error_figure(rows: Sequence[Mapping], title: str = "FP8 round-trip error of 
             if not sel:
                 continue
             kinds = [k for k in TENSOR_KINDS if k in sel]
+            # a kind not measured (None, NaN) has no bar and says so, never a 1e-3 % bar
+            errors = [sel[k].get("rel_error") for k in kinds]
+            flushed = [sel[k].get("underflow") for k in kinds]
             fig.add_trace(go.Bar(
-                x=kinds, y=[max(100 * sel[k]["rel_error"], 1e-3) for k in kinds],
+                x=kinds, y=[max(100 * e, 1e-3) if is_real(e) else None for e in errors],
                 name=f"scale: {scaling}", legendgroup=scaling, showlegend=col == 1,
                 marker_color=colors[scaling],
-                customdata=[100 * sel[k]["underflow"] for k in kinds],
+                text=["" if is_real(e) else "not measured" for e in errors],
+                customdata=[100 * u if is_real(u) else None for u in flushed],
                 hovertemplate="%{x}: %{y:.3g}% error, %{customdata:.1f}% flushed to 0"),
                 row=1, col=col)
     fig.update_yaxes(type="log", title_text="relative error (%, log scale)", row=1, col=1)
@@ -62,7 +67,7 @@ def speed_figure(rows: Sequence[Mapping],
     widths = sorted({r["width"] for r in rows})
     for recipe, color in zip(FP8_RECIPES, ("#1f77b4", "#ff7f0e")):
         pts = sorted((r["width"], r["speedup"], r.get("step_ms"), r.get("peak_gib")) for r in rows
-                     if r["recipe"] == recipe and r.get("speedup") is not None)
+                     if r["recipe"] == recipe and is_real(r.get("speedup")))
         if pts:
             fig.add_trace(go.Scatter(
                 x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
@@ -73,7 +78,7 @@ def speed_figure(rows: Sequence[Mapping],
     fig.add_hline(y=1.0, line_dash="dash", line_color="gray",
                   annotation_text="compiled bf16 = 1x", annotation_position="bottom right")
     if not fig.data:
-        why = next((r["status"] for r in rows), NOT_MEASURED)
+        why = str(next((r.get("status") for r in rows if r.get("status")), None) or NOT_MEASURED)
         fig.add_annotation(text=why[:110] + ("..." if len(why) > 110 else ""), showarrow=False,
                            xref="paper", yref="paper", x=0.5, y=0.6)
     styled(fig, title, "MLP width d (Linear d -> 4d -> d, log scale)",
@@ -84,12 +89,12 @@ def speed_figure(rows: Sequence[Mapping],
 
 
 def _smooth(values: Sequence[float], window: int) -> List[float]:
-    out, total = [], 0.0
+    """Trailing mean over ``window`` steps of the finite values; a non-finite loss is a gap (NaN)
+    at its own step only (a running sum carried one NaN into every later step)."""
+    out = []
     for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+        part = [x for x in values[max(0, i - window + 1):i + 1] if math.isfinite(x)]
+        out.append(sum(part) / len(part) if part and math.isfinite(v) else math.nan)
     return out
 
 
@@ -106,7 +111,7 @@ def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Op
     if not trained:
         raise ValueError("runs must hold at least one trained run (see accuracy_runs)")
     steps = min(len(r["losses"]) for r in trained)
-    window = smooth or max(1, steps // 50)
+    window = smooth if smooth is not None else max(1, steps // 50)  # 0 is refused, not 2%
     check_int("smooth", window, 1)
     curves = {r["label"]: _smooth(r["losses"][:steps], window) for r in trained}
     x = list(range(1, steps + 1))

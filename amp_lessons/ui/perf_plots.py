@@ -23,13 +23,15 @@ _L04_COUNTED = ("params_gib", "grads_gib", "optimizer_state_gib", "activations_g
 def _l04_memory(row: Mapping, key: str) -> Optional[float]:
     if key == "counted_gib":
         parts = [row.get(k) for k in _L04_COUNTED]
-        return sum(parts) if all(p is not None for p in parts) else None
-    return row.get(key)
+        return sum(parts) if all(is_real(p) for p in parts) else None
+    value = row.get(key)
+    return value if is_real(value) else None  # NaN/inf memory is not measured, never a point
 
 
 def _l04_hover(row: Mapping) -> str:
     idle = row.get("gpu_idle_fraction")
-    return row["label"] + ("" if idle is None else f"<br>GPU idle {100 * idle:.2g}% of the step")
+    return str(row.get("label", "?")) + ("" if not is_real(idle) else
+                                         f"<br>GPU idle {100 * idle:.2g}% of the step")
 
 
 def throughput_memory(rows: Sequence[Mapping], title: str = "ResNet training step: "
@@ -47,7 +49,7 @@ def throughput_memory(rows: Sequence[Mapping], title: str = "ResNet training ste
     x_title = ("peak allocated memory (GiB)" if memory_key == "peak_allocated_gib" else
                "counted memory: params + grads + optimizer state + activations (GiB)"
                if memory_key == "counted_gib" else f"{memory_key} (GiB)")
-    shown = [r for r in rows if r.get("img_per_s") is not None and r.get("status") == "ok"
+    shown = [r for r in rows if is_real(r.get("img_per_s")) and r.get("status") == "ok"
              and _l04_memory(r, memory_key) is not None]
     if not shown:
         raise ValueError("rows must hold at least one measured configuration (status ok)")
@@ -66,7 +68,7 @@ def throughput_memory(rows: Sequence[Mapping], title: str = "ResNet training ste
     if others:
         fig.add_trace(go.Scatter(x=[_l04_memory(r, memory_key) for r in others],
                                  y=[r["img_per_s"] for r in others], mode="markers",
-                                 name="other", text=[r["label"] for r in others]))
+                                 name="other", text=[_l04_hover(r) for r in others]))
     left_out = [f"{r.get('label', '?')} ({r.get('status', '?')})" for r in rows if r not in shown]
     if left_out:
         title = (f"{title}<br><sup>not shown: "
@@ -121,8 +123,9 @@ def technique_memory_time(rows: Sequence[Mapping[str, Any]],
     """
     memory_lines = _l05_check_lines("memory_lines", memory_lines)
     time_lines = _l05_check_lines("time_lines", time_lines)
-    shown = [r for r in rows if r.get("status") == "ok" and r.get("step_ms") is not None
-             and r.get("memory_gib") is not None]
+    # NaN/inf numbers are not measured: named under the title, never a point (NaN broke the axes)
+    shown = [r for r in rows if r.get("status") == "ok" and is_real(r.get("step_ms"))
+             and is_real(r.get("memory_gib"))]
     if not shown:
         raise ValueError("rows must hold at least one measured technique (status ok)")
     names = [r.get("technique", r.get("label", "?")) for r in shown]
@@ -301,17 +304,19 @@ def scaling_figure(summary: Sequence[Dict[str, Any]],
         rows = sorted((r for r in summary if r["label"] == label), key=lambda r: r["world_size"])
         color = _L06_COLORS[i % len(_L06_COLORS)]
         n = [r["world_size"] for r in rows]
-        efficiency = [f"{r['efficiency']:.0%}" if r.get("efficiency") is not None else "n/a"
+        efficiency = [f"{r['efficiency']:.0%}" if is_real(r.get("efficiency")) else "n/a"
                       for r in rows]
         # one process is 100% by definition: its label would only stack on the others'
         text = ["" if k == 1 else e.replace("n/a", "") for k, e in zip(n, efficiency)]
-        fig.add_trace(go.Scatter(x=n, y=[r["per_s"] for r in rows], name=label,
+        fig.add_trace(go.Scatter(x=n, y=[r["per_s"] if is_real(r.get("per_s")) else None
+                                         for r in rows], name=label,
                                  mode="lines+markers+text", text=text, customdata=efficiency,
                                  textposition="top left", line=dict(color=color),
                                  hovertemplate="%{x} processes: %{y:,.0f}/s<br>"
                                                "scaling efficiency %{customdata}<extra>" + label
                                                + "</extra>"))
-        one = next((r["per_s"] for r in rows if r["world_size"] == 1), None)
+        one = next((r["per_s"] for r in rows if r["world_size"] == 1
+                    and is_real(r.get("per_s"))), None)
         if one is not None and len(n) > 1:
             fig.add_trace(go.Scatter(x=n, y=[one * k for k in n], name=f"{label}: perfect",
                                      mode="lines", line=dict(color=color, dash="dot"),
@@ -335,7 +340,12 @@ def memory_per_rank_figure(rows: Sequence[Dict[str, Any]],
     """
     if not rows:
         raise ValueError("rows must hold at least one per-rank row")
-    world_size = world_size or max(r["world_size"] for r in rows)
+    if world_size is None:
+        world_size = max(r["world_size"] for r in rows)
+    sizes = sorted({r["world_size"] for r in rows})
+    if world_size not in sizes or isinstance(world_size, bool):  # 0 chose the largest silently
+        raise ValueError(f"world_size must be one of the sizes in rows {sizes} (None: the "
+                         f"largest); got {world_size!r}")
     chosen = [r for r in rows if r["world_size"] == world_size]
     if not chosen:
         raise ValueError(f"world_size must be one of the sizes in rows; got {world_size}")
@@ -345,8 +355,8 @@ def memory_per_rank_figure(rows: Sequence[Dict[str, Any]],
         fig.add_trace(go.Bar(x=x, y=[r[key] for r in chosen], name=name, marker_color=color,
                              hovertemplate="%{y:,.1f} MiB<extra>" + name + "</extra>"))
     peaks = [r.get("peak_gib") for r in chosen]
-    if any(p is not None for p in peaks):
-        fig.add_trace(go.Scatter(x=x, y=[p * 1024 if p is not None else None for p in peaks],
+    if any(is_real(p) for p in peaks):
+        fig.add_trace(go.Scatter(x=x, y=[p * 1024 if is_real(p) else None for p in peaks],
                                  name="peak allocated", mode="markers",
                                  marker=dict(symbol="diamond", size=11, color="#111111"),
                                  hovertemplate="%{y:,.0f} MiB<extra>peak allocated</extra>"))

@@ -10,6 +10,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from .._validate import check_int, is_real
 from .plots import TEMPLATE, styled
 
 RECIPE_COLORS = {"fp32 master": "#000000", "bf16": "#E45756",
@@ -57,6 +58,7 @@ def recipe_losses(rows: Sequence[Mapping], title: str = "Training loss per weigh
     """Loss against step, one panel per workload, one line per recipe (the first seed; other
     seeds of the fp32-master reference drawn thin and grey: the noise scale). Log y axis; the
     curve is a moving average over 2% of the steps."""
+    check_int("max_points", max_points, 2)  # 0 divided by zero, a negative one thinned nothing
     trained = [r for r in rows if r.get("losses")]
     if not trained:
         raise ValueError("rows must hold at least one trained run (with losses)")
@@ -68,7 +70,8 @@ def recipe_losses(rows: Sequence[Mapping], title: str = "Training loss per weigh
         first_seen = set()
         for r in (r for r in trained if r["workload"] == w):
             steps = len(r["losses"])
-            y_full = _smooth(r["losses"], max(1, steps // 50))
+            losses = [v if is_real(v) else np.nan for v in r["losses"]]  # not measured: a gap
+            y_full = _smooth(losses, max(1, steps // 50))
             x, y = _thin(y_full, max_points)
             extra_seed = r["recipe"] in first_seen
             first_seen.add(r["recipe"])
@@ -100,7 +103,7 @@ def rounded_away(rows: Sequence[Mapping], title: str = "Share of weights whose u
                 continue
             seen.add((w, r["recipe"]))
             steps, shares = zip(*r["rounded_away"])
-            idx, y = _thin([100 * s for s in shares], 300)
+            idx, y = _thin([100 * s if is_real(s) else np.nan for s in shares], 300)
             fig.add_trace(go.Scatter(x=[steps[i] for i in idx], y=y, mode="lines",
                                      name=r["recipe"], legendgroup=r["recipe"],
                                      showlegend=r["recipe"] not in shown,
@@ -118,11 +121,19 @@ def memory_by_category(memory: Sequence[Mapping], title: str = "Where the traini
     if not memory:
         raise ValueError("memory must hold at least one row")
     workloads = _workloads(memory)
+    missing = [f"{m['recipe']} {label}" for m in memory for key, label, _ in MEMORY_PARTS
+               if not is_real(m.get(key))]
+    if missing:
+        title = (f"{title}<br><sup>not measured: {'; '.join(missing[:4])}"
+                 f"{' ...' if len(missing) > 4 else ''}</sup>")
     fig = _panels(workloads, title, "recipe", "memory (MiB)", height=540)
     for col, w in enumerate(workloads, start=1):
         mine = [m for m in memory if m["workload"] == w]
         for key, label, color in MEMORY_PARTS:
-            fig.add_trace(go.Bar(x=[m["recipe"] for m in mine], y=[m[key] for m in mine],
+            # a part not measured (None, NaN, absent) has no bar segment (named in the title)
+            values = [m.get(key) for m in mine]
+            fig.add_trace(go.Bar(x=[m["recipe"] for m in mine],
+                                 y=[v if is_real(v) else None for v in values],
                                  name=label, legendgroup=label, showlegend=col == 1,
                                  marker_color=color,
                                  hovertemplate="%{x}: %{y:.1f} MiB " + label + "<extra></extra>"),

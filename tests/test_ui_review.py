@@ -1,0 +1,119 @@
+"""Outside review of the lesson 04-09 figures (perf, fp8, weight and doctor plots): rows not
+measured (None, NaN, absent keys) show as such instead of raising or plotting NaN as a value, and
+bad settings raise ValueError naming the setting."""
+import math
+import types
+
+import pytest
+
+from amp_lessons.ui import doctor_plots as D
+from amp_lessons.ui import fp8_plots as F
+from amp_lessons.ui import perf_plots as P
+from amp_lessons.ui import weight_plots as Wp
+
+NAN = float("nan")
+
+
+def _tech(**k):
+    return {"technique": "AMP", "status": "ok", "step_ms": 10.0, "memory_gib": 1.0,
+            "memory_source": "peak", **k}
+
+
+def test_technique_memory_time_names_a_nan_row_instead_of_breaking_the_axes():
+    fig = P.technique_memory_time([_tech(), _tech(technique="fp32", step_ms=NAN)])
+    assert all(math.isfinite(v) for v in fig.layout.xaxis.range)
+    assert "not measured here: fp32" in fig.layout.title.text
+
+
+def test_throughput_memory_leaves_out_nan_speed_and_unlabelled_rows_do_not_raise():
+    row = {"label": "fp16", "status": "ok", "img_per_s": 100.0, "peak_allocated_gib": 1.0,
+           "config": {"precision": "fp16"}}
+    fig = P.throughput_memory([row, dict(row, label="bf16", img_per_s=NAN)])
+    assert "not shown: bf16" in fig.layout.title.text
+    assert all(math.isfinite(y) for t in fig.data for y in t.y)
+    P.throughput_memory([{"status": "ok", "img_per_s": 1.0, "peak_allocated_gib": 1.0}])
+
+
+def test_memory_per_rank_refuses_world_size_zero_and_skips_nan_peaks():
+    row = {"label": "ddp", "rank": 0, "world_size": 2, "param_mib": 1.0, "grad_mib": 1.0,
+           "optimizer_state_mib": 2.0, "peak_gib": NAN}
+    with pytest.raises(ValueError, match="world_size"):
+        P.memory_per_rank_figure([row], world_size=0)
+    assert len(P.memory_per_rank_figure([row]).data) == 3  # no peak marker from NaN
+
+
+def test_scaling_figure_nan_efficiency_is_not_written_as_nan_percent():
+    rows = [{"label": "ddp", "world_size": 1, "per_s": NAN, "efficiency": 1.0},
+            {"label": "ddp", "world_size": 2, "per_s": 180.0, "efficiency": NAN}]
+    fig = P.scaling_figure(rows)
+    assert "nan%" not in str(fig.data[0].text) and len(fig.data) == 1  # no perfect line from NaN
+
+
+def test_fp8_error_figure_not_measured_kind_has_no_bar():
+    row = {"tensor": "activation", "format": "e4m3", "scaling": "tensorwise", "rel_error": None,
+           "underflow": None}
+    fig = F.error_figure([row])
+    assert fig.data[0].y == (None,) and fig.data[0].text == ("not measured",)
+
+
+def test_fp8_speed_figure_without_status_and_with_nan_speedup():
+    row = {"width": 256, "recipe": "tensorwise", "speedup": NAN, "step_ms": None, "status": None}
+    fig = F.speed_figure([row])
+    assert not fig.data and "not measured" in fig.layout.annotations[-1].text
+
+
+def test_fp8_loss_smoothing_keeps_one_nan_loss_at_its_step():
+    assert F._smooth([1.0, NAN, 1.0, 1.0], 2)[2:] == [1.0, 1.0]
+    run = {"label": "bf16, seed 0", "recipe": "bf16", "seed": 0, "losses": [2.0, NAN, 1.0, 1.0],
+           "status": "trained"}
+    fig = F.loss_figure([run], smooth=2)
+    assert list(fig.data[0].y[2:]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="smooth"):
+        F.loss_figure([run], smooth=0)  # was taken as "the default"
+
+
+def _wrow(**k):
+    return {"workload": "mlp", "recipe": "bf16", "seed": 0, "losses": [1.0, 0.5, 0.25],
+            "rounded_away": [(1, 0.1), (2, 0.2)], **k}
+
+
+def test_recipe_losses_max_points_is_checked_and_none_losses_are_gaps():
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="max_points"):
+            Wp.recipe_losses([_wrow()], max_points=bad)
+    Wp.recipe_losses([_wrow(losses=[1.0, None, 0.5])])
+
+
+def test_rounded_away_none_share_is_a_gap():
+    fig = Wp.rounded_away([_wrow(rounded_away=[(1, None), (2, 0.2)])])
+    assert math.isnan(fig.data[0].y[0]) and fig.data[0].y[1] == pytest.approx(20.0)
+
+
+def test_memory_by_category_names_parts_not_measured():
+    fig = Wp.memory_by_category([{"workload": "mlp", "recipe": "bf16", "weights MiB": 1.0,
+                                  "activations MiB": None}])
+    assert "not measured: bf16 gradients" in fig.layout.title.text
+
+
+def _report(layers=None, speed=None, k=10):
+    return types.SimpleNamespace(
+        model="m", scale_exponent=k,
+        layers=layers or [{"layer": "fc1", "act_absmax": 2.0, "grad_absmax": 1e-2}],
+        speed=speed or [{"precision": "fp16", "status": "ok", "samples_per_s": 100.0,
+                         "decided": True}])
+
+
+def test_doctor_ranges_figure_without_a_scale_and_with_nan():
+    fig = D.ranges_figure(_report(layers=[{"layer": "fc1", "act_absmax": NAN,
+                                           "grad_absmax": 1.0}], k=None))
+    assert "None" not in fig.layout.title.text and "unscaled" in fig.layout.title.text
+    assert fig.data[0].y == (None,)  # NaN activation is not a point
+    assert all("2^None" not in t.name for t in fig.data)
+
+
+def test_doctor_speed_figure_rows_without_decided_or_speed():
+    fig = D.speed_figure(_report(speed=[
+        {"precision": "fp16", "status": "ok", "samples_per_s": 100.0},
+        {"precision": "bf16", "status": "ok", "samples_per_s": NAN, "decided": False}]))
+    assert fig.data[0].y == (100.0, None)
+    assert "not measured: bf16" in fig.layout.title.text

@@ -117,3 +117,24 @@ def test_doctor_speed_figure_rows_without_decided_or_speed():
         {"precision": "bf16", "status": "ok", "samples_per_s": NAN, "decided": False}]))
     assert fig.data[0].y == (100.0, None)
     assert "not measured: bf16" in fig.layout.title.text
+
+
+def test_largest_batch_chart_nan_batch_and_missing_status_are_not_bars():
+    rows = [{"card_gb": 16, "technique": "AMP", "largest_batch": NAN, "status": "ok"},
+            {"card_gb": 24, "technique": "AMP", "largest_batch": 64, "status": "ok"},
+            {"card_gb": 24, "technique": "fp32", "largest_batch": None}]
+    fig = P.largest_batch_chart(rows)
+    assert fig.data[0].y == (None, 64) and "nan" not in str(fig.data[0].text)
+    assert all(math.isfinite(v) for v in fig.layout.yaxis.range)
+
+
+def test_accumulation_memory_chart_nan_is_a_gap():
+    row = {"effective_batch": 8, "micro_batch": 4, "micro_batches": 2,
+           "accumulated_saved_gib": NAN, "one_batch_saved_gib": NAN}
+    fig = P.accumulation_memory_chart([row])
+    assert fig.data[0].y == (None,) and len(fig.data) == 1
+
+
+def test_technique_memory_time_refuses_a_frontier_string():
+    with pytest.raises(ValueError, match="frontier must be a list"):
+        P.technique_memory_time([_tech()], frontier="AMP")

@@ -121,6 +121,8 @@ def technique_memory_time(rows: Sequence[Mapping[str, Any]],
     joined by a dashed line. ``memory_lines`` / ``time_lines``: labelled horizontal (GiB) and
     vertical (ms) guides, e.g. a card's memory or a time budget.
     """
+    if isinstance(frontier, str):  # a string was read letter by letter
+        raise ValueError(f"frontier must be a list of technique names; got the string {frontier!r}")
     memory_lines = _l05_check_lines("memory_lines", memory_lines)
     time_lines = _l05_check_lines("time_lines", time_lines)
     # NaN/inf numbers are not measured: named under the title, never a point (NaN broke the axes)
@@ -200,8 +202,8 @@ def largest_batch_chart(rows: Sequence[Mapping[str, Any]],
     fig = go.Figure()
     for i, t in enumerate(techniques):
         by_card = {r["card_gb"]: r for r in rows if r["technique"] == t}
-        ys = [by_card[c]["largest_batch"] if c in by_card and by_card[c]["status"] == "ok"
-              else None for c in cards]
+        ys = [by_card[c]["largest_batch"] if c in by_card and by_card[c].get("status") == "ok"
+              and is_real(by_card[c].get("largest_batch")) else None for c in cards]
         if all(y is None for y in ys):
             continue
         name = shown_technique(next(iter(by_card.values())))  # TF32 where the math is TF32
@@ -210,14 +212,14 @@ def largest_batch_chart(rows: Sequence[Mapping[str, Any]],
                              textposition="outside", textangle=-90 if len(techniques) > 2 else 0,
                              textfont=dict(size=10), cliponaxis=False,
                              hovertemplate=f"{name}<br>%{{x}} card: %{{y:,}} images<extra></extra>"))
-    skipped = sum(1 for r in rows if r["status"] != "ok")
+    skipped = sum(1 for r in rows if r.get("status") != "ok")
     if skipped:
         title = f"{title}<br><sup>{skipped} card/technique pairs skipped (see the table)</sup>"
     fig.update_layout(barmode="group", showlegend=True)
     fig = styled(fig, title, "simulated card (GB of memory)",
                  "largest batch that trains (images)", height=480)
-    top = max((r["largest_batch"] or 0) for r in rows if r["status"] == "ok") if any(
-        r["status"] == "ok" for r in rows) else 1
+    top = max([r["largest_batch"] for r in rows if r.get("status") == "ok"
+               and is_real(r.get("largest_batch"))] or [1])  # NaN made the y range NaN
     return fig.update_yaxes(range=[0, 1.15 * max(top, 1)])  # room for the labels
 
 
@@ -236,11 +238,13 @@ def accumulation_memory_chart(rows: Sequence[Mapping[str, Any]],
     fig = go.Figure()
     micro = rows[0]["micro_batch"]
     fig.add_trace(go.Scatter(
-        x=[r["effective_batch"] for r in rows], y=[r[f"accumulated_{key}"] for r in rows],
+        x=[r["effective_batch"] for r in rows],
+        y=[r.get(f"accumulated_{key}") if is_real(r.get(f"accumulated_{key}")) else None
+           for r in rows],  # not measured: a gap, never NaN
         mode="lines+markers", name=f"accumulating micro-batches of {micro}",
         text=[f"{r['micro_batches']} x {micro}" for r in rows],
         hovertemplate="%{text}<br>%{y:.3f} GiB<extra></extra>"))
-    one = [r for r in rows if r.get(f"one_batch_{key}") is not None]
+    one = [r for r in rows if is_real(r.get(f"one_batch_{key}"))]
     if one:
         fig.add_trace(go.Scatter(x=[r["effective_batch"] for r in one],
                                  y=[r[f"one_batch_{key}"] for r in one],

@@ -87,6 +87,9 @@ def test_summary_line_says_what_was_measured():
     assert "skipped 2 of 14 steps" in line
     assert "settled after 2 steps (last skip at step 1)" in line
     assert "2^10 = 1,024" in line and "0.5000" in line
+    assert "(mean of last 10 steps)" in line
+    short = _fake_run("x", [False] * 4, losses=[1.0, 2.0, 3.0, 4.0]).summary_line()
+    assert "final loss 2.5000 (mean of last 4 steps)" in short  # not "last 10" of a 4-step run
 
 
 # ---- presets and claims -------------------------------------------------------------------------

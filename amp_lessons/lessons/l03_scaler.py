@@ -200,7 +200,8 @@ class ScalerRun:
                  f"settled {settled_text(self.skipped, window)}",
                  (f"final scale {pow2_text(s['final scale'])}" if s["final scale"] is not None
                   else ""),
-                 f"final loss {s['final loss']:.4f} (mean of last {FINAL_LOSS_WINDOW} steps)"
+                 f"final loss {s['final loss']:.4f} (mean of last "
+                 f"{plural(min(FINAL_LOSS_WINDOW, s['steps']), 'step')})"
                  if s["final loss"] is not None else "",
                  f"test accuracy {s['test accuracy']:.1%}"
                  if s["test accuracy"] is not None else ""]

@@ -158,9 +158,7 @@ _ALIASES = {
 
 def get_format(fmt: Union[str, FormatInfo, torch.dtype]) -> FormatInfo:
     """Look a format up by name (``"fp16"``, ``"bf16"``, ...), alias, torch dtype or FormatInfo.
-
-    Raises ``ValueError`` listing the allowed names for anything else.
-    """
+    Raises ``ValueError`` listing the allowed names for anything else."""
     if isinstance(fmt, FormatInfo):
         return fmt
     if isinstance(fmt, torch.dtype):
@@ -186,15 +184,16 @@ def _pow2(value: float) -> str:
 def format_infos(names=None, setting: str = "names") -> List[FormatInfo]:
     """The formats ``names`` asks for: None for all of them, one name (``"fp16"``, a dtype) or a
     sequence of names; ValueError naming ``setting`` for an empty sequence or an unknown name."""
-    if names is None:
-        return [get_format(n) for n in FORMAT_NAMES]
     if isinstance(names, (str, FormatInfo, torch.dtype)):
         names = [names]
-    names = list(names)
+    names = list(FORMAT_NAMES if names is None else names)
     if not names:
         raise ValueError(f"{setting} must name at least one format of "
                          f"{', '.join(FORMAT_NAMES)} (None for all of them); got an empty list")
-    return [get_format(n) for n in names]
+    try:
+        return [get_format(n) for n in names]
+    except ValueError as exc:  # an unknown name: say which setting it came from
+        raise ValueError(str(exc).replace("fmt must", f"{setting} must", 1)) from None
 
 
 # 2**k is a finite, nonzero float64 for k in this range (scales and scale sweeps)

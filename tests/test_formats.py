@@ -462,3 +462,8 @@ def test_formats_knows_no_claims():
     import re
     src = inspect.getsource(F)
     assert not re.search(r"\b(claim_|[RB]\d+[a-d]?\b)", src), "formats is engine: no claim ids"
+
+
+def test_format_infos_names_the_setting_an_unknown_format_came_from():
+    with pytest.raises(ValueError, match="formats_shown must be one of fp32, .*; got 'fp64'"):
+        F.format_infos(["fp16", "fp64"], "formats_shown")

@@ -147,7 +147,7 @@ def test_bit_explorer_settings():
     assert W.BitExplorer("2**-24", formats_shown=["fp16"]).value == 2.0**-24
     assert W.bit_explorer_html(1.0, ["fp16"]).count("<tr>") == 2          # header + one row
     assert "overflow-x:auto" in W.bit_explorer_html(1.0, ["fp16"])       # scrolls when narrow
-    with pytest.raises(ValueError, match="fmt must be one of"):
+    with pytest.raises(ValueError, match="formats_shown must be one of"):
         W.BitExplorer(1.0, formats_shown=["fp12"])
     with pytest.raises(ValueError, match="formats_shown must name at least one"):
         W.BitExplorer(1.0, formats_shown=[])

@@ -168,31 +168,40 @@ class NonFiniteCheck:
 
     def __call__(self, tensors: Sequence[torch.Tensor], device: torch.device,
                  uniform: bool = False) -> torch.Tensor:
-        """``uniform``: the caller knows every tensor is float32 on ``device`` (no checks)."""
-        free = self._zeros.get(device) if self.pool else None
-        found = free.pop() if free else self.zero_flag(device)
-        if uniform and self._kernel is not None:
-            self._kernel(tensors, found, self._one(found.device))
+        """``uniform``: the caller knows every tensor is float32 on ``device`` (no checks).
+        Sparse gradients (``nn.Embedding(sparse=True)``) are checked through their coalesced
+        values: the kernel takes dense tensors, and a sparse tensor holds inf/NaN exactly
+        where those do."""
+        try:
+            free = self._zeros.get(device) if self.pool else None
+            found = free.pop() if free else self.zero_flag(device)
+            if uniform and self._kernel is not None:
+                self._kernel(tensors, found, self._one(found.device))
+                return found
+            first = tensors[0]
+            kind = (first.device, first.dtype)
+            if self._kernel is not None and kind[0] == found.device and \
+                    kind[1] in self.DTYPES and all((t.device, t.dtype) == kind for t in tensors):
+                self._kernel(tensors, found, self._one(kind[0]))  # one call
+                return found
+            grouped: Dict[tuple, List[torch.Tensor]] = {}
+            for t in tensors:
+                grouped.setdefault((t.device, t.dtype), []).append(t)
+            for (dev, dtype), group in grouped.items():
+                if self._kernel is None or dtype not in self.DTYPES:
+                    bad = torch.stack([(~torch.isfinite(t)).any() for t in group]).any()
+                    found = torch.maximum(found, bad.float().to(device))
+                    continue
+                flag = found if dev == found.device else torch.zeros((), device=dev)
+                self._kernel(group, flag, self._one(dev))
+                if flag is not found:
+                    found = torch.maximum(found, flag.to(device, non_blocking=True))
             return found
-        first = tensors[0]
-        kind = (first.device, first.dtype)
-        if self._kernel is not None and kind[0] == found.device and kind[1] in self.DTYPES and \
-                all((t.device, t.dtype) == kind for t in tensors):  # one call
-            self._kernel(tensors, found, self._one(kind[0]))
-            return found
-        grouped: Dict[tuple, List[torch.Tensor]] = {}
-        for t in tensors:
-            grouped.setdefault((t.device, t.dtype), []).append(t)
-        for (dev, dtype), group in grouped.items():
-            if self._kernel is None or dtype not in self.DTYPES:
-                bad = torch.stack([(~torch.isfinite(t)).any() for t in group]).any()
-                found = torch.maximum(found, bad.float().to(device))
-                continue
-            flag = found if dev == found.device else torch.zeros((), device=dev)
-            self._kernel(group, flag, self._one(dev))
-            if flag is not found:
-                found = torch.maximum(found, flag.to(device, non_blocking=True))
-        return found
+        except (NotImplementedError, RuntimeError):
+            if not any(t.is_sparse for t in tensors):
+                raise
+        return self([t.coalesce()._values() if t.is_sparse else t for t in tensors], device,
+                    uniform)
 
     DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

@@ -36,7 +36,9 @@ import torch
 from ._compat import (FOUND_INF_READABLE, NonFiniteCheck, ScaleLog, forget_step, scale_reader,
                       step_skipping, supports_found_inf)
 from ._compat import found_inf as scaler_found_inf
+from ._config import NONFUSED_SKIPS
 from ._skipsafe import UpdateGuard
+from ._validate import check_choice
 from .records import SKIPPED_BY_SCALER, SKIPPED_NONFINITE
 
 SKIPPED_RAISE = "non-finite loss or gradient (nonfinite='raise'; the step raised)"
@@ -232,17 +234,9 @@ class SkipPolicy(Policy):
             return self._check(tensors, self.device)
         tensors = [p.grad for p in self.params if p.grad is not None]
         tensors.append(loss)
-        try:
-            if self._f32_device is not None and loss.device == self._f32_device:
-                return self._check(tensors, self._f32_device, uniform=True)
-            return self._check(tensors, self.device)
-        except (NotImplementedError, RuntimeError):
-            if not any(t.is_sparse for t in tensors):
-                raise
-        # sparse gradients (nn.Embedding(sparse=True)): the check kernel takes dense tensors;
-        # a sparse gradient holds inf/NaN exactly where its coalesced values do
-        return self._check([t.coalesce()._values() if t.is_sparse else t for t in tensors],
-                           self.device)
+        if self._f32_device is not None and loss.device == self._f32_device:
+            return self._check(tensors, self._f32_device, uniform=True)
+        return self._check(tensors, self.device)
 
     def step(self, found_inf):
         opt = self.optimizer
@@ -401,9 +395,7 @@ def resolve_nonfused_skip(nonfused_skip: str, device) -> str:
     """``"auto"`` made concrete for ``device``: ``"sync"`` on a CPU (reading a flag there waits for
     no queued work, and copying parameters and state costs time), ``"copy"`` elsewhere; "copy"
     and "sync" stay as they are."""
-    if nonfused_skip not in ("auto", "copy", "sync"):
-        raise ValueError(f"nonfused_skip must be one of 'auto', 'copy', 'sync'; "
-                         f"got {nonfused_skip!r}")
+    check_choice("nonfused_skip", nonfused_skip, NONFUSED_SKIPS)
     if nonfused_skip != "auto":
         return nonfused_skip
     return "sync" if torch.device(device).type == "cpu" else "copy"

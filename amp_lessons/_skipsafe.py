@@ -28,14 +28,23 @@ class Snapshot:
         self._shapes: list = []
         self._groups: list = []  # (tensors, saved, current, saved_views, current_views)
 
-    def _rebuild(self, tensors: list) -> None:
-        self._tensors = tensors
-        self._shapes = [t.shape for t in tensors]
+    @staticmethod
+    def _grouped(tensors: list) -> List[list]:
+        """``tensors`` in lists of one (device, dtype), in order of first appearance."""
         grouped: Dict[tuple, list] = {}
         for t in tensors:
             grouped.setdefault((t.device, t.dtype), []).append(t)
+        return list(grouped.values())
+
+    def _reshaped(self, tensors: list) -> bool:
+        """Whether a tensor's shape differs from the one taken at its place (resized in place)."""
+        return any(t.shape != s for t, s in zip(tensors, self._shapes))
+
+    def _rebuild(self, tensors: list) -> None:
+        self._tensors = tensors
+        self._shapes = [t.shape for t in tensors]
         self._groups = []
-        for ts in grouped.values():
+        for ts in self._grouped(tensors):
             sizes = [t.numel() for t in ts]
             saved = torch.empty(sum(sizes), dtype=ts[0].dtype, device=ts[0].device)
             current = torch.empty_like(saved)
@@ -52,7 +61,7 @@ class Snapshot:
                 a is not b for a, b in zip(tensors, self._tensors)):
             if not self._retarget(tensors):
                 self._rebuild(tensors)
-        elif resizable and any(t.shape != s for t, s in zip(tensors, self._shapes)):
+        elif resizable and self._reshaped(tensors):
             self._rebuild(tensors)
         for ts, _, _, saved_views, _ in self._groups:
             torch._foreach_copy_(saved_views, ts)
@@ -64,10 +73,7 @@ class Snapshot:
                 a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
                 for a, b in zip(tensors, self._tensors)):
             return False
-        grouped: Dict[tuple, list] = {}
-        for t in tensors:
-            grouped.setdefault((t.device, t.dtype), []).append(t)
-        for (ts, *_), new in zip(self._groups, grouped.values()):
+        for (ts, *_), new in zip(self._groups, self._grouped(tensors)):
             ts[:] = new
         self._tensors = list(tensors)
         return True
@@ -145,7 +151,7 @@ class BufferGuard(Snapshot):
 
     def _resized(self) -> bool:
         """Whether the step's forward resized a buffer (an observer's first statistics)."""
-        return self._resizable and any(t.shape != s for t, s in zip(self._tensors, self._shapes))
+        return self._resizable and self._reshaped(self._tensors)
 
     def restore(self) -> None:
         """Put every buffer back, with its shape before the step."""

@@ -156,23 +156,23 @@ _ALIASES = {
 }
 
 
-def get_format(fmt: Union[str, FormatInfo, torch.dtype]) -> FormatInfo:
+def get_format(fmt: Union[str, FormatInfo, torch.dtype], setting: str = "fmt") -> FormatInfo:
     """Look a format up by name (``"fp16"``, ``"bf16"``, ...), alias, torch dtype or FormatInfo.
-    Raises ``ValueError`` listing the allowed names for anything else."""
+    Raises ``ValueError`` naming ``setting`` and listing the allowed names for anything else."""
     if isinstance(fmt, FormatInfo):
         return fmt
     if isinstance(fmt, torch.dtype):
         for info in FORMATS.values():
             if info.torch_dtype == fmt:
                 return info
-        raise ValueError(f"fmt must be one of {', '.join(FORMAT_NAMES)} (or their torch dtypes); "
-                         f"got {fmt}")
+        raise ValueError(f"{setting} must be one of {', '.join(FORMAT_NAMES)} (or their torch "
+                         f"dtypes); got {fmt}")
     if isinstance(fmt, str):
         key = fmt.strip().lower()
         key = _ALIASES.get(key, key)
         if key in FORMATS:
             return FORMATS[key]
-    raise ValueError(f"fmt must be one of {', '.join(FORMAT_NAMES)}; got {fmt!r}")
+    raise ValueError(f"{setting} must be one of {', '.join(FORMAT_NAMES)}; got {fmt!r}")
 
 
 def _pow2(value: float) -> str:
@@ -190,10 +190,7 @@ def format_infos(names=None, setting: str = "names") -> List[FormatInfo]:
     if not names:
         raise ValueError(f"{setting} must name at least one format of "
                          f"{', '.join(FORMAT_NAMES)} (None for all of them); got an empty list")
-    try:
-        return [get_format(n) for n in names]
-    except ValueError as exc:  # an unknown name: say which setting it came from
-        raise ValueError(str(exc).replace("fmt must", f"{setting} must", 1)) from None
+    return [get_format(n, setting) for n in names]
 
 
 # 2**k is a finite, nonzero float64 for k in this range (scales and scale sweeps)

@@ -14,8 +14,9 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from .._modes import restore_modes, saved_modes
+from .._modes import kept_modes
 from ..precision import autocast_for, precision_settings
+from .scale import failure_text
 
 
 def _outputs(out) -> Dict[str, torch.Tensor]:
@@ -45,37 +46,40 @@ def compare_compiled(model: nn.Module, inputs, precisions=("fp32",),
     ``model`` is called as ``model(inputs)`` (the doctor's ``Call`` wrapper). A failure to
     compile becomes a row with ``status`` "error" and the reason."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    modes = saved_modes(model)  # each module's own mode comes back afterwards
-    model.eval()
     rows = []
     try:
-        compiled = torch.compile(model)
-        for precision in precisions:
-            try:
-                with precision_settings(precision, device), torch.no_grad(), \
-                        autocast_for(precision, device.type):
-                    eager = _outputs(model(inputs))
-                    t0 = time.perf_counter()
-                    with warnings.catch_warnings():  # inductor's TF32 hint is about speed
-                        warnings.filterwarnings("ignore", message=".*TensorFloat32")
-                        got = _outputs(compiled(inputs))
-                    seconds = time.perf_counter() - t0
-                for name, e in eager.items():
-                    c = got.get(name)
-                    diff = (c.float() - e.float()).abs() if c is not None else None
-                    big = float(e.float().abs().max()) if e.numel() else 0.0
-                    largest = float(diff.max()) if diff is not None and diff.numel() else math.nan
-                    rows.append({"precision": precision, "output": name,
-                                 "shape": "x".join(map(str, e.shape)),
-                                 "max_abs_diff": largest,
-                                 "max_rel_diff": largest / big if big else None,
-                                 "compile_s": seconds, "status": "ok", "reason": ""})
-            except Exception as exc:  # noqa: BLE001 - a model that does not compile is a finding
-                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-                rows.append({"precision": precision, "output": "-", "shape": "-",
-                             "max_abs_diff": None, "max_rel_diff": None, "compile_s": None,
-                             "status": "error", "reason": f"{type(exc).__name__}: {first}"})
+        with kept_modes(model, False):  # each module's own mode comes back afterwards
+            compiled = torch.compile(model)
+            for precision in precisions:
+                try:
+                    with precision_settings(precision, device), torch.no_grad(), \
+                            autocast_for(precision, device.type):
+                        eager = _outputs(model(inputs))
+                        t0 = time.perf_counter()
+                        with warnings.catch_warnings():  # inductor's TF32 hint is about speed
+                            warnings.filterwarnings("ignore", message=".*TensorFloat32")
+                            got = _outputs(compiled(inputs))
+                        seconds = time.perf_counter() - t0
+                    for name, e in eager.items():
+                        c = got.get(name)
+                        diff = (c.float() - e.float()).abs() if c is not None else None
+                        big = float(e.float().abs().max()) if e.numel() else 0.0
+                        largest = (float(diff.max()) if diff is not None and diff.numel()
+                                   else math.nan)
+                        rows.append({"precision": precision, "output": name,
+                                     "shape": "x".join(map(str, e.shape)),
+                                     "max_abs_diff": largest,
+                                     "max_rel_diff": largest / big if big else None,
+                                     "compile_s": seconds, "status": "ok", "reason": ""})
+                except Exception as exc:  # noqa: BLE001 - a finding
+                    rows.append(error_row(precision, exc))
     finally:
-        restore_modes(modes)
         torch._dynamo.reset()
     return rows
+
+
+def error_row(precision: str, exc: BaseException) -> Dict[str, object]:
+    """The row of a precision whose compiled forward failed, with the reason."""
+    return {"precision": precision, "output": "-", "shape": "-", "max_abs_diff": None,
+            "max_rel_diff": None, "compile_s": None, "status": "error",
+            "reason": failure_text(exc)}

@@ -138,9 +138,14 @@ def autocast_report(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device_t
     record the dtype of every leaf layer's output, of the gradient flowing back into it, of the
     loss, of the parameters and of their gradients (lesson 02). Gradients are cleared afterwards;
     BatchNorm statistics move as in any training forward."""
-    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
     return trace(model, lambda: loss_fn(model(x), y), device_type, dtype, x.dtype,
-                 "loss_fn" if name == "<lambda>" else name)
+                 loss_name(loss_fn))
+
+
+def loss_name(loss_fn: Callable) -> str:
+    """What a trace row calls ``loss_fn``: its function or class name ("loss_fn" for a lambda)."""
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    return "loss_fn" if name == "<lambda>" else name
 
 
 def op_dtypes(run: Callable[[], torch.Tensor], device_type: str,

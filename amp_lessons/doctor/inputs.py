@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._modes import kept_modes
-from .dtype_trace import first_tensor
+from .dtype_trace import first_tensor, loss_name
 
 # ``torchvision:resnet50`` means torchvision.models.resnet50, built without downloading weights
 ZOO = {"torchvision": "torchvision.models"}
@@ -274,8 +274,7 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device) ->
                          f"{tuple(target.shape)}")
     if loss_fn is not None:
         text = f"the loss_fn given, against {against}"
-        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-        name = "loss_fn" if name == "<lambda>" else name
+        name = loss_name(loss_fn)
     elif is_class_ids(target):
         text, name = f"cross-entropy against {against}", "cross_entropy"
     else:

@@ -120,15 +120,14 @@ def _check_parameters(model: nn.Module) -> None:
                          f"called on the model? Pass model.float()")
 
 
-def _fp32_nonfinite(layers: Sequence[Dict[str, object]], loss_finite: bool) -> List[str]:
+def _fp32_nonfinite(rows: Sequence[Dict[str, object]], loss_finite: bool) -> List[str]:
     """Where the fp32 pass is broken: when the fp32 loss or a gradient holds inf/NaN
-    (``findings.fp32_broken``), the layer names with ``act_nonfinite`` or ``grad_nonfinite``
-    counts above 0, then "the loss" when it was not finite; else none (an inf in a layer's
-    output alone, with a finite loss and gradients, is a -inf mask)."""
-    if not _findings.fp32_broken(layers, loss_finite):
+    (``findings.fp32_broken``), the names of ``rows`` (the layers with ``act_nonfinite`` or
+    ``grad_nonfinite`` counts above 0), then "the loss" when it was not finite; else none (an
+    inf in a layer's output alone, with a finite loss and gradients, is a -inf mask)."""
+    if not _findings.fp32_broken(rows, loss_finite):
         return []
-    bad = [str(r["layer"]) for r in layers if r.get("act_nonfinite") or r.get("grad_nonfinite")]
-    return bad + ([] if loss_finite else ["the loss"])
+    return [str(r["layer"]) for r in rows] + ([] if loss_finite else ["the loss"])
 
 
 @_keeps_rng
@@ -213,7 +212,8 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
     flushed_k = _share(grad_totals.get("fp16"), "flushed")
     bf16 = native_bf16(device)
     fp32_loss_finite = all(bool(torch.isfinite(t).all()) for t in fp32_losses)
-    fp32_bad = _fp32_nonfinite(layers, fp32_loss_finite) if stats else []
+    fp32_rows = [r for r in layers if r.get("act_nonfinite") or r.get("grad_nonfinite")]
+    fp32_bad = _fp32_nonfinite(fp32_rows, fp32_loss_finite) if stats else []
     clock.lap("ranges")
 
     # what autocast does; the fp16 trace also finds where inf/NaN first appears
@@ -233,7 +233,7 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
             fp16_unchecked = _scale.failure_text(exc)
             trace_doc["reason"] = f"the fp16 autocast forward failed: {fp16_unchecked}"
             failures.append({"topic": "trace", "what": "the fp16 autocast trace (dtypes and "
-                             "inf/NaN per layer)", "reason": _scale.failure_text(exc)})
+                             "inf/NaN per layer)", "reason": fp16_unchecked})
         try:
             ops = op_dtypes(lambda: call(b.inputs), device.type, torch.float16)
             trace_doc.update(ops=ops, **_op_kinds(ops))
@@ -241,7 +241,7 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
             failures.append({"topic": "trace", "what": "the op count under fp16 autocast",
                              "reason": _scale.failure_text(exc)})
     # fp16's own inf/NaN: layers whose output was finite in fp32 (a -inf mask is not fp16's)
-    fp32_inf = {r["layer"] for r in layers if r.get("act_nonfinite")}
+    fp32_inf = {r["layer"] for r in fp32_rows if r.get("act_nonfinite")}
     fp16_new = [n for n in nonfinite if n not in fp32_inf]
     fp16_bad = fp16_new or (["the loss"] if trace_doc["loss_finite"] is False else [])
     advice_args = (k, overflow, under_k, under_default, bf16, flushed_k)
@@ -274,17 +274,14 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
             compiled_doc = {"reason": "", "rows": _compiled.compare_compiled(call, b.inputs,
                                                                              device=device)}
         except Exception as exc:  # noqa: BLE001
-            compiled_doc = {"reason": "", "rows": [{
-                "precision": "fp32", "output": "-", "shape": "-", "max_abs_diff": None,
-                "max_rel_diff": None, "compile_s": None, "status": "error",
-                "reason": _scale.failure_text(exc)}]}
+            compiled_doc = {"reason": "", "rows": [_compiled.error_row("fp32", exc)]}
     del work, call
     free_memory(device)
     clock.lap("compile")
 
     speed = _speed.speed_rows(lambda: _inputs.Call(_inputs.work_copy(model, device)), b.inputs,
                               b.target, b.loss_fn, make_optimizer, device, precisions,
-                              warmup, steps, batch_size=b.size) if precisions else []
+                              warmup, steps) if precisions else []
     clock.lap("speed")
     try:
         fp8 = _fp8.candidates(model, device, crossover, source)
@@ -293,8 +290,7 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
                "reason": f"the FP8 conversion plan failed: {_scale.failure_text(exc)}"}
     found = _findings.collect(overflow, fp16_new, k, grad_totals, act_totals, advice,
                               trial, trace_doc, compiled_doc, speed, fp8,
-                              fp32_nonfinite=[r for r in layers if r.get("act_nonfinite")
-                                              or r.get("grad_nonfinite")],
+                              fp32_nonfinite=fp32_rows,
                               fp32_loss_finite=fp32_loss_finite, failures=failures)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return DoctorReport(

@@ -21,6 +21,7 @@ from .. import bench
 from ..claims import rows_timing_gate
 from ..precision import PRECISIONS, check_precision, precision_settings
 from .inputs import batch_size as _batch_size
+from .scale import failure_text
 
 GIB = 2 ** 30
 
@@ -61,11 +62,9 @@ def skip_reason(precision: str, device) -> Optional[str]:
 
 def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn: Callable,
                    make_optimizer: Callable, precision: str, device, warmup: int, steps: int,
-                   channels_last: bool, idle: bool = True,
-                   batch_size: Optional[int] = None) -> Dict[str, object]:
-    """One row: ``precision``'s training step of a fresh model copy, timed and measured.
-    ``batch_size``: the samples per step (default: the leading dimension of the first input
-    tensor, also of a tuple/list/dict of inputs)."""
+                   channels_last: bool, idle: bool = True) -> Dict[str, object]:
+    """One row: ``precision``'s training step of a fresh model copy, timed and measured; its
+    samples per step are the rows of the first input tensor (of a tuple/list/dict too)."""
     row: Dict[str, object] = {"precision": precision, "status": "ok", "reason": "",
                               "samples_per_s": None, "step_ms": None, "peak_gib": None,
                               "gpu_idle_fraction": None, "speedup": None, "memory_ratio": None}
@@ -87,8 +86,7 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
             step = bench.hand_step(model, optimizer, precision, device, loss_fn=loss_fn)
             timing = bench.time_steps(step, x, target, warmup=warmup, steps=steps,
                                         device=device)
-            row.update(bench.summarize_times(timing["times_ms"],
-                                             batch_size if batch_size is not None else _batch(x)))
+            row.update(bench.summarize_times(timing["times_ms"], _batch_size(x)))
             row["samples_per_s"] = row.pop("img_per_s")
             row.update(loss=timing["loss"], timer=timing["timer"], steps=steps, warmup=warmup)
             if device.type == "cuda":
@@ -97,9 +95,8 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
                     busy = bench.device_busy_ms(step, x, target, device)
                     row["gpu_idle_fraction"] = bench.idle_fraction(busy or None, row["step_ms"])
     except Exception as exc:  # noqa: BLE001 - a precision that fails is a row, never a dead kernel
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         status = "out of memory" if bench.is_out_of_memory(exc) else "error"
-        row.update(status=status, reason=f"{type(exc).__name__}: {first}")
+        row.update(status=status, reason=failure_text(exc))
     finally:
         torch.backends.cudnn.benchmark = old
         step = model = optimizer = None  # noqa: F841 - released before the next precision
@@ -111,24 +108,19 @@ def time_precision(make_model: Callable[[], nn.Module], inputs, target, loss_fn:
     return row
 
 
-def _batch(x) -> int:
-    return _batch_size(x)  # the first input tensor's rows: a tuple or dict of inputs too
-
-
 def speed_rows(make_model: Callable[[], nn.Module], inputs, target, loss_fn: Callable,
                make_optimizer: Callable, device, precisions: Sequence[str] = PRECISIONS,
-               warmup: int = 5, steps: int = 15, channels_last: Optional[bool] = None,
-               batch_size: Optional[int] = None) -> List[Dict[str, object]]:
+               warmup: int = 5, steps: int = 15,
+               channels_last: Optional[bool] = None) -> List[Dict[str, object]]:
     """``time_precision`` for each precision, with ``speedup`` and ``memory_ratio`` against the
     fp32 row (TF32 off) of the same run. ``channels_last`` defaults to the standard setting for
-    4-D image batches (NCHW otherwise); ``batch_size``: samples per step (the doctor's
-    ``Batch.size``; default from the first input tensor)."""
+    4-D image batches (NCHW otherwise)."""
     device = torch.device(device)
     if channels_last is None:
         channels_last = bool(bench.STANDARD["channels_last"]) and \
             isinstance(inputs, torch.Tensor) and inputs.dim() == 4
     rows = [time_precision(make_model, inputs, target, loss_fn, make_optimizer, p, device,
-                           warmup, steps, channels_last, batch_size=batch_size)
+                           warmup, steps, channels_last)
             for p in precisions]
     base = next((r for r in rows if r["precision"] == "fp32"), None)
     for r in rows:

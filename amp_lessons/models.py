@@ -6,6 +6,7 @@ trainer's skip-safe BatchNorm has something to protect).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional, Sequence
 
@@ -146,6 +147,7 @@ if torch_version() < (2, 5):
         message=r"`torch\.(cpu|cuda)\.amp\.autocast\(args\.\.\.\)` is deprecated")
 
 
+@functools.lru_cache(maxsize=None)  # built once: every Checkpointed wrapper asks
 def _known_deterministic_types() -> "dict[type, object]":
     """Module types whose own ``forward`` draws no random numbers (their children are checked
     one by one): type -> None, or a test of the instance (attention draws a dropout mask only

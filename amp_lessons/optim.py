@@ -431,11 +431,13 @@ def _train(row, recipe, make_model, batch, loss_fn, steps, lr_at, device, seed, 
             torch.nn.utils.clip_grad_norm_(params, clip)
         if count:
             counter.before()
-        scale_before = scale_tensor(scaler) if scaler.is_enabled() else None
-        scale_before = scale_before.clone() if scale_before is not None else None
-        scaler.step(opt)
+        scaler.step(opt)  # (step leaves the scale alone: update moves it)
         skipped = found_inf(scaler, opt) if scaler.is_enabled() else None
         skipped = skipped.clone() if skipped is not None else None
+        scale_before = None
+        if skipped is None and scaler.is_enabled():  # the flag unreadable: watch the scale
+            scale_before = scale_tensor(scaler)
+            scale_before = scale_before.clone() if scale_before is not None else None
         scaler.update()
         if skipped is None and scale_before is not None:  # a skipped step backs the scale off
             after = scale_tensor(scaler)
@@ -462,7 +464,8 @@ def _train(row, recipe, make_model, batch, loss_fn, steps, lr_at, device, seed, 
     row["losses"] = curve
     skipped_steps = [s for s, flag in enumerate(skips.cpu().tolist()) if flag]
     row["skipped_steps"] = skipped_steps
-    row["rounded_away"] = [(s, float(v)) for s, v in shares if s not in set(skipped_steps)]
+    skipped_set = set(skipped_steps)
+    row["rounded_away"] = [(s, float(v)) for s, v in shares if s not in skipped_set]
     if len(skipped_steps) == steps:
         row["status"] = f"not trained: GradScaler skipped all {steps} steps"
     tail = curve[-max(1, steps // 10):]

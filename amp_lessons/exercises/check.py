@@ -304,6 +304,11 @@ def text_key(value: Any) -> str:
     return " ".join(str(value).replace("_", " ").lower().split())
 
 
+def canonical(value: Any, names: Iterable[str]) -> Any:
+    """The one of ``names`` that ``value`` spells (by ``text_key``), else ``value`` itself."""
+    return {text_key(n): n for n in names}.get(text_key(value), value)
+
+
 def keyed(answer: Any, names: Iterable[str]) -> Optional[dict]:
     """``answer`` (a mapping) re-keyed by ``names``, each of its keys matched to a name by
     ``text_key`` (so ``"FP16 safe"`` and ``" fp16_safe"`` are ``"fp16 safe"``); None when it is
@@ -311,11 +316,10 @@ def keyed(answer: Any, names: Iterable[str]) -> Optional[dict]:
     names = list(names)
     if not isinstance(answer, Mapping):
         return None
-    by_key = {text_key(n): n for n in names}
     out = {}
     for key, value in answer.items():
-        name = by_key.get(text_key(key))
-        if name is None or name in out:
+        name = canonical(key, names)
+        if name not in names or name in out:
             return None
         out[name] = value
     return out if len(out) == len(names) else None

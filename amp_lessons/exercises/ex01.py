@@ -231,6 +231,5 @@ def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-
                          hint.after("use every argument: start from `start`, add the update "
                                     "exactly `steps` times (range(steps)), and return the fp16 "
                                     "copy of the fp32 master"))
-    fp16 = float(formats.accumulate(update, steps, "fp16", start=start)[-1])
     return passed(MASTER, f"the weight moved from {start} to {v:.6g}; stored in fp16 it "
                   f"would have stayed at {fp16:.6g}")

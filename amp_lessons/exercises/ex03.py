@@ -7,7 +7,7 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 from ..tables import plural
 from ..trainer import ScalerSettings
 from .check import (Check, hint_book, hint_reader, is_blank, keyed, matching_mistake,
-                    not_a_function, number, passed, text_key, unanswered, whole_number, wrong)
+                    not_a_function, number, passed, canonical, unanswered, whole_number, wrong)
 
 RULE = "Exercise 1 (implement): GradScaler's update rule"
 CAUSES = "Exercise 3 (match): three scale traces and their causes"
@@ -218,8 +218,7 @@ def check_trace_causes(answer: Mapping[str, str],
     if given is None:
         return wrong(CAUSES, f"answer must map each of {', '.join(sorted(traces))} to a cause",
                      hint)
-    names = {text_key(n): n for n in CAUSE_NAMES}
-    answer = {k: names.get(text_key(v), v) for k, v in given.items()}
+    answer = {k: canonical(v, CAUSE_NAMES) for k, v in given.items()}
     for letter in sorted(traces):
         said = answer[letter]
         if said not in CAUSE_NAMES:

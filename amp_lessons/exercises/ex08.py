@@ -10,7 +10,7 @@ import torch
 
 from .. import formats, optim
 from .check import (Check, hint_book, hint_reader, is_blank, not_a_function, number, passed,
-                    skipped, text_key, unanswered, within, wrong)
+                    skipped, canonical, unanswered, within, wrong)
 
 STOCHASTIC = "Exercise 1 (implement): stochastic rounding to bf16"
 KAHAN = "Exercise 2 (implement): a Kahan-compensated bf16 update"
@@ -355,8 +355,7 @@ def check_state_gib(answers: Mapping, memory: Sequence[Mapping],
                      hints)
     if is_blank(answers):
         return unanswered(MEMORY, hints)
-    names = {text_key(r): r for r in MEMORY_RECIPES}
-    answers = {names.get(text_key(k), k): v for k, v in answers.items()}
+    answers = {canonical(k, MEMORY_RECIPES): v for k, v in answers.items()}
     by = measured_bytes(memory)
     if "fp32 master" not in by:
         return skipped(MEMORY, "the fp32-master reference was not measured in this run")

@@ -296,7 +296,8 @@ def cited_prose(nb, results: Sequence[dict]) -> List[tuple]:
 
 def cite_notebooks(notebooks: Iterable[Path], write: bool = True,
                    results: Optional[Sequence[dict]] = None) -> List[Path]:
-    """Fill the cited prose (``cited_prose``) of each notebook from the tables all of them
+    """Fill the cited prose (``cited_prose``) of each notebook, and its rendered cheat sheet
+    (``rendered_cheat_sheets``), from the tables all of them
     publish (or from ``results``, ``collect`` of every notebook already read); returns the
     notebooks whose text changed, written (atomically) unless ``write`` is False. ValueError
     naming the notebook and citation that finds nothing."""
@@ -305,6 +306,7 @@ def cite_notebooks(notebooks: Iterable[Path], write: bool = True,
     notebooks = [Path(p) for p in notebooks]
     results = collect(notebooks) if results is None else results
     changed = []
+    sheets: dict = {}  # docs/cheat_sheet.md per repository, filled once
     for path in notebooks:
         nb = read_notebook(path)
         try:
@@ -312,13 +314,31 @@ def cite_notebooks(notebooks: Iterable[Path], write: bool = True,
         except ValueError as exc:
             raise ValueError(f"{path.name}: {exc}") from None
         stale = [(i, text) for i, text in filled if nb.cells[i].source != text]
-        if stale:
+        shown = rendered_cheat_sheets(nb)
+        if shown:
+            doc = path.resolve().parent.parent / "docs" / "cheat_sheet.md"
+            if doc not in sheets:
+                sheets[doc] = cheat_sheet_body(doc.read_text(encoding="utf-8"), results) + "\n"
+            shown = [out for out in shown if "".join(out["data"]["text/markdown"]) != sheets[doc]]
+        if stale or shown:
             for i, text in stale:
                 nb.cells[i].source = text
+            for out in shown:
+                out["data"]["text/markdown"] = sheets[doc]
             if write:
                 write_notebook(nb, path)
             changed.append(path)
     return changed
+
+
+def rendered_cheat_sheets(nb) -> list:
+    """The markdown outputs of ``nb``'s code cells that render the cheat sheet
+    (``lesson.cheat_sheet()``, lesson 09): a view of the committed runs, computed by no device,
+    so ``cite_notebooks`` refreshes them with the cited prose when another lesson's run changes
+    a cited number (they were stale until lesson 09 itself ran again)."""
+    return [out for cell in nb.cells if cell.cell_type == "code"
+            and "cheat_sheet()" in "".join(cell.source)
+            for out in cell.get("outputs", []) if "text/markdown" in out.get("data", {})]
 
 
 def cheat_sheet_body(doc_text: str, results: Optional[Sequence[dict]] = None) -> str:

@@ -103,8 +103,8 @@ def test_readme_with_generated_takes_the_doc_beside_the_readme(tmp_path):
 def test_lesson_09_shows_the_cheat_sheet_of_the_committed_runs():
     """Lesson 09 renders the cheat sheet from the other lessons' committed runs when it runs:
     the numbers in its committed output (the bold citations, in order) must be those the
-    committed runs give now (a lesson re-run after lesson 09 leaves them stale: run lesson 09
-    again). Prose edits of docs/cheat_sheet.md show there at lesson 09's next run."""
+    committed runs give now (a lesson re-run after lesson 09 left them stale until
+    ``python -m amp_lessons readme`` refreshes them: ``report.rendered_cheat_sheets``)."""
     import json
 
     nb = json.loads((ROOT / "notebooks" / "09_your_model.ipynb").read_text())
@@ -115,5 +115,5 @@ def test_lesson_09_shows_the_cheat_sheet_of_the_committed_runs():
     def numbers(text):
         return re.findall(r"\*\*([+-]?\d[\d,]*\.?\d*)\*\*", text)
 
-    assert numbers("".join(shown)) == numbers(BODY), "lesson 09's cheat sheet is stale: re-run it"
+    assert numbers("".join(shown)) == numbers(BODY), "lesson 09's cheat sheet is stale: run python -m amp_lessons readme"
     assert len(numbers(BODY)) >= 20

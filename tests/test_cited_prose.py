@@ -75,3 +75,36 @@ def test_cite_notebooks_fills_writes_and_names_what_it_cannot_find(tmp_path):
     assert report.cite_notebooks([path, source]) == [path]
     assert nbformat.read(path, as_version=4).cells[0].source == "now 1.50 x"
     assert report.cite_notebooks([path, source]) == []
+
+
+def test_cite_notebooks_refreshes_a_rendered_cheat_sheet(tmp_path):
+    """Lesson 09 renders docs/cheat_sheet.md from the committed runs (``Markdown(lesson.
+    cheat_sheet())``): a view computed by no device. When another lesson's run changes a number
+    it cites, ``python -m amp_lessons readme`` refreshes that output with the cited prose
+    (it stayed stale until lesson 09 itself ran again on a GPU); nothing else in the notebook
+    moves, and a current one is left alone."""
+    from nbformat.v4 import new_code_cell, new_output
+    from amp_lessons.report import RESULT_MIME
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "cheat_sheet.md").write_text(
+        "<!-- note to editors -->\nfp16 runs at **{{t.one | a | x}}** x.\n")
+    (tmp_path / "notebooks").mkdir()
+    table = new_output("display_data", data={RESULT_MIME: {
+        "key": "t.one", "title": "T", "columns": ["run", "x"], "rows": [{"run": "a", "x": 2.25}]}})
+    source = _notebook(tmp_path / "notebooks", "04.ipynb", [new_code_cell("x", outputs=[table])])
+    shown = new_output("execute_result", data={"text/markdown": "fp16 runs at **1.00** x.\n",
+                                               "text/plain": "<Markdown>"}, execution_count=3)
+    other = new_output("stream", name="stdout", text="unrelated\n")
+    path = _notebook(tmp_path / "notebooks", "09.ipynb", [
+        new_code_cell("Markdown(lesson.cheat_sheet())", outputs=[shown]),
+        new_code_cell("print('unrelated')", outputs=[other])])
+    before = nbformat.read(path, as_version=4)
+    assert report.cite_notebooks([source, path], write=False) == [path]
+    assert nbformat.read(path, as_version=4) == before  # a dry run writes nothing
+    assert report.cite_notebooks([source, path]) == [path]
+    after = nbformat.read(path, as_version=4)
+    assert after.cells[0].outputs[0].data["text/markdown"] == "fp16 runs at **2.25** x.\n"
+    assert after.cells[0].outputs[0].data["text/plain"] == "<Markdown>"
+    assert after.cells[1] == before.cells[1]
+    assert report.cite_notebooks([source, path]) == []

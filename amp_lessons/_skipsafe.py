@@ -15,12 +15,35 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 
 # --- skip-safe state: BatchNorm buffers, parameters and optimizer state -------------------------
 
+def dense_strides(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers exactly ``t.numel()`` consecutive elements in some order of its
+    dimensions (contiguous, ``channels_last``, any permutation); size-1 dimensions ignored."""
+    expected = 1
+    for d in sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride):
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return t.numel() > 0
+
+
+def _like(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A view of ``flat`` (``t.numel()`` elements) with ``t``'s shape and, where ``t`` is dense,
+    its strides: ``torch._foreach_copy_`` takes its multi-tensor kernel only where every source
+    and destination share strides. A ``channels_last`` weight against a contiguous view sent the
+    whole list to one copy kernel per tensor (966 of them a step for ResNet-50 with SGD
+    momentum, +5% of its step time on the H200: ``benchmarks/results/skip_profile_h200*``)."""
+    if t.dim() and dense_strides(t) and not t.is_contiguous():
+        return flat.as_strided(t.shape, t.stride())
+    return flat.view(t.shape)
+
+
 class Snapshot:
     """Copies of a list of tensors, put back where a 0-dim flag is set, without a host sync.
 
     The copies live in one flat tensor per (device, dtype); ``restore_if`` gathers the current
     values into a second flat tensor, ``torch.where(flag, saved, current)`` on it and copies
-    back: a handful of kernels whatever the number of tensors. Layouts (channels_last) are kept.
+    back: a handful of kernels whatever the number of tensors. Each copy has its tensor's layout
+    (``channels_last`` too), so the copies stay multi-tensor kernels.
     """
 
     def __init__(self):
@@ -49,8 +72,8 @@ class Snapshot:
             saved = torch.empty(sum(sizes), dtype=ts[0].dtype, device=ts[0].device)
             current = torch.empty_like(saved)
             self._groups.append((ts, saved, current,
-                                 [v.view(t.shape) for v, t in zip(saved.split(sizes), ts)],
-                                 [v.view(t.shape) for v, t in zip(current.split(sizes), ts)]))
+                                 [_like(v, t) for v, t in zip(saved.split(sizes), ts)],
+                                 [_like(v, t) for v, t in zip(current.split(sizes), ts)]))
 
     def take(self, tensors: list, resizable: bool = False) -> None:
         """Copy ``tensors`` aside (the buffers are reused while the list stays the same, or
@@ -67,11 +90,11 @@ class Snapshot:
             torch._foreach_copy_(saved_views, ts)
 
     def _retarget(self, tensors: list) -> bool:
-        """Point the snapshot at ``tensors`` (same number, shapes, dtypes and devices, in the
-        same order as the tensors taken) without new buffers; False where they differ."""
+        """Point the snapshot at ``tensors`` (same number, shapes, strides, dtypes and devices,
+        in the same order as the tensors taken) without new buffers; False where they differ."""
         if len(tensors) != len(self._tensors) or any(
                 a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
-                for a, b in zip(tensors, self._tensors)):
+                or a.stride() != b.stride() for a, b in zip(tensors, self._tensors)):
             return False
         for (ts, *_), new in zip(self._groups, self._grouped(tensors)):
             ts[:] = new

@@ -4,6 +4,7 @@ bad settings raise ValueError naming the setting."""
 import math
 import types
 
+import numpy as np
 import pytest
 
 from amp_lessons.ui import doctor_plots as D
@@ -62,8 +63,26 @@ def test_fp8_speed_figure_without_status_and_with_nan_speedup():
     assert not fig.data and "not measured" in fig.layout.annotations[-1].text
 
 
-def test_fp8_loss_smoothing_keeps_one_nan_loss_at_its_step():
-    assert F._smooth([1.0, NAN, 1.0, 1.0], 2)[2:] == [1.0, 1.0]
+def test_one_trailing_mean_keeps_a_nan_loss_at_its_step_in_every_loss_figure():
+    """Lessons 07 and 08 smooth loss curves with one helper (``plots.trailing_mean``; lesson 08's
+    own convolution carried one NaN into the next ``window - 1`` points): a non-finite or
+    missing loss is a gap at its own step, the other points average the finite values."""
+    from amp_lessons.ui import weight_plots
+    from amp_lessons.ui.plots import trailing_mean
+
+    got = trailing_mean([1.0, NAN, 3.0, None, 5.0, 7.0], 3)
+    assert np.isnan(got[1]) and np.isnan(got[3])
+    assert got[[0, 2, 4, 5]].tolist() == [1.0, 2.0, 4.0, 6.0]
+    assert trailing_mean([], 4).tolist() == [] and trailing_mean([2.0, 4.0], 1).tolist() == [2.0, 4.0]
+    assert np.isnan(trailing_mean([NAN, NAN], 2)).all()
+    for bad in (0, -1, 1.5, None):
+        with pytest.raises(ValueError, match="window must be a whole number >= 1"):
+            trailing_mean([1.0], bad)
+    losses = [1.0] * 100
+    losses[10] = NAN
+    fig = weight_plots.recipe_losses([_wrow(losses=losses)])
+    y = np.asarray(fig.data[0].y, dtype=float)
+    assert np.isnan(y[10]) and np.isfinite(np.delete(y, 10)).all()
     run = {"label": "bf16, seed 0", "recipe": "bf16", "seed": 0, "losses": [2.0, NAN, 1.0, 1.0],
            "status": "trained"}
     fig = F.loss_figure([run], smooth=2)

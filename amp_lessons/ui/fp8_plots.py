@@ -3,8 +3,7 @@ recipes against bf16 per width, and the loss curves of the GPT runs. Pure builde
 plotly figure out."""
 from __future__ import annotations
 
-import math
-from typing import List, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from ..bench.float8 import FP8_RECIPES, NOT_MEASURED
 from .._validate import check_int, is_real
@@ -88,16 +87,6 @@ def speed_figure(rows: Sequence[Mapping],
     return fig
 
 
-def _smooth(values: Sequence[float], window: int) -> List[float]:
-    """Trailing mean over ``window`` steps of the finite values; a non-finite loss is a gap (NaN)
-    at its own step only (a running sum carried one NaN into every later step)."""
-    out = []
-    for i, v in enumerate(values):
-        part = [x for x in values[max(0, i - window + 1):i + 1] if math.isfinite(x)]
-        out.append(sum(part) / len(part) if part and math.isfinite(v) else math.nan)
-    return out
-
-
 def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Optional[int] = None):
     """Training loss curves (left) and each FP8 run's gap to the baseline with the same seed against
     the band that the baseline's seeds span (right); curves smoothed over ``smooth`` steps (default:
@@ -105,7 +94,7 @@ def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Op
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from .plots import TEMPLATE
+    from .plots import TEMPLATE, trailing_mean
 
     trained = [r for r in runs if r.get("status") == "trained"]
     if not trained:
@@ -113,7 +102,7 @@ def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Op
     steps = min(len(r["losses"]) for r in trained)
     window = smooth if smooth is not None else max(1, steps // 50)  # 0 is refused, not 2%
     check_int("smooth", window, 1)
-    curves = {r["label"]: _smooth(r["losses"][:steps], window) for r in trained}
+    curves = {r["label"]: trailing_mean(r["losses"][:steps], window).tolist() for r in trained}
     x = list(range(1, steps + 1))
     base = [r for r in trained if r["recipe"] == "bf16"]
     name = "fp32" if any(r["label"].startswith("fp32") for r in base) else "bf16"

@@ -44,6 +44,24 @@ _LEADER_OFFSETS = tuple((round(r * math.cos(a)), round(r * math.sin(a)))
                                                                    endpoint=False))
 
 
+def trailing_mean(values: Sequence[float], window: int) -> np.ndarray:
+    """Each value's trailing mean over ``window`` steps (fewer at the start), of the finite values
+    only; a non-finite or missing value is a gap (NaN) at its own step and nowhere else (a
+    convolution or running sum carried one NaN into every later point of the curve)."""
+    if not is_int(window) or window < 1:
+        raise ValueError(f"window must be a whole number >= 1; got {window!r}")
+    v = np.asarray([x if x is not None else math.nan for x in values], dtype=np.float64)
+    ok = np.isfinite(v)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(ok, v, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(ok)])
+    i = np.arange(len(v))
+    lo = np.maximum(0, i - window + 1)
+    n = counts[i + 1] - counts[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = (sums[i + 1] - sums[lo]) / n
+    return np.where(ok & (n > 0), mean, np.nan)
+
+
 def label_positions(x: Sequence[float], y: Sequence[float], labels: Sequence[str],
                     x_range: Sequence[float], y_range: Sequence[float], width: int = 900,
                     height: int = 420, font_px: float = 10.0,

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .._validate import check_int, is_real
-from .plots import TEMPLATE, styled
+from .plots import TEMPLATE, styled, trailing_mean
 
 RECIPE_COLORS = {"fp32 master": "#000000", "bf16": "#E45756",
                  "bf16 + stochastic rounding": "#F58518", "bf16 + Kahan": "#54A24B",
@@ -32,15 +32,6 @@ def _thin(ys, max_points: int):
     if len(ys) > max_points:
         idx = np.unique(np.append(idx[:: -(-len(ys) // max_points)], len(ys) - 1))
     return idx, ys[idx]
-
-
-def _smooth(values, window: int) -> np.ndarray:
-    v = np.asarray(values, dtype=np.float64)
-    if window <= 1 or len(v) < window:
-        return v
-    kernel = np.ones(window) / window
-    head = np.array([v[: i + 1].mean() for i in range(window - 1)])
-    return np.concatenate([head, np.convolve(v, kernel, mode="valid")])
 
 
 def _panels(workloads: Sequence[str], title: str, x_title: str, y_title: str,
@@ -71,7 +62,7 @@ def recipe_losses(rows: Sequence[Mapping], title: str = "Training loss per weigh
         for r in (r for r in trained if r["workload"] == w):
             steps = len(r["losses"])
             losses = [v if is_real(v) else np.nan for v in r["losses"]]  # not measured: a gap
-            y_full = _smooth(losses, max(1, steps // 50))
+            y_full = trailing_mean(losses, max(1, steps // 50))
             x, y = _thin(y_full, max_points)
             extra_seed = r["recipe"] in first_seen
             first_seen.add(r["recipe"])

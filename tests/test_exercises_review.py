@@ -126,6 +126,28 @@ def test_update_rule_returning_one_value_is_told_so_not_a_typeerror():
     assert "TypeError" not in check.message
 
 
+def test_update_rule_that_fails_only_under_other_settings_says_so():
+    """The second replay (other settings) reports a raise or a wrong return the way the first
+    does, prefixed with where it happened (one helper, ``ex03._replayed``)."""
+    scales, skipped, st = _demo()
+
+    def demo_only(scale, tracker, found_inf, g, b, gi):
+        if g != st.growth_factor:
+            raise KeyError("a table of the demo's settings")
+        return ex03.reference_update(scale, tracker, found_inf, g, b, gi)
+
+    def pair_only_for_the_demo(scale, tracker, found_inf, g, b, gi):
+        new = ex03.reference_update(scale, tracker, found_inf, g, b, gi)
+        return new if g == st.growth_factor else new[0]
+    raised = ex03.check_update_rule(demo_only, scales, skipped, st)
+    assert raised.status == "wrong"
+    assert raised.message.endswith("with other settings, update raised KeyError: "
+                                   "\"a table of the demo's settings\"")
+    single = ex03.check_update_rule(pair_only_for_the_demo, scales, skipped, st)
+    assert single.status == "wrong" and "with other settings, update must return (scale, " \
+        "tracker)" in single.message and "return scale, tracker" in single.hint
+
+
 # --- 4 and 5. accumulation must accumulate, and any micro_batches works -------------------------
 def test_accumulation_without_micro_batches_is_wrong():
     whole = ex05.check_accumulation(lambda m, x, y, k: F.cross_entropy(m(x), y).backward(),

@@ -246,8 +246,8 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
     """Run ``loop(model, optimizer, scheduler, batches, device_type, init_scale)`` for 20 fp16
     steps and compare the weights bitwise with ``Trainer`` on the same model and data."""
     hint = HINTS["loop"]
-    if not_a_function(LOOP, loop, hint) is not None:
-        return not_a_function(LOOP, loop, hint)
+    if (stub := not_a_function(LOOP, loop, hint)) is not None:
+        return stub
     half = hint.after("delete the model.half() line: the weights stay float32 and autocast casts "
                       "each operation's inputs to 16 bits where that pays")
     if same_code(loop, buggy_loop):

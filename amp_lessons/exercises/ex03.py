@@ -134,6 +134,20 @@ def _first_difference(mine: Sequence[float], scales: Sequence[float]) -> Optiona
     return next((i for i, (a, b) in enumerate(zip(mine, scales)) if a != float(b)), None)
 
 
+def _replayed(update: Callable, scales, skipped, settings, hint, context: str = ""):
+    """(the learner's rule replayed, None), or (None, the "wrong" grade) where it raised or
+    returned something other than (scale, tracker); ``context`` starts that message."""
+    try:
+        return replay(update, scales, skipped, settings), None
+    except NotAPair as exc:
+        return None, wrong(RULE, f"{context}update must return (scale, tracker); it returned "
+                           f"{exc.result!r}", hint.after(
+                               "return two values, the new scale and the new tracker: return "
+                               "scale, tracker (on every path, a skipped step's too)"))
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return None, wrong(RULE, f"{context}update raised {type(exc).__name__}: {exc}", hint)
+
+
 def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequence[bool],
                       settings: ScalerSettings) -> Check:
     """Replay the run's ``skipped`` flags through ``update(scale, tracker, found_inf,
@@ -142,19 +156,13 @@ def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequen
     ``OTHER_SKIPPED`` under ``OTHER_SETTINGS`` against ``reference_update``: the rule must use
     its arguments, not the demo's values."""
     hint = HINTS["rule"]
-    if not_a_function(RULE, update, hint) is not None:
-        return not_a_function(RULE, update, hint)
+    if (stub := not_a_function(RULE, update, hint)) is not None:
+        return stub
     if len(scales) != len(skipped) or len(scales) < 2:
         raise ValueError("scales and skipped must be the same run's columns, 2 steps or more")
-    not_a_pair = hint.after("return two values, the new scale and the new tracker: "
-                            "return scale, tracker (on every path, a skipped step's too)")
-    try:
-        mine = replay(update, scales, skipped, settings)
-    except NotAPair as exc:
-        return wrong(RULE, f"update must return (scale, tracker); it returned {exc.result!r}",
-                     not_a_pair)
-    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-        return wrong(RULE, f"update raised {type(exc).__name__}: {exc}", hint)
+    mine, failed = _replayed(update, scales, skipped, settings, hint)
+    if failed is not None:
+        return failed
     if mine is None:
         return unanswered(RULE, hint)
     i = _first_difference(mine, scales)
@@ -174,14 +182,9 @@ def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequen
                      f"used {float(b):g}", why)
     st = OTHER_SETTINGS
     want = replay(reference_update, [st.init_scale] * len(OTHER_SKIPPED), OTHER_SKIPPED, st)
-    try:
-        other = replay(update, want, OTHER_SKIPPED, st)
-    except NotAPair as exc:
-        return wrong(RULE, f"with other settings, update returned {exc.result!r}, not "
-                     f"(scale, tracker)", not_a_pair)
-    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-        return wrong(RULE, f"with other settings, update raised {type(exc).__name__}: {exc}",
-                     hint)
+    other, failed = _replayed(update, want, OTHER_SKIPPED, st, hint, "with other settings, ")
+    if failed is not None:
+        return failed
     i = None if other is None else _first_difference(other, want)
     if other is None or i is not None:
         said = "nothing" if other is None else f"{other[i]:g}"

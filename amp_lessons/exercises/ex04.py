@@ -152,8 +152,8 @@ def check_channels_last(fn: Callable, device=None) -> Check:
     """Grade ``fn(model, x) -> (model, x)``: a conv net's 4-D weights and the input must come
     back channels_last, the output unchanged."""
     hint = HINTS["layout"]
-    if not_a_function(LAYOUT, fn, hint) is not None:
-        return not_a_function(LAYOUT, fn, hint)
+    if (stub := not_a_function(LAYOUT, fn, hint)) is not None:
+        return stub
     torch.manual_seed(0)
     model = SmallCNN(in_channels=3, width=8).to(as_device(device)).eval()
     x = torch.randn(2, 3, 16, 16, device=as_device(device))

@@ -138,8 +138,8 @@ def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Che
     ones, else the right direction at a wrong size, else only that they differ."""
     micro_batches = check_int("micro_batches", micro_batches, 1)
     hint = HINTS["accumulate"]
-    if not_a_function(ACCUMULATE, fn, hint) is not None:
-        return not_a_function(ACCUMULATE, fn, hint)
+    if (stub := not_a_function(ACCUMULATE, fn, hint)) is not None:
+        return stub
     device = as_device(device)
     x, y = (t.to(device) for t in _data(_batch_size(micro_batches)))
     big = _mlp().to(device)
@@ -247,8 +247,8 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
     tensors, counted by a saved-tensors hook); a wrong answer says how much it saved against
     the plain forward and against every block checkpointed."""
     hint = HINTS["checkpoint"]
-    if not_a_function(CHECKPOINT, fn, hint) is not None:
-        return not_a_function(CHECKPOINT, fn, hint)
+    if (stub := not_a_function(CHECKPOINT, fn, hint)) is not None:
+        return stub
     reentrant = hint.after("use_reentrant=True runs the block under no_grad and, with an input "
                            "that needs no gradient, nothing reaches the weights: pass "
                            "use_reentrant=False")
@@ -418,8 +418,8 @@ def check_resume(save: Callable, load: Callable, device=None) -> Check:
     equal to the saved ones."""
     hint = HINTS["resume"]
     for fn in (save, load):
-        if not_a_function(RESUME, fn, hint) is not None:
-            return not_a_function(RESUME, fn, hint)
+        if (stub := not_a_function(RESUME, fn, hint)) is not None:
+            return stub
     device = as_device(device)
     try:
         check_precision("fp16", device)

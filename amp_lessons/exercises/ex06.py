@@ -380,8 +380,8 @@ def check_efficiency(fn: Callable, summary: Sequence[Mapping]) -> Check:
     ``EFFICIENCY_REL``: a number of any type (a float, a NumPy scalar, a one-value tensor of any
     float dtype) counts."""
     hint = HINTS["efficiency"]
-    if not_a_function(EFFICIENCY, fn, hint) is not None:
-        return not_a_function(EFFICIENCY, fn, hint)
+    if (stub := not_a_function(EFFICIENCY, fn, hint)) is not None:
+        return stub
     single = {r["label"]: r["per_s"] for r in summary if r["world_size"] == 1}
     rows = [r for r in summary if r["world_size"] > 1 and r.get("efficiency") is not None
             and r["label"] in single]

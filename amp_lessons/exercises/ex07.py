@@ -139,8 +139,8 @@ def _scale_on(fn, x):
 def check_per_tensor_scale(fn: Callable) -> Check:
     """Grade ``fn(x) -> scale``: e4m3's max over ``amax(|x|)`` (a 0-dim tensor or a number)."""
     hint = HINTS["tensor"]
-    if not_a_function(TENSOR, fn, hint) is not None:
-        return not_a_function(TENSOR, fn, hint)
+    if (stub := not_a_function(TENSOR, fn, hint)) is not None:
+        return stub
     x = test_tensor()
     try:
         got = fn(x)
@@ -170,8 +170,8 @@ def check_per_tensor_scale(fn: Callable) -> Check:
 def check_per_row_scale(fn: Callable) -> Check:
     """Grade ``fn(x) -> scales``: one e4m3 scale per row, shape ``(rows, 1)``."""
     hint = HINTS["row"]
-    if not_a_function(ROW, fn, hint) is not None:
-        return not_a_function(ROW, fn, hint)
+    if (stub := not_a_function(ROW, fn, hint)) is not None:
+        return stub
     x = test_tensor()
     try:
         got = fn(x)
@@ -220,8 +220,8 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
     on every ``nn.Linear`` of ``model`` against ``plan`` (rows with ``layer``, ``precision``
     "float8" | "bf16" and ``reason``)."""
     hint = HINTS["filter"]
-    if not_a_function(FILTER, fn, hint) is not None:
-        return not_a_function(FILTER, fn, hint)
+    if (stub := not_a_function(FILTER, fn, hint)) is not None:
+        return stub
     rows = {r["layer"]: r for r in plan}
     try:
         answers = {name: fn(m, name) for name, m in model.named_modules()

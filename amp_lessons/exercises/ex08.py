@@ -111,8 +111,8 @@ def check_stochastic_rounding(fn: Callable) -> Check:
     (within 2% of a bf16 ulp: round-to-nearest and truncation miss by 13-70%); a second call
     (another seed) must round differently: a fixed pattern repeats its error at every step."""
     hints = HINTS["stochastic"]
-    if not_a_function(STOCHASTIC, fn, hints) is not None:
-        return not_a_function(STOCHASTIC, fn, hints)
+    if (stub := not_a_function(STOCHASTIC, fn, hints)) is not None:
+        return stub
     x = _sr_input()
     try:
         got = _seeded(fn, x, 0)
@@ -280,8 +280,8 @@ def check_kahan_update(fn: Callable) -> Check:
     The first step, taken again after the run, must give the same outputs: the weight and the
     compensation are the whole state (an fp32 copy kept between calls is not Kahan)."""
     hints = HINTS["kahan"]
-    if not_a_function(KAHAN, fn, hints) is not None:
-        return not_a_function(KAHAN, fn, hints)
+    if (stub := not_a_function(KAHAN, fn, hints)) is not None:
+        return stub
     start, update = _kahan_case()
     try:
         first = _run_kahan(fn, start, update, 1)  # taken again after the run: must not change

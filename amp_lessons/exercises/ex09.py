@@ -203,8 +203,8 @@ def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
     of the report's ``layers`` (and its ``model`` name) only, so that returning the doctor's
     answer, or changing the report, is not possible."""
     hints = HINTS["scale"]
-    if not_a_function(SCALE, fn, hints) is not None:
-        return not_a_function(SCALE, fn, hints)
+    if (stub := not_a_function(SCALE, fn, hints)) is not None:
+        return stub
     reports = [r for r in reports if r.scale_exponent is not None]
     if not reports:
         return skipped(SCALE, "no report here has a nonzero gradient")

@@ -207,12 +207,22 @@ _PARAM_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_
 
 def check_optimizer_state(saved, optimizer: torch.optim.Optimizer) -> None:
     """Load into a shallow copy of ``optimizer`` (the live one is not touched), then compare
-    state shapes with the parameters."""
+    the param groups' settings and the state shapes with the live ones: a state saved by
+    another kind of optimizer (RMSprop's into Adam) loads without complaint in torch and fails
+    at the first ``step()`` (``KeyError: 'betas'``); here it is refused, naming what is missing."""
     shadow = copy.copy(optimizer)
     try:
         shadow.load_state_dict(saved)
     except Exception as exc:  # noqa: BLE001 - torch raises ValueError, KeyError, TypeError...
         raise CheckpointError(f"optimizer: does not fit this optimizer ({exc})") from None
+    for i, loaded in enumerate(shadow.param_groups):
+        # the constructor's settings (a scheduler's own keys, initial_lr, are not the
+        # optimizer's); torch fills in settings newer than the file when it loads
+        missing = sorted(set(optimizer.defaults) - set(loaded))
+        if missing:
+            raise CheckpointError(
+                f"optimizer: param group {i} lacks {', '.join(map(repr, missing))}, which "
+                f"{type(optimizer).__name__} needs: saved by another kind of optimizer?")
     for p, entry in shadow.state.items():
         for key in _PARAM_SHAPED_STATE:
             v = entry.get(key) if isinstance(entry, dict) else None

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import models
+from ._modes import keeps_rng
 from ._validate import check_choice, check_int
 from .bench.config import MODELS
 from .bench.oom import free_memory
@@ -21,6 +22,7 @@ from .data import synthetic_images
 from .precision import as_device
 
 
+@keeps_rng
 def checkpoint_sequential_pitfall(segments: int = 4, image_size: int = 32, batch_size: int = 2,
                                   device=None, seed: int = 0,
                                   model: str = "resnet50") -> Dict[str, object]:
@@ -109,6 +111,7 @@ def deterministic_kernels() -> Iterator[None]:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
 
 
+@keeps_rng
 def checkpoint_equivalence(model: str = "resnet18", checkpoint: str = "block",
                            image_size: int = 32, batch_size: int = 4, num_classes: int = 10,
                            device=None, seed: int = 0) -> Dict[str, object]:
@@ -121,9 +124,11 @@ def checkpoint_equivalence(model: str = "resnet18", checkpoint: str = "block",
     relative difference over parameters after the step), ``bn_rel_diff`` and
     ``bn_rel_diff_without_fix`` (running mean and variance against the plain model), and the
     ``num_batches_tracked`` of bn1 in the first residual block for each: 1, 1 and 2.
+    Seeds itself with ``seed`` and leaves the caller's random stream where it was.
     """
     check_choice("model", model, ("resnet18", "resnet50"))
     check_choice("checkpoint", checkpoint, tuple(m for m in models.CHECKPOINT_MODES if m))
+    check_int("batch_size", batch_size, 2)  # BatchNorm needs 2 values per channel (layer4: 1x1)
     device = as_device(device)
     x, y = synthetic_images(batch_size, image_size, num_classes, device, seed=seed)
     out: Dict[str, object] = {"model": model, "checkpoint": checkpoint}

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ._validate import check_bool, check_int, check_seed, is_int
-from .precision import as_device
+from .precision import available_device
 
 DIGITS_CLASSES = 10
 DIGITS_TEST_FRACTION = 0.25
@@ -66,7 +66,7 @@ def digits(split: str = "train", image_size: Optional[int] = None,
         if image_size != 8:
             x = F.interpolate(x, size=(image_size, image_size), mode="bilinear",
                               align_corners=False)
-    device = as_device(device) if device is not None else torch.device("cpu")
+    device = available_device(device) if device is not None else torch.device("cpu")
     return x.contiguous().to(device), y.to(device)
 
 
@@ -141,7 +141,7 @@ def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 
             raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
     seed = check_seed("seed", seed)
     check_bool("channels_last", channels_last)
-    device = as_device(device) if device is not None else None
+    device = available_device(device) if device is not None else None
     g = torch.Generator(device=device).manual_seed(seed) if device is not None else \
         torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, channels, image_size, image_size, device=device, generator=g)

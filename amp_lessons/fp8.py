@@ -42,9 +42,14 @@ def amax_scale(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensorwis
     x = x.detach().float()
     if granularity == "none":
         return torch.ones((), device=x.device)
-    amax = x.abs().amax() if granularity == "tensorwise" or x.dim() == 0 \
-        else x.abs().amax(dim=-1, keepdim=True)
-    scale = fp8_max(fmt) / amax.clamp(min=1e-12)
+    rows = granularity == "rowwise" and x.dim() > 0
+    if x.numel() == 0:  # nothing to scale: scale 1, in the shape a non-empty x would give
+        return torch.ones(x.shape[:-1] + (1,) if rows else (), device=x.device)
+    amax = x.abs().amax(dim=-1, keepdim=True) if rows else x.abs().amax()
+    # the floor caps the scale at 2^127, finite in fp32 for an all-zero tensor or row (and a
+    # power of two, so power_of_2 keeps it), and no lower: a tensor of tiny normal values
+    # (amax 1e-18) still reaches the top of the range
+    scale = fp8_max(fmt) / amax.clamp(min=fp8_max(fmt) * 2.0 ** -127)
     if power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
@@ -90,7 +95,9 @@ def quantization_error(x: torch.Tensor, fmt: str = "e4m3",
     norm = float(x.norm())
     nonzero = x != 0
     scale = amax_scale(x, fmt, granularity)
-    saturated = (x.abs() * scale) > fp8_max(fmt)
+    # clipped beyond the rounding of the scale itself: a dynamic scale puts amax at the top of
+    # the range give or take an fp32 ulp or two, and that value is not clipped (it round-trips)
+    saturated = (x.abs() * scale) > fp8_max(fmt) * (1 + 2 ** -20)
     return {"rel_error": float((q - x).norm()) / norm if norm > 0 else 0.0,
             "underflow": float(((q == 0) & nonzero).sum()) / max(int(nonzero.sum()), 1),
             "saturated": float(saturated.float().mean())}

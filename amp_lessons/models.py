@@ -306,12 +306,27 @@ class CheckpointedWithoutBatchNormFix(Checkpointed):
         return nullcontext(), nullcontext()
 
 
+class SelectiveCheckpointedWithoutBatchNormFix(SelectiveCheckpointed):
+    """``SelectiveCheckpointed`` without its BatchNorm fix: the ops it recomputes include
+    BatchNorm's, so the running statistics move twice per step (for comparisons only)."""
+
+    def _contexts(self):
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        return create_selective_checkpoint_contexts(_conv_outputs_saved)
+
+
+_WITHOUT_FIX = {Checkpointed: CheckpointedWithoutBatchNormFix,
+                SelectiveCheckpointed: SelectiveCheckpointedWithoutBatchNormFix}
+
+
 def without_batchnorm_fix(model: nn.Module) -> nn.Module:
-    """Turn every ``Checkpointed`` unit of ``model`` into ``CheckpointedWithoutBatchNormFix``
-    (in place; returns ``model``): the pitfall lesson 05 shows."""
+    """Turn every checkpointed unit of ``model`` (``Checkpointed`` and ``SelectiveCheckpointed``)
+    into its twin without the BatchNorm fix (in place; returns ``model``): the pitfall lesson 05
+    shows."""
     for m in model.modules():
-        if type(m) is Checkpointed:
-            m.__class__ = CheckpointedWithoutBatchNormFix
+        twin = _WITHOUT_FIX.get(type(m))
+        if twin is not None:
+            m.__class__ = twin
     return model
 
 

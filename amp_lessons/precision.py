@@ -32,12 +32,31 @@ def as_device(device: Device = None) -> torch.device:
     if isinstance(device, bool):
         raise ValueError(f"device must be a torch.device, a device string or a CUDA index; got {device!r}")
     if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device must be a CUDA index >= 0; got {device}")
         return torch.device("cuda", device)
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device must be a torch.device, a device string or a CUDA index; "
                          f"got {device!r}") from exc
+
+
+def available_device(device: Device = None, name: str = "device",
+                     given: str = "") -> torch.device:
+    """``as_device(device)``, checked to exist on this machine: ValueError naming the setting
+    (``name``; ``given``: how to quote the value, default its repr) for a CUDA device where CUDA
+    is not available or past the last GPU (torch's own errors name the driver, not the setting)."""
+    dev = as_device(device)
+    if dev.type == "cuda":
+        given = given or (repr(device) if isinstance(device, (str, int)) else repr(str(dev)))
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} must be an available device; got {given} but CUDA is not "
+                             f"available (use 'cpu')")
+        count = torch.cuda.device_count()
+        if dev.index is not None and not 0 <= dev.index < count:
+            raise ValueError(f"{name} must be a CUDA device in [0, {count - 1}]; got {given}")
+    return dev
 
 
 def normalize_precision(precision: str) -> str:
@@ -100,9 +119,7 @@ def check_precision(precision: str, device: Device = None) -> str:
     torch would emulate it, slowly). ``tf32`` runs everywhere; off CUDA it is plain fp32.
     """
     name = normalize_precision(precision)
-    dev = as_device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device must be an available device; got {dev} but CUDA is not available")
+    dev = available_device(device)
     if name == "fp16":
         problem = _fp16_problem(dev.type)
         if problem:

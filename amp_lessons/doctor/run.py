@@ -1,16 +1,16 @@
 """``doctor(model, batch)``: the course's measurements on one model, in order, into a report."""
 from __future__ import annotations
 
-import functools
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from .._modes import keeps_rng
 from .._validate import check_bool, check_int
 from ..bench import free_memory
-from ..precision import PRECISIONS, as_device, check_precision, native_bf16
+from ..precision import PRECISIONS, as_device, available_device, check_precision, native_bf16
 from . import compiled as _compiled
 from . import findings as _findings
 from . import fp8 as _fp8
@@ -61,17 +61,6 @@ def _fp16_problem(device) -> str:
     return ""
 
 
-def _keeps_rng(fn):
-    """Run ``fn`` with torch's random generators (CPU and every GPU) put back afterwards: the
-    doctor seeds its passes, and the learner's own random stream must not move."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=gpus):
-            return fn(*args, **kwargs)
-    return wrapper
-
-
 def check_device(device, model: Optional[nn.Module] = None,
                  name: str = "device") -> torch.device:
     """The device to measure on (``device``; when None, the model's), checked: a CPU, or a CUDA
@@ -83,14 +72,7 @@ def check_device(device, model: Optional[nn.Module] = None,
              repr(device) if isinstance(device, (str, int)) else repr(str(device)))
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} must be 'cpu' or a CUDA device ('cuda', 'cuda:0'); got {given}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{name} must be a device this machine has; got {given} but CUDA "
-                             f"is not available (use 'cpu')")
-        count = torch.cuda.device_count()
-        if dev.index is not None and not 0 <= dev.index < count:
-            raise ValueError(f"{name} must be a CUDA device in [0, {count - 1}]; got {given}")
-    return dev
+    return available_device(dev, name, given)
 
 
 def _check_fp8_crossover(value) -> Tuple[Optional[int], str]:
@@ -130,7 +112,7 @@ def _fp32_nonfinite(rows: Sequence[Dict[str, object]], loss_finite: bool) -> Lis
     return [str(r["layer"]) for r in rows] + ([] if loss_finite else ["the loss"])
 
 
-@_keeps_rng
+@keeps_rng
 def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
            optimizer: Optional[torch.optim.Optimizer] = None, device=None,
            precisions: Sequence[str] = PRECISIONS, warmup: int = 5, steps: int = 15,

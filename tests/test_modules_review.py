@@ -1,0 +1,127 @@
+"""An outside review of the training helpers with other models and inputs (checkpoint,
+checkpointing, fp8, data, precision): each class of bug it reproduced, held by a test."""
+import pytest
+import torch
+from torch import nn
+
+from amp_lessons import checkpointing as K
+from amp_lessons import data as D
+from amp_lessons import fp8 as F8
+from amp_lessons import models as M
+from amp_lessons import precision as P
+from amp_lessons.checkpoint import CheckpointError, check_optimizer_state
+
+
+# --- fp8: saturation, tiny and empty tensors -------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity,shape", [("tensorwise", (8,)), ("rowwise", (4, 8))])
+def test_dynamic_scaling_clips_nothing_so_reports_no_saturation(fmt, granularity, shape):
+    """amax lands on the format's largest value give or take an fp32 ulp: not clipped (381 of
+    2,000 random tensors read as saturated before)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        x = torch.randn(shape, generator=g) * 3
+        assert F8.quantization_error(x, fmt, granularity)["saturated"] == 0.0
+    assert F8.quantization_error(torch.tensor([10.62462043762207, 1.0, -3.0, 0.5]), "e4m3",
+                                 "tensorwise")["saturated"] == 0.0
+
+
+def test_unscaled_values_past_the_range_still_count_as_saturated():
+    assert F8.quantization_error(torch.tensor([500.0, 1.0]), "e4m3", "none")["saturated"] == 0.5
+
+
+def test_tiny_tensors_reach_the_top_of_the_range_and_zero_ones_keep_a_finite_scale():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-18
+    assert float(F8.amax_scale(x, "e4m3") * x.abs().max()) == pytest.approx(448.0)
+    assert F8.quantization_error(x, "e4m3")["underflow"] == 0.0  # was 0.96
+    for p2 in (False, True):
+        scale = F8.amax_scale(torch.zeros(3), "e4m3", power_of_2=p2)
+        assert torch.isfinite(scale)
+        assert torch.equal(F8.fake_quantize(torch.zeros(3), power_of_2=p2), torch.zeros(3))
+
+
+@pytest.mark.parametrize("granularity,shape,scale_shape", [
+    ("tensorwise", (0, 4), ()), ("tensorwise", (0,), ()), ("rowwise", (4, 0), (4, 1)),
+    ("rowwise", (0, 4), (0, 1))])
+def test_empty_tensors_round_trip_with_scale_one(granularity, shape, scale_shape):
+    x = torch.zeros(shape)
+    assert F8.amax_scale(x, "e4m3", granularity).shape == scale_shape
+    assert F8.fake_quantize(x, granularity=granularity).shape == x.shape
+
+
+# --- checkpointing: SAC without the fix, the caller's RNG, batch 1 ---------------------------
+
+@pytest.mark.skipif(M.selective_checkpointing_problem() is not None, reason="needs torch >= 2.5")
+def test_sac_without_the_batchnorm_fix_really_has_no_fix():
+    r = K.checkpoint_equivalence("resnet18", "sac", image_size=32, batch_size=2, device="cpu")
+    assert r["batches_tracked"] == {"plain": 1, "checkpointed": 1,
+                                    "checkpointed without the fix": 2}
+    assert r["bn_rel_diff"] == 0.0 and r["bn_rel_diff_without_fix"] > 0
+    net = M.without_batchnorm_fix(M.resnet18(10, checkpoint="sac", small_input=True))
+    assert not any(type(u) is M.SelectiveCheckpointed for u in net.modules())
+
+
+@pytest.mark.parametrize("call", [
+    lambda: K.checkpoint_equivalence("resnet18", "block", 32, 2, device="cpu", seed=0),
+    lambda: K.checkpoint_sequential_pitfall(4, 32, 2, device="cpu", model="resnet18", seed=0)],
+    ids=["checkpoint_equivalence", "checkpoint_sequential_pitfall"])
+def test_checkpointing_measurements_leave_the_callers_random_stream_alone(call):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    call()
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_checkpoint_equivalence_names_a_batch_of_one():
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 2; got 1"):
+        K.checkpoint_equivalence("resnet18", "block", image_size=32, batch_size=1, device="cpu")
+
+
+# --- checkpoint: another optimizer's state -----------------------------------------------------
+
+def _stepped(opt_class, **kw):
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    opt = opt_class(m.parameters(), **kw)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def test_another_kind_of_optimizers_state_is_refused_naming_what_is_missing():
+    m, rms = _stepped(torch.optim.RMSprop, lr=1e-3)
+    adam = torch.optim.Adam(m.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match=r"param group 0 lacks 'betas', which Adam needs"):
+        check_optimizer_state(rms.state_dict(), adam)
+    # its own kind loads, also where a scheduler added initial_lr to the live groups only
+    _, other = _stepped(torch.optim.Adam, lr=1e-3)
+    torch.optim.lr_scheduler.StepLR(adam, 1)
+    check_optimizer_state(other.state_dict(), adam)
+
+
+# --- data and precision: devices this machine lacks, negative indices ------------------------
+
+@pytest.mark.parametrize("call", [
+    lambda: D.synthetic_images(2, 8, device="cuda"), lambda: D.digits("train", device="cuda"),
+    lambda: D.digits_loaders(8, device="cuda:1"), lambda: P.check_precision("fp32", "cuda")])
+def test_a_cuda_device_without_cuda_is_named_not_a_driver_error(monkeypatch, call):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device must be an available device; got 'cuda(:1)?' "
+                                         r"but CUDA is not available \(use 'cpu'\)"):
+        call()
+
+
+def test_a_gpu_past_the_last_one_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"device must be a CUDA device in \[0, 1\]; got 'cuda:2'"):
+        P.available_device("cuda:2")
+    assert P.available_device("cuda:1") == torch.device("cuda", 1)
+    assert P.available_device("cpu") == torch.device("cpu")
+
+
+def test_a_negative_cuda_index_is_named():
+    with pytest.raises(ValueError, match="device must be a CUDA index >= 0; got -1"):
+        P.as_device(-1)

@@ -127,6 +127,22 @@ def _add_rehearse(sub) -> None:
     p.set_defaults(func=_cmd_rehearse)
 
 
+def update_problem(profile: str) -> str:
+    """Why a rehearsal run here may not go into the committed record (``--update``), or "": the
+    record publishes a simulated card's times and memory under that heading, so only a
+    full-profile run on a CUDA GPU (the card simulated on it) belongs there; a run on a CPU
+    replaced the H200's records with numbers that mean something else."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("only a rehearsal on a CUDA GPU (simulating the card) can go into the record; "
+                "this machine has none (run without --update to try the notebooks)")
+    if profile != "full":
+        return (f"the record holds full-profile runs; this run is --profile {profile} (run "
+                f"without --update, or with --profile full)")
+    return ""
+
+
 def _cmd_rehearse(args) -> int:
     from .env import SIMULATED_CARDS
     from .rehearsal import rehearse
@@ -148,6 +164,9 @@ def _cmd_rehearse(args) -> int:
                 if earlier["card"] != args.card:
                     raise ValueError(f"update: '{args.update}' is a rehearsal record of card "
                                      f"{earlier['card']}, not {args.card}")
+            problem = update_problem(args.profile)
+            if problem:
+                raise ValueError(f"update: {problem}")
     except (ValueError, OSError) as exc:  # NotANotebookError, JSONDecodeError are ValueErrors
         return fail("rehearse", str(exc))
     try:
@@ -167,7 +186,8 @@ def _cmd_rehearse(args) -> int:
         print(f"updated {args.update}")
     for r in doc["lessons"]:
         state = "completed" if r["completed"] else f"FAILED ({r['error']})"
-        print(f"{r['notebook']}: {state} in {r['seconds']} s, peak {r['peak_gpu_mib']} MiB, "
+        peak = "n/a" if r["peak_gpu_mib"] is None else f"{r['peak_gpu_mib']} MiB"
+        print(f"{r['notebook']}: {state} in {r['seconds']} s, peak {peak}, "
               f"{plural(len(r['not_run']), 'row')} not run")
     print(f"wrote {args.out / f'rehearsal_{args.card}.json'}")
     return 0 if all(r["completed"] for r in doc["lessons"]) else 1
@@ -186,7 +206,9 @@ def _add_readme(sub) -> None:
                                    "their citations in metadata amp_lessons.cited) too.")
     p.add_argument("--check", action="store_true",
                    help="change nothing; exit 1 if the section is out of date")
-    p.add_argument("--readme", type=Path, default=None, help="README to update (default: the repo's)")
+    p.add_argument("--readme", type=Path, default=None,
+                   help="README to update (default: the repo's, and then the lessons' cited "
+                        "prose too; another README is written alone)")
     p.set_defaults(func=_cmd_readme)
 
 
@@ -196,7 +218,10 @@ def _cmd_readme(args) -> int:
     from .report import cite_notebooks, collect, readme_with_generated
     from .runner import NOTEBOOK_DIR, course_notebooks
 
-    readme = args.readme or NOTEBOOK_DIR.parent / "README.md"
+    repo_readme = NOTEBOOK_DIR.parent / "README.md"
+    readme = args.readme or repo_readme
+    # another README (a copy): write only it, not the checkout's notebooks
+    own = args.readme is None or readme.resolve() == repo_readme.resolve()
     if not readme.is_file():
         return fail("readme", f"no README at '{readme}'")
     rehearsal_file = NOTEBOOK_DIR.parent / "docs" / "rehearsal_t4.json"
@@ -211,6 +236,7 @@ def _cmd_readme(args) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail("readme", str(exc))
     if args.check:
+        stale = stale if own else []
         if new != current or stale:
             names = ", ".join(p.name for p in stale)
             print(f"{readme}: results, rehearsal or cheat-sheet section is out of date"
@@ -226,6 +252,11 @@ def _cmd_readme(args) -> int:
         except OSError as exc:
             return fail("readme", write_failure(readme, exc), 1)
     print(f"{readme}: {'updated' if new != current else 'already current'}")
+    if not own:
+        if stale:
+            print(f"not written (--readme names another README): the cited prose of "
+                  f"{', '.join(p.name for p in stale)}")
+        return 0
     try:
         for path in cite_notebooks(stale, results=results):
             print(f"{path}: cited prose updated")

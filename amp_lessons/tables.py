@@ -65,6 +65,15 @@ def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) ->
 MEASURED_NOT_COMPARED = "measured, not compared"
 
 
+def spread_text(spread: float) -> str:
+    """A relative spread (interquartile range or max-min over the median, so not a share: it
+    can pass 1) as a percentage: ``percent(spread, 1)`` up to 100%, ``"837%"`` beyond (a
+    share's formatter raised on 8.37, and clamping it showed "100%")."""
+    if not is_real(spread) or spread < 0:
+        raise ValueError(f"spread must be a number >= 0; got {spread!r}")
+    return percent(spread, 1.0) if spread <= 1 else f"{100.0 * spread:,.0f}%"
+
+
 def not_compared(why: str) -> str:
     """The status of a row that was measured (its numbers are shown) but cannot be compared or
     decide anything here: ``"measured, not compared: <why>"``. A row that did not run says

@@ -372,3 +372,25 @@ def test_a_cell_timeout_prints_no_kernel_traceback(tmp_path, capfd):
     out = capfd.readouterr()
     assert_one_line_error(out.err, "run-notebooks", "timed out after 2 s")
     assert "Traceback" not in out.out + out.err and "zmq" not in out.out + out.err
+
+
+def test_readme_into_another_readme_leaves_the_checkouts_notebooks_alone(tmp_path, capsys,
+                                                                          monkeypatch):
+    """``readme --readme COPY`` writes the copy only: it rewrote the checkout's notebooks
+    (their cited prose) too (an outside review of the CLI)."""
+    from pathlib import Path as P
+
+    from amp_lessons import report
+    calls = []
+
+    def cite(notebooks, write=True, results=None):
+        calls.append(write)
+        return [P("04_x.ipynb")] if not write else []
+    monkeypatch.setattr(report, "cite_notebooks", cite)
+    copy = tmp_path / "README.md"
+    copy.write_text((Path(__file__).resolve().parent.parent / "README.md").read_text())
+    assert main(["readme", "--readme", str(copy)]) == 0
+    assert calls == [False]  # looked at, never written
+    assert "not written (--readme names another README): the cited prose of 04_x.ipynb" in \
+        capsys.readouterr().out
+    assert main(["readme", "--check", "--readme", str(copy)]) == 0  # the copy itself is current

@@ -125,3 +125,20 @@ def test_a_gpu_past_the_last_one_is_named(monkeypatch):
 def test_a_negative_cuda_index_is_named():
     with pytest.raises(ValueError, match="device must be a CUDA index >= 0; got -1"):
         P.as_device(-1)
+
+
+# --- spreads past 100% (the CLI review: doctor --out report.html crashed) -------------------
+
+def test_a_spread_past_100_percent_is_shown_not_raised_nor_clamped():
+    from amp_lessons.bench import rows as R
+    from amp_lessons.doctor.report import DoctorReport
+    from amp_lessons.tables import percent, spread_text
+
+    assert spread_text(0.0123) == percent(0.0123, 1.0) and spread_text(1.0) == "100%"
+    assert spread_text(8.188529515752963) == "819%"
+    for bad in (-0.1, float("nan"), None, "0.5"):
+        with pytest.raises(ValueError, match="spread must be a number >= 0"):
+            spread_text(bad)
+    assert DoctorReport._cell("spread", 37.55) == "3,755%"
+    (_, _, fmt), = [c for c in R.DEFAULT_COLUMNS if c[0] == "spread"]
+    assert fmt(2.5) == "250%"  # was clamped to "100%"

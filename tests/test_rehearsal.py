@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 import nbformat
 
@@ -269,6 +270,17 @@ def test_cli_rehearse_update_merges_into_the_record(tmp_path, capsys, monkeypatc
     record.write_text(json.dumps(rehearsal.merge([_doc(("01_x.ipynb", False))])))
     nb = _notebook(tmp_path / "01_x.ipynb", "1 + 1")
     monkeypatch.delenv(env.SIMULATE_VARIABLE, raising=False)
+    before = record.read_text()
+    # a CPU run (or a quick one) is refused before anything runs: it would replace the GPU's
+    # records under the same heading (it did, from an outside review)
+    assert cli.main(["rehearse", "--profile", "quick", "--out", str(tmp_path / "o"),
+                     "--update", str(record), str(nb)]) == 2
+    assert "update: only a rehearsal on a CUDA GPU" in capsys.readouterr().err
+    assert record.read_text() == before and not (tmp_path / "o").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "--profile quick" in cli.update_problem("quick") and cli.update_problem("full") == ""
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "update_problem", lambda profile: "")  # the merge itself, here
     status = cli.main(["rehearse", "--profile", "quick", "--out", str(tmp_path / "o"),
                        "--update", str(record), str(nb)])
     assert status == 0, capsys.readouterr().err

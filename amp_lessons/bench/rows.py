@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence, TypedDict
 import torch
 
 from ..precision import as_device
-from ..tables import json_safe, percent
+from ..tables import json_safe, percent, spread_text
 from .timer import NOISY_SPREAD
 
 
@@ -65,7 +65,7 @@ DEFAULT_COLUMNS = (("label", "configuration"), ("img_per_s", "img/s"),
                    ("memory_ratio", "mem x fp32"), ("activations_gib", "act. GiB"),
                    ("optimizer_state_gib", "opt. GiB"),
                    ("gpu_idle_fraction", "GPU idle", lambda v: percent(v, 1.0)),
-                   ("spread", "repeat spread", lambda v: percent(min(v, 1.0), 1.0)),
+                   ("spread", "repeat spread", spread_text),
                    ("status", "status"))
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..tables import format_value, html_table, json_safe, percent, plural
+from ..tables import format_value, html_table, json_safe, percent, plural, spread_text
 from ..files import write_atomic
 
 # scoped to the report's <div>, so a notebook's own styles stay as they are
@@ -82,7 +82,9 @@ class DoctorReport:
             return "n/a"
         if isinstance(value, bool):
             return "yes" if value else "no"
-        if key.endswith(("_overflow", "_underflow", "idle_fraction", "share", "spread")) and \
+        if key.endswith("spread") and isinstance(value, float):
+            return spread_text(value)  # a ratio to the median: it can pass 100%
+        if key.endswith(("_overflow", "_underflow", "idle_fraction", "share")) and \
                 isinstance(value, float):
             return percent(value, 1.0)
         if isinstance(value, float):

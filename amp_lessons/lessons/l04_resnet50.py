@@ -23,7 +23,7 @@ from ..optim import (adam_precision_facts, multi_tensor_status,  # noqa: F401 (t
                      skipped_step_check)
 from ..precision import (HALF_DTYPES, PRECISIONS, as_device, autocast_error_by_op,  # noqa: F401
                          autocast_op_list_api, native_bf16)
-from ..tables import percent, plural
+from ..tables import percent, plural, spread_text
 
 LESSON = "04"
 
@@ -486,7 +486,7 @@ R6_COLUMNS = (("configuration", "R6 row"), ("measured_label", "measured as"),
               ("claimed_img_per_s", "claimed img/s"), ("measured_img_per_s", "img/s"),
               ("claimed_speedup", "claimed x"), ("measured_speedup", "x"),
               ("gpu_idle_fraction", "GPU idle", lambda v: percent(v, 1.0)),
-              ("spread", "repeat spread", lambda v: percent(v, 1.0)))
+              ("spread", "repeat spread", spread_text))
 
 
 # --- claims R4, R5, R7 (accuracy) and R12 (op error) --------------------------------------------

@@ -35,6 +35,10 @@ class ScalerSettings:
             raise ValueError(f"backoff_factor must be in the open interval (0, 1); "
                              f"got {self.backoff_factor!r}")
         interval = check_int("growth_interval", self.growth_interval, 1)
+        if interval >= 2 ** 63:
+            raise ValueError(f"growth_interval must be a whole number >= 1 and below 2**63 "
+                             f"(GradScaler hands it to a kernel as a 64-bit integer); "
+                             f"got {interval}")
         # NumPy scalars (a sweep over np.arange) are kept as plain Python numbers
         for name, value in (("init_scale", float(v)), ("growth_factor", growth),
                             ("backoff_factor", float(self.backoff_factor)),

@@ -67,13 +67,29 @@ def check_notebooks(paths, out: Optional[Path] = None) -> None:
     be made in a writable place): checked before the first notebook runs."""
     from .runner import output_path, read_notebook
 
+    check_paths_exist(paths)
+    for p in paths:
+        read_notebook(Path(p))
+    targets: dict = {}
+    for p in paths:
+        target = output_path(Path(p), out).resolve()
+        if target in targets:  # a notebook named twice, or two of one name into one --out
+            raise ValueError(f"'{p}' and '{targets[target]}' would both be written to "
+                             f"'{target}': name each notebook once, or run them into "
+                             f"different --out folders")
+        targets[target] = p
+
+
+def check_paths_exist(paths) -> None:
+    """ValueError naming what is wrong with notebook paths that are not files: a folder (name
+    the notebooks in it), or nothing at all there."""
+    folders = [str(p) for p in paths if Path(p).is_dir()]
+    if folders:
+        raise ValueError(f"{', '.join(folders)}: a folder, not a notebook (name the notebooks "
+                         f"in it, e.g. {Path(folders[0]) / '*.ipynb'})")
     missing = [str(p) for p in paths if not Path(p).is_file()]
     if missing:
         raise ValueError(f"no such notebook: {', '.join(missing)}")
-    for p in paths:
-        read_notebook(Path(p))
-    for p in paths:
-        output_path(Path(p), out)
 
 
 def _cmd_run_notebooks(args) -> int:
@@ -359,8 +375,12 @@ def _cmd_figure_images(args) -> int:
     from .snapshots import add_images_to
 
     paths = args.notebooks or course_notebooks()
+    try:
+        check_paths_exist(paths)
+    except ValueError as exc:
+        return fail("figure-images", str(exc))
     for path in paths:
-        if not path.is_file() or path.suffix != ".ipynb":
+        if path.suffix != ".ipynb":
             return fail("figure-images", f"'{path}' is not a notebook file (.ipynb)")
     try:
         added = add_images_to(paths, force=args.force)

@@ -394,3 +394,47 @@ def test_readme_into_another_readme_leaves_the_checkouts_notebooks_alone(tmp_pat
     assert "not written (--readme names another README): the cited prose of 04_x.ipynb" in \
         capsys.readouterr().out
     assert main(["readme", "--check", "--readme", str(copy)]) == 0  # the copy itself is current
+
+
+def test_explain_lists_the_claims_keys_and_refuses_unknown_ones(capsys):
+    """``explain``'s key list named the prefix ``claims.`` (not a key) and accepted any
+    ``claims.<anything>`` with exit 0 (an outside review of the CLI)."""
+    from amp_lessons.bench.provenance import producers, published_keys
+
+    keys = published_keys()
+    assert "claims." not in keys and {"claims.l01", "claims.l06"} <= set(keys)
+    assert producers("claims.l01")
+    for bad in ("claims.", "claims.l99"):
+        assert main(["explain", bad]) == 2
+        err = capsys.readouterr().err
+        assert "claims.l01, claims.l02" in err and f"got '{bad}'" in err
+
+
+def test_a_growth_interval_past_64_bits_is_named(capsys):
+    argv = ["train", "--no-progress", "--precision", "amp", "--growth-interval",
+            str(2 ** 70), "--epochs", "1"]
+    assert main(argv) == 2
+    assert "growth_interval must be a whole number >= 1 and below 2**63" in capsys.readouterr().err
+
+
+def test_notebook_paths_name_folders_missing_files_and_colliding_outputs(tmp_path, capsys):
+    """A folder read as "no such notebook", a missing x.ipynb as "not a notebook file", and two
+    notebooks of one name into one --out overwrote each other without a word (an outside
+    review of the CLI); nothing runs when the paths are wrong."""
+    path, ran = _marker_notebook(tmp_path)
+    (tmp_path / "x").mkdir()
+    twin = tmp_path / "x" / path.name
+    twin.write_text(path.read_text())
+    cases = [
+        (["run-notebooks", "--no-progress", "--out", str(tmp_path / "o"), str(path), str(twin)],
+         "would both be written to"),
+        (["run-notebooks", "--no-progress", str(path), str(path)], "would both be written to"),
+        (["run-notebooks", "--no-progress", str(tmp_path / "x")], "a folder, not a notebook"),
+        (["rehearse", "--out", str(tmp_path / "r"), str(tmp_path / "x")], "a folder, not a notebook"),
+        (["figure-images", str(tmp_path / "x")], "a folder, not a notebook"),
+        (["figure-images", str(tmp_path / "gone.ipynb")], "no such notebook: .*gone.ipynb"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert_one_line_error(capsys.readouterr().err, argv[0], message)
+    assert not ran.exists() and not (tmp_path / "o").exists()

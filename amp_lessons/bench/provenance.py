@@ -34,13 +34,26 @@ def producers(key: str) -> Sequence[str]:
         raise ValueError(f"key must be a string; got {key!r}")
     from ..lessons import PUBLISHED
 
-    if key in PUBLISHED:
+    if key in PUBLISHED and not key.endswith("."):
         return PUBLISHED[key]
-    for prefix, chain in PUBLISHED.items():
-        if prefix.endswith(".") and key.startswith(prefix):
-            return chain
-    raise ValueError(f"key must be a published table's key ({', '.join(sorted(PUBLISHED))}); "
-                     f"got {key!r}")
+    keys = published_keys()
+    if key in keys:  # a key under a prefix (claims.l01: the verdicts of lesson 01)
+        return next(chain for prefix, chain in PUBLISHED.items()
+                    if prefix.endswith(".") and key.startswith(prefix))
+    raise ValueError(f"key must be a published table's key ({', '.join(keys)}); got {key!r}")
+
+
+def published_keys() -> List[str]:
+    """Every key a lesson can publish, sorted: the registry's (``lessons.PUBLISHED``), with its
+    prefix ``claims.`` written out as the lessons whose claims are decided (``claims.l01``...):
+    the prefix alone is not a key, and ``claims.l99`` is none."""
+    from ..claims import CLAIMS
+    from ..lessons import PUBLISHED
+    from ..report import VERDICT_PREFIX
+
+    keys = {k for k in PUBLISHED if not k.endswith(".")}
+    keys.update(f"{VERDICT_PREFIX}l{c.lesson}" for c in CLAIMS.values() if c.lesson)
+    return sorted(keys)
 
 
 def locate(dotted: str) -> Dict[str, object]:

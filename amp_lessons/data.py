@@ -98,7 +98,7 @@ class TensorBatches:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose shuffle the next iteration uses."""
-        self.epoch = int(epoch)
+        self.epoch = check_int("epoch", epoch, 0)  # 1.7 was silently epoch 1
 
     def __len__(self) -> int:
         n = len(self.x)
@@ -173,11 +173,11 @@ class EpochShuffleSampler(torch.utils.data.Sampler):
     before it in the same process)."""
 
     def __init__(self, n: int, seed: int = 0):
-        self.n, self.seed, self.epoch = int(n), int(seed), 0
+        self.n, self.seed, self.epoch = check_int("n", n, 0), check_seed("seed", seed), 0
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration uses."""
-        self.epoch = int(epoch)
+        self.epoch = check_int("epoch", epoch, 0)
 
     def __len__(self) -> int:
         return self.n
@@ -195,14 +195,15 @@ class EpochDataLoader(torch.utils.data.DataLoader):
 
     def __init__(self, dataset, seed: int = 0, **kwargs):
         super().__init__(dataset, **kwargs)
-        self.seed = int(seed)
+        self.seed = check_seed("seed", seed)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch: the sampler's order and the workers' base seed."""
+        epoch = check_int("epoch", epoch, 0)
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
         if self.generator is not None:
-            self.generator.manual_seed(epoch_seed(self.seed, int(epoch), offset=1))
+            self.generator.manual_seed(epoch_seed(self.seed, epoch, offset=1))
 
 
 class UnreadableImageError(ValueError):

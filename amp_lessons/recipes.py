@@ -122,7 +122,11 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     trainer = Trainer(net, opt, config, device=dev, scheduler=schedule, hooks=hooks)
     if resume is not None:
-        trainer.load_checkpoint(resume)
+        saved = trainer.load_checkpoint(resume)["config"].get("precision")
+        if saved != config.precision:  # the run would continue in another precision, unsaid
+            raise ValueError(f"resume: '{resume}' was trained in {saved}; this run asks for "
+                             f"{config.precision}: resume with precision {saved!r} (a resumed "
+                             f"run continues exactly as it started)")
     while trainer.epoch < epochs:
         trainer.fit(train, epochs=1, eval_loader=test)
         if checkpoint is not None:

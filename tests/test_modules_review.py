@@ -142,3 +142,38 @@ def test_a_spread_past_100_percent_is_shown_not_raised_nor_clamped():
     assert DoctorReport._cell("spread", 37.55) == "3,755%"
     (_, _, fmt), = [c for c in R.DEFAULT_COLUMNS if c[0] == "spread"]
     assert fmt(2.5) == "250%"  # was clamped to "100%"
+
+
+def test_resuming_in_another_precision_is_refused(tmp_path):
+    """``train --resume`` ran epoch 1 in fp32 and epoch 2 in fp16 and reported the run as fp16
+    (an outside review of the CLI): a resumed run continues exactly as it started."""
+    from amp_lessons.recipes import train_digits
+
+    ck = tmp_path / "ck.pt"
+    train_digits("fp32", model="mlp", epochs=1, device="cpu", checkpoint=ck, progress=False)
+    with pytest.raises(ValueError, match=r"resume: '.*ck.pt' was trained in fp32; this run asks "
+                                         r"for bf16: resume with precision 'fp32'"):
+        train_digits("bf16", model="mlp", epochs=2, device="cpu", resume=ck, progress=False)
+    run = train_digits("fp32", model="mlp", epochs=2, device="cpu", resume=ck, progress=False)
+    assert len(run.epochs) == 2
+
+
+def test_epochs_and_sampler_settings_are_checked_not_truncated():
+    """``set_epoch(1.7)`` was silently epoch 1 (a resumed run could reuse another epoch's
+    order); strings and negative sizes gave int() or torch errors that named nothing."""
+    tb = D.TensorBatches(torch.arange(6.0), torch.arange(6), 2)
+    sampler = D.EpochShuffleSampler(5)
+    loader = D.EpochDataLoader(torch.utils.data.TensorDataset(torch.arange(6.0)),
+                               sampler=D.EpochShuffleSampler(6), batch_size=2)
+    for obj in (tb, sampler, loader):
+        for bad in (1.7, "one", -1, None):
+            with pytest.raises(ValueError, match="epoch must be a whole number >= 0"):
+                obj.set_epoch(bad)
+        obj.set_epoch(2)
+    assert tb.epoch == sampler.epoch == loader.sampler.epoch == 2
+    with pytest.raises(ValueError, match="n must be a whole number >= 0; got -1"):
+        D.EpochShuffleSampler(-1)
+    for make in (lambda: D.EpochShuffleSampler(4, seed="x"),
+                 lambda: D.EpochDataLoader([1, 2], seed=-3)):
+        with pytest.raises(ValueError, match="seed must be a whole number >= 0"):
+            make()

@@ -62,7 +62,7 @@ from .bench.memory import GIB
 from .bench.rows import noisy
 from .bench.timer import NOISY_SPREAD, REPEATS, repeat_spread, time_steps
 from .data import synthetic_images
-from .precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision
+from .precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision, normalize_precision
 from .tables import plural, text_table
 from .trainer import ScalerSettings, TrainConfig, Trainer
 
@@ -132,11 +132,12 @@ class RunConfig:
     reshard_after_forward: bool = True
 
     def __post_init__(self):
-        if self.precision == "amp":
-            object.__setattr__(self, "precision", "fp16")
+        # the package's one reading of a precision name ("AMP", " bf16 ")
+        object.__setattr__(self, "precision", normalize_precision(self.precision))
+        if not isinstance(self.label, str):  # rows and tables show it as text
+            raise ValueError(f"label must be a string; got {self.label!r}")
         check_choice("model", self.model, MODELS)
         check_choice("strategy", self.strategy, STRATEGIES)
-        check_choice("precision", self.precision, PRECISIONS + ("amp",))
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_int("batch_size", self.batch_size, 1)
         check_int("image_size", self.image_size, 8)

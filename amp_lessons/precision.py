@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from ._validate import is_real
 from .env import default_device, device_capability, simulated_card
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -216,10 +217,14 @@ def autocast_error_by_op(device=None, dtype="fp16",
     attention whose logits are made larger by ``logit_scale`` (sharper softmax, as trained
     attention gets): the error is ``||out - ref|| / ||ref||``, inf where the output overflows.
     ``dtype``: "fp16", "bf16" or the torch dtype. Each row names the ``device`` it ran on."""
-    dtype = HALF_DTYPES.get(dtype, dtype)
-    if dtype not in (torch.float16, torch.bfloat16):
+    half = HALF_DTYPES.get(dtype) if isinstance(dtype, str) else dtype  # a list is no key
+    if half not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be 'fp16', 'bf16', torch.float16 or torch.bfloat16; "
                          f"got {dtype!r}")
+    dtype = half
+    if isinstance(logit_scales, (str, bytes)) or not hasattr(logit_scales, "__iter__") or \
+            not all(is_real(s) and s > 0 for s in logit_scales):
+        raise ValueError(f"logit_scales must be finite numbers > 0; got {logit_scales!r}")
     device = as_device(device)
     g = torch.Generator().manual_seed(seed)
 

@@ -177,3 +177,24 @@ def test_epochs_and_sampler_settings_are_checked_not_truncated():
                  lambda: D.EpochDataLoader([1, 2], seed=-3)):
         with pytest.raises(ValueError, match="seed must be a whole number >= 0"):
             make()
+
+
+def test_autocast_error_by_op_names_a_bad_dtype_and_bad_logit_scales():
+    for kw, message in ((dict(dtype=["bf16"]), "dtype must be 'fp16', 'bf16'"),
+                        (dict(dtype="bf16", logit_scales=("8",)), "logit_scales must be"),
+                        (dict(dtype="bf16", logit_scales=8.0), "logit_scales must be"),
+                        (dict(dtype="bf16", logit_scales=(0.0,)), "logit_scales must be")):
+        with pytest.raises(ValueError, match=message):
+            P.autocast_error_by_op("cpu", **kw)
+
+
+def test_runconfig_reads_precision_names_as_the_package_does_and_checks_its_label():
+    from amp_lessons import distributed as Dd
+
+    assert Dd.RunConfig(precision="AMP").precision == "fp16"
+    assert Dd.RunConfig(precision=" bf16 ").precision == "bf16"
+    for label in (5, ["x"]):
+        with pytest.raises(ValueError, match="label must be a string"):
+            Dd.RunConfig(label=label)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Dd.RunConfig(precision="fp64")

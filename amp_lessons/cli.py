@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -27,6 +28,19 @@ def fail(command: str, message: str, status: int = 2) -> int:
     text = " ".join(str(message).split())  # one line, whatever the message held
     print(f"{PROG} {command}: error: {text}", file=sys.stderr)
     return status
+
+
+def as_flag(message: str, dests, renamed: Optional[dict] = None) -> str:
+    """``message`` with the setting it starts with ("lr must be ...", "resume: ...") written as
+    the command's flag ("--lr must be ..."): errors from the functions behind a command name
+    their Python parameters. ``dests``: the command's argument names; ``renamed``: parameter ->
+    flag where they differ (``clip_norm`` -> ``--clip``)."""
+    match = re.match(r"([a-z][a-z0-9_]*)(?= must\b|:)", message)
+    if not match:
+        return message
+    name = match.group(1)
+    flag = (renamed or {}).get(name) or ("--" + name.replace("_", "-") if name in dests else None)
+    return flag + message[match.end():] if flag else message
 
 
 def _positive_int(text: str) -> int:
@@ -604,7 +618,7 @@ def _cmd_train(args) -> int:
                            nonfinite=args.nonfinite, nonfused_skip=args.nonfused_skip)
     except (ValueError, OSError, FloatingPointError) as exc:
         # bad settings, a damaged --resume file (CheckpointError), a full disk (DiskFullError)
-        return fail("train", str(exc))
+        return fail("train", as_flag(str(exc), vars(args), {"clip_norm": "--clip"}))
     s = run.summary()
     if not run.epochs:
         return fail("train", "resume: the checkpoint holds no finished epoch; nothing to report")

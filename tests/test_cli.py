@@ -56,16 +56,18 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--growth-factor", "1.0"], "growth_factor must be a finite number > 1"),
-    (["--backoff-factor", "2"], r"backoff_factor must be in the open interval \(0, 1\)"),
-    (["--init-scale", "-1"], "init_scale must be a finite number > 0"),
-    (["--growth-interval", "0"], "growth_interval must be a whole number >= 1"),
-    (["--clip", "0"], "clip_norm must be None or a finite number > 0"),
-    (["--lr", "0"], "lr must be a finite number > 0"),
-    (["--seed", "-2"], "seed must be a whole number >= 0"),
-    (["--resume", "missing.pt"], "resume must name an existing checkpoint file"),
+    (["--growth-factor", "1.0"], "error: --growth-factor must be a finite number > 1"),
+    (["--backoff-factor", "2"], r"error: --backoff-factor must be in the open interval \(0, 1\)"),
+    (["--init-scale", "-1"], "error: --init-scale must be a finite number > 0"),
+    (["--growth-interval", "0"], "error: --growth-interval must be a whole number >= 1"),
+    (["--clip", "0"], "error: --clip must be None or a finite number > 0"),
+    (["--lr", "0"], "error: --lr must be a finite number > 0"),
+    (["--seed", "-2"], "error: --seed must be a whole number >= 0"),
+    (["--resume", "missing.pt"], "error: --resume must name an existing checkpoint file"),
 ])
 def test_bad_settings_are_one_line_errors(argv, message, capsys):
+    """Each names the flag (an outside review: they named the Python parameters, clip_norm
+    for --clip)."""
     assert main(["train"] + argv + FAST) == 2
     err = capsys.readouterr().err
     assert_one_line_error(err, "train", message)
@@ -414,7 +416,7 @@ def test_a_growth_interval_past_64_bits_is_named(capsys):
     argv = ["train", "--no-progress", "--precision", "amp", "--growth-interval",
             str(2 ** 70), "--epochs", "1"]
     assert main(argv) == 2
-    assert "growth_interval must be a whole number >= 1 and below 2**63" in capsys.readouterr().err
+    assert "--growth-interval must be a whole number >= 1 and below 2**63" in capsys.readouterr().err
 
 
 def test_notebook_paths_name_folders_missing_files_and_colliding_outputs(tmp_path, capsys):
@@ -438,3 +440,15 @@ def test_notebook_paths_name_folders_missing_files_and_colliding_outputs(tmp_pat
         assert main(argv) == 2, argv
         assert_one_line_error(capsys.readouterr().err, argv[0], message)
     assert not ran.exists() and not (tmp_path / "o").exists()
+
+
+def test_as_flag_renames_only_a_leading_setting_the_command_has():
+    from amp_lessons.cli import as_flag
+
+    dests = {"lr", "init_scale", "resume"}
+    assert as_flag("lr must be > 0", dests) == "--lr must be > 0"
+    assert as_flag("init_scale must be x", dests) == "--init-scale must be x"
+    assert as_flag("resume: 'ck.pt' was trained", dests) == "--resume: 'ck.pt' was trained"
+    assert as_flag("clip_norm must be y", dests, {"clip_norm": "--clip"}) == "--clip must be y"
+    assert as_flag("width must be z", dests) == "width must be z"  # not one of its arguments
+    assert as_flag("the lr must be", dests) == "the lr must be"

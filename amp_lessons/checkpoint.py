@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import random
 import re
 import zipfile
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from ._validate import is_real
+from .precision import as_device
 from .files import (DISK_FULL_ERRNOS, DiskFullError, FileTooLargeError, host_tag,  # noqa: F401 - re-exported
                     pid_alive, atomic_file, remove_stale_temp_files, temp_name, write_error)
 
@@ -91,7 +93,7 @@ def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
     it (0666 less the umask). A full disk raises ``DiskFullError`` and a file-size limit
     ``FileTooLargeError``, each saying so and naming the file.
     """
-    path = Path(path)
+    path = checkpoint_path(path)
     if path.is_dir():
         raise CheckpointIsAFolderError(f"{path}: is a folder; a checkpoint path must name a file")
     try:
@@ -154,6 +156,14 @@ def _check_bytes(path: Path) -> bool:
     return False
 
 
+def checkpoint_path(path) -> Path:
+    """``path`` as a ``Path``; ValueError naming the setting for anything else (``None``, a
+    number), where pathlib's TypeError named nothing."""
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a file path (a str or a pathlib.Path); got {path!r}")
+    return Path(path)
+
+
 def read_verified(path: Union[str, Path], map_location="cpu") -> Any:
     """Load what ``atomic_save`` wrote, after checking every byte; ``weights_only=True``.
 
@@ -162,7 +172,15 @@ def read_verified(path: Union[str, Path], map_location="cpu") -> Any:
     objects other than tensors and plain containers. Also removes stale temporary files of
     interrupted saves of ``path``.
     """
-    path = Path(path)
+    path = checkpoint_path(path)
+    if map_location is not None and not callable(map_location) and \
+            not isinstance(map_location, dict):
+        try:  # a bad one was blamed on the file ("cannot be read as a checkpoint")
+            as_device(map_location)
+        except ValueError:
+            raise ValueError(f"map_location must be a device ('cpu', 'cuda:0', a torch.device "
+                             f"or a CUDA index), a dict or a function; got {map_location!r}"
+                             ) from None
     remove_stale_temp_files(path)
     if path.is_dir():
         raise CheckpointIsAFolderError(f"{path}: is a folder, not a checkpoint file")

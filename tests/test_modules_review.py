@@ -198,3 +198,20 @@ def test_runconfig_reads_precision_names_as_the_package_does_and_checks_its_labe
             Dd.RunConfig(label=label)
     with pytest.raises(ValueError, match="precision must be one of"):
         Dd.RunConfig(precision="fp64")
+
+
+def test_checkpoint_paths_and_map_location_are_named(tmp_path):
+    """A bad map_location was reported as an unreadable (intact) file; a path of the wrong type
+    gave pathlib's TypeError."""
+    from amp_lessons import checkpoint as C
+
+    path = C.atomic_save({"a": torch.ones(1)}, tmp_path / "ok.pt")
+    with pytest.raises(ValueError, match="map_location must be a device .*; got 'gpu0'"):
+        C.read_verified(path, map_location="gpu0")
+    for bad in (None, 5, True):
+        with pytest.raises(ValueError, match="path must be a file path"):
+            C.read_verified(bad)
+        with pytest.raises(ValueError, match="path must be a file path"):
+            C.atomic_save({"a": 1}, bad)
+    for where in ("cpu", torch.device("cpu"), {"cuda:0": "cpu"}, lambda s, loc: s, None):
+        assert torch.equal(C.read_verified(path, map_location=where)["a"], torch.ones(1))

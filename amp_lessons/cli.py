@@ -352,7 +352,11 @@ def _cmd_claims(args) -> int:
     text = claims_markdown()
     if args.check:
         path = args.out or NOTEBOOK_DIR.parent / "docs" / "claims.md"
-        current = path.read_text() if path.is_file() else ""
+        if not path.is_file():
+            print(f"{path}: no such file; run `python -m amp_lessons claims --out {path}`",
+                  file=sys.stderr)
+            return 1
+        current = path.read_text()
         if current != text:
             print(f"{path}: out of date; run `python -m amp_lessons claims --out {path}`",
                   file=sys.stderr)

@@ -452,3 +452,22 @@ def test_as_flag_renames_only_a_leading_setting_the_command_has():
     assert as_flag("clip_norm must be y", dests, {"clip_norm": "--clip"}) == "--clip must be y"
     assert as_flag("width must be z", dests) == "width must be z"  # not one of its arguments
     assert as_flag("the lr must be", dests) == "the lr must be"
+
+
+def test_doctor_help_states_its_defaults_and_claims_check_names_a_missing_file(tmp_path, capsys):
+    """From the CLI review: doctor --help gave no defaults, a bad --precisions printed a Python
+    tuple, and claims --check called a missing file "out of date"."""
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for said in ("default: all four", "(default 5)", "(default 15)", "default: none, and the "
+                 "FP8 finding reads 'not decided'", "default: a float batch"):
+        assert said in text, said
+    from amp_lessons.doctor.inputs import as_sequence
+    with pytest.raises(ValueError, match=r"got 'fp64'$"):
+        as_sequence(("fp64",), "precisions", ("fp32", "bf16"))
+    with pytest.raises(ValueError, match=r"got none$"):
+        as_sequence((), "precisions", ("fp32", "bf16"))
+    missing = tmp_path / "claims.md"
+    assert main(["claims", "--check", "--out", str(missing)]) == 1
+    assert "no such file" in capsys.readouterr().err and not missing.exists()

@@ -24,18 +24,21 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-shape", default="2,3,224,224", metavar="N,...",
                    help="shape of one random input batch (default 2,3,224,224)")
     p.add_argument("--vocab", type=int, default=None, metavar="V",
-                   help="make the batch integer token ids in [0, V) (language models)")
+                   help="make the batch integer token ids in [0, V) (language models; default: a "
+                        "float batch)")
     p.add_argument("--device", default=None, help="device (default: CUDA when present, else CPU)")
     p.add_argument("--precisions", default="fp32,tf32,fp16,bf16",
-                   help="precisions to time, comma-separated ('' for none)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per precision")
-    p.add_argument("--steps", type=int, default=15, help="timed steps per precision")
+                   help="precisions to time, comma-separated ('' for none; default: all four)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per precision (default 5)")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per precision (default 15)")
     p.add_argument("--trial-steps", type=int, default=5,
-                   help="fp16 steps per GradScaler setting checked with the trainer (0: none)")
+                   help="fp16 steps per GradScaler setting checked with the trainer (0: none; "
+                        "default 5)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="compare eager and torch.compile forward (auto: on a GPU only)")
     p.add_argument("--fp8-crossover", type=int, default=None, metavar="WIDTH",
-                   help="width from which FP8 pays on this GPU (lesson 07's speed sweep)")
+                   help="width from which FP8 pays on this GPU (lesson 07's speed sweep; default: "
+                        "none, and the FP8 finding reads 'not decided')")
     p.add_argument("--out", type=Path, action="append", default=[], metavar="FILE",
                    help="write the report: .html (self-contained) or .json; may repeat")
     p.set_defaults(func=run)

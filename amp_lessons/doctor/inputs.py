@@ -319,5 +319,6 @@ def as_sequence(values, name: str, allowed: Sequence[str]) -> Tuple[str, ...]:
                          f"name); got {values!r}") from None
     bad = [v for v in values if v not in allowed]
     if not values or bad:
-        raise ValueError(f"{name} must be names from {', '.join(allowed)}; got {values!r}")
+        raise ValueError(f"{name} must be names from {', '.join(allowed)}; got "
+                         f"{', '.join(map(repr, values)) or 'none'}")
     return values

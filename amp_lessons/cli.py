@@ -405,7 +405,8 @@ def _cmd_figure_images(args) -> int:
     except (RuntimeError, ValueError, OSError) as exc:
         return fail("figure-images", str(exc))
     for path, n in added.items():
-        print(f"{path}: {n} image{'s' if n != 1 else ''} added")
+        # --force draws every figure's image again, where one existed too
+        print(f"{path}: {n} image{'s' if n != 1 else ''} {'written' if args.force else 'added'}")
     return 0
 
 

@@ -471,3 +471,15 @@ def test_doctor_help_states_its_defaults_and_claims_check_names_a_missing_file(t
     missing = tmp_path / "claims.md"
     assert main(["claims", "--check", "--out", str(missing)]) == 1
     assert "no such file" in capsys.readouterr().err and not missing.exists()
+
+
+def test_figure_images_says_written_when_forced(tmp_path, capsys, monkeypatch):
+    """--force draws every image again: it said "5 images added" for images that were there."""
+    from amp_lessons import snapshots
+
+    path, _ = _marker_notebook(tmp_path)
+    monkeypatch.setattr(snapshots, "add_images_to", lambda paths, force=False: {str(path): 5})
+    assert main(["figure-images", str(path)]) == 0
+    assert capsys.readouterr().out.strip().endswith("5 images added")
+    assert main(["figure-images", "--force", str(path)]) == 0
+    assert capsys.readouterr().out.strip().endswith("5 images written")

@@ -19,6 +19,14 @@ def is_real(value) -> bool:
             and math.isfinite(float(value)))
 
 
+def plain_number(value):
+    """A 0-d torch tensor or NumPy array (``loss.detach()``, ``acc.mean()``) as its Python
+    number; anything else as it is: checks that see only ``numbers.Real`` missed them."""
+    if callable(getattr(value, "item", None)) and tuple(getattr(value, "shape", (1,))) == ():
+        return value.item()
+    return value
+
+
 def check_int(name: str, value, low: int, high: int = None) -> int:
     """``value`` must be a whole number in ``[low, high]`` (no upper bound when ``high`` is None);
     returns it as a Python ``int``."""

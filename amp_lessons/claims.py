@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-from ._validate import check_int, is_real
+from ._validate import check_int, is_real, plain_number
 from .tables import markdown_text, plural
 
 ARTICLES = {
@@ -295,7 +295,8 @@ def decide(claim_id: str, lesson: str, measured: str, held: Optional[bool], why:
         qualifier, why = "deprecated", f"{why}; deprecated: {deprecated}"
     if cannot_decide:
         held, why, qualifier = None, cannot_decide, ""
-    broken = [f"{k}={v!r}" for k, v in (numbers or {}).items()
+    plain = {k: plain_number(v) for k, v in (numbers or {}).items()}  # 0-d tensors too
+    broken = [f"{k}={v!r}" for k, v in plain.items()
               if isinstance(v, numbers_.Real) and not isinstance(v, bool)
               and not math.isfinite(float(v))]
     if held is not None and broken:  # a ruling on NaN or inf is a ruling on noise
@@ -322,10 +323,20 @@ def not_decided(claim_id: str, lesson: str, measured: str, because: str,
 def at_least(says: str, value: float, threshold: float, unit: str = "%", digits: int = 0,
              note: str = "") -> Part:
     """The part of a claim that asks for ``value >= threshold``, its why written as the
-    comparison (``"48% >= 40%"``, ``"1.36x < 1.5x against ..."``, ``note`` appended)."""
+    comparison (``"48% >= 40%"``, ``"1.36x < 1.5x against ..."``, ``note`` appended), with as
+    many more digits as it takes for a value just short of the threshold not to read as equal
+    to it ("39.6% < 40%", not "40% < 40%"). A value that is not a finite number (a run that
+    diverged or was not measured) leaves the part undecided."""
+    value = plain_number(value)
+    if not is_real(value):
+        return Part(says, None, f"not decided: the value is {value!r}, not a finite number "
+                                f"(against {threshold:g}{unit}){note}")
     held = bool(value >= threshold)
-    return Part(says, held, f"{value:.{digits}f}{unit} {'>=' if held else '<'} {threshold:g}{unit}"
-                            f"{note}")
+    shown = f"{value:.{digits}f}"
+    while not held and float(shown) >= threshold and digits < 12:  # 39.6 must not read 40
+        digits += 1
+        shown = f"{value:.{digits}f}"
+    return Part(says, held, f"{shown}{unit} {'>=' if held else '<'} {threshold:g}{unit}{note}")
 
 
 def one_sided(measured: float, claimed_low: float, claimed_high: float, unit: str,
@@ -351,7 +362,10 @@ def one_sided(measured: float, claimed_low: float, claimed_high: float, unit: st
         word = "less than the claimed"
     if not held or beyond is None:
         return held, None
-    return True, (f"{measured:.0f}{unit} is {beyond:.0f}{unit} {word} "
+    digits = 0  # as many as it takes for a small excess not to read as "0% more"
+    while f"{beyond:.{digits}f}".strip("0.") == "" and digits < 12:
+        digits += 1
+    return True, (f"{measured:.{digits}f}{unit} is {beyond:.{digits}f}{unit} {word} "
                   f"{claimed_low:g}-{claimed_high:g}{unit}")
 
 
@@ -500,6 +514,7 @@ def accuracy_gate(accuracy: Optional[float], classes: int, margin: float = 0.2) 
     """Why an accuracy comparison cannot decide a claim, or None: the runs must train well above
     chance (accuracy at least chance + ``margin``, as fractions)."""
     check_int("classes", classes, 2)
+    accuracy = plain_number(accuracy)  # acc.mean() of a tensor is a correct accuracy too
     if accuracy is None:
         return "no accuracy was measured"
     if not (is_real(accuracy) and 0.0 <= accuracy <= 1.0):

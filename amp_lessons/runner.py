@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
 
+from ._validate import is_int
 from .env import PROFILE_VARIABLE, get_profile, probe
 from .files import NotANotebookError, check_folder_writable, check_writable, read_notebook  # noqa: F401 - re-exported
 from .files import write_notebook
@@ -101,8 +102,8 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no notebook at {path}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds; got {timeout}")
+    if not is_int(timeout) or timeout <= 0:  # None, "10" and nan reached nbclient's traits
+        raise ValueError(f"timeout must be a whole number of seconds >= 1; got {timeout!r}")
     profile = get_profile(profile)
     has_gpu = _device_count() > 0
     nb = read_notebook(path)

@@ -299,8 +299,13 @@ def add_images(path: Path, scale: float = 1.0, force: bool = False) -> int:
     nb = read_notebook(path)
     added = 0
     changed = False
-    for _, out in figure_outputs(nb):
+    for i, out in figure_outputs(nb):
         data = out["data"]
+        fig = data[PLOTLY_MIME]
+        if not (isinstance(fig, dict) and isinstance(fig.get("data", []), list)
+                and isinstance(fig.get("layout", {}), dict)):
+            raise ValueError(f"{path.name}: cell {i} holds a plotly figure that is not one (a "
+                             f"figure is a dict with a list 'data' and a dict 'layout')")
         if "text/html" in data:
             del data["text/html"]
             changed = True

@@ -67,11 +67,15 @@ MEASURED_NOT_COMPARED = "measured, not compared"
 
 def spread_text(spread: float) -> str:
     """A relative spread (interquartile range or max-min over the median, so not a share: it
-    can pass 1) as a percentage: ``percent(spread, 1)`` up to 100%, ``"837%"`` beyond (a
-    share's formatter raised on 8.37, and clamping it showed "100%")."""
+    can pass 1) as a percentage: ``percent(spread, 1)`` below 99%, one decimal from there on
+    (``"100.4%"``, ``"837.0%"``: a share's formatter raised on 8.37, and clamping showed 100%)."""
     if not is_real(spread) or spread < 0:
         raise ValueError(f"spread must be a number >= 0; got {spread!r}")
-    return percent(spread, 1.0) if spread <= 1 else f"{100.0 * spread:,.0f}%"
+    if spread < 0.99:
+        return percent(spread, 1.0)
+    # near and past 100%: a spread is no count of items ("> 99.999% (1 of 1)"), and 100.4%
+    # must not read as 100%
+    return f"{100.0 * spread:,.1f}%"
 
 
 def not_compared(why: str) -> str:

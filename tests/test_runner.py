@@ -85,7 +85,7 @@ def test_course_notebooks_are_in_order(tmp_path):
 
 def test_bad_timeout(tmp_path):
     path = _write(tmp_path / "06_t.ipynb", "1")
-    with pytest.raises(ValueError, match="timeout must be a positive"):
+    with pytest.raises(ValueError, match="timeout must be a whole number of seconds >= 1"):
         runner.run_notebook(path, timeout=0)
 
 

@@ -126,10 +126,10 @@ def differences(rows: dict, ref: str, top: int) -> dict:
         diff = {k: round(mine.get(k, (0.0, 0))[0] - base.get(k, (0.0, 0))[0], 5)
                 for k in set(mine) | set(base)}
         kernels = sorted(((k, d, mine.get(k, (0, 0))[1] - base.get(k, (0, 0))[1])
-                          for k, d in diff.items() if d), key=lambda t: -abs(t[1]))[:top]
+                          for k, d in diff.items() if d), key=lambda t: (-abs(t[1]), t[0]))[:top]
         a, b = row["profile"]["op_counts"], rows[ref]["profile"]["op_counts"]
         ops = sorted(((k, a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b)
-                      if a.get(k, 0) != b.get(k, 0)), key=lambda t: -abs(t[1]))[:top]
+                      if a.get(k, 0) != b.get(k, 0)), key=lambda t: (-abs(t[1]), t[0]))[:top]
         out[name] = {"kernels": kernels, "ops": ops}
     return out
 

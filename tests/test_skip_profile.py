@@ -36,7 +36,8 @@ def test_it_runs_on_a_cpu_and_names_what_differs(tmp_path, capsys):
     bench = load_benchmark("skip_profile")
     out = tmp_path / "p.json"
     doc = bench.main(["--quick", "--steps", "1", "--repeats", "2", "--profile-steps", "1",
-                      "--warm-steps", "1", "--variants", "hand-written", "trainer, lean",
+                      "--warm-steps", "1", "--top", "100", "--variants", "hand-written",
+                      "trainer, lean",
                       "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert list(doc["rows"]) == ["hand-written", "trainer, lean"] and doc["reference"] == "hand-written"

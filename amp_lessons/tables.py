@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ._validate import is_int, is_real
+from ._validate import is_int, is_real, plain_number
 
 Column = Union[str, Tuple[str, str], Tuple[str, str, Union[str, Callable[[Any], str]]]]
 
@@ -269,8 +269,9 @@ def json_safe(obj):
         return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
-    if callable(getattr(obj, "item", None)) and tuple(getattr(obj, "shape", (1,))) == ():
-        return json_safe(obj.item())
+    plain = plain_number(obj)
+    if plain is not obj:  # a 0-d tensor or NumPy array: its Python number
+        return json_safe(plain)
     return str(obj)
 
 

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .. import formats
-from .._validate import is_int
+from .._validate import check_int, is_int
 from ..formats import lost_shares  # noqa: F401 (re-exported: figures and panels use it)
 from ..tables import percent, plural, pow2_text  # noqa: F401 (re-exported)
 
@@ -48,8 +48,7 @@ def trailing_mean(values: Sequence[float], window: int) -> np.ndarray:
     """Each value's trailing mean over ``window`` steps (fewer at the start), of the finite values
     only; a non-finite or missing value is a gap (NaN) at its own step and nowhere else (a
     convolution or running sum carried one NaN into every later point of the curve)."""
-    if not is_int(window) or window < 1:
-        raise ValueError(f"window must be a whole number >= 1; got {window!r}")
+    check_int("window", window, 1)
     v = np.asarray([x if x is not None else math.nan for x in values], dtype=np.float64)
     ok = np.isfinite(v)
     sums = np.concatenate([[0.0], np.cumsum(np.where(ok, v, 0.0))])

@@ -69,13 +69,16 @@ class TrainConfig:
       put back on the device where it was non-finite: no host sync (it works inside
       ``capture``'s CUDA graph), but two extra copies of parameters and optimizer state in memory
       (the values and a buffer to restore through: for SGD with momentum four times the
-      parameters' bytes) and about five more kernels a step;
+      parameters' bytes) and a few multi-tensor kernels a step, which move those bytes about
+      nine times: on ResNet-50 (bf16, batch 256, foreach SGD, H200) 35 more kernels and +1.4%
+      of a 54.7 ms step (``results/trainer_overhead_h200_resnet50_bf16_after.json``);
     - ``"sync"``: the host reads the step's flag (one sync a step) and calls the optimizer only
       when it is finite: no memory, no copies. On the H200's 2 ms bf16 MLP step (foreach SGD) it
       cost +5.3% to +10.9% over the hand loop against the copy's +10.4% to +16.2%, in five runs
       (``benchmarks/NOTES.md``); on a GPU-bound step the sync leaves the GPU idle while the next
-      kernels are launched: ResNet-50, bf16, batch 256, foreach SGD on the H200, +5.3% (2.4 ms
-      of idle GPU a step, profiled). ``capture`` needs ``"copy"``.
+      kernels are launched: the same ResNet-50 step, +5.9% (2.4 ms of idle GPU a step,
+      profiled). Which costs less depends on the step, so the default stays the one without a
+      host sync. ``capture`` needs ``"copy"``.
 
     An optimizer that has not made its state yet (its first step) takes the host's decision for
     that step whatever ``nonfused_skip`` says, and one that keeps state on another device takes

@@ -43,14 +43,22 @@ def as_flag(message: str, dests, renamed: Optional[dict] = None) -> str:
     return flag + message[match.end():] if flag else message
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
+def _int_from(low: int):
+    """An argparse type: a whole number >= ``low``, else an error that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_from(1)
+_nonnegative_int = _int_from(0)  # untimed warm-up steps: 0 is a choice (doctor, bench alike)
 
 
 # --- run-notebooks -------------------------------------------------------------------------------
@@ -441,7 +449,8 @@ def _add_bench(sub) -> None:
                    help="activation checkpointing per residual block or per stage")
     p.add_argument("--trainer", action="store_true",
                    help="time Trainer.train_step instead of the hand-written loop")
-    p.add_argument("--warmup", type=_positive_int, default=None, help="default: 5 (full), 1 (quick)")
+    p.add_argument("--warmup", type=_nonnegative_int, default=None,
+                   help="untimed steps per row (default: 5 full, 1 quick)")
     p.add_argument("--steps", type=_positive_int, default=None, help="default: 15 (full), 3 (quick)")
     p.add_argument("--profile", choices=["quick", "full"], default=None,
                    help="default sizes to use (default: full with CUDA, quick without)")
@@ -474,7 +483,8 @@ def _cmd_bench(args) -> int:
                    for p in precisions]
     except ValueError as exc:
         return fail("bench", str(exc))
-    rows = run_configs(configs, env.device, warmup=args.warmup or (1 if quick else 5),
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 5)
+    rows = run_configs(configs, env.device, warmup=warmup,
                        steps=args.steps or (3 if quick else 15), progress=False)
     print(text_table(rows, DEFAULT_COLUMNS))
     ok = [r for r in rows if r.get("status") == "ok"]

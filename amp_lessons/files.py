@@ -186,8 +186,13 @@ class _KeepingWriter:
 def atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
     """Yield a binary file object; on leaving the block its bytes replace ``path`` atomically
     (see the module docstring). ``what`` names the kind of file in errors ("checkpoint",
-    "notebook"). The folder must exist."""
+    "notebook"). The folder must exist. A symbolic link is written through: its target gets the
+    bytes and the link stays a link (as an editor saves it); a folder is refused by name."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, f"cannot write {what} {path}: it is a folder")
     remove_stale_temp_files(path)
     tmp = temp_name(path)
     try:

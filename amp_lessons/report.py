@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
+from ._validate import plain_number
 from .tables import html_table, html_text, json_safe, markdown_text, plural, text_table
 
 RESULT_MIME = "application/vnd.amp-lessons.result+json"
@@ -26,6 +27,7 @@ _KEY = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 
 def _cell(value) -> str:
+    value = plain_number(value)
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -33,7 +35,7 @@ def _cell(value) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "n/a"
-        if value == 0 or 0.01 <= abs(value) < 1e5:
+        if value == 0 or 0.01 <= abs(value) < 1e7:  # from 1e7 on brief, as tables.format_value
             return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
         return f"{value:.3g}"
     return str(value).replace("\n", " ")
@@ -271,9 +273,11 @@ def cite(results: Sequence[dict], citation: str) -> str:
 
 
 def resolve_citations(text: str, results: Sequence[dict]) -> str:
-    """``text`` with every citation ``{{KEY | ROW | COLUMN}}`` replaced by the value it names
-    (``cite``) in ``results`` (``collect``'s published tables)."""
-    return CITATION.sub(lambda m: cite(results, m.group(1)), text)
+    """``text`` (Markdown) with every citation ``{{KEY | ROW | COLUMN}}`` replaced by the value
+    it names (``cite``) in ``results`` (``collect``'s published tables), written as Markdown
+    that shows it as it is (``tables.markdown_text``: code in code spans, ``*``, ``_`` and the
+    like escaped)."""
+    return CITATION.sub(lambda m: markdown_text(cite(results, m.group(1))), text)
 
 
 CITED = "cited"  # a markdown cell's metadata["amp_lessons"][CITED]: its text with citations

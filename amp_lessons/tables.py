@@ -4,9 +4,11 @@ percentage and plural formatting, the one way generated Markdown and HTML protec
 lesson uses these."""
 from __future__ import annotations
 
+import decimal
 import html
 import math
 import re
+import unicodedata
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._validate import is_int, is_real, plain_number
@@ -16,7 +18,9 @@ Column = Union[str, Tuple[str, str], Tuple[str, str, Union[str, Callable[[Any], 
 
 def format_value(value, digits: int = 2) -> str:
     """One number as a table cell: ``None`` -> ``"n/a"``, thousands separated, small values to
-    ``digits + 1`` significant digits (never rounded to 0 when nonzero), blown-up values brief."""
+    ``digits + 1`` significant digits (never rounded to 0 when nonzero), blown-up values brief.
+    NumPy scalars and 0-d tensors read as the numbers they hold."""
+    value = plain_number(value)
     if value is None:
         return "n/a"
     if isinstance(value, bool):
@@ -41,6 +45,10 @@ def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) ->
     with the count, above ``100 - floor`` it reads ``"> 99.999% (9,999,999 of 10,000,000)"``,
     and exactly zero and all of them read ``"0%"`` and ``"100%"``.
     """
+    if not is_int(digits) or digits < 1:
+        raise ValueError(f"digits must be a whole number >= 1; got {digits!r}")
+    if not is_real(floor) or not 0 < floor < 50:
+        raise ValueError(f"floor must be a number in (0, 50) percent; got {floor!r}")
     if not is_real(whole) or whole <= 0:
         raise ValueError(f"whole must be a number > 0; got {whole!r}")
     if not is_real(part) or not 0 <= part <= whole:
@@ -56,10 +64,19 @@ def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) ->
         return f"< {floor:g}% ({count} of {total})"
     if share > 100.0 - floor:  # all but a few: must not read as all of them
         return f"> {100.0 - floor:g}% ({count} of {total})"
-    text = f"{share:.{digits}g}"
+    text = _significant(share, digits)
     if float(text) >= 100.0:  # 99.9996 must not read as all of them
-        text = f"{share:.{digits + 3}g}"
+        text = _significant(share, digits + 3)
     return f"{text}%"
+
+
+def _significant(value: float, digits: int) -> str:
+    """``value`` to ``digits`` significant digits, never in scientific notation (45.3 to one
+    digit is ``50``, not ``5e+01``)."""
+    text = f"{value:.{digits}g}"
+    if "e" in text:
+        text = format(decimal.Decimal(text), "f")
+    return text
 
 
 MEASURED_NOT_COMPARED = "measured, not compared"
@@ -181,9 +198,9 @@ def _columns(rows: Sequence[Mapping], columns: Optional[Sequence[Column]]):
 
 def _cell(row: Mapping, col, cell: Optional[Callable[[Any], str]] = None) -> str:
     key = col[0]
+    value = plain_number(row.get(key))  # NumPy scalars and 0-d tensors as Python numbers
     if cell is not None:
-        return cell(row.get(key))
-    value = row.get(key)
+        return cell(value)
     if key == "status" and value != "ok" and row.get("reason"):
         return f"{value}: {row['reason']}"
     if len(col) > 2 and value is not None and _is_number(value):
@@ -204,6 +221,7 @@ def _grid(rows: Sequence[Mapping], columns: Optional[Sequence[Column]],
         head = list(rows[0].keys())
 
         def plain(col, v):
+            v = plain_number(v)
             if col in formats and _is_number(v):
                 return format(v, formats[col])
             return repr(v) if isinstance(v, float) else str(v)
@@ -213,7 +231,8 @@ def _grid(rows: Sequence[Mapping], columns: Optional[Sequence[Column]],
     if not cols:
         raise ValueError("columns must name at least one key present in the rows")
     cells = [[_cell(r, c, cell) for c in cols] for r in rows]
-    numeric = [all(_is_number(r.get(c[0])) or r.get(c[0]) is None for r in rows) for c in cols]
+    numeric = [all(_is_number(plain_number(r.get(c[0]))) or r.get(c[0]) is None for r in rows)
+               for c in cols]
     return [c[1] for c in cols], cells, numeric
 
 
@@ -231,14 +250,32 @@ def text_table(rows: Sequence[Mapping], columns: Optional[Sequence[Column]] = No
     when given, formats every value instead (a lesson's own number style).
     """
     head, body, numeric = _grid(rows, columns, formats, cell)
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    head, body = _one_line(head), [_one_line(r) for r in body]
+    widths = [max(display_width(x) for x in col) for col in zip(head, *body)]
+
+    def pad(text, width, right):
+        gap = " " * (width - display_width(text))
+        return gap + text if right else text + gap
 
     def line(values):
-        return "  ".join(v.rjust(w) if num else v.ljust(w)
-                         for v, w, num in zip(values, widths, numeric)).rstrip()
+        return "  ".join(pad(v, w, num) for v, w, num in zip(values, widths, numeric)).rstrip()
 
     lines = [line(head), line(["-" * w for w in widths])]
     return "\n".join(lines + [line(c) for c in body])
+
+
+def _one_line(cells: Sequence[str]) -> List[str]:
+    """Cells of a text table on one line each (a line break would break the row)."""
+    return [" ".join(c.splitlines()) for c in cells]
+
+
+def display_width(text: str) -> int:
+    """Columns ``text`` takes in a terminal or notebook's monospace font: wide East Asian
+    characters take two, combining marks none (``len`` counts each as one)."""
+    if text.isascii():
+        return len(text)
+    return sum(0 if unicodedata.combining(ch) else
+               2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text)
 
 
 def html_table(rows: Sequence[Mapping], columns: Optional[Sequence[Column]] = None,

@@ -377,6 +377,23 @@ def test_cli_bench_builds_one_config_per_precision(monkeypatch, capsys):
     assert seen["warmup"] == 1 and seen["steps"] == 3
 
 
+def test_cli_bench_takes_warmup_0_as_the_doctor_does(monkeypatch, capsys):
+    """``--warmup 0`` was refused by ``bench`` (and would have read as the default) while
+    ``doctor --warmup 0`` ran; now both time from the first step when asked."""
+    seen = {}
+
+    def fake_run(configs, device, **kwargs):
+        seen.update(kwargs)
+        return [dict(label=c.label, status="ok", reason="", img_per_s=1.0) for c in configs]
+
+    monkeypatch.setattr(M, "run_configs", fake_run)
+    assert cli.main(["bench", "--profile", "quick", "--precision", "fp32", "--warmup", "0"]) == 0
+    assert seen["warmup"] == 0
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--warmup", "-1"])
+    assert exc.value.code == 2 and "expected a whole number >= 0, got -1" in capsys.readouterr().err
+
+
 def test_cli_bench_rejects_bad_flags():
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--precision", "fp8"])

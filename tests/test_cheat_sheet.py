@@ -45,6 +45,17 @@ def test_a_citation_names_what_it_cannot_find():
         report.cheat_sheet_body("<!-- n -->\n**{{t.one | a | x}}**")
 
 
+def test_a_cited_value_is_written_as_markdown_that_shows_it():
+    """A published cell with Markdown's special characters reads as itself in the prose: the
+    value ``2*3 [ms]_total`` must not open emphasis or a link (it did: cited raw)."""
+    rows = [{"run": "a", "label": "2*3 [ms]_total", "cfg": "torch.compile(mode='max-autotune')"}]
+    results = [{"key": "t.two", "columns": ["run", "label", "cfg"], "rows": rows}]
+    assert report.resolve_citations("x {{t.two | a | label}} y", results) == \
+        r"x 2\*3 \[ms\]`_total` y"  # identifiers in code spans, as everywhere
+    assert report.resolve_citations("{{t.two | a | cfg}}", results) == \
+        "`torch.compile(mode='max-autotune')`"
+
+
 def test_readme_cheat_sheet_is_the_doc():
     section = README.split("\n## Cheat sheet\n", 1)[1].split("\n## ", 1)[0]
     assert BODY in section

@@ -106,6 +106,29 @@ def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_the_umask(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o600 and path.read_text() == "2"
 
 
+def test_a_symbolic_link_is_written_through_and_stays_a_link(tmp_path):
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target.name)
+    F.write_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to("made.json")
+    F.write_json(dangling, {"a": 1})
+    assert dangling.is_symlink() and json.loads((tmp_path / "made.json").read_text()) == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.json", "link.json",
+                                                          "made.json", "target.json"]
+
+
+def test_a_folder_in_the_files_place_is_named_not_the_temporary_file(tmp_path):
+    folder = tmp_path / "results.json"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError) as err:
+        F.write_atomic(folder, "x", what="results file")
+    assert str(err.value).endswith(f"cannot write results file {folder}: it is a folder")
+    assert ".tmp" not in str(err.value) and list(tmp_path.iterdir()) == [folder]
+
+
 # --- failures: nothing half-written, nothing left behind, the cause said -------------------------
 
 def test_a_folder_that_refuses_the_file_is_named_with_the_target(tmp_path, monkeypatch):

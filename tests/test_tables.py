@@ -130,3 +130,51 @@ def test_shown_technique_says_tf32_only_where_the_math_is_tf32():
     table = technique_report_rows(rows)
     assert [r["technique"] for r in table] == ["TF32", "AMP"]
     assert table[1]["memory x TF32"] == 0.5 and table[1]["time x TF32"] == 0.5
+
+
+@pytest.mark.parametrize("part, whole, digits, text", [
+    (45.3, 100, 1, "50%"), (3, 7, 2, "43%"), (0.0015, 1, 1, "0.1%"), (99.99, 100, 1, "99.99%"),
+    (1234, 10_000, 1, "10%")])
+def test_percent_never_uses_scientific_notation(part, whole, digits, text):
+    assert tables.percent(part, whole, digits=digits) == text
+    assert tables.percent(1.5e-8, 1, floor=1e-9) == "0.0000015%"
+
+
+@pytest.mark.parametrize("setting, kwargs", [("digits", dict(digits=0)), ("digits", dict(digits=1.5)),
+                                             ("floor", dict(floor=0)), ("floor", dict(floor=60))])
+def test_percent_names_a_bad_setting_and_its_range(setting, kwargs):
+    with pytest.raises(ValueError, match=rf"{setting} must be"):
+        tables.percent(1, 3, **kwargs)
+
+
+def test_numpy_scalars_and_0d_tensors_are_numbers_in_tables():
+    """Right-aligned and formatted like Python numbers (they were left-aligned text)."""
+    np = pytest.importorskip("numpy")
+    import torch
+    rows = [{"a": "x", "b": np.float32(1.5), "c": np.int64(12345)},
+            {"a": "yy", "b": torch.tensor(2.25), "c": 7}]
+    columns = [("a", "A"), ("b", "B"), ("c", "C")]
+    python = [{"a": "x", "b": 1.5, "c": 12345}, {"a": "yy", "b": 2.25, "c": 7}]
+    assert tables.text_table(rows, columns) == tables.text_table(python, columns)
+    assert tables.text_table(rows, columns).splitlines()[2:] == ["x   1.50  12345", "yy  2.25      7"]
+    assert tables.html_table(rows, columns) == tables.html_table(python, columns)
+    assert tables.text_table([{"b": np.float32(1.5)}]).splitlines()[-1] == "1.5"
+    assert tables.format_value(np.float64(123456.7)) == "123,457"
+
+
+def test_report_cells_show_numbers_below_1e7_in_full():
+    from amp_lessons import report
+    np = pytest.importorskip("numpy")
+    assert report._cell(131072.0) == "131,072" and report._cell(np.float64(123456.0)) == "123,456"
+    assert report._cell(16777216.0) == "1.68e+07" == tables.format_value(16777216.0)
+    assert report._cell(0.5) == "0.50" and report._cell(None) == "-"
+
+
+def test_text_table_cells_stay_on_one_line_and_wide_characters_count_twice():
+    table = tables.text_table([{"a": "模型", "b": 1.5}, {"a": "two\nlines", "b": 22.25},
+                               {"a": "crlf\r\nend", "b": 3}], [("a", "name"), ("b", "B")])
+    lines = table.splitlines()
+    assert len(lines) == 5 and lines[3] == "two lines  22.25" and lines[4] == "crlf end       3"
+    assert lines[2] == "模型" + " " * 8 + "1.50"  # two wide characters take four columns
+    assert {tables.display_width(x) for x in lines} == {16}
+    assert tables.display_width("abc") == 3 and tables.display_width("e\u0301") == 1

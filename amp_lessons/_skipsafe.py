@@ -347,3 +347,20 @@ def fused_sgd_groups(optimizer: torch.optim.Optimizer) -> list:
     if not isinstance(optimizer, torch.optim.SGD):
         return []
     return [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum")]
+
+
+def fused_sgd_needs_priming(optimizer: torch.optim.Optimizer, can_skip: bool) -> bool:
+    """Whether ``optimizer`` has fused SGD groups with momentum that need
+    ``prime_momentum_buffers`` (``can_skip``: steps can be skipped); ValueError for a damped
+    one, which priming cannot fix."""
+    groups = fused_sgd_groups(optimizer)
+    if not groups or not can_skip:
+        return False
+    damped = [g["dampening"] for g in groups if g.get("dampening", 0)]
+    if damped:
+        raise ValueError(f"dampening must be 0 for fused SGD when skipped steps are possible "
+                         f"(fp16 with GradScaler, or nonfinite 'skip'/'raise'): its momentum "
+                         f"is corrupted by a skipped first step, and only a zero buffer with "
+                         f"dampening 0 fixes that; got {damped[0]!r}: use foreach=True, "
+                         f"dampening=0 or nonfinite='ignore'")
+    return True

@@ -157,6 +157,15 @@ def synthetic_images(batch_size: int, image_size: int = 224, num_classes: int = 
 _SEED_MODULUS = 2**64
 
 
+def set_loader_epoch(loader, epoch: int) -> None:
+    """Tell ``loader`` (or its sampler, a ``DistributedSampler``) which epoch begins, where it
+    has ``set_epoch``: each epoch then shuffles differently, and a resumed run as the first did."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
+        loader.sampler.set_epoch(epoch)
+
+
 def epoch_seed(seed: int, epoch: int, offset: int = 0) -> int:
     """The generator seed of one epoch's shuffle (``TensorBatches``, ``EpochShuffleSampler``):
     ``seed * 100_003 + epoch + offset`` modulo 2**64, the range ``torch.Generator.manual_seed``

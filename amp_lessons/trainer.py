@@ -58,7 +58,7 @@ from ._config import (EVAL_PRECISIONS, NONFINITE_POLICIES, NONFUSED_SKIPS,  # no
                       TrainConfig)  # (re-exported: the trainer's public API)
 from ._scaler import ScalerSettings
 from ._policies import SKIPPED_RAISE, make_policy
-from ._skipsafe import BufferGuard, fused_sgd_groups, prime_momentum_buffers
+from ._skipsafe import BufferGuard, fused_sgd_needs_priming, prime_momentum_buffers
 from ._validate import check_bool, check_int, is_int
 from .checkpoint import (CHECKSUM_KEY, CheckpointError, atomic_save, check_training_state,
                          read_verified, rng_state, set_rng_state)
@@ -68,6 +68,7 @@ from ._graphed import GraphedStep as _GraphedStep
 from ._modes import restore_modes, saved_modes
 from ._lazy import (NormParts as _NormParts, PeakWindow as _PeakWindow, StepClock as _StepClock,
                     total_norm as _total_norm)
+from .data import set_loader_epoch  # noqa: F401 (re-exported: lesson 02 imports it from here)
 from .records import (SKIPPED_BY_SCALER, SKIPPED_NONFINITE, History, StepRecord, epoch_summary)
 
 CHECKPOINT_FORMAT = "amp-lessons-trainer/2"
@@ -121,13 +122,6 @@ def _model_device(model: nn.Module) -> torch.device:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def set_loader_epoch(loader, epoch: int) -> None:
-    if hasattr(loader, "set_epoch"):
-        loader.set_epoch(epoch)
-    elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
-        loader.sampler.set_epoch(epoch)
 
 
 class Trainer:
@@ -223,7 +217,7 @@ class Trainer:
         if config.eval_precision != "same":
             check_precision(config.eval_precision, self.device)
         # refused before anything changes: a damped fused SGD where steps can now be skipped
-        self._check_fused_sgd(config.nonfinite != "ignore" or (
+        fused_sgd_needs_priming(self.optimizer, config.nonfinite != "ignore" or (
             self._config.precision == "fp16" and config.scaler.enabled))
         if self._policy.name == "raise" and config.nonfinite != "raise":
             self._raise_if_nonfinite(wait=True)  # a pending bad step is reported first
@@ -272,6 +266,11 @@ class Trainer:
         self._timed = cfg.track_time
         self._clock.reset()  # a step after a config or scaler change is timed from its start
         self._half = HALF_DTYPES.get(cfg.precision)  # autocast dtype, None for fp32/tf32
+        # nothing between backward and step needs the host, nothing is recorded beyond the
+        # loss: one micro-batch then takes _lean_step (the same kernels, fewer Python layers)
+        self._lean = (self._half is not None and self._guard is None
+                      and not self._unscale_first and not self._norm_wanted
+                      and cfg.clip_value is None and not hooked and policy.name != "raise")
         # gradients have their parameter's device and dtype: one group for the norm's kernels?
         self._one_group = len({(p.device, p.dtype) for p in self._params}) == 1
 
@@ -279,25 +278,9 @@ class Trainer:
 
     def _prime_fused_sgd(self) -> None:
         """Where steps can be skipped (fp16 with GradScaler, ``nonfinite`` skip or raise), give
-        fused SGD zero momentum buffers (see ``prime_momentum_buffers``); refuse a damped fused
-        group, which priming cannot fix."""
-        if self._check_fused_sgd(self._policy.can_skip):
+        fused SGD zero momentum buffers (``_skipsafe.fused_sgd_needs_priming``)."""
+        if fused_sgd_needs_priming(self.optimizer, self._policy.can_skip):
             prime_momentum_buffers(self.optimizer)
-
-    def _check_fused_sgd(self, can_skip: bool) -> bool:
-        """Whether fused SGD groups with momentum need priming (steps can be skipped); raise
-        ValueError for a damped one, which priming cannot fix."""
-        groups = fused_sgd_groups(self.optimizer)
-        if not groups or not can_skip:
-            return False
-        damped = [g["dampening"] for g in groups if g.get("dampening", 0)]
-        if damped:
-            raise ValueError(f"dampening must be 0 for fused SGD when skipped steps are possible "
-                             f"(fp16 with GradScaler, or nonfinite 'skip'/'raise'): its momentum "
-                             f"is corrupted by a skipped first step, and only a zero buffer with "
-                             f"dampening 0 fixes that; got {damped[0]!r}: use foreach=True, "
-                             f"dampening=0 or nonfinite='ignore'")
-        return True
 
     def _make_scaler(self, settings: ScalerSettings):
         if self._config.precision != "fp16":
@@ -318,9 +301,14 @@ class Trainer:
         self._configure()
         self._prime_fused_sgd()
 
-    def _to_device(self, x, y):
-        """``x`` and ``y`` on the trainer's device: tensors, or tuples, lists and dicts of them
-        (a model that takes several inputs; ``model(x)`` gets the container)."""
+    def _pair_on_device(self, batch, i: int = 0):
+        """Micro-batch ``i``'s ``(x, y)`` on the trainer's device: tensors, or tuples, lists and
+        dicts of them (a model that takes several inputs; ``model(x)`` gets the container)."""
+        try:
+            x, y = batch
+        except (TypeError, ValueError):
+            raise ValueError(f"micro_batches must hold (x, y) pairs; micro-batch {i} is a "
+                             f"{type(batch).__name__}{length_text(batch)}") from None
         device = self.device  # (type() first: no Python call for a plain tensor, short steps)
         if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
             x = moved(x, device, "x")
@@ -414,6 +402,8 @@ class Trainer:
         if type(first) not in (tuple, list) and isinstance(first, torch.Tensor):
             raise ValueError("micro_batches must be a list of (x, y) pairs; got a sequence of "
                              "tensors (one pair?): pass [(x, y)]")
+        if self._lean and n == 1 and self.scheduler is None:
+            return self._lean_step(first)
         policy = self._policy
         raising = policy.name == "raise"
         if raising:
@@ -446,6 +436,39 @@ class Trainer:
                                f"step; that step is applied and recorded (trainer.step is now "
                                f"{self.step}): {type(failed).__name__}: {failed}") from failed
         return record
+
+    def _lean_step(self, batch) -> StepRecord:
+        """``train_step`` of one micro-batch where nothing between backward and step needs the
+        host (``_configure``'s ``_lean``): ``_kernels_in``'s kernels and record in fewer Python
+        layers, a short step's cost (benchmarks/NOTES.md, ninth session)."""
+        if not self.model.training:
+            self.model.train()
+        window = self._memory_window() if self._track_memory else None
+        timed, clock = self._timed, self._clock
+        if timed and clock.last is None:  # the chain of step ends is broken: mark a start
+            clock.begin()
+        lr = self.optimizer.param_groups[0]["lr"]  # the step's
+        if type(lr) is not float and isinstance(lr, torch.Tensor):  # changed in place later
+            lr = lr.detach().clone()
+        policy, self._phase, self._cancelled = self._policy, _STARTED, None
+        try:
+            x, y = self._pair_on_device(batch, 0)
+            with torch.autocast(self.device.type, dtype=self._half, cache_enabled=True):
+                loss = self.loss_fn(self.model(x), y)
+            policy.backward(loss)
+            loss = loss.detach()
+            found_inf = policy.check(loss, None) if self._check_first else None
+            found_inf = policy.step(found_inf)
+            self._phase = _STEPPED
+            policy.update()
+            self.optimizer.zero_grad(set_to_none=True)
+        except BaseException:
+            self._undo_failed_step()
+            raise
+        finally:
+            self._phase = _IDLE
+        return self._record(loss, None, found_inf, policy.scale, policy.cause, lr,
+                            clock.end() if timed else None, window)
 
     def _memory_window(self) -> _PeakWindow:
         """The open peak-memory window, or a new one (the device's peak counter reset) when the
@@ -516,12 +539,7 @@ class Trainer:
             self._phase = _SNAPSHOT_TAKEN
         loss_sum = None
         for i, batch in enumerate(micro_batches):
-            try:
-                x, y = batch
-            except (TypeError, ValueError):
-                raise ValueError(f"micro_batches must hold (x, y) pairs; micro-batch {i} is a "
-                                 f"{type(batch).__name__}{length_text(batch)}") from None
-            x, y = self._to_device(x, y)
+            x, y = self._pair_on_device(batch, i)
             with (_NO_CONTEXT if half is None else
                   torch.autocast(device_type, dtype=half, cache_enabled=cache_enabled)):
                 loss = self.loss_fn(model(x), y)
@@ -791,7 +809,7 @@ class Trainer:
                     except (TypeError, ValueError):
                         raise ValueError(f"loader must yield (x, y) pairs; got a "
                                          f"{type(batch).__name__}{length_text(batch)}") from None
-                    x, y = self._to_device(x, y)
+                    x, y = self._pair_on_device((x, y))
                     out = self.model(x)
                     rows = batch_rows(y)
                     loss = self.loss_fn(out, y).float()

@@ -50,6 +50,11 @@ with a non-finite gradient as GradScaler does it for a fused optimizer (one chec
 flag handed to fused AdamW): the trainer's lean (``nonfinite="skip"``) is also read against it,
 the row "trainer, lean (vs hand-written, skip via found_inf)", from the same rounds.
 
+"hand-written, one function" (recipe, mlp_bf16) is the same hand loop as a learner writes it,
+every call inline in one function (the reference "hand-written" is ``measure.hand_step``, whose
+closures cost a few Python calls more): the trainer's lean is also read against it on the
+recipe network, "trainer, lean (vs hand-written, one function)".
+
 "hand-written, logging norm and time" (recipe) and "hand-written, skip via found_inf, logging
 norm and time" (mlp_bf16) are the hand loop that records what the trainer's defaults record,
 as an engineer logs it (the loss, ``get_total_norm`` after ``unscale_``, two CUDA events a
@@ -95,8 +100,9 @@ HAND, AGAIN = "hand-written", "hand-written (again)"
 FOUND_INF = "hand-written, skip via found_inf"
 LOGGING = "hand-written, logging norm and time"
 LOGGING_CHECK = "hand-written, skip via found_inf, logging norm and time"
+INLINE = "hand-written, one function"
 # rows read from the same rounds against a second reference: network -> ((variant, reference),)
-ALSO_AGAINST = {"recipe": (("trainer, defaults", LOGGING),),
+ALSO_AGAINST = {"recipe": (("trainer, defaults", LOGGING), ("trainer, lean", INLINE)),
                 "mlp_bf16": (("trainer, lean", FOUND_INF), ("trainer, defaults", LOGGING_CHECK))}
 # lean: every record the trainer can leave out (grad norm, peak memory, step time) left out
 LEAN = dict(track_grad_norm=False, track_memory=False, track_time=False)
@@ -228,6 +234,36 @@ def variants(network, device):
             return step, m, opt
         return make
 
+    def hand_inline():
+        """The hand loop as a learner writes it, in one function: the autocast forward, the
+        backward (scaled under fp16), step, update and ``zero_grad`` inline. ``measure.hand_step``
+        makes the same calls from forward/backward/update closures behind a dataclass, which
+        costs Python calls of its own: this row says how many percent that is."""
+        def make(quick):
+            m, x, y = build(network, device, quick)
+            opt = optimizer(network, m)
+            kind, dtype = device.type, (torch.float16 if precision == "fp16" else torch.bfloat16)
+            scaler = torch.amp.GradScaler(kind)
+
+            def scaled(a, b):
+                with torch.autocast(kind, dtype=dtype):
+                    loss = F.cross_entropy(m(a), b)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                return loss.detach()
+
+            def plain(a, b):
+                with torch.autocast(kind, dtype=dtype):
+                    loss = F.cross_entropy(m(a), b)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss.detach()
+            return (scaled if precision == "fp16" else plain), m, opt
+        return make
+
     def hand_logging(check=False):
         """The hand loop that records what the trainer's defaults record, the way a careful
         engineer logs them: the loss (``loss.detach()``), the total gradient norm (after
@@ -287,6 +323,8 @@ def variants(network, device):
         out["lean, no BN guard"] = (HAND, trainer(skip_safe_batchnorm=False, **LEAN))
     if network == "resnet50_bf16":  # SGD's momentum lives on the device: the copy is made
         out["lean, nonfused_skip='sync'"] = (HAND, trainer(nonfused_skip="sync", **LEAN))
+    if network in ("recipe", "mlp_bf16"):  # fp16 and bf16: the half precisions
+        out[INLINE] = (HAND, hand_inline())
     if network == "recipe":
         out[LOGGING] = (HAND, hand_logging())
     if network == "mlp_bf16":
@@ -659,7 +697,8 @@ GOALS = (("recipe", "trainer, defaults", 3.0, None, None),
           "recipe trainer defaults vs hand loop logging the same"),
          ("mlp_bf16", "trainer, defaults", 3.0, LOGGING_CHECK,
           "mlp_bf16 trainer defaults vs hand loop checking and logging the same"),
-         ("recipe", "trainer lean, CUDA graph", 3.0, None, None))
+         ("recipe", "trainer lean, CUDA graph", 3.0, None, None),
+         ("recipe", "trainer, lean", 1.0, INLINE, "recipe trainer lean vs a one-function hand loop"))
 
 
 def verdicts(networks):

@@ -1,0 +1,215 @@
+"""Trainer._lean_step, the short path of ``train_step`` (issue 22, ninth session): one micro-batch
+where nothing between backward and step needs the host. It must be the general path exactly:
+same parameters, optimizer state, scaler and records, bitwise, under every policy it takes
+(GradScaler, skip on the device or from the host, skip inside a fused kernel, ignore), with
+skipped steps among them; a bad batch is refused and undone alike; and everything it does not
+handle goes the general way."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amp_lessons import trainer as T
+from trainer_helpers import TinyNet, optimizer_tensors
+
+FIELDS = ("step", "epoch", "loss", "scale", "skipped", "grad_norm", "lr", "skip_reason")
+
+
+def same_bits(a: dict, b: dict):
+    """Every tensor of ``a`` and ``b`` bit for bit (NaN payloads too)."""
+    assert a.keys() == b.keys()
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for k in a:
+        x, y = a[k], b[k]
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        if x.is_floating_point():
+            x, y = x.view(ints[x.element_size()]), y.view(ints[y.element_size()])
+        assert torch.equal(x, y), k
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def data(n=8, bad=(2, 5)):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        if i in bad:  # a non-finite input: every gradient inf/NaN, the step skipped
+            x[0, 0] = float("inf")
+        out.append((x, y))
+    return out
+
+
+def fused_supported(kind) -> bool:
+    try:
+        p = nn.Parameter(torch.ones(2))
+        opt = kind([p], lr=0.1, fused=True)
+        p.grad = torch.ones(2)
+        opt.step()
+        return True
+    except (RuntimeError, ValueError, TypeError):
+        return False
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+}
+CASES = [  # (precision, optimizer, config flags)
+    ("fp16", "sgd", {}),
+    ("fp16", "sgd", dict(track_grad_norm=False)),
+    ("fp16", "sgd-fused", dict(track_grad_norm=False, track_time=False)),
+    ("bf16", "sgd", dict(track_grad_norm=False)),  # skip: the host decides on a CPU ("auto")
+    ("bf16", "sgd", dict(track_grad_norm=False, nonfused_skip="copy")),  # the device copy
+    ("bf16", "adamw-fused", dict(track_grad_norm=False)),  # skipped inside the fused kernel
+    ("bf16", "adamw", dict(track_grad_norm=False, nonfinite="ignore", track_time=False)),
+]
+
+
+def pair(precision, opt_name, flags):
+    """Two trainers of the same model and settings: the lean path, and the general one."""
+    made = []
+    for lean in (True, False):
+        model = mlp()
+        cfg = T.TrainConfig(precision=precision, progress=False, seed=None, **flags)
+        made.append(T.Trainer(model, OPTIMIZERS[opt_name](model.parameters()), cfg))
+    lean, general = made
+    general._lean = False
+    return lean, general
+
+
+@pytest.mark.parametrize("precision, opt_name, flags", CASES,
+                         ids=[f"{p}-{o}-{'-'.join(f) or 'defaults'}" for p, o, f in CASES])
+def test_the_lean_step_is_the_general_step_bitwise(precision, opt_name, flags):
+    if opt_name.endswith("fused") and not fused_supported(
+            torch.optim.SGD if opt_name.startswith("sgd") else torch.optim.AdamW):
+        pytest.skip("no fused optimizer on this CPU build")
+    lean, general = pair(precision, opt_name, flags)
+    if flags.get("track_grad_norm", True):  # the norm needs the gradients: the general path
+        assert not lean._lean
+        return
+    assert lean._lean
+    taken = []
+    original = lean._lean_step
+    lean._lean_step = lambda batch: taken.append(1) or original(batch)
+    for x, y in data():
+        a, b = lean.train_step([(x, y)]), general.train_step([(x, y)])
+        for field in FIELDS:
+            va, vb = getattr(a, field), getattr(b, field)
+            assert va == vb or (va != va and vb != vb), (field, va, vb)  # NaN equals NaN here
+        assert (a.time_s is None) == (b.time_s is None)
+    assert len(taken) == 8
+    assert [r.skipped for r in lean.history] == [False, False, True, False, False, True, False,
+                                                 False] or flags.get("nonfinite") == "ignore"
+    same_bits(lean.model.state_dict(), general.model.state_dict())
+    same_bits(optimizer_tensors(lean.optimizer), optimizer_tensors(general.optimizer))
+    assert lean.scaler.state_dict() == general.scaler.state_dict()
+    assert (lean.step, lean.epoch) == (general.step, general.epoch) == (8, 0)
+
+
+def test_a_bad_batch_is_refused_and_undone_as_in_the_general_path():
+    lean, general = pair("fp16", "sgd", dict(track_grad_norm=False))
+    x, y = data(1, bad=())[0]
+    for trainer in (lean, general):
+        trainer.train_step([(x, y)])
+    messages = []
+    for trainer in (lean, general):
+        with pytest.raises(ValueError) as err:
+            trainer.train_step([(x,)])
+        messages.append(str(err.value))
+        assert all(p.grad is None for p in trainer.model.parameters())
+        assert trainer.step == 1 and trainer._phase == T._IDLE
+    assert messages[0] == messages[1] and "micro-batch 0 is a tuple of length 1" in messages[0]
+
+    class Boom(nn.Module):  # fails in the forward pass, after the batch was taken
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    lean.loss_fn = lambda out, y: F.cross_entropy(out, y)
+    saved = lean.model
+    lean.model = nn.Sequential(saved, Boom())
+    with pytest.raises(RuntimeError, match="boom"):
+        lean.train_step([(x, y)])
+    assert lean.step == 1 and lean._phase == T._IDLE
+    lean.model = saved
+    assert lean.train_step([(x, y)]).step == 1  # and the trainer goes on
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("BatchNorm's guard", dict(model=TinyNet)),
+    ("a hook between backward and step", dict(hooks=True)),
+    ("clipping", dict(flags=dict(clip_norm=1.0))),
+    ("clipping by value", dict(flags=dict(clip_value=1.0))),
+    ("the gradient norm", dict(flags=dict(track_grad_norm=True))),
+    ("nonfinite='raise'", dict(flags=dict(nonfinite="raise"), precision="bf16")),
+    ("fp32's TF32 settings", dict(precision="fp32")),
+])
+def test_what_the_lean_step_does_not_handle_goes_the_general_way(why, kwargs):
+    class BeforeStep(T.Hooks):
+        def before_step(self, trainer):
+            pass
+
+    model = kwargs.get("model", mlp)()
+    flags = dict(dict(track_grad_norm=False), **kwargs.get("flags", {}))
+    trainer = T.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                        T.TrainConfig(precision=kwargs.get("precision", "fp16"), progress=False,
+                                      **flags),
+                        hooks=[BeforeStep()] if kwargs.get("hooks") else None)
+    assert not trainer._lean, why
+
+
+def test_a_scheduler_or_several_micro_batches_take_the_general_path():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False,
+                                                  track_grad_norm=False))
+    assert trainer._lean
+    trainer._lean_step = lambda batch: pytest.fail("the lean step took what it must not")
+    (x, y), (x2, y2) = data(2, bad=())
+    trainer.train_step([(x, y), (x2, y2)])
+    trainer.scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+    trainer.train_step([(x, y)])
+    assert trainer.step == 2
+
+
+def _package_opcodes_per_step(trainer, x, y) -> int:
+    """Bytecode instructions the trainer's own code (``amp_lessons``) executes in one step: the
+    Python a short step pays for, counted exactly (a timing on this CPU cannot resolve it)."""
+    import os
+    import sys
+    package = os.path.dirname(T.__file__)
+    count = [0]
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(package):
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count[0] += 1
+        return tracer
+
+    for _ in range(3):
+        trainer.train_step([(x, y)])
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        trainer.train_step([(x, y)])
+    finally:
+        sys.settrace(previous)
+    return count[0]
+
+
+def test_the_lean_step_runs_a_fifth_less_of_the_trainers_python():
+    """fp16, SGD with momentum, no grad norm, memory or time record: 490 instructions of the
+    trainer's code a step on the lean path against 621 on the general one (Python 3.11); on the
+    H200's host each instruction of a short step is paid (benchmarks/NOTES.md, ninth session)."""
+    x, y = data(1, bad=())[0]
+    lean, general = pair("fp16", "sgd", dict(track_grad_norm=False, track_memory=False,
+                                              track_time=False))
+    a, b = _package_opcodes_per_step(lean, x, y), _package_opcodes_per_step(general, x, y)
+    assert a <= 0.85 * b and a <= 540, (a, b)

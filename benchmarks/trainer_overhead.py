@@ -614,6 +614,38 @@ def skip_checks(device, quick):
         except Exception as exc:  # noqa: BLE001
             results[key] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         print(f"skip check {key}: {results[key]}", flush=True)
+    results.update(lean_skip_checks(device, quick))
+    return results
+
+
+def lean_skip_checks(device, quick):
+    """The same for the trainer's lean step (one micro-batch, no hooks, no BatchNorm, no grad
+    norm: ``Trainer._lean_step``) on the recipe MLP, the inf coming in with the batch."""
+    results = {}
+    for precision, impl in (("fp16", "sgd"), ("fp16", "sgd-fused"), ("bf16", "sgd"),
+                            ("bf16", "adamw-fused")):
+        key = f"lean {precision} {impl}"
+        try:
+            model, x, y = build("recipe", device, quick)
+            fused = dict(fused=True) if impl.endswith("fused") else {}
+            opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, **fused)
+                   if impl.startswith("adamw") else
+                   torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **fused))
+            tr = T.Trainer(model, opt, T.TrainConfig(precision=precision, progress=False,
+                                                     seed=None, **LEAN))
+            for _ in range(3):
+                tr.train_step([(x, y)])
+            before = copy.deepcopy(state_of(model, opt))
+            bad = x.clone()
+            bad.view(-1)[0] = float("inf")
+            record = tr.train_step([(bad, y)])
+            results[key] = {"lean": tr._lean, "skipped": bool(record.skipped),
+                            "unchanged": _same(before, state_of(model, opt)),
+                            "reason": record.skip_reason}
+            results[key]["ok"] = all(results[key][k] for k in ("lean", "skipped", "unchanged"))
+        except Exception as exc:  # noqa: BLE001
+            results[key] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(f"skip check {key}: {results[key]}", flush=True)
     return results
 
 
@@ -656,9 +688,12 @@ def no_sync_checks(device, quick):
              ("fp32", "skip", "adamw-fused", "mlp_fp32"), ("bf16", "skip", "sgd", "digits"),
              ("fp16", "skip", "sgd-fused", "recipe"), ("fp16", "skip", "sgd-fused", "digits"),
              ("bf16", "ignore", "adamw-fused", "mlp_bf16"),
-             ("fp16", "skip", "sgd", "recipe")]  # the control: GradScaler.step syncs here
-    for precision, nonfinite, kind, network in cases:
-        key = f"{network} {precision} {nonfinite} {kind}"
+             ("fp16", "skip", "sgd", "recipe"),  # the control: GradScaler.step syncs here
+             ("bf16", "skip", "adamw-fused", "mlp_bf16", LEAN),  # the lean step
+             ("fp16", "skip", "sgd-fused", "recipe", LEAN), ("bf16", "skip", "sgd", "recipe", LEAN)]
+    for precision, nonfinite, kind, network, *lean in cases:
+        flags = lean[0] if lean else {}
+        key = f"{network} {precision} {nonfinite} {kind}" + (" lean" if lean else "")
         control = precision == "fp16" and kind == "sgd"
         try:
             model, x, y = build(network, device, quick)
@@ -668,7 +703,7 @@ def no_sync_checks(device, quick):
                 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
                                       **(dict(fused=True) if kind.endswith("fused") else {}))
             tr = T.Trainer(model, opt, T.TrainConfig(precision=precision, nonfinite=nonfinite,
-                                                     progress=False, seed=None))
+                                                     progress=False, seed=None, **flags))
             for _ in range(2):
                 tr.train_step([(x, y)])
             torch.cuda.synchronize()
@@ -795,6 +830,8 @@ def main(argv=None):
     p.add_argument("--check-steps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="count aten ops and kernels too")
     p.add_argument("--no-gpu-checks", action="store_true")
+    p.add_argument("--checks-only", action="store_true",
+                   help="run the GPU checks only (no timed networks)")
     p.add_argument("--seed", type=int, default=0,
                    help="for the bootstrap intervals and the balanced order")
     p.add_argument("--json", type=Path, default=None)
@@ -835,7 +872,7 @@ def main(argv=None):
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(document(), indent=1))
 
-    for i, network in enumerate(args.networks):
+    for i, network in enumerate([] if args.checks_only else args.networks):
         left = args.budget - reserve - (time.perf_counter() - t0)
         deadline = time.perf_counter() + left / (len(args.networks) - i)
         try:

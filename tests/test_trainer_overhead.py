@@ -248,3 +248,25 @@ def test_the_gpu_bound_network_compares_both_nonfused_skips(bench):
             step(x, y)
         weights.append(model.fc.weight.detach().clone())
     assert torch.equal(weights[0], weights[1])
+
+
+def test_the_lean_step_skip_check_runs_on_a_cpu(bench, capsys):
+    """``lean_skip_checks`` (part of the GPU checks): each case takes the lean step, skips the
+    bad step and leaves weights and optimizer state bitwise as they were."""
+    results = bench.lean_skip_checks(torch.device("cpu"), True)
+    assert set(results) == {"lean fp16 sgd", "lean fp16 sgd-fused", "lean bf16 sgd",
+                            "lean bf16 adamw-fused"}
+    assert all(r["ok"] and r["lean"] for r in results.values()), results
+    capsys.readouterr()
+
+
+def test_the_one_function_hand_loop_is_the_hand_loop_bitwise(bench):
+    """The learner's one-function loop makes the reference's calls: same weights after 3 steps."""
+    table = bench.variants("recipe", torch.device("cpu"))
+    ref, inline = table[bench.HAND][1](True), table[bench.INLINE][1](True)
+    assert table[bench.INLINE][0] == bench.HAND
+    _, x, y = bench.build("recipe", torch.device("cpu"), True)
+    for _ in range(3):
+        ref[0](x, y), inline[0](x, y)
+    for a, b in zip(ref[1].parameters(), inline[1].parameters()):
+        assert torch.equal(a, b)

@@ -213,3 +213,33 @@ def test_the_lean_step_runs_a_fifth_less_of_the_trainers_python():
                                               track_time=False))
     a, b = _package_opcodes_per_step(lean, x, y), _package_opcodes_per_step(general, x, y)
     assert a <= 0.85 * b and a <= 540, (a, b)
+
+
+def test_the_figures_notes_quotes_are_the_committed_h200_results():
+    """NOTES.md's ninth-session table of the lean step is the committed H200 run's."""
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    doc = json.loads((root / "benchmarks" / "results" / "trainer_overhead_h200_lean_step.json")
+                     .read_text())
+    rows = {(n, r["variant"], r["reference"]): r for n, net in doc["networks"].items()
+            for r in net["rows"]}
+
+    def cost(network, variant, reference="hand-written"):
+        r = rows[(network, variant, reference)]
+        return f"{r['cost_pct']:+.2f}% [{r['cost_ci95_pct'][0]:+.2f}, {r['cost_ci95_pct'][1]:+.2f}]"
+
+    notes = (root / "benchmarks" / "NOTES.md").read_text()
+    for quoted in (f"**{cost('recipe', 'trainer, lean')[:6]}** {cost('recipe', 'trainer, lean')[7:]}",
+                   cost("recipe", "trainer, lean", "hand-written, one function"),
+                   cost("recipe", "trainer, defaults"), cost("mlp_bf16", "trainer, lean"),
+                   cost("mlp_bf16", "trainer, lean", "hand-written, skip via found_inf")[7:],
+                   cost("recipe", "trainer lean, CUDA graph", "hand-written, CUDA graph")[7:]):
+        assert quoted in notes, quoted
+    assert all(r["bitwise_equal_to_reference"] for k, r in rows.items() if "graph" not in k[1])
+    assert [round(doc["networks"][n]["noise_floor_pct"], 2) for n in ("recipe", "mlp_bf16")] == \
+        [2.15, 2.57]
+    checks = json.loads((root / "benchmarks" / "results" / "trainer_overhead_h200_lean_checks.json")
+                        .read_text())["gpu_checks"]
+    lean = {k: v for part in ("skip", "no_sync") for k, v in checks[part].items() if "lean" in k}
+    assert len(lean) == 7 and all(v["ok"] for v in lean.values())

@@ -402,8 +402,6 @@ class Trainer:
         if type(first) not in (tuple, list) and isinstance(first, torch.Tensor):
             raise ValueError("micro_batches must be a list of (x, y) pairs; got a sequence of "
                              "tensors (one pair?): pass [(x, y)]")
-        if self._lean and n == 1 and self.scheduler is None:
-            return self._lean_step(first)
         policy = self._policy
         raising = policy.name == "raise"
         if raising:
@@ -417,6 +415,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
         if type(lr) is not float and isinstance(lr, torch.Tensor):  # changed in place later
             lr = lr.detach().clone()
+        if self._lean and n == 1 and self.scheduler is None:
+            return self._lean_step(first, lr, window)
         loss_sum, grad_norm, found_inf, scale, cause = self._kernels(micro_batches)
         failed = None
         if self.scheduler is not None and found_inf is not True and (
@@ -437,19 +437,10 @@ class Trainer:
                                f"{self.step}): {type(failed).__name__}: {failed}") from failed
         return record
 
-    def _lean_step(self, batch) -> StepRecord:
-        """``train_step`` of one micro-batch where nothing between backward and step needs the
-        host (``_configure``'s ``_lean``): ``_kernels_in``'s kernels and record in fewer Python
-        layers, a short step's cost (benchmarks/NOTES.md, ninth session)."""
-        if not self.model.training:
-            self.model.train()
-        window = self._memory_window() if self._track_memory else None
-        timed, clock = self._timed, self._clock
-        if timed and clock.last is None:  # the chain of step ends is broken: mark a start
-            clock.begin()
-        lr = self.optimizer.param_groups[0]["lr"]  # the step's
-        if type(lr) is not float and isinstance(lr, torch.Tensor):  # changed in place later
-            lr = lr.detach().clone()
+    def _lean_step(self, batch, lr, window) -> StepRecord:
+        """The rest of ``train_step`` for one micro-batch where nothing between backward and
+        step needs the host (``_configure``'s ``_lean``): ``_kernels_in``'s kernels and record
+        in fewer Python layers, a short step's cost (benchmarks/NOTES.md, ninth session)."""
         policy, self._phase, self._cancelled = self._policy, _STARTED, None
         try:
             x, y = self._pair_on_device(batch, 0)
@@ -468,7 +459,7 @@ class Trainer:
         finally:
             self._phase = _IDLE
         return self._record(loss, None, found_inf, policy.scale, policy.cause, lr,
-                            clock.end() if timed else None, window)
+                            self._clock.end() if self._timed else None, window)
 
     def _memory_window(self) -> _PeakWindow:
         """The open peak-memory window, or a new one (the device's peak counter reset) when the

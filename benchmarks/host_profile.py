@@ -109,23 +109,19 @@ def main(argv=None) -> dict:
     if min(args.steps, args.repeats, args.top) < 1 or args.warm_steps < 0:
         p.error("--steps, --repeats and --top must be >= 1, --warm-steps >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    table = TO.variants(args.network, device)
-    unknown = [v for v in args.variants if v not in table]
-    if unknown:
-        p.error(f"--variants: {unknown} not among {sorted(table)}")
-    _, x, y = TO.build(args.network, device, args.quick)
+    try:
+        built = TO.each_variant(args.network, args.variants, device, args.quick, args.warm_steps)
+    except ValueError as exc:
+        p.error(str(exc))
     rows = {}
-    for name in args.variants:
-        step, model, opt = table[name][1](args.quick)
-        for _ in range(args.warm_steps):
-            step(x, y)
+    for name, step, x, y in built:
         row = host_ms(step, x, y, args.steps, args.repeats, device)
         row["profile"] = profiled(step, x, y, args.steps, device)
         rows[name] = row
         print(f"{name:36s} host {row['host_ms_per_call']:8.4f} ms/call (spread "
               f"{row['spread_pct']}%)  profiled {row['profile']['profiled_us_per_step']:9.1f} us in "
               f"{row['profile']['calls_per_step']:7.1f} calls a step", flush=True)
-        del step, model, opt
+        del step  # freed before the next variant is built
     ref = args.variants[0]
     diffs = differences(rows, ref, args.top)
     for name, items in diffs.items():

@@ -149,16 +149,12 @@ def main(argv=None) -> dict:
     if min(args.steps, args.repeats, args.profile_steps, args.top) < 1 or args.warm_steps < 0:
         p.error("--steps, --repeats, --profile-steps and --top must be >= 1, --warm-steps >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    table = TO.variants(args.network, device)
-    unknown = [v for v in args.variants if v not in table]
-    if unknown:
-        p.error(f"--variants: {unknown} not among {sorted(table)}")
-    _, x, y = TO.build(args.network, device, args.quick)
+    try:
+        built = TO.each_variant(args.network, args.variants, device, args.quick, args.warm_steps)
+    except ValueError as exc:
+        p.error(str(exc))
     rows = {}
-    for name in args.variants:
-        step, model, opt = table[name][1](args.quick)
-        for _ in range(args.warm_steps):
-            step(x, y)
+    for name, step, x, y in built:
         row = timed(step, x, y, args.steps, args.repeats, device)
         row["profile"] = profiled(step, x, y, args.profile_steps, device)
         rows[name] = row
@@ -166,9 +162,7 @@ def main(argv=None) -> dict:
         print(f"{name:36s} {row['ms_per_step']:9.3f} ms/step (spread {row['spread_pct']}%)  "
               f"kernels {prof['kernel_ms_per_step']:8.3f} ms in {prof['kernels_per_step']:7.1f}"
               f"  GPU idle {prof['gpu_idle_ms_per_step']:7.3f} ms", flush=True)
-        del step, model, opt
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        del step  # freed before the next variant is built
     ref = args.variants[0]
     diffs = differences(rows, ref, args.top)
     for name, items in diffs.items():

@@ -353,6 +353,29 @@ def variants(network, device):
     return out
 
 
+def each_variant(network, names, device, quick: bool, warm_steps: int):
+    """``(name, step, x, y)`` for each of ``names`` among ``variants(network)`` in turn, built
+    and warmed up (``warm_steps`` untimed steps), released before the next one is built: the
+    profiling scripts' loop (skip_profile.py, host_profile.py). ValueError naming unknown ones,
+    before anything is built."""
+    table = variants(network, device)
+    unknown = [v for v in names if v not in table]
+    if unknown:
+        raise ValueError(f"--variants: {unknown} not among {sorted(table)}")
+
+    def each():
+        _, x, y = build(network, device, quick)
+        for name in names:
+            step, model, opt = table[name][1](quick)
+            for _ in range(warm_steps):
+                step(x, y)
+            yield name, step, x, y
+            del step, model, opt
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return each()
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -270,3 +270,14 @@ def test_the_one_function_hand_loop_is_the_hand_loop_bitwise(bench):
         ref[0](x, y), inline[0](x, y)
     for a, b in zip(ref[1].parameters(), inline[1].parameters()):
         assert torch.equal(a, b)
+
+
+def test_each_variant_builds_warms_and_names_unknown_ones(bench, monkeypatch):
+    with pytest.raises(ValueError, match=r"--variants: \['nope'\] not among"):
+        bench.each_variant("recipe", ["hand-written", "nope"], torch.device("cpu"), True, 1)
+    built = []
+    real = bench.build
+    monkeypatch.setattr(bench, "build", lambda *a: built.append(a[0]) or real(*a))
+    names = [n for n, step, x, y in bench.each_variant(
+        "recipe", ["trainer, lean", "hand-written"], torch.device("cpu"), True, 2)]
+    assert names == ["trainer, lean", "hand-written"] and built[0] == "recipe"

@@ -351,8 +351,8 @@ def fused_sgd_groups(optimizer: torch.optim.Optimizer) -> list:
 
 def fused_sgd_needs_priming(optimizer: torch.optim.Optimizer, can_skip: bool) -> bool:
     """Whether ``optimizer`` has fused SGD groups with momentum that need
-    ``prime_momentum_buffers`` (``can_skip``: steps can be skipped); ValueError for a damped
-    one, which priming cannot fix."""
+    ``prime_momentum_buffers`` (``can_skip``: steps can be skipped); where they can, ValueError
+    for a damped one, which priming cannot fix."""
     groups = fused_sgd_groups(optimizer)
     if not groups or not can_skip:
         return False

@@ -266,8 +266,9 @@ class Trainer:
         self._timed = cfg.track_time
         self._clock.reset()  # a step after a config or scaler change is timed from its start
         self._half = HALF_DTYPES.get(cfg.precision)  # autocast dtype, None for fp32/tf32
-        # nothing between backward and step needs the host, nothing is recorded beyond the
-        # loss: one micro-batch then takes _lean_step (the same kernels, fewer Python layers)
+        # nothing between backward and step needs the host (no guard, hooks there, clipping,
+        # gradient norm or raise): one micro-batch then takes _lean_step (the same kernels and
+        # record, fewer Python layers; after_step hooks, memory and time records allowed)
         self._lean = (self._half is not None and self._guard is None
                       and not self._unscale_first and not self._norm_wanted
                       and cfg.clip_value is None and not hooked and policy.name != "raise")
@@ -415,7 +416,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
         if type(lr) is not float and isinstance(lr, torch.Tensor):  # changed in place later
             lr = lr.detach().clone()
-        if self._lean and n == 1 and self.scheduler is None:
+        if self._lean and n == 1 and self.scheduler is None and type(micro_batches) in (list, tuple):
             return self._lean_step(first, lr, window)
         loss_sum, grad_norm, found_inf, scale, cause = self._kernels(micro_batches)
         failed = None
@@ -449,17 +450,25 @@ class Trainer:
             policy.backward(loss)
             loss = loss.detach()
             found_inf = policy.check(loss, None) if self._check_first else None
-            found_inf = policy.step(found_inf)
-            self._phase = _STEPPED
-            policy.update()
+            cancelled = self._cancelled  # cancel_step from a module or tensor hook, loss_fn
+            if cancelled is None:
+                found_inf = policy.step(found_inf)
+                self._phase = _STEPPED
+                policy.update()
+                scale, cause = policy.scale, policy.cause
+            else:  # as _kernels_in cancels a step
+                scale, found_inf, cause = policy.scale_used(), True, cancelled
+                policy.forget()
             self.optimizer.zero_grad(set_to_none=True)
         except BaseException:
             self._undo_failed_step()
             raise
         finally:
             self._phase = _IDLE
-        return self._record(loss, None, found_inf, policy.scale, policy.cause, lr,
-                            self._clock.end() if self._timed else None, window)
+        elapsed = self._clock.end() if self._timed else None
+        if cancelled is not None:  # the next step is timed from its own start
+            self._clock.reset()
+        return self._record(loss, None, found_inf, scale, cause, lr, elapsed, window)
 
     def _memory_window(self) -> _PeakWindow:
         """The open peak-memory window, or a new one (the device's peak counter reset) when the

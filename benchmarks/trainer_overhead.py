@@ -642,8 +642,9 @@ def skip_checks(device, quick):
 
 
 def lean_skip_checks(device, quick):
-    """The same for the trainer's lean step (one micro-batch, no hooks, no BatchNorm, no grad
-    norm: ``Trainer._lean_step``) on the recipe MLP, the inf coming in with the batch."""
+    """The same for the trainer's lean step (one micro-batch, no hooks before the step, no
+    BatchNorm guard, no grad norm: ``Trainer._lean_step``) on the recipe MLP, the inf coming in
+    with the batch."""
     results = {}
     for precision, impl in (("fp16", "sgd"), ("fp16", "sgd-fused"), ("bf16", "sgd"),
                             ("bf16", "adamw-fused")):

@@ -417,6 +417,8 @@ def test_preset_panel_and_histogram_panel_builders():
     assert list(runs) == ["a", "b"] and all(isinstance(r, L.ScalerRun) for r in runs.values())
     assert runs["a"].losses[0] == runs["b"].losses[0]
     assert "<table" in p.table.value
+    # its note names the steps a 4-step run's final loss averages (it said "the last 10")
+    assert "mean training loss of all 4 steps;" in p.table.value
     mags = {"fc": np.abs(np.random.default_rng(0).normal(0, 1e-3, 100)).astype(np.float32)}
     h = U.histogram_panel(mags, scale_log2=4, figure_mode="output")
     assert isinstance(h, W.HistogramPanel) and h.loss_scale == 16.0
@@ -471,3 +473,16 @@ def test_short_runs_decide_neither_r3_nor_the_generous_b4():
 def test_measured_defaults_refuses_a_device_type_torch_does_not_know():
     with pytest.raises(ValueError, match="device_type must be a device type torch knows.*'tpu'"):
         L.measured_defaults("tpu")
+
+
+def test_preset_note_names_the_steps_the_final_loss_averages():
+    assert L.PRESET_NOTE == L.preset_note() == L.preset_note(L.FINAL_LOSS_WINDOW) == L.preset_note(1500)
+    assert "mean training loss of the last 10 steps;" in L.PRESET_NOTE
+    assert "of all 4 steps;" in L.preset_note(4) and "of its one step;" in L.preset_note(1)
+    for run_steps in (1, 4, 9, 10, 11):  # what the note says is what final_loss averages
+        losses = list(range(run_steps))
+        n = min(run_steps, L.FINAL_LOSS_WINDOW)
+        assert L.final_loss(losses) == sum(losses[-n:]) / n
+    for bad in (0, -1, 2.5, None):
+        with pytest.raises(ValueError, match="steps must be a whole number >= 1"):
+            L.preset_note(bad)

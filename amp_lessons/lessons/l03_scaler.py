@@ -12,7 +12,6 @@ shown with ``ui.plots``/``ui.widgets``:
   ``formats.fraction_rows``, ``formats.scale_window``).
 - ``verdict_r2``, ``verdict_r3``, ``verdict_b4``: the claims this lesson decides, as
   ``claims.Verdict``.
-- ``panel_runner``: what the notebook's live panels (``ui.scaler_panels``) run.
 """
 from __future__ import annotations
 
@@ -109,8 +108,21 @@ SETTLED_MEANS = (f"settled: the step after the last skipped step (no skip in the
 PRESET_COLUMNS = ("preset", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
                   "skipped steps", "settled after (steps)", "last skip (step)", "final scale",
                   "final loss", "test accuracy")
-PRESET_NOTE = (f"final loss: mean training loss of the last {FINAL_LOSS_WINDOW} steps; "
-               f"{SETTLED_MEANS}; last skip: the step number of the run's last skipped step.")
+
+
+def preset_note(steps: int = FINAL_LOSS_WINDOW) -> str:
+    """The presets table's note for runs of ``steps`` steps: what "final loss" (the mean of the
+    last ``FINAL_LOSS_WINDOW`` steps, or of all of a shorter run's), "settled" and "last skip"
+    mean. The preset panel says it for the steps it ran (a 4-step run averages 4, not 10)."""
+    if not is_int(steps) or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1; got {steps!r}")
+    which = (f"the last {FINAL_LOSS_WINDOW} steps" if steps >= FINAL_LOSS_WINDOW else
+             "its one step" if steps == 1 else f"all {steps} steps")
+    return (f"final loss: mean training loss of {which}; {SETTLED_MEANS}; last skip: the step "
+            f"number of the run's last skipped step.")
+
+
+PRESET_NOTE = preset_note()  # runs of FINAL_LOSS_WINDOW steps or more (the lesson's)
 
 
 def settled_text(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> str:
@@ -660,28 +672,6 @@ def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, large
     return claims.decide("B4", LESSON, measured, None, "", parts=[first, second],
                          numbers={"scale_factor_accepted": not error, "same_as_default": same,
                                   "largest_loss_difference": diff}, cannot_decide=short)
-
-
-# ---- what the notebook's panels run (ui.scaler_panels builds them) -----------------------------
-
-def panel_runner(setup: RunSetup = RunSetup()) -> Callable:
-    """What a ``widgets.ScalerPanel`` runs: ``run(settings, steps, injection_rate, on_step)``
-    trains ``setup``'s model with ``train_with_scaler`` (no evaluation), reading the injected
-    overflow rate from the callable ``injection_rate`` before every step, and returns the
-    ``ScalerRun``."""
-
-    def run(settings: ScalerSettings, steps: int, injection_rate: Callable[[], float],
-            on_step: Callable) -> ScalerRun:
-        injector = OverflowInjector(float(injection_rate()), seed=setup.seed)
-
-        def step(trainer, result):
-            injector.rate = float(injection_rate())
-            return on_step(trainer, result)
-
-        return train_with_scaler(settings, steps, setup, name="panel", on_step=step,
-                                 evaluate=False, injector=injector)
-
-    return run
 
 
 def lost_line(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float, fmt: str = "fp16",

@@ -1,15 +1,16 @@
 """Lesson 03's panels: the scaler panel, the preset comparison and the gradient histogram
-(``widgets``), each wired to the lesson's training runs (``l03_scaler.panel_runner``,
-``train_with_scaler``), and a run's first steps as a table (``show_step_table``; ``step_table_text``). The lesson module
-returns results; these show them."""
+(``widgets``), each wired to the lesson's training runs (``train_with_scaler``, through
+``panel_runner`` for the scaler panel), and a run's first steps as a table
+(``show_step_table``; ``step_table_text``). The lesson module returns results; these show
+them."""
 from __future__ import annotations
 
-from typing import List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional
 
 import numpy as np
 
-from ..lessons.l03_scaler import (PRESET_NOTE, RunSetup, ScalerRun, measured_defaults,
-                                  panel_runner, scaler_presets, train_with_scaler)
+from ..lessons.l03_scaler import (OverflowInjector, RunSetup, ScalerRun, measured_defaults,
+                                  preset_note, scaler_presets, train_with_scaler)
 from .._validate import is_int
 from ..report import show_table
 from ..trainer import ScalerSettings
@@ -28,6 +29,26 @@ def scaler_panel(setup: RunSetup = RunSetup(), steps: int = 60,
                                background=background)
 
 
+def panel_runner(setup: RunSetup = RunSetup()) -> Callable:
+    """What a ``widgets.ScalerPanel`` runs: ``run(settings, steps, injection_rate, on_step)``
+    trains ``setup``'s model with ``train_with_scaler`` (no evaluation), reading the injected
+    overflow rate from the callable ``injection_rate`` before every step, and returns the
+    ``ScalerRun``."""
+
+    def run(settings: ScalerSettings, steps: int, injection_rate: Callable[[], float],
+            on_step: Callable) -> ScalerRun:
+        injector = OverflowInjector(float(injection_rate()), seed=setup.seed)
+
+        def step(trainer, result):
+            injector.rate = float(injection_rate())
+            return on_step(trainer, result)
+
+        return train_with_scaler(settings, steps, setup, name="panel", on_step=step,
+                                 evaluate=False, injector=injector)
+
+    return run
+
+
 def preset_panel(presets: Optional[Mapping[str, ScalerSettings]] = None, steps: int = 100,
                  setup: RunSetup = RunSetup(), injection_rate: float = 0.0,
                  figure_mode: str = "auto", background: bool = True) -> widgets.PresetComparison:
@@ -40,7 +61,7 @@ def preset_panel(presets: Optional[Mapping[str, ScalerSettings]] = None, steps: 
 
     return widgets.PresetComparison(presets, run, steps=steps, injection_rate=injection_rate,
                                     figure_mode=figure_mode, background=background,
-                                    table_note=PRESET_NOTE)
+                                    table_note=preset_note)
 
 
 def histogram_panel(magnitudes_by_layer: Mapping[str, np.ndarray], scale_log2: int = 0,

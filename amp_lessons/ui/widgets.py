@@ -18,7 +18,7 @@ import math
 import re
 import threading
 import time
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import ipywidgets as w
 import numpy as np
@@ -681,13 +681,14 @@ class PresetComparison(BackgroundRun):
     (``comparison_table_html``'s row). A checkbox per preset (class ``amp-preset``), steps
     (``amp-presets-steps``), an injected overflow rate (``amp-presets-overflow-rate``), Run
     (``amp-presets-run``), the chart (``amp-presets-chart``) and a table of summaries
-    (``amp-presets-table``). ``run()`` blocks and returns ``{name: result}``; the button runs
-    in a thread when ``background``.
+    (``amp-presets-table``) under ``table_note`` (a text, or a function of the steps run).
+    ``run()`` blocks and returns ``{name: result}``; the button runs in a thread when
+    ``background``.
     """
 
     def __init__(self, presets: Mapping[str, Any], run: Callable, steps: int = 100,
                  injection_rate: float = 0.0, figure_mode: str = "auto",
-                 background: bool = True, table_note: str = ""):
+                 background: bool = True, table_note: Union[str, Callable[[int], str]] = ""):
         self.presets = dict(presets)
         self.table_note = table_note
         if not self.presets:
@@ -758,8 +759,8 @@ class PresetComparison(BackgroundRun):
             for name, settings in chosen.items():
                 done[name] = self._run_fn(name, settings, steps, rate)
                 self._draw(done, final=len(done) == len(chosen))
-                self.table.value = comparison_table_html([r.row() for r in done.values()],
-                                                         self.table_note)
+                note = self.table_note(steps) if callable(self.table_note) else self.table_note
+                self.table.value = comparison_table_html([r.row() for r in done.values()], note)
         except Exception as exc:
             self._failed(exc)
             raise

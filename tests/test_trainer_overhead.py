@@ -72,7 +72,9 @@ def test_time_round_counts_host_cpu_time_not_waiting(bench):
     wall_s, _, _, cpu_s = bench.time_round(sleepy, None, None, 4, cpu_device)
     wall_b, _, _, cpu_b = bench.time_round(busy, None, None, 4, cpu_device)
     assert wall_s >= 5 and wall_b >= 5
-    assert cpu_s < 0.5 * wall_s and cpu_b > 0.5 * wall_b
+    # the busy step's CPU time stays far above the sleeping one's even where other processes
+    # take the core half the time (as when the tests share two cores): not a share of its wall
+    assert cpu_s < 0.5 * wall_s and cpu_b > max(1.0, 10 * cpu_s), (cpu_s, wall_s, cpu_b, wall_b)
 
 
 def test_a_report_of_a_run_before_the_host_cpu_column_still_reads(bench):

@@ -219,3 +219,23 @@ def test_a_decompression_bomb_is_named_as_an_unreadable_image(image_folder):
     loader = data.image_folder_loader(image_folder, 16, batch_size=8, train=False)
     with pytest.raises(data.UnreadableImageError, match=r"bomb\.png"):
         list(loader)
+
+
+def test_set_loader_epoch_reaches_the_loader_or_its_sampler():
+    from amp_lessons.data import set_loader_epoch
+
+    class Sampler:
+        epoch = None
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    class WithSampler:
+        def __init__(self):
+            self.sampler = Sampler()
+
+    direct, wrapped = Sampler(), WithSampler()
+    set_loader_epoch(direct, 3)
+    set_loader_epoch(wrapped, 4)
+    set_loader_epoch([1, 2, 3], 5)  # a plain list has neither: nothing to tell
+    assert (direct.epoch, wrapped.sampler.epoch) == (3, 4)

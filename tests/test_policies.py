@@ -627,3 +627,20 @@ def test_dense_strides_knows_permuted_layouts(shape, fmt, dense):
     assert dense_strides(t) is dense
     assert dense_strides(torch.empty(4, 6)[:, ::2]) is False  # a strided slice has gaps
     assert dense_strides(torch.empty(4, 6).t()) is True
+
+
+def test_fused_sgd_needs_priming_only_where_steps_can_be_skipped():
+    import torch
+    from amp_lessons._skipsafe import fused_sgd_needs_priming
+
+    def sgd(**kw):
+        return torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, **kw)
+
+    assert fused_sgd_needs_priming(sgd(momentum=0.9, fused=True), can_skip=True)
+    assert not fused_sgd_needs_priming(sgd(momentum=0.9, fused=True), can_skip=False)
+    assert not fused_sgd_needs_priming(sgd(momentum=0.9), can_skip=True)  # foreach: no bug
+    assert not fused_sgd_needs_priming(sgd(fused=True), can_skip=True)  # no momentum buffers
+    damped = sgd(momentum=0.9, dampening=0.1, fused=True)
+    assert not fused_sgd_needs_priming(damped, can_skip=False)
+    with pytest.raises(ValueError, match="dampening must be 0 for fused SGD .* got 0.1"):
+        fused_sgd_needs_priming(damped, can_skip=True)

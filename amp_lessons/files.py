@@ -188,9 +188,7 @@ def atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
     (see the module docstring). ``what`` names the kind of file in errors ("checkpoint",
     "notebook"). The folder must exist. A symbolic link is written through: its target gets the
     bytes and the link stays a link (as an editor saves it); a folder is refused by name."""
-    path = Path(path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
+    path = _through_links(path, what)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"cannot write {what} {path}: it is a folder")
     remove_stale_temp_files(path)
@@ -227,13 +225,25 @@ def atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
         raise
 
 
+def _through_links(path: PathLike, what: str = "file") -> Path:
+    """``path``, or the file its symbolic link (or chain of links) names: a write goes there
+    and the link stays a link. OSError naming ``path`` when the links form a loop."""
+    path = Path(path)
+    if not path.is_symlink():
+        return path
+    target = Path(os.path.realpath(path))
+    if target.is_symlink():  # realpath stops inside a loop
+        raise OSError(errno.ELOOP, f"cannot write {what} {path}: its symbolic links form a loop")
+    return target
+
+
 def write_atomic(path: PathLike, data: Union[str, bytes], what: str = "file") -> Path:
     """Write ``data`` (text is encoded as UTF-8) to ``path`` atomically; return ``path``.
-    Makes the folder when it is missing."""
+    Makes the folder when it is missing (the link's target's, for a symbolic link)."""
     path = Path(path)
     if isinstance(data, str):
         data = data.encode("utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _through_links(path, what).parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, what) as f:
         f.write(data)
     return path
@@ -247,8 +257,12 @@ def write_json(path: PathLike, doc, what: str = "JSON file", indent: int = 1) ->
 
 def check_writable(path: PathLike, what: str) -> None:
     """ValueError unless a file can be written at ``path`` (checked before the work starts):
-    not a folder, and its folder exists (or can be made) and is writable."""
-    path = Path(path)
+    not a folder, and its folder exists (or can be made) and is writable; through a symbolic
+    link, its target's."""
+    try:
+        path = _through_links(path, what)
+    except OSError as exc:  # a loop of links
+        raise ValueError(exc.strerror) from None
     if path.is_dir():
         raise ValueError(f"{what} must name a file, not a folder; got '{path}'")
     if path.exists() and not os.access(path, os.W_OK):

@@ -11,7 +11,7 @@ import re
 import unicodedata
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ._validate import is_int, is_real, plain_number
+from ._validate import check_int, is_int, is_real, plain_number
 
 Column = Union[str, Tuple[str, str], Tuple[str, str, Union[str, Callable[[Any], str]]]]
 
@@ -45,8 +45,7 @@ def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) ->
     with the count, above ``100 - floor`` it reads ``"> 99.999% (9,999,999 of 10,000,000)"``,
     and exactly zero and all of them read ``"0%"`` and ``"100%"``.
     """
-    if not is_int(digits) or digits < 1:
-        raise ValueError(f"digits must be a whole number >= 1; got {digits!r}")
+    check_int("digits", digits, 1)
     if not is_real(floor) or not 0 < floor < 50:
         raise ValueError(f"floor must be a number in (0, 50) percent; got {floor!r}")
     if not is_real(whole) or whole <= 0:
@@ -65,8 +64,11 @@ def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) ->
     if share > 100.0 - floor:  # all but a few: must not read as all of them
         return f"> {100.0 - floor:g}% ({count} of {total})"
     text = _significant(share, digits)
-    if float(text) >= 100.0:  # 99.9996 must not read as all of them
-        text = _significant(share, digits + 3)
+    while float(text) >= 100.0 and digits < 17:  # 99.9996 must not read as all of them
+        digits += 1
+        text = _significant(share, digits)
+    if float(text) >= 100.0:
+        return f"> {100.0 - floor:g}% ({count} of {total})"
     return f"{text}%"
 
 
@@ -271,10 +273,12 @@ def _one_line(cells: Sequence[str]) -> List[str]:
 
 def display_width(text: str) -> int:
     """Columns ``text`` takes in a terminal or notebook's monospace font: wide East Asian
-    characters take two, combining marks none (``len`` counts each as one)."""
+    characters take two, combining marks and format characters (zero-width space and joiner)
+    none (``len`` counts each as one). An emoji sequence joined by zero-width joiners still
+    counts each of its pictures: fonts differ in how they draw those."""
     if text.isascii():
         return len(text)
-    return sum(0 if unicodedata.combining(ch) else
+    return sum(0 if unicodedata.combining(ch) or unicodedata.category(ch) == "Cf" else
                2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text)
 
 

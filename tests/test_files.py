@@ -120,6 +120,30 @@ def test_a_symbolic_link_is_written_through_and_stays_a_link(tmp_path):
                                                           "made.json", "target.json"]
 
 
+def test_a_link_into_a_missing_folder_is_checked_and_written_there(tmp_path):
+    """``check_writable`` and ``write_atomic`` follow the link: its target's folder is made
+    (the write failed after the work was done, naming the missing folder)."""
+    (tmp_path / "cw").mkdir()
+    link = tmp_path / "cw" / "results.json"
+    link.symlink_to("missing/out.json")
+    F.check_writable(link, "results")
+    F.write_json(link, {"ok": True})
+    assert link.is_symlink() and json.loads((tmp_path / "cw" / "missing" / "out.json")
+                                             .read_text()) == {"ok": True}
+
+
+def test_a_loop_of_links_is_refused_by_name_and_left_alone(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.symlink_to(b.name)
+    b.symlink_to(a.name)
+    with pytest.raises(OSError, match=f"cannot write results {a}: its symbolic links form a loop"):
+        F.write_atomic(a, "x", what="results")
+    with pytest.raises(ValueError, match="its symbolic links form a loop"):
+        F.check_writable(a, "results")
+    assert a.is_symlink() and b.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["a.json", "b.json"]
+
+
 def test_a_folder_in_the_files_place_is_named_not_the_temporary_file(tmp_path):
     folder = tmp_path / "results.json"
     folder.mkdir()

@@ -133,11 +133,17 @@ def test_shown_technique_says_tf32_only_where_the_math_is_tf32():
 
 
 @pytest.mark.parametrize("part, whole, digits, text", [
-    (45.3, 100, 1, "50%"), (3, 7, 2, "43%"), (0.0015, 1, 1, "0.1%"), (99.99, 100, 1, "99.99%"),
-    (1234, 10_000, 1, "10%")])
+    (45.3, 100, 1, "50%"), (1234, 10_000, 1, "10%"), (654, 1000, 1, "70%"), (3, 7, 2, "43%")])
 def test_percent_never_uses_scientific_notation(part, whole, digits, text):
-    assert tables.percent(part, whole, digits=digits) == text
+    assert tables.percent(part, whole, digits=digits) == text  # 5e+01%, 1e+01%, 7e+01%: fixed
     assert tables.percent(1.5e-8, 1, floor=1e-9) == "0.0000015%"
+
+
+def test_percent_never_reads_100_for_a_share_below_it():
+    """However few digits are asked for: 99,997 of 100,000 at one digit read '100%'."""
+    assert tables.percent(99_997, 100_000, digits=1) == "99.997%"
+    assert tables.percent(9_999_999_990, 10 ** 10, floor=1e-9) == "99.9999999%"
+    assert tables.percent(99.99, 100, digits=1) == "99.99%"
 
 
 @pytest.mark.parametrize("setting, kwargs", [("digits", dict(digits=0)), ("digits", dict(digits=1.5)),
@@ -178,3 +184,4 @@ def test_text_table_cells_stay_on_one_line_and_wide_characters_count_twice():
     assert lines[2] == "模型" + " " * 8 + "1.50"  # two wide characters take four columns
     assert {tables.display_width(x) for x in lines} == {16}
     assert tables.display_width("abc") == 3 and tables.display_width("e\u0301") == 1
+    assert tables.display_width("e\u200bz") == 2  # a zero-width space takes no column

@@ -76,9 +76,10 @@ class TrainConfig:
       when it is finite: no memory, no copies. On the H200's 2 ms bf16 MLP step (foreach SGD) it
       cost +5.3% to +10.9% over the hand loop against the copy's +10.4% to +16.2%, in five runs
       (``benchmarks/NOTES.md``); on a GPU-bound step the sync leaves the GPU idle while the next
-      kernels are launched: the same ResNet-50 step, +5.9% (2.4 ms of idle GPU a step,
-      profiled). Which costs less depends on the step, so the default stays the one without a
-      host sync. ``capture`` needs ``"copy"``.
+      kernels are launched: the same ResNet-50 step, +5.9% (58.29 against 54.73 ms a step
+      with only 0.17 ms more kernel time: about 3.4 ms of idle GPU). Which costs less depends
+      on the step, so on a GPU the default is the one without a host sync. ``capture`` needs
+      ``"copy"``.
 
     An optimizer that has not made its state yet (its first step) takes the host's decision for
     that step whatever ``nonfused_skip`` says, and one that keeps state on another device takes

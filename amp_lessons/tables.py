@@ -16,6 +16,9 @@ from ._validate import check_int, is_int, is_real, plain_number
 Column = Union[str, Tuple[str, str], Tuple[str, str, Union[str, Callable[[Any], str]]]]
 
 
+BRIEF_FROM = 1e7  # from here on a table shows a number in brief (3 significant digits)
+
+
 def format_value(value, digits: int = 2) -> str:
     """One number as a table cell: ``None`` -> ``"n/a"``, thousands separated, small values to
     ``digits + 1`` significant digits (never rounded to 0 when nonzero), blown-up values brief.
@@ -28,7 +31,7 @@ def format_value(value, digits: int = 2) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
-        if abs(value) >= 1e7:  # beyond any img/s or MiB figure: a blown-up value, say so briefly
+        if abs(value) >= BRIEF_FROM:  # beyond any img/s or MiB figure: a blown-up value, briefly
             return f"{value:.{digits + 1}g}"
         if abs(value) >= 100:
             return f"{value:,.0f}"

@@ -52,13 +52,13 @@ def host_ms(step, x, y, steps: int, repeats: int, device) -> dict:
 
 
 def _where(func: tuple) -> str:
-    """A cProfile function key as ``file:line(name)``, the file shortened to its package path."""
+    """A cProfile function key as ``file:line(name)``, the file shortened to its package path:
+    from the last ``amp_lessons/`` or ``benchmarks/`` in it, or after the last
+    ``site-packages/``, whichever comes last (a checkout may itself be named amp_lessons)."""
     file, line, name = func
-    for marker in ("site-packages/", "amp_lessons/", "benchmarks/"):
-        if marker in file:
-            file = file.split(marker, 1)[1] if marker == "site-packages/" else \
-                marker + file.split(marker, 1)[1]
-            break
+    at, marker = max((file.rfind(m), m) for m in ("site-packages/", "amp_lessons/", "benchmarks/"))
+    if at >= 0:
+        file = file[at + len(marker):] if marker == "site-packages/" else file[at:]
     return f"{file}:{line}({name})"
 
 

@@ -870,6 +870,9 @@ def main(argv=None):
         p.error("--budget must be > 0, --steps >= 1, --min-rounds and --max-rounds >= 2, "
                 "--warm-steps >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.checks_only and (device.type != "cuda" or args.no_gpu_checks):
+        p.error("--checks-only runs the GPU checks: it needs a CUDA device and no "
+                "--no-gpu-checks (it would write an empty document)")
     quick = device.type != "cuda"
     torch.backends.cudnn.benchmark = False  # as lesson 04 runs
     if quick:

@@ -70,3 +70,15 @@ def test_the_figures_notes_quotes_are_the_committed_results():
                    "**+0.31%** [-0.81, +1.39]", "**389.3 Python calls a step against the hand "
                    "loop's 378.0**", "1.929 against 1.883 ms", "same 239 aten ops and the same 61"):
         assert quoted in notes, quoted
+
+
+@pytest.mark.parametrize("path, shown", [
+    ("/w/amp_lessons/amp_lessons/trainer.py", "amp_lessons/trainer.py"),
+    ("/w/amp_lessons/benchmarks/trainer_overhead.py", "benchmarks/trainer_overhead.py"),
+    ("/v/lib/python3.12/site-packages/torch/optim/sgd.py", "torch/optim/sgd.py"),
+    ("/v/lib/python3.12/site-packages/amp_lessons/_compat.py", "amp_lessons/_compat.py"),
+    ("~", "~")])
+def test_function_keys_name_the_package_path_whatever_the_checkouts_name(path, shown):
+    """A checkout folder named amp_lessons read as amp_lessons/amp_lessons/... (the first
+    occurrence was cut), and the notes' keys did not match."""
+    assert load_benchmark("host_profile")._where((path, 7, "f")) == f"{shown}:7(f)"

@@ -479,10 +479,13 @@ def test_preset_note_names_the_steps_the_final_loss_averages():
     assert L.PRESET_NOTE == L.preset_note() == L.preset_note(L.FINAL_LOSS_WINDOW) == L.preset_note(1500)
     assert "mean training loss of the last 10 steps;" in L.PRESET_NOTE
     assert "of all 4 steps;" in L.preset_note(4) and "of its one step;" in L.preset_note(1)
-    for run_steps in (1, 4, 9, 10, 11):  # what the note says is what final_loss averages
-        losses = list(range(run_steps))
-        n = min(run_steps, L.FINAL_LOSS_WINDOW)
-        assert L.final_loss(losses) == sum(losses[-n:]) / n
+    import re
+    for run_steps in (1, 4, 9, 10, 11, 1500):  # the steps the note names, final_loss averages
+        said = re.search(r"mean training loss of (its one step|all (\d+) steps|the last (\d+) "
+                         r"steps);", L.preset_note(run_steps))
+        n = 1 if said.group(1) == "its one step" else int(said.group(2) or said.group(3))
+        losses = [float(k * k) for k in range(run_steps)]  # every tail mean is different
+        assert L.final_loss(losses) == sum(losses[-n:]) / n, run_steps
     for bad in (0, -1, 2.5, None):
         with pytest.raises(ValueError, match="steps must be a whole number >= 1"):
             L.preset_note(bad)

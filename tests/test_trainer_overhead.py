@@ -277,9 +277,29 @@ def test_the_one_function_hand_loop_is_the_hand_loop_bitwise(bench):
 def test_each_variant_builds_warms_and_names_unknown_ones(bench, monkeypatch):
     with pytest.raises(ValueError, match=r"--variants: \['nope'\] not among"):
         bench.each_variant("recipe", ["hand-written", "nope"], torch.device("cpu"), True, 1)
-    built = []
-    real = bench.build
-    monkeypatch.setattr(bench, "build", lambda *a: built.append(a[0]) or real(*a))
-    names = [n for n, step, x, y in bench.each_variant(
-        "recipe", ["trainer, lean", "hand-written"], torch.device("cpu"), True, 2)]
-    assert names == ["trainer, lean", "hand-written"] and built[0] == "recipe"
+    log = []
+
+    def fake_variants(network, device):
+        def maker(name):
+            def make(quick):
+                log.append(f"build {name}")
+                return (lambda x, y: log.append(f"step {name}")), object(), object()
+            return make
+        return {n: ("ref", maker(n)) for n in ("a", "b")}
+
+    monkeypatch.setattr(bench, "variants", fake_variants)
+    monkeypatch.setattr(bench, "build", lambda *a: (None, "x", "y"))
+    for name, step, x, y in bench.each_variant("recipe", ["b", "a"], torch.device("cpu"), True, 2):
+        log.append(f"use {name}")
+    # each built, warmed up twice and handed out before the next one is built
+    assert log == ["build b", "step b", "step b", "use b", "build a", "step a", "step a", "use a"]
+
+
+def test_checks_only_refuses_where_there_are_no_gpu_checks_to_run(bench, tmp_path, capsys):
+    """On a CPU (or with --no-gpu-checks) --checks-only ran nothing and wrote an empty document."""
+    out = tmp_path / "c.json"
+    for extra in ([], ["--no-gpu-checks"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--checks-only", "--json", str(out)] + extra)
+        assert exc.value.code == 2 and "--checks-only runs the GPU checks" in capsys.readouterr().err
+    assert not out.exists()

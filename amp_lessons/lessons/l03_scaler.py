@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .. import claims
-from .._validate import is_int, is_real
+from .._validate import check_int, is_int, is_real
 from ..data import digits_loaders
 from ..formats import fraction_rows, lost_shares, scale_window  # noqa: F401 (the lesson's API)
 from ..models import DIGITS_MODELS, build_digits_model, resnet50
@@ -114,8 +114,7 @@ def preset_note(steps: int = FINAL_LOSS_WINDOW) -> str:
     """The presets table's note for runs of ``steps`` steps: what "final loss" (the mean of the
     last ``FINAL_LOSS_WINDOW`` steps, or of all of a shorter run's), "settled" and "last skip"
     mean. The preset panel says it for the steps it ran (a 4-step run averages 4, not 10)."""
-    if not is_int(steps) or steps < 1:
-        raise ValueError(f"steps must be a whole number >= 1; got {steps!r}")
+    check_int("steps", steps, 1)
     which = (f"the last {FINAL_LOSS_WINDOW} steps" if steps >= FINAL_LOSS_WINDOW else
              "its one step" if steps == 1 else f"all {steps} steps")
     return (f"final loss: mean training loss of {which}; {SETTLED_MEANS}; last skip: the step "

@@ -13,15 +13,13 @@ Precisions: ``fp32`` (TF32 off), ``tf32`` (TF32 matmuls and convolutions on CUDA
 (autocast + GradScaler; ``amp`` is an alias) and ``bf16`` (autocast, no scaler).
 
 Cheap on purpose: ``Trainer.train_step`` never waits for the GPU unless a scheduler has to know
-whether the step was skipped. Loss, scale, gradient norm, the skipped flag and the step time are
-kept in each ``StepRecord`` as device tensors (or CUDA events) and turned into Python numbers the
-first time they are read; ``History.columns()`` reads them all with one copy per field.
-The gradient norm is kept as per-parameter norms (one foreach kernel a step) and reduced when
-read; the fp16 loss scale a step used is replayed from GradScaler's flags when read (no copy per
-step: ``_compat.ScaleLog``); the peak memory is read once per window of steps (see
-``StepRecord``), not per step. So the lean step makes no device call the hand loop does not.
-Turn off what you do not need with ``TrainConfig(track_grad_norm=False, track_memory=False,
-track_time=False)``.
+whether the step was skipped. Each ``StepRecord`` keeps loss, scale, gradient norm, skipped flag
+and step time as device tensors (or CUDA events) until read (``History.columns()``: one copy per
+field); the norm as per-parameter norms (one foreach kernel), the fp16 scale replayed from
+GradScaler's flags (``_compat.ScaleLog``), the peak memory once per window of steps. So the lean
+step makes no device call the hand loop does not, and one micro-batch with nothing to do between
+backward and step takes fewer Python layers (``_lean_step``). Turn off what you do not need with
+``TrainConfig(track_grad_norm=False, track_memory=False, track_time=False)``.
 
 Skip-safe BatchNorm: when GradScaler skips a step (inf/NaN gradients), BatchNorm running statistics
 are put back to their values before that step, without a host sync (``torch.where`` on a flat
@@ -325,22 +323,20 @@ class Trainer:
 
     def cancel_step(self, reason: str = "cancelled by a hook") -> None:
         """Cancel the step in progress, from a hook's ``after_backward``, ``after_unscale`` or
-        ``before_step``: the optimizer does not step, the scaler keeps its scale, gradients are
-        dropped and BatchNorm statistics are put back (with ``skip_safe_batchnorm``, the
-        default); the step is recorded as skipped with ``skip_reason`` "``reason``" and counts
-        as a step. A host-side decision: it costs nothing on the device."""
+        ``before_step`` (or a module or tensor hook, or the loss function): the optimizer does
+        not step, the scaler keeps its scale, gradients are dropped and BatchNorm statistics put
+        back (``skip_safe_batchnorm``); the step is recorded as skipped with ``skip_reason``
+        "``reason``" and counts as a step. A host-side decision: nothing on the device."""
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError(f"reason must be a non-empty string; got {reason!r}")
         if self._phase not in (_STARTED, _SNAPSHOT_TAKEN):
-            raise ValueError("cancel_step works only during a step, from a hook's after_backward, "
-                             "after_unscale or before_step (before the optimizer steps); it was "
-                             "called outside them")
+            raise ValueError("cancel_step works only during a step, before the optimizer steps "
+                             "(from a hook, the forward or backward pass); it was called outside")
         self._cancelled = reason
 
     def wait(self) -> None:
-        """Wait for every queued step. Under ``nonfinite="raise"`` raise ``NonFiniteError`` for
-        a non-finite step the host had not yet seen (``train_step`` only looks at steps that
-        have already finished on the device, never waiting for one)."""
+        """Wait for every queued step; under ``nonfinite="raise"`` raise ``NonFiniteError`` for a
+        non-finite step the host had not yet seen (``train_step`` never waits for one)."""
         _sync(self.device)
         self._raise_if_nonfinite(wait=True)
 
@@ -439,9 +435,9 @@ class Trainer:
         return record
 
     def _lean_step(self, batch, lr, window) -> StepRecord:
-        """The rest of ``train_step`` for one micro-batch where nothing between backward and
-        step needs the host (``_configure``'s ``_lean``): ``_kernels_in``'s kernels and record
-        in fewer Python layers, a short step's cost (benchmarks/NOTES.md, ninth session)."""
+        """The rest of ``train_step`` for one micro-batch where nothing between backward and step
+        needs the host (``_configure``'s ``_lean``): ``_kernels_in``'s kernels and record in fewer
+        Python layers, a short step's cost (benchmarks/NOTES.md, ninth session)."""
         policy, self._phase, self._cancelled = self._policy, _STARTED, None
         try:
             x, y = self._pair_on_device(batch, 0)
@@ -457,8 +453,7 @@ class Trainer:
                 policy.update()
                 scale, cause = policy.scale, policy.cause
             else:  # as _kernels_in cancels a step
-                scale, found_inf, cause = policy.scale_used(), True, cancelled
-                policy.forget()
+                scale, found_inf, cause = self._cancel_now(), True, cancelled
             self.optimizer.zero_grad(set_to_none=True)
         except BaseException:
             self._undo_failed_step()
@@ -518,11 +513,19 @@ class Trainer:
         finally:
             self._phase = _IDLE  # cancel_step means nothing between steps
 
+    def _cancel_now(self):
+        """A cancelled step's undo, before its gradients go (both paths): BatchNorm statistics
+        back where a snapshot was taken, GradScaler's record forgotten; the scale it used."""
+        scale = self._policy.scale_used()
+        if self._phase == _SNAPSHOT_TAKEN:
+            self._guard.restore()
+        self._policy.forget()
+        return scale
+
     def _undo_failed_step(self) -> None:
         """Leave the trainer as before a step that raised (docs/reliability.md): no gradients,
-        BatchNorm statistics back from the step's snapshot where one was taken, GradScaler's
-        record of the step forgotten (no "unscale_() has already been called" next time). Runs
-        only on failure. After the optimizer stepped, the update is kept, as a finished step's."""
+        BatchNorm statistics back from a snapshot, GradScaler's record of the step forgotten (no
+        "unscale_() has already been called" next time); an update already made is kept."""
         if self._phase == _SNAPSHOT_TAKEN:
             self._guard.restore()
         self.optimizer.zero_grad(set_to_none=True)
@@ -572,10 +575,7 @@ class Trainer:
         for h in self._before_step:
             h.before_step(self)
         if self._cancelled is not None:
-            scale = policy.scale_used()
-            if self._phase == _SNAPSHOT_TAKEN:
-                guard.restore()
-            policy.forget()
+            scale = self._cancel_now()
             opt.zero_grad(set_to_none=True)
             return loss_sum, grad_norm, True, scale, self._cancelled
         restored = guard is not None and found_inf is not None

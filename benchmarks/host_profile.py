@@ -97,31 +97,21 @@ def differences(rows: dict, ref: str, top: int) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--network", choices=TO.NETWORKS, default="recipe")
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
-    p.add_argument("--steps", type=int, default=200, help="steps per timed repeat and profile")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warm-steps", type=int, default=20)
-    p.add_argument("--top", type=int, default=25)
-    p.add_argument("--quick", action="store_true", help="small models (CPU smoke run)")
-    p.add_argument("--json", type=Path, default=None)
+    TO.profiling_arguments(p, "recipe", DEFAULT_VARIANTS, steps=200, repeats=7, warm_steps=20,
+                           top=25, steps_help="steps per timed repeat and profile")
     args = p.parse_args(argv)
     if min(args.steps, args.repeats, args.top) < 1 or args.warm_steps < 0:
         p.error("--steps, --repeats and --top must be >= 1, --warm-steps >= 0")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        built = TO.each_variant(args.network, args.variants, device, args.quick, args.warm_steps)
-    except ValueError as exc:
-        p.error(str(exc))
-    rows = {}
-    for name, step, x, y in built:
+
+    def measure(name, step, x, y, device):
         row = host_ms(step, x, y, args.steps, args.repeats, device)
         row["profile"] = profiled(step, x, y, args.steps, device)
-        rows[name] = row
         print(f"{name:36s} host {row['host_ms_per_call']:8.4f} ms/call (spread "
               f"{row['spread_pct']}%)  profiled {row['profile']['profiled_us_per_step']:9.1f} us in "
               f"{row['profile']['calls_per_step']:7.1f} calls a step", flush=True)
-        del step  # freed before the next variant is built
+        return row
+
+    device, rows = TO.profile_variants(p, args, measure)
     ref = args.variants[0]
     diffs = differences(rows, ref, args.top)
     for name, items in diffs.items():
@@ -131,8 +121,8 @@ def main(argv=None) -> dict:
         for k, d, c in items:
             print(f"  {d:+9.3f} us  {c:+7.2f}  {k[:120]}")
     doc = {"script": "benchmarks/host_profile.py", "network": args.network,
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "python": sys.version.split()[0],
+           "device": TO.device_name(device), "torch": torch.__version__,
+           "python": sys.version.split()[0],
            "args": {k: str(v) for k, v in vars(args).items()}, "reference": ref,
            "rows": {k: {**v, "profile": {kk: vv for kk, vv in v["profile"].items()
                                          if kk != "functions"}} for k, v in rows.items()},

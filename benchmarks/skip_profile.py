@@ -136,33 +136,22 @@ def differences(rows: dict, ref: str, top: int) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--network", choices=TO.NETWORKS, default="resnet50_bf16")
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
-    p.add_argument("--steps", type=int, default=10, help="steps per timed repeat")
-    p.add_argument("--repeats", type=int, default=5)
+    TO.profiling_arguments(p, "resnet50_bf16", DEFAULT_VARIANTS, steps=10, repeats=5,
+                           warm_steps=5, top=8, steps_help="steps per timed repeat")
     p.add_argument("--profile-steps", type=int, default=4)
-    p.add_argument("--warm-steps", type=int, default=5)
-    p.add_argument("--top", type=int, default=8)
-    p.add_argument("--quick", action="store_true", help="small models (CPU smoke run)")
-    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if min(args.steps, args.repeats, args.profile_steps, args.top) < 1 or args.warm_steps < 0:
         p.error("--steps, --repeats, --profile-steps and --top must be >= 1, --warm-steps >= 0")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        built = TO.each_variant(args.network, args.variants, device, args.quick, args.warm_steps)
-    except ValueError as exc:
-        p.error(str(exc))
-    rows = {}
-    for name, step, x, y in built:
+
+    def measure(name, step, x, y, device):
         row = timed(step, x, y, args.steps, args.repeats, device)
-        row["profile"] = profiled(step, x, y, args.profile_steps, device)
-        rows[name] = row
-        prof = row["profile"]
+        row["profile"] = prof = profiled(step, x, y, args.profile_steps, device)
         print(f"{name:36s} {row['ms_per_step']:9.3f} ms/step (spread {row['spread_pct']}%)  "
               f"kernels {prof['kernel_ms_per_step']:8.3f} ms in {prof['kernels_per_step']:7.1f}"
               f"  GPU idle {prof['gpu_idle_ms_per_step']:7.3f} ms", flush=True)
-        del step  # freed before the next variant is built
+        return row
+
+    device, rows = TO.profile_variants(p, args, measure)
     ref = args.variants[0]
     diffs = differences(rows, ref, args.top)
     for name, items in diffs.items():
@@ -172,8 +161,8 @@ def main(argv=None) -> dict:
         print("  ops called per step, against the reference: " + ", ".join(
             f"{k} {c:+g}" for k, c in items["ops"]))
     doc = {"script": "benchmarks/skip_profile.py", "network": args.network,
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+           "device": TO.device_name(device), "torch": torch.__version__,
+           "args": {k: str(v) for k, v in vars(args).items()},
            "reference": ref,
            "rows": {k: {**v, "profile": {kk: vv for kk, vv in v["profile"].items()
                                          if kk not in ("by_name", "op_counts")}} for k, v in rows.items()},

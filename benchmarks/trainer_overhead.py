@@ -376,6 +376,41 @@ def each_variant(network, names, device, quick: bool, warm_steps: int):
     return each()
 
 
+def profiling_arguments(p, network: str, variants, steps: int, steps_help: str, repeats: int,
+                        warm_steps: int, top: int) -> None:
+    """The profiling scripts' shared flags (skip_profile.py, host_profile.py), with their own
+    defaults: --network, --variants, --steps, --repeats, --warm-steps, --top, --quick, --json."""
+    p.add_argument("--network", choices=NETWORKS, default=network)
+    p.add_argument("--variants", nargs="+", default=list(variants))
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--warm-steps", type=int, default=warm_steps)
+    p.add_argument("--top", type=int, default=top)
+    p.add_argument("--quick", action="store_true", help="small models (CPU smoke run)")
+    p.add_argument("--json", type=Path, default=None)
+
+
+def profile_variants(p, args, measure):
+    """``(device, {name: row})``: each of ``args.variants`` built and warmed up in turn
+    (``each_variant``) and measured by ``measure(step, x, y, device)``, which returns its row;
+    an unknown variant is ``p.error``. The profiling scripts' loop."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        built = each_variant(args.network, args.variants, device, args.quick, args.warm_steps)
+    except ValueError as exc:
+        p.error(str(exc))
+    rows = {}
+    for name, step, x, y in built:
+        rows[name] = measure(name, step, x, y, device)
+        del step  # freed before the next variant is built
+    return device, rows
+
+
+def device_name(device) -> str:
+    """The GPU's name, or "cpu": what a result file records as its device."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -303,3 +303,25 @@ def test_checks_only_refuses_where_there_are_no_gpu_checks_to_run(bench, tmp_pat
             bench.main(["--checks-only", "--json", str(out)] + extra)
         assert exc.value.code == 2 and "--checks-only runs the GPU checks" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_profiling_scripts_shared_flags_and_loop(bench, monkeypatch, capsys):
+    import argparse
+    p = argparse.ArgumentParser()
+    bench.profiling_arguments(p, "recipe", ("hand-written",), steps=3, steps_help="h", repeats=2,
+                              warm_steps=1, top=4)
+    args = p.parse_args(["--quick", "--variants", "a", "b"])
+    assert (args.network, args.steps, args.repeats, args.warm_steps, args.top, args.json) == \
+        ("recipe", 3, 2, 1, 4, None) and args.quick and args.variants == ["a", "b"]
+    monkeypatch.setattr(bench, "each_variant", lambda net, names, device, quick, warm: iter(
+        [(n, f"step {n}", "x", "y") for n in names]))
+    device, rows = bench.profile_variants(p, args, lambda name, step, x, y, d: (step, d.type))
+    assert rows == {"a": ("step a", device.type), "b": ("step b", device.type)}
+    assert bench.device_name(torch.device("cpu")) == "cpu"
+
+    def unknown(*a):
+        raise ValueError("--variants: ['z'] not among [...]")
+    monkeypatch.setattr(bench, "each_variant", unknown)
+    with pytest.raises(SystemExit):
+        bench.profile_variants(p, args, None)
+    assert "--variants: ['z'] not among" in capsys.readouterr().err

@@ -8,18 +8,28 @@ from __future__ import annotations
 
 import importlib
 
-from .env import Env, get_profile, probe, seed_everything, setup
+from amp_lessons.env import Env, get_profile, probe, seed_everything, setup
 
 __version__ = "0.1.0"
 __all__ = ["Env", "get_profile", "probe", "seed_everything", "setup", "__version__"]
 
-_SUBMODULES = {"checkpoint", "claims", "cli", "data", "distributed", "doctor", "env", "formats",
-               "lessons",
-               "bench", "measure", "models", "precision", "recipes", "records", "report", "runner", "tables",
-               "trainer", "ui"}
+# ``al.<name>`` in the notebooks: the modules learners call, loaded on first use, by the name the
+# lessons use (the folders ``train``, ``numerics``, ``measure``, ``publish`` are reachable too).
+_MODULES = {
+    "trainer": "train.trainer", "records": "train.records", "checkpoint": "train.checkpoint",
+    "recipes": "train.recipes",
+    "formats": "numerics.formats", "precision": "numerics.precision", "fp8": "numerics.fp8",
+    "optim": "numerics.optim",
+    "distributed": "measure.distributed",
+    "claims": "publish.claims", "report": "publish.report",
+}
+_FOLDERS = {"train", "numerics", "measure", "publish", "doctor", "exercises", "lessons", "ui",
+            "cli", "data", "env", "models", "tables", "files"}
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:
+    if name in _MODULES:
+        return importlib.import_module(f".{_MODULES[name]}", __name__)
+    if name in _FOLDERS:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'amp_lessons' has no attribute {name!r}")

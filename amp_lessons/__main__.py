@@ -1,5 +1,5 @@
 """``python -m amp_lessons ...``: see ``amp_lessons.cli``."""
-from .cli import main
+from amp_lessons.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

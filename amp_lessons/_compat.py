@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .records import Deferred
+from amp_lessons.train.records import Deferred
 
 __all__ = ["torch_version", "FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf",
            "forget_step", "cap_growth_tracker", "init_scale", "reset_scale", "supports_found_inf",

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from . import __version__
-from .tables import plural
-from .files import check_writable, write_atomic, write_failure, write_json  # noqa: F401 - check_writable: this module's API too
-from ._validate import check_seed
+from amp_lessons import __version__
+from amp_lessons.tables import plural
+from amp_lessons.files import check_writable, write_atomic, write_failure, write_json  # noqa: F401 - check_writable: this module's API too
+from amp_lessons.validate import check_seed
 
 PROG = "python -m amp_lessons"
 
@@ -87,7 +87,7 @@ def check_notebooks(paths, out: Optional[Path] = None) -> None:
     """ValueError (``runner.NotANotebookError`` is one) unless every path is a valid notebook
     and its executed copy can be written (in place, or in ``out``, a folder that exists or can
     be made in a writable place): checked before the first notebook runs."""
-    from .runner import output_path, read_notebook
+    from amp_lessons.publish.notebooks import output_path, read_notebook
 
     check_paths_exist(paths)
     for p in paths:
@@ -115,14 +115,14 @@ def check_paths_exist(paths) -> None:
 
 
 def _cmd_run_notebooks(args) -> int:
-    from .runner import NotebookRunError, course_notebooks, run_notebook
+    from amp_lessons.publish.notebooks import NotebookRunError, course_notebooks, run_notebook
 
     paths = args.notebooks or course_notebooks()
     try:
         check_notebooks(paths, args.out)
     except ValueError as exc:
         return fail("run-notebooks", str(exc))
-    from .rehearsal import busy_gpu_text, wait_for_idle_gpu
+    from amp_lessons.publish.rehearsal import busy_gpu_text, wait_for_idle_gpu
 
     written = []
     try:
@@ -182,9 +182,9 @@ def update_problem(profile: str) -> str:
 
 
 def _cmd_rehearse(args) -> int:
-    from .env import SIMULATED_CARDS
-    from .rehearsal import rehearse
-    from .runner import course_notebooks
+    from amp_lessons.env import SIMULATED_CARDS
+    from amp_lessons.publish.rehearsal import rehearse
+    from amp_lessons.publish.notebooks import course_notebooks
 
     paths = args.notebooks or course_notebooks()
     try:
@@ -196,7 +196,7 @@ def _cmd_rehearse(args) -> int:
         if args.update is not None:
             check_writable(args.update, "update")
             if args.update.exists():
-                from .rehearsal import read_record
+                from amp_lessons.publish.rehearsal import read_record
 
                 earlier = read_record(args.update, "update")
                 if earlier["card"] != args.card:
@@ -213,8 +213,8 @@ def _cmd_rehearse(args) -> int:
     except (OSError, ValueError) as exc:
         return fail("rehearse", f"{type(exc).__name__}: {exc}", 1)
     if args.update is not None:
-        from .rehearsal import merge
-        from .tables import json_safe
+        from amp_lessons.publish.rehearsal import merge
+        from amp_lessons.tables import json_safe
 
         try:
             merged = merge([earlier, doc], replace=True) if earlier else doc
@@ -251,10 +251,10 @@ def _add_readme(sub) -> None:
 
 
 def _cmd_readme(args) -> int:
-    from . import rehearsal
-    from .files import read_text
-    from .report import cite_notebooks, collect, readme_with_generated
-    from .runner import NOTEBOOK_DIR, course_notebooks
+    from amp_lessons.publish import rehearsal
+    from amp_lessons.files import read_text
+    from amp_lessons.publish.report import cite_notebooks, collect, readme_with_generated
+    from amp_lessons.publish.notebooks import NOTEBOOK_DIR, course_notebooks
 
     repo_readme = NOTEBOOK_DIR.parent / "README.md"
     readme = args.readme or repo_readme
@@ -317,9 +317,9 @@ def _add_explain(sub) -> None:
 
 
 def _cmd_explain(args) -> int:
-    from .bench.provenance import explain, producers
-    from .report import collect
-    from .runner import course_notebooks
+    from amp_lessons.publish.provenance import explain, producers
+    from amp_lessons.publish.report import collect
+    from amp_lessons.publish.notebooks import course_notebooks
 
     try:
         published = collect(course_notebooks())
@@ -341,7 +341,7 @@ def _cmd_explain(args) -> int:
 def _add_claims(sub) -> None:
     p = sub.add_parser("claims", help="print the claims table (docs/claims.md) from the registry",
                        description="Print every article claim, the lesson that decides it and "
-                                   "the rule, from amp_lessons/claims.py, as Markdown (what "
+                                   "the rule, from amp_lessons/publish/claims.py, as Markdown (what "
                                    "docs/claims.md holds). Writes a file only where --out names "
                                    "one.")
     p.add_argument("--out", type=Path, default=None, metavar="PATH",
@@ -354,8 +354,8 @@ def _add_claims(sub) -> None:
 
 
 def _cmd_claims(args) -> int:
-    from .claims import claims_markdown
-    from .runner import NOTEBOOK_DIR
+    from amp_lessons.publish.claims import claims_markdown
+    from amp_lessons.publish.notebooks import NOTEBOOK_DIR
 
     text = claims_markdown()
     if args.check:
@@ -397,8 +397,8 @@ def _add_figure_images(sub) -> None:
 
 
 def _cmd_figure_images(args) -> int:
-    from .runner import course_notebooks
-    from .snapshots import add_images_to
+    from amp_lessons.publish.notebooks import course_notebooks
+    from amp_lessons.publish.snapshots import add_images_to
 
     paths = args.notebooks or course_notebooks()
     try:
@@ -421,8 +421,8 @@ def _cmd_figure_images(args) -> int:
 # --- bench ---------------------------------------------------------------------------------------
 
 def _add_bench(sub) -> None:
-    from .bench import COMPILE_MODES, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS
-    from .precision import PRECISIONS
+    from amp_lessons.measure import COMPILE_MODES, MODELS, OPTIMIZER_IMPLS, OPTIMIZERS
+    from amp_lessons.numerics.precision import PRECISIONS
 
     p = sub.add_parser("bench", help="time a training step and measure its memory (lesson 04)",
                        description="Measure img/s (median over steps, CUDA events on a GPU) and "
@@ -461,10 +461,10 @@ def _add_bench(sub) -> None:
 def _cmd_bench(args) -> int:
     import json
 
-    from .bench import DEFAULT_COLUMNS, BenchConfig, batch_size_for, results_document, run_configs
-    from .claims import rows_timing_gate
-    from .tables import text_table
-    from .env import probe
+    from amp_lessons.measure import DEFAULT_COLUMNS, BenchConfig, batch_size_for, results_document, run_configs
+    from amp_lessons.publish.claims import rows_timing_gate
+    from amp_lessons.tables import text_table
+    from amp_lessons.env import probe
 
     env = probe(args.profile)
     quick = env.profile == "quick"
@@ -520,8 +520,8 @@ def _whole(text: str) -> int:
 
 
 def _add_train(sub) -> None:
-    from .models import DIGITS_MODELS
-    from .trainer import EVAL_PRECISIONS, NONFINITE_POLICIES, NONFUSED_SKIPS, PRECISIONS
+    from amp_lessons.models import DIGITS_MODELS
+    from amp_lessons.train.trainer import EVAL_PRECISIONS, NONFINITE_POLICIES, NONFUSED_SKIPS, PRECISIONS
 
     p = sub.add_parser("train", help="train a digits model at one precision (lesson 02)",
                        description="Train on scikit-learn's digits with the course's trainer and "
@@ -579,7 +579,7 @@ def _loss_text(value) -> str:
 def cpu_half_hint(precision: str, device=None) -> str:
     """One line on why ``train`` or ``bench`` with ``--precision fp16`` (or ``amp``) is slow when
     it runs on a CPU, or ``""`` elsewhere: the speed-up of fp16 is a GPU's."""
-    from .precision import as_device
+    from amp_lessons.numerics.precision import as_device
 
     if precision not in ("fp16", "amp") or as_device(device).type != "cpu":
         return ""
@@ -591,9 +591,9 @@ def cpu_half_hint(precision: str, device=None) -> str:
 def _cmd_train(args) -> int:
     import json
 
-    from .recipes import train_digits
-    from .tables import json_safe
-    from .trainer import ScalerSettings
+    from amp_lessons.train.recipes import train_digits
+    from amp_lessons.tables import json_safe
+    from amp_lessons.train.trainer import ScalerSettings
 
     def on_epoch(e: dict) -> None:
         part = (f" (resumed after batch {e['resumed_at_batch']}: covers the last "
@@ -608,7 +608,7 @@ def _cmd_train(args) -> int:
     try:
         check_seed("seed", args.seed)
         if args.json is not None:  # probed before training: a failure costs no training run
-            from .env import probe
+            from amp_lessons.env import probe
 
             env_doc = probe().as_dict()
         if args.resume is not None and not args.resume.is_file():
@@ -673,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_doctor(sub) -> None:
-    from .doctor.command import add_parser  # the subcommand lives with the doctor
+    from amp_lessons.doctor.command import add_parser  # the subcommand lives with the doctor
 
     add_parser(sub)
 
@@ -686,7 +686,7 @@ _COMMANDS = [_add_run_notebooks, _add_rehearse, _add_readme, _add_explain, _add_
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the exit status."""
     args = build_parser().parse_args(argv)
-    from .env import get_profile, simulated_card
+    from amp_lessons.env import get_profile, simulated_card
 
     try:  # a junk AMP_LESSONS_PROFILE or AMP_LESSONS_SIMULATE: one line, before any work
         get_profile()

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_bool, check_int, check_seed, is_int
-from .precision import available_device
+from amp_lessons.validate import check_bool, check_int, check_seed, is_int
+from amp_lessons.numerics.precision import available_device
 
 DIGITS_CLASSES = 10
 DIGITS_TEST_FRACTION = 0.25

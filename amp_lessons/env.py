@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from ._validate import check_seed
+from amp_lessons.validate import check_seed
 
 PROFILES = ("quick", "full")
 PROFILE_VARIABLE = "AMP_LESSONS_PROFILE"

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ._compat import torch_version
-from ._validate import check_bool, is_int
+from amp_lessons._compat import torch_version
+from amp_lessons.validate import check_bool, is_int
 
 
 def _check_positive(name: str, value: int) -> None:

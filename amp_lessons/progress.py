@@ -11,7 +11,7 @@ from __future__ import annotations
 from tqdm.auto import tqdm as _auto
 from tqdm.std import tqdm as _plain
 
-from .tables import plural
+from amp_lessons.tables import plural
 
 # tqdm.auto's bar is tqdm.notebook's in a Jupyter kernel; elsewhere it is tqdm's asyncio bar (a
 # text bar, but not tqdm.std's class itself), which takes no `display` argument.

@@ -11,7 +11,7 @@ import re
 import unicodedata
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ._validate import check_int, is_int, is_real, plain_number
+from amp_lessons.validate import check_int, is_int, is_real, plain_number
 
 Column = Union[str, Tuple[str, str], Tuple[str, str, Union[str, Callable[[Any], str]]]]
 
@@ -323,7 +323,7 @@ def json_safe(obj):
 
 
 def _noisy(row: Mapping[str, Any]) -> str:
-    from .bench.rows import noisy  # at call time: bench imports this module
+    from amp_lessons.measure.rows import noisy  # at call time: bench imports this module
 
     return noisy(row) or ""
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from amp_lessons import bench  # noqa: E402
+from amp_lessons import measure as bench  # noqa: E402
 from instrument import plain_loop, setup, sync, wall_ms  # noqa: E402
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
-from amp_lessons import trainer as T  # noqa: E402
+from amp_lessons.train import trainer as T  # noqa: E402
 import trainer_overhead as TO  # noqa: E402
 
 

@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from amp_lessons import measure, models  # noqa: E402
+from amp_lessons import measure
+from amp_lessons import models  # noqa: E402
 from amp_lessons.data import synthetic_images  # noqa: E402
-from amp_lessons.precision import autocast_for  # noqa: E402
+from amp_lessons.numerics.precision import autocast_for  # noqa: E402
 from amp_lessons.tables import json_safe  # noqa: E402
 
 MODES = ("block", "stage", "stage1-2", "stem+stage1", "stem+stage1-2", "sac")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from amp_lessons import trainer as T
+from amp_lessons.train import trainer as T
 
 LEAN = dict(track_grad_norm=False, track_memory=False)
 VARIANTS = {

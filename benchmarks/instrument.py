@@ -54,7 +54,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if str(Path(__file__).resolve().parent) not in sys.path:  # bench_rounds, when imported by path
     sys.path.append(str(Path(__file__).resolve().parent))
-from amp_lessons import bench  # noqa: E402
+from amp_lessons import measure as bench  # noqa: E402
 from amp_lessons.data import synthetic_images  # noqa: E402
 from bench_rounds import SCHEDULES, Schedule, run_rounds  # noqa: E402
 

@@ -34,7 +34,7 @@ from amp_lessons import measure  # noqa: E402
 from amp_lessons.data import synthetic_images  # noqa: E402
 from amp_lessons.lessons import l04_resnet50 as lesson  # noqa: E402
 from amp_lessons.measure import BenchConfig  # noqa: E402
-from amp_lessons.precision import native_bf16, precision_settings  # noqa: E402
+from amp_lessons.numerics.precision import native_bf16, precision_settings  # noqa: E402
 
 
 def _inductor_patch(overrides):

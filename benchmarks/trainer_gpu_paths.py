@@ -13,8 +13,8 @@ import json, math, os, sys, time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from amp_lessons import trainer as T
-from amp_lessons._scaler import ScalerSettings
+from amp_lessons.train import trainer as T
+from amp_lessons.train.scaler import ScalerSettings
 
 if "OUT" not in os.environ:
     sys.exit("set OUT to the folder for gpu_paths.json")

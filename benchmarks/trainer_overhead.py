@@ -92,8 +92,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if str(Path(__file__).resolve().parent) not in sys.path:  # bench_rounds, when imported by path
     sys.path.append(str(Path(__file__).resolve().parent))
-from amp_lessons import data, measure, models  # noqa: E402
-from amp_lessons import trainer as T  # noqa: E402
+from amp_lessons import data
+from amp_lessons import measure
+from amp_lessons import models  # noqa: E402
+from amp_lessons.train import trainer as T  # noqa: E402
 from bench_rounds import SCHEDULES, Schedule, run_rounds  # noqa: E402
 
 HAND, AGAIN = "hand-written", "hand-written (again)"

@@ -1,4 +1,4 @@
-"""amp_lessons.bench (the measurement engine) on the CPU: configurations, the standard settings, timing, the GPU's idle
+"""amp_lessons.measure (the measurement engine) on the CPU: configurations, the standard settings, timing, the GPU's idle
 share, memory counting, failure rows, the trainer against a hand loop, the largest batch search,
 published rows and the bench command."""
 import json
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from amp_lessons import cli
-from amp_lessons import bench as M
-from amp_lessons.bench import BenchConfig
+from amp_lessons import measure as M
+from amp_lessons.measure import BenchConfig
 from amp_lessons.tables import text_table
 
 TINY = dict(model="resnet18", batch_size=2, image_size=16, num_classes=10)
@@ -521,7 +521,7 @@ def test_device_busy_ms_keeps_the_profilers_notice_out_of_the_output(monkeypatch
         def events(self):
             return [Event()]
 
-    from amp_lessons.bench import timer as timing
+    from amp_lessons.measure import timer as timing
     monkeypatch.setattr(timing, "profile", FakeProfile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -580,7 +580,7 @@ def test_wall_clock_times_the_whole_block_even_when_it_raises():
 def test_cupti_teardown_is_asked_for_during_a_profile_and_undone(monkeypatch):
     import os
 
-    from amp_lessons.bench import timer
+    from amp_lessons.measure import timer
 
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     monkeypatch.setattr(timer.torch.version, "cuda", "13.0")

@@ -6,7 +6,7 @@ import re
 import pytest
 from pathlib import Path
 
-from amp_lessons import report
+from amp_lessons.publish import report
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "cheat_sheet.md").read_text()
@@ -82,7 +82,7 @@ def test_links_point_at_lessons_that_exist_and_every_symptom_is_covered():
 
 
 def test_readme_block_is_rebuilt_from_the_doc():
-    from amp_lessons import report
+    from amp_lessons.publish import report
 
     stale = f"# R\n\n{report.CHEAT_START}\nold text, **1.00**\n{report.CHEAT_END}\n\n## Next\n"
     new = report.with_cheat_sheet(stale, DOC, results=RESULTS)
@@ -96,7 +96,7 @@ def test_readme_block_is_rebuilt_from_the_doc():
 
 
 def test_readme_with_generated_takes_the_doc_beside_the_readme(tmp_path):
-    from amp_lessons import report
+    from amp_lessons.publish import report
 
     readme = tmp_path / "README.md"
     text = (f"# R\n\n{report.START}\n{report.END}\n\n{report.CHEAT_START}\nSTALE-COPY\n"

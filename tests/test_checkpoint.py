@@ -1,4 +1,4 @@
-"""amp_lessons.checkpoint and Trainer.save_checkpoint/load_checkpoint: atomic saves, verified
+"""amp_lessons.train.checkpoint and Trainer.save_checkpoint/load_checkpoint: atomic saves, verified
 all-or-nothing loads, exact resume, temporary files, file modes, a full disk."""
 import copy
 import errno
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from amp_lessons import checkpoint as C
-from amp_lessons import trainer as T
+from amp_lessons.train import checkpoint as C
+from amp_lessons.train import trainer as T
 from amp_lessons.data import TensorBatches
 from trainer_helpers import assert_same_tensors, batches, fresh, make_data, optimizer_tensors
 
@@ -327,7 +327,7 @@ def test_a_checkpoint_without_a_scheduler_is_refused_by_a_trainer_with_one(tmp_p
 
 KILLED_SAVER = r"""
 import os, sys, torch
-from amp_lessons import checkpoint as C
+from amp_lessons.train import checkpoint as C
 real = torch.save
 def save(obj, f, *a, **k):
     f.write(b"partial bytes")

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_markdown_cell, new_notebook
 
-from amp_lessons import report
+from amp_lessons.publish import report
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -63,7 +63,7 @@ def test_cite_notebooks_fills_writes_and_names_what_it_cannot_find(tmp_path):
         report.cite_notebooks([path])
     assert path.read_text() == before
     # with the table published beside it: filled (dry run first)
-    from amp_lessons.report import RESULT_MIME
+    from amp_lessons.publish.report import RESULT_MIME
     from nbformat.v4 import new_code_cell, new_output
 
     out = new_output("display_data", data={RESULT_MIME: {"key": "t.one", "title": "T",
@@ -84,7 +84,7 @@ def test_cite_notebooks_refreshes_a_rendered_cheat_sheet(tmp_path):
     (it stayed stale until lesson 09 itself ran again on a GPU); nothing else in the notebook
     moves, and a current one is left alone."""
     from nbformat.v4 import new_code_cell, new_output
-    from amp_lessons.report import RESULT_MIME
+    from amp_lessons.publish.report import RESULT_MIME
 
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "cheat_sheet.md").write_text(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import amp_lessons.lessons as lessons_pkg
-from amp_lessons import claims
+from amp_lessons.publish import claims
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -273,7 +273,7 @@ def test_rows_timing_gate():
 
 
 def test_at_least_writes_the_comparison_on_both_sides_of_its_threshold():
-    from amp_lessons import claims as C
+    from amp_lessons.publish import claims as C
     held = C.at_least("saves memory", 48.2, 40)
     assert held.held is True and held.why == "48% >= 40%"
     missed = C.at_least("faster", 1.36, 1.5, "x", 2, " against the default fp32")

@@ -226,7 +226,7 @@ def test_claims_command_checks_docs_claims_md(capsys):
 
 
 def test_claims_command_prints_and_writes_only_where_asked(tmp_path, capsys, monkeypatch):
-    from amp_lessons.claims import claims_markdown
+    from amp_lessons.publish.claims import claims_markdown
 
     monkeypatch.chdir(tmp_path)
     assert main(["claims"]) == 0
@@ -334,7 +334,8 @@ def test_rehearse_update_with_a_damaged_record_names_it(tmp_path, capsys, conten
 
 
 def _readme(tmp_path):
-    from amp_lessons import rehearsal, report
+    from amp_lessons.publish import rehearsal
+    from amp_lessons.publish import report
 
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n{report.START}\nold\n{report.END}\n{rehearsal.README_START}\nold\n"
@@ -382,7 +383,7 @@ def test_readme_into_another_readme_leaves_the_checkouts_notebooks_alone(tmp_pat
     (their cited prose) too (an outside review of the CLI)."""
     from pathlib import Path as P
 
-    from amp_lessons import report
+    from amp_lessons.publish import report
     calls = []
 
     def cite(notebooks, write=True, results=None):
@@ -401,7 +402,7 @@ def test_readme_into_another_readme_leaves_the_checkouts_notebooks_alone(tmp_pat
 def test_explain_lists_the_claims_keys_and_refuses_unknown_ones(capsys):
     """``explain``'s key list named the prefix ``claims.`` (not a key) and accepted any
     ``claims.<anything>`` with exit 0 (an outside review of the CLI)."""
-    from amp_lessons.bench.provenance import producers, published_keys
+    from amp_lessons.publish.provenance import producers, published_keys
 
     keys = published_keys()
     assert "claims." not in keys and {"claims.l01", "claims.l06"} <= set(keys)
@@ -475,7 +476,7 @@ def test_doctor_help_states_its_defaults_and_claims_check_names_a_missing_file(t
 
 def test_figure_images_says_written_when_forced(tmp_path, capsys, monkeypatch):
     """--force draws every image again: it said "5 images added" for images that were there."""
-    from amp_lessons import snapshots
+    from amp_lessons.publish import snapshots
 
     path, _ = _marker_notebook(tmp_path)
     monkeypatch.setattr(snapshots, "add_images_to", lambda paths, force=False: {str(path): 5})

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from script_helpers import load_benchmark
 
-from amp_lessons import _config
+from amp_lessons.train import config as _config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "benchmarks" / "results" / "cpu_skip_cost.json"

@@ -83,7 +83,7 @@ def test_image_folder_loader_training_shuffles_reproducibly(image_folder):
 
 
 def test_image_folder_loader_trains_with_the_trainer(image_folder):
-    from amp_lessons import trainer as T
+    from amp_lessons.train import trainer as T
     from amp_lessons.models import SmallCNN
 
     loader = data.image_folder_loader(image_folder, 16, batch_size=3)
@@ -137,7 +137,7 @@ def test_torchvision_dataset_loader_checks_arguments_offline(tmp_path):
 def _train_images(loader_factory, tmp_path, split_at=None, epochs=2):
     """Train 2 epochs on a fresh loader; with ``split_at``, stop after that many steps, save,
     and finish in a fresh trainer with a fresh loader (as a new process would)."""
-    from amp_lessons import trainer as T
+    from amp_lessons.train import trainer as T
     from amp_lessons.models import SmallCNN
 
     def build():

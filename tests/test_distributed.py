@@ -1,4 +1,4 @@
-"""amp_lessons.distributed: launching, DDP/ZeRO/FSDP2 with mixed precision, FSDP2 wrapping, errors.
+"""amp_lessons.measure.distributed: launching, DDP/ZeRO/FSDP2 with mixed precision, FSDP2 wrapping, errors.
 
 The slow tests start two CPU processes with gloo (the quick profile's setup). One sweep, shared
 by several tests, trains every configuration they check in a single launch.
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_lessons import distributed as D
-from amp_lessons.distributed import RunConfig, SweepResult
+from amp_lessons.measure import distributed as D
+from amp_lessons.measure.distributed import RunConfig, SweepResult
 from amp_lessons.models import TinyTransformer, lm_loss
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -510,7 +510,7 @@ def test_torchrun_runs_the_module():
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this Python")
     out = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "amp_lessons.distributed",
+        [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "amp_lessons.measure.distributed",
          "--model", "mlp", "--strategy", "fsdp2", "--precision", "bf16", "--backend", "gloo",
          "--steps", "2", "--warmup", "0", "--batch-size", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,

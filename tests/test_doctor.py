@@ -9,10 +9,16 @@ import torch
 from torch import nn
 
 import amp_lessons as al
-from amp_lessons import formats
-from amp_lessons.bench.float8 import conversion_plan, fp8_support
+from amp_lessons.numerics import formats
+from amp_lessons.measure.float8 import conversion_plan, fp8_support
 from amp_lessons.cli import main
-from amp_lessons.doctor import compiled, dtype_trace, fp8, inputs, ranges, scale, speed
+from amp_lessons.doctor import compiled
+from amp_lessons.doctor import dtype_trace
+from amp_lessons.doctor import fp8
+from amp_lessons.doctor import inputs
+from amp_lessons.doctor import ranges
+from amp_lessons.doctor import scale
+from amp_lessons.doctor import speed
 from amp_lessons.doctor.report import DoctorReport
 from amp_lessons.ui import doctor_plots
 

@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_lessons as al
-from amp_lessons.doctor import dtype_trace, findings, fp8, inputs, scale
+from amp_lessons.doctor import dtype_trace
+from amp_lessons.doctor import findings
+from amp_lessons.doctor import fp8
+from amp_lessons.doctor import inputs
+from amp_lessons.doctor import scale
 from amp_lessons.doctor.report import DoctorReport
 
 QUICK = dict(precisions=(), trial_steps=0)

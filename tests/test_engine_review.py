@@ -11,12 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_lessons import bench as B
-from amp_lessons import data, distributed, models
-from amp_lessons import optim as O
-from amp_lessons.bench.accumulation import accumulation_equivalence
-from amp_lessons.checkpointing import relative_diff
-from amp_lessons.exercises import ex04, ex05
+from amp_lessons import measure as B
+from amp_lessons import data
+from amp_lessons.measure import distributed
+from amp_lessons import models
+from amp_lessons.numerics import optim as O
+from amp_lessons.measure.accumulation import accumulation_equivalence
+from amp_lessons.measure.activation_checkpointing import relative_diff
+from amp_lessons.exercises import ex04
+from amp_lessons.exercises import ex05
 
 TINY = dict(model="resnet18", batch_size=2, image_size=16, num_classes=10)
 

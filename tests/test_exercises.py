@@ -18,11 +18,22 @@ import torch
 from torch import nn
 
 import amp_lessons as al
-from amp_lessons import distributed
-from amp_lessons.exercises import MODULES, ex01, ex02, ex03, ex04, ex05, ex06, ex07, ex08, ex09
+from amp_lessons.measure import distributed
+from amp_lessons.exercises import MODULES
+from amp_lessons.exercises import ex01
+from amp_lessons.exercises import ex02
+from amp_lessons.exercises import ex03
+from amp_lessons.exercises import ex04
+from amp_lessons.exercises import ex05
+from amp_lessons.exercises import ex06
+from amp_lessons.exercises import ex07
+from amp_lessons.exercises import ex08
+from amp_lessons.exercises import ex09
 from amp_lessons.exercises.check import Check, Hints, hint_book, is_blank, same_code
-from amp_lessons.lessons import l03_scaler, l07_fp8, l08_weights
-from amp_lessons.trainer import ScalerSettings
+from amp_lessons.lessons import l03_scaler
+from amp_lessons.lessons import l07_fp8
+from amp_lessons.lessons import l08_weights
+from amp_lessons.train.trainer import ScalerSettings
 
 
 def assert_wrong(check, *fragments, hints=None):

@@ -10,9 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_lessons.exercises import ex01, ex02, ex03, ex04, ex05, ex06, ex07, ex08, ex09
+from amp_lessons.exercises import ex01
+from amp_lessons.exercises import ex02
+from amp_lessons.exercises import ex03
+from amp_lessons.exercises import ex04
+from amp_lessons.exercises import ex05
+from amp_lessons.exercises import ex06
+from amp_lessons.exercises import ex07
+from amp_lessons.exercises import ex08
+from amp_lessons.exercises import ex09
 from amp_lessons.exercises import check as common
-from amp_lessons.trainer import ScalerSettings
+from amp_lessons.train.trainer import ScalerSettings
 
 NAN, INF = float("nan"), float("inf")
 

@@ -13,10 +13,12 @@ import nbformat
 import pytest
 import torch
 
-from amp_lessons import checkpoint as C
+from amp_lessons.train import checkpoint as C
 from amp_lessons import files as F
-from amp_lessons import rehearsal, report, runner
-from amp_lessons.records import History
+from amp_lessons.publish import rehearsal
+from amp_lessons.publish import report
+from amp_lessons.publish import notebooks as runner
+from amp_lessons.train.records import History
 
 PACKAGE = Path(F.__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -219,7 +221,8 @@ FSIZE_SCRIPT = r"""
 import json, resource, sys
 from pathlib import Path
 import nbformat, torch
-from amp_lessons import checkpoint as C, files as F
+from amp_lessons.train import checkpoint as C
+from amp_lessons import files as F
 folder = Path(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 big = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1\n" * 2000)])

@@ -1,4 +1,4 @@
-"""amp_lessons.formats: format facts against the IEEE 754 / OCP FP8 definitions, rounding, bits,
+"""amp_lessons.numerics.formats: format facts against the IEEE 754 / OCP FP8 definitions, rounding, bits,
 classification, loss-scale fractions, gradient collection, measured limits, swamping."""
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import amp_lessons as al
-from amp_lessons import formats as F
+from amp_lessons.numerics import formats as F
 
 # name: (exponent bits, mantissa bits, max, smallest normal, smallest subnormal, eps, has inf),
 # written from the definitions: max = (2 - 2^-m) * 2^emax for IEEE-style formats,

@@ -19,7 +19,7 @@ def test_it_runs_on_a_cpu_and_names_the_trainers_functions(tmp_path, capsys):
         assert row["host_ms_per_call"] > 0 and row["profile"]["calls_per_step"] > 10
     diff = {name: (us, calls) for name, us, calls in doc["differences"]["trainer, lean"]}
     # the trainer's own step runs once a call, and the hand loop's step function not at all
-    assert diff["amp_lessons/trainer.py:" + _line("def train_step") + "(train_step)"][1] == 1.0
+    assert diff["amp_lessons/train/trainer.py:" + _line("def train_step") + "(train_step)"][1] == 1.0
     assert "us a call unprofiled" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--variants", "no such variant"])
@@ -73,7 +73,7 @@ def test_the_figures_notes_quotes_are_the_committed_results():
 
 
 @pytest.mark.parametrize("path, shown", [
-    ("/w/amp_lessons/amp_lessons/trainer.py", "amp_lessons/trainer.py"),
+    ("/w/amp_lessons/amp_lessons/trainer.py", "amp_lessons/train/trainer.py"),
     ("/w/amp_lessons/benchmarks/trainer_overhead.py", "benchmarks/trainer_overhead.py"),
     ("/v/lib/python3.12/site-packages/torch/optim/sgd.py", "torch/optim/sgd.py"),
     ("/v/lib/python3.12/site-packages/amp_lessons/_compat.py", "amp_lessons/_compat.py"),

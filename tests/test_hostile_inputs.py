@@ -6,13 +6,15 @@ import math
 import numpy as np
 import pytest
 
-from amp_lessons import bench as measure, claims, formats
-from amp_lessons._validate import check_bool, check_int, check_real, is_int, is_real
+from amp_lessons import measure
+from amp_lessons.publish import claims
+from amp_lessons.numerics import formats
+from amp_lessons.validate import check_bool, check_int, check_real, is_int, is_real
 from amp_lessons.lessons import l01_ranges as L01
 from amp_lessons.lessons import l03_scaler as L03
 from amp_lessons.ui import scaler_panels as U03
 from amp_lessons.lessons import l04_resnet50 as L04
-from amp_lessons.trainer import ScalerSettings
+from amp_lessons.train.trainer import ScalerSettings
 from amp_lessons.ui import widgets
 from amp_lessons.ui.controls import NumberField, parse_number
 
@@ -210,9 +212,11 @@ def test_matches_written_reads_any_plain_decimal():
 
 def test_numpy_counts_and_seeds_work_everywhere():
     import torch
-    from amp_lessons import data, env, models
-    from amp_lessons.trainer import TrainConfig
-    from amp_lessons.distributed import RunConfig
+    from amp_lessons import data
+    from amp_lessons import env
+    from amp_lessons import models
+    from amp_lessons.train.trainer import TrainConfig
+    from amp_lessons.measure.distributed import RunConfig
     cfg = TrainConfig(accumulate=np.int64(2), seed=np.int64(3), progress=False)
     assert type(cfg.accumulate) is int and type(cfg.seed) is int
     x, y = data.synthetic_images(np.int64(2), 8, seed=np.int64(1))
@@ -238,15 +242,15 @@ def test_numpy_counts_and_seeds_work_everywhere():
     (lambda: __import__("amp_lessons.env").env.seed_everything(2**70), "seed must be"),
     (lambda: __import__("amp_lessons.env").env.get_profile(5), "profile must be one of"),
     (lambda: ScalerSettings(growth_interval=np.float64(3.0)), "growth_interval must be"),
-    (lambda: __import__("amp_lessons.trainer").trainer.TrainConfig(seed=2**70), "seed must be"),
+    (lambda: __import__("amp_lessons.train.trainer").trainer.TrainConfig(seed=2**70), "seed must be"),
     (lambda: __import__("amp_lessons.models").models.MLP(hidden=128), "hidden must be a sequence"),
     (lambda: __import__("amp_lessons.models").models.build_digits_model("simplenet", "x"),
      "width must be"),
     (lambda: __import__("amp_lessons.models").models.resnet18(small_input="no"),
      "small_input must be True or False"),
-    (lambda: __import__("amp_lessons.distributed").distributed.RunConfig(model_kwargs={"foo": 1}),
+    (lambda: __import__("amp_lessons.measure.distributed").distributed.RunConfig(model_kwargs={"foo": 1}),
      "model_kwargs .* do not build"),
-    (lambda: __import__("amp_lessons.distributed").distributed.RunConfig(init_scale=1e300),
+    (lambda: __import__("amp_lessons.measure.distributed").distributed.RunConfig(init_scale=1e300),
      "init_scale must be"),
     (lambda: __import__("amp_lessons.lessons.l02_amp_loop").lessons.l02_amp_loop.verdict_b6([1]),
      "caught must hold"),
@@ -259,7 +263,7 @@ def test_bad_values_name_the_setting(call, match):
 
 
 def test_a_checkpoint_path_under_a_file_says_so(tmp_path):
-    from amp_lessons import checkpoint as C
+    from amp_lessons.train import checkpoint as C
     (tmp_path / "file").write_text("x")
     with pytest.raises(C.CheckpointError, match="a part of its folder is a file"):
         C.atomic_save({"a": 1}, tmp_path / "file" / "ck.pt")
@@ -275,7 +279,7 @@ def test_cli_names_a_junk_environment_variable_in_one_line(variable, monkeypatch
 
 
 def test_distributed_cli_refuses_nproc_0(capsys):
-    from amp_lessons import distributed
+    from amp_lessons.measure import distributed
     with pytest.raises(SystemExit):
         distributed.main(["--nproc", "0"])
     assert "--nproc must be a whole number >= 1" in capsys.readouterr().err

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from amp_lessons import claims, report, runner, snapshots
+from amp_lessons.publish import claims
+from amp_lessons.publish import report
+from amp_lessons.publish import notebooks as runner
+from amp_lessons.publish import snapshots
 
 
 def test_published_rows_are_plain_json_numbers_and_non_finite_values_are_null():

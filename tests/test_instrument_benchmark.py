@@ -22,7 +22,7 @@ def test_bootstrap_gives_the_median_and_an_interval_around_it(instrument):
 
 
 def test_the_plain_loop_and_the_engine_step_train_alike(instrument):
-    from amp_lessons import bench
+    from amp_lessons import measure as bench
 
     config = bench.BenchConfig(model="resnet18", precision="bf16", channels_last=True,
                                batch_size=2, image_size=32, num_classes=10, impl="foreach")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_lessons import trainer as T
+from amp_lessons.train import trainer as T
 from trainer_helpers import TinyNet, optimizer_tensors
 
 FIELDS = ("step", "epoch", "loss", "scale", "skipped", "grad_norm", "lr", "skip_reason")

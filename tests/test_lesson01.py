@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import amp_lessons as al
-from amp_lessons import claims
+from amp_lessons.publish import claims
 from amp_lessons.lessons import l01_ranges as L
 
 

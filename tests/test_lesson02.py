@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from amp_lessons import claims
+from amp_lessons.publish import claims
 from amp_lessons.data import digits_loaders
 from amp_lessons.lessons import l02_amp_loop as L
 from amp_lessons.models import build_digits_model

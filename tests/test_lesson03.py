@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from amp_lessons import claims, formats
+from amp_lessons.publish import claims
+from amp_lessons.numerics import formats
 from amp_lessons.lessons import l03_scaler as L
 from amp_lessons.ui import scaler_panels as U
-from amp_lessons.trainer import ScalerSettings
+from amp_lessons.train.trainer import ScalerSettings
 from amp_lessons.ui import widgets as W
 
 SETUP = L.RunSetup(model="mlp", device="cpu")

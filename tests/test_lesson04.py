@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from amp_lessons import bench as measure, claims
+from amp_lessons import measure
+from amp_lessons.publish import claims
 from amp_lessons.lessons import l04_resnet50 as L
 from amp_lessons.ui import perf_plots
 

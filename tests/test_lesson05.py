@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import amp_lessons.bench.cards  # noqa: F401 (bench.cards below)
-from amp_lessons import bench, claims
-from amp_lessons import bench as measure
+import amp_lessons.measure.cards  # noqa: F401 (bench.cards below)
+from amp_lessons import measure as bench
+from amp_lessons.publish import claims
+from amp_lessons import measure
 from amp_lessons import models as M
-from amp_lessons import trainer as T
+from amp_lessons.train import trainer as T
 from amp_lessons.lessons import l05_checkpointing as L
 from amp_lessons.ui import perf_plots as P
 

@@ -2,8 +2,8 @@
 mix-up, and claims R10c and R11 as claims.Verdicts (never decided on one process or a CPU)."""
 import pytest
 
-from amp_lessons import claims
-from amp_lessons.distributed import SweepResult
+from amp_lessons.publish import claims
+from amp_lessons.measure.distributed import SweepResult
 from amp_lessons.lessons import l06_multi_gpu as lesson
 
 

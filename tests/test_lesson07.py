@@ -524,7 +524,7 @@ def test_accuracy_report_rows_decided_not_decided_and_not_run():
 
 
 def test_published_rows_make_a_result_bundle():
-    from amp_lessons import report
+    from amp_lessons.publish import report
     for key, rows, columns in [
             ("lesson07.speed", L.speed_report_rows(_speed_rows()), L.SPEED_REPORT_COLUMNS),
             ("lesson07.accuracy", L.accuracy_report_rows(
@@ -662,7 +662,8 @@ def test_lesson07_figures_wear_the_course_template():
     """Lesson 07's figures use the template and title placement of every other lesson's, and
     the loss figure's legend sits below its two panels (beside them it took a third of the
     width)."""
-    from amp_lessons.ui import fp8_plots, plots
+    from amp_lessons.ui import fp8_plots
+    from amp_lessons.ui import plots
 
     speed = fp8_plots.speed_figure([{"width": 1024, "recipe": "tensorwise", "speedup": 1.2,
                                      "step_ms": 5.0, "peak_gib": 1.0}])

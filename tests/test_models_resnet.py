@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from amp_lessons import models
-from amp_lessons.bench import SavedActivations
+from amp_lessons.measure import SavedActivations
 
 
 def _count(model):
@@ -109,7 +109,7 @@ def test_selective_checkpointing_on_a_torch_without_it_is_refused_by_name(monkey
     which torch it needs, and a benchmark row is skipped with the same sentence (no ImportError
     in the middle of a lesson)."""
     import torch.utils.checkpoint as ckpt
-    from amp_lessons.bench.config import BenchConfig, skip_reason
+    from amp_lessons.measure.config import BenchConfig, skip_reason
     monkeypatch.delattr(ckpt, "create_selective_checkpoint_contexts", raising=False)
     problem = models.selective_checkpointing_problem()
     assert problem.startswith("checkpoint 'sac' needs torch >= 2.5") and torch.__version__ in problem

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from amp_lessons._modes import kept_modes, restore_modes, saved_modes
-from amp_lessons.trainer import TrainConfig, Trainer
+from amp_lessons.numerics.modes import kept_modes, restore_modes, saved_modes
+from amp_lessons.train.trainer import TrainConfig, Trainer
 
 
 def _frozen_bn_net():

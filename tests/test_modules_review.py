@@ -4,12 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from amp_lessons import checkpointing as K
+from amp_lessons.measure import activation_checkpointing as K
 from amp_lessons import data as D
-from amp_lessons import fp8 as F8
+from amp_lessons.numerics import fp8 as F8
 from amp_lessons import models as M
-from amp_lessons import precision as P
-from amp_lessons.checkpoint import CheckpointError, check_optimizer_state
+from amp_lessons.numerics import precision as P
+from amp_lessons.train.checkpoint import CheckpointError, check_optimizer_state
 
 
 # --- fp8: saturation, tiny and empty tensors -------------------------------------------------
@@ -130,7 +130,7 @@ def test_a_negative_cuda_index_is_named():
 # --- spreads past 100% (the CLI review: doctor --out report.html crashed) -------------------
 
 def test_a_spread_past_100_percent_is_shown_not_raised_nor_clamped():
-    from amp_lessons.bench import rows as R
+    from amp_lessons.measure import rows as R
     from amp_lessons.doctor.report import DoctorReport
     from amp_lessons.tables import percent, spread_text
 
@@ -148,7 +148,7 @@ def test_a_spread_past_100_percent_is_shown_not_raised_nor_clamped():
 def test_resuming_in_another_precision_is_refused(tmp_path):
     """``train --resume`` ran epoch 1 in fp32 and epoch 2 in fp16 and reported the run as fp16
     (an outside review of the CLI): a resumed run continues exactly as it started."""
-    from amp_lessons.recipes import train_digits
+    from amp_lessons.train.recipes import train_digits
 
     ck = tmp_path / "ck.pt"
     train_digits("fp32", model="mlp", epochs=1, device="cpu", checkpoint=ck, progress=False)
@@ -190,7 +190,7 @@ def test_autocast_error_by_op_names_a_bad_dtype_and_bad_logit_scales():
 
 
 def test_runconfig_reads_precision_names_as_the_package_does_and_checks_its_label():
-    from amp_lessons import distributed as Dd
+    from amp_lessons.measure import distributed as Dd
 
     assert Dd.RunConfig(precision="AMP").precision == "fp16"
     assert Dd.RunConfig(precision=" bf16 ").precision == "bf16"
@@ -204,7 +204,7 @@ def test_runconfig_reads_precision_names_as_the_package_does_and_checks_its_labe
 def test_checkpoint_paths_and_map_location_are_named(tmp_path):
     """A bad map_location was reported as an unreadable (intact) file; a path of the wrong type
     gave pathlib's TypeError."""
-    from amp_lessons import checkpoint as C
+    from amp_lessons.train import checkpoint as C
 
     path = C.atomic_save({"a": torch.ones(1)}, tmp_path / "ok.pt")
     with pytest.raises(ValueError, match="map_location must be a device .*; got 'gpu0'"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from amp_lessons import formats as F
+from amp_lessons.numerics import formats as F
 from amp_lessons.ui import plots as P
 
 GRADS = {"fc1": np.array([2.0**-26, 2.0**-20, 2.0**-10, 0.0, 1.0], dtype=np.float32),

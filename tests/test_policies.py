@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_lessons import _compat as C
-from amp_lessons import _policies
-from amp_lessons import trainer as T
-from amp_lessons._policies import resolve_nonfused_skip
+from amp_lessons.train import policies as _policies
+from amp_lessons.train import trainer as T
+from amp_lessons.train.policies import resolve_nonfused_skip
 from trainer_helpers import (Inject, ScalarReads, assert_same_tensors, batches, fresh,
                              optimizer_tensors)
 
@@ -622,7 +622,7 @@ def test_skip_copies_keep_the_layout_of_channels_last_weights():
     ((8, 1, 3, 3), torch.channels_last, True), ((1, 1, 1, 1), torch.contiguous_format, True),
     ((0, 3), torch.contiguous_format, False)])
 def test_dense_strides_knows_permuted_layouts(shape, fmt, dense):
-    from amp_lessons._skipsafe import dense_strides
+    from amp_lessons.train.skipsafe import dense_strides
     t = torch.empty(shape).to(memory_format=fmt) if len(shape) == 4 else torch.empty(shape)
     assert dense_strides(t) is dense
     assert dense_strides(torch.empty(4, 6)[:, ::2]) is False  # a strided slice has gaps
@@ -631,7 +631,7 @@ def test_dense_strides_knows_permuted_layouts(shape, fmt, dense):
 
 def test_fused_sgd_needs_priming_only_where_steps_can_be_skipped():
     import torch
-    from amp_lessons._skipsafe import fused_sgd_needs_priming
+    from amp_lessons.train.skipsafe import fused_sgd_needs_priming
 
     def sgd(**kw):
         return torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, **kw)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from amp_lessons import env, precision
+from amp_lessons import env
+from amp_lessons.numerics import precision
 
 
 def test_normalize_precision():

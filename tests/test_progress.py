@@ -4,7 +4,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 from tqdm.std import tqdm as plain_tqdm
 
-from amp_lessons import progress, runner
+from amp_lessons import progress
+from amp_lessons.publish import notebooks as runner
 
 
 def test_summary_text():

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from amp_lessons import cli, report
-from amp_lessons.bench import BenchConfig, measure, provenance
+from amp_lessons import cli
+from amp_lessons.publish import report
+from amp_lessons.measure import BenchConfig, measure
+from amp_lessons.publish import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISH = re.compile(r"publish\(\s*[\"']([a-z0-9._-]+)[\"']")
@@ -49,14 +51,14 @@ def test_timed_tables_end_at_the_timer():
     for key in ("lesson04.resnet", "lesson04.claim-r6", "lesson05.techniques", "lesson05.frontier",
                 "lesson06.cnn-wrapping", "lesson06.transformer-scaling", "lesson07.speed",
                 "lesson08.recipes", "lesson09.summary", "lesson09.resnet_vs_lesson04"):
-        assert provenance.producers(key)[-1] == "amp_lessons.bench.timer.time_steps", key
+        assert provenance.producers(key)[-1] == "amp_lessons.measure.timer.time_steps", key
 
 
 def test_unknown_keys_and_names_are_refused():
     with pytest.raises(ValueError, match="published table's key"):
         provenance.producers("lesson42.nothing")
     with pytest.raises(ValueError, match="does not name"):
-        provenance.locate("amp_lessons.bench.no_such_function")
+        provenance.locate("amp_lessons.measure.no_such_function")
     with pytest.raises(ValueError, match="label must be"):
         provenance.remember(3, {})
 
@@ -70,19 +72,19 @@ def test_a_published_bundle_records_what_produced_it():
                                                       "img/s": row["img_per_s"]}], "t")
     prov = bundle[report.RESULT_MIME]["provenance"]
     assert prov["produced_by"][-1]["function"] == "time_steps"
-    assert prov["produced_by"][-1]["file"].endswith("bench/timer.py")
+    assert prov["produced_by"][-1]["file"].endswith("measure/timer.py")
     assert prov["configurations"] == [dict(prov["configurations"][0], label="tiny traced row")]
     assert prov["configurations"][0]["model"] == "resnet18" and prov["torch"]
     text = provenance.explain("lesson04.resnet", dict(bundle[report.RESULT_MIME],
                                                       notebook="04.ipynb", run={"id": "r1"}))
     assert "configuration: label=tiny traced row" in text and "run: id=r1" in text
-    assert "amp_lessons/bench/timer.py:" in text
+    assert "amp_lessons/measure/timer.py:" in text
 
 
 def test_explain_command_prints_every_key(capsys):
     assert cli.main(["explain", "lesson05.techniques"]) == 0
     out = capsys.readouterr().out
-    assert "lesson05.techniques" in out and "bench/timer.py:" in out
+    assert "lesson05.techniques" in out and "measure/timer.py:" in out
     assert cli.main(["explain", "lesson42.nothing"]) != 0
 
 

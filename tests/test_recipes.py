@@ -1,10 +1,10 @@
-"""amp_lessons.recipes: train_digits end to end in tiny sizes, DigitsRun's numbers."""
+"""amp_lessons.train.recipes: train_digits end to end in tiny sizes, DigitsRun's numbers."""
 import json
 
 import pytest
 
-from amp_lessons import recipes
-from amp_lessons.records import History
+from amp_lessons.train import recipes
+from amp_lessons.train.records import History
 
 QUICK = dict(model="cnn", width=4, image_size=16, batch_size=128, progress=False)
 

@@ -1,12 +1,12 @@
-"""amp_lessons.records: lazy StepRecords, History columns and JSON, epoch summaries."""
+"""amp_lessons.train.records: lazy StepRecords, History columns and JSON, epoch summaries."""
 import json
 import math
 
 import pytest
 import torch
 
-from amp_lessons import records as R
-from amp_lessons import trainer as T
+from amp_lessons.train import records as R
+from amp_lessons.train import trainer as T
 from trainer_helpers import Inject, batches, fresh
 
 

@@ -1,4 +1,4 @@
-"""The T4 rehearsal (``amp_lessons.rehearsal``) on the CPU: what it records, how it estimates a
+"""The T4 rehearsal (``amp_lessons.publish.rehearsal``) on the CPU: what it records, how it estimates a
 T4's run time, and the CLI's errors. The GPU parts (nvidia-smi) report "not measured" here."""
 import json
 import os
@@ -10,8 +10,10 @@ import torch
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 import nbformat
 
-from amp_lessons import cli, env, rehearsal
-from amp_lessons.report import RESULT_MIME
+from amp_lessons import cli
+from amp_lessons import env
+from amp_lessons.publish import rehearsal
+from amp_lessons.publish.report import RESULT_MIME
 
 
 def _notebook(path, *sources):
@@ -211,7 +213,7 @@ def test_memory_sources_say_which_lessons_used_which():
 
 def test_committed_rehearsal_covers_every_lesson_and_the_readme_shows_it():
     from pathlib import Path
-    from amp_lessons.runner import course_notebooks
+    from amp_lessons.publish.notebooks import course_notebooks
     root = Path(__file__).resolve().parent.parent
     doc = json.loads((root / "docs" / "rehearsal_t4.json").read_text())
     course = [p.name for p in course_notebooks()]
@@ -305,7 +307,7 @@ def test_cli_rehearse_checks_the_record_before_running(tmp_path, capsys):
 def test_readme_command_writes_both_blocks_or_nothing(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")  # no rehearsal markers
-    from amp_lessons import report
+    from amp_lessons.publish import report
     readme.write_text(f"{report.START}\nold\n{report.END}\n")
     before = readme.read_text()
     assert cli.main(["readme", "--readme", str(readme)]) == 2

@@ -6,8 +6,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-from amp_lessons import cli, report
-from amp_lessons.runner import NOTEBOOK_DIR, course_notebooks
+from amp_lessons import cli
+from amp_lessons.publish import report
+from amp_lessons.publish.notebooks import NOTEBOOK_DIR, course_notebooks
 
 ROWS = [{"config": "fp32", "img/s": 905.4, "peak GiB": 21.4}, {"config": "fp16", "img/s": 2944.0,
                                                                 "peak GiB": None}]
@@ -69,7 +70,7 @@ def test_readme_results_match_the_committed_notebooks():
 
 
 def _verdict_notebook(tmp_path: Path, name: str, verdicts) -> Path:
-    from amp_lessons import claims
+    from amp_lessons.publish import claims
 
     rows = [dict(v.row(), lesson=v.lesson) for v in verdicts]
     nb = new_notebook(cells=[new_code_cell("publish_verdicts(...)")])
@@ -84,7 +85,7 @@ def _verdict_notebook(tmp_path: Path, name: str, verdicts) -> Path:
 
 
 def test_readme_shows_each_claim_once_with_its_deciding_measurement(tmp_path):
-    from amp_lessons import claims
+    from amp_lessons.publish import claims
 
     n02 = _verdict_notebook(tmp_path, "02_x.ipynb", [
         claims.not_decided("B1", "02", "0.76x on the digits CNN", "launch-bound small model")])
@@ -99,7 +100,7 @@ def test_readme_shows_each_claim_once_with_its_deciding_measurement(tmp_path):
 
 
 def test_a_claim_published_twice_by_its_lesson_is_refused(tmp_path):
-    from amp_lessons import claims
+    from amp_lessons.publish import claims
 
     v = claims.decide("R8", "05", "+40% time", False, "more than 30%")
     path = _verdict_notebook(tmp_path, "05_x.ipynb", [v, v])
@@ -108,7 +109,7 @@ def test_a_claim_published_twice_by_its_lesson_is_refused(tmp_path):
 
 
 def test_publish_verdicts_checks_its_input():
-    from amp_lessons import claims
+    from amp_lessons.publish import claims
 
     with pytest.raises(ValueError, match="verdicts must hold"):
         report.publish_verdicts("04", [], "t")
@@ -118,7 +119,7 @@ def test_publish_verdicts_checks_its_input():
 
 
 def test_committed_readme_lists_each_claim_at_most_once():
-    from amp_lessons import claims
+    from amp_lessons.publish import claims
 
     readme = (NOTEBOOK_DIR.parent / "README.md").read_text()
     section = readme.split(report.START, 1)[1].split(report.END, 1)[0]
@@ -158,7 +159,7 @@ def _prose(line: str) -> str:
 def test_generated_markdown_keeps_identifiers_in_code_spans():
     """Every generated Markdown table (README results, claims table, docs/claims.md): no
     underscore or asterisk outside a code span unescaped, so `__init__` never renders bold."""
-    from amp_lessons import claims
+    from amp_lessons.publish import claims
 
     verdict = claims.Verdict(claim="B4", lesson="03", held=False,
                              measured="TypeError: GradScaler.__init__() got 'scale_factor'",

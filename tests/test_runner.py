@@ -5,7 +5,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from amp_lessons import cli, runner
+from amp_lessons import cli
+from amp_lessons.publish import notebooks as runner
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +101,7 @@ def test_widget_outputs_get_a_short_stand_in(tmp_path):
 
 
 def test_environment_variable_sets_and_restores(monkeypatch):
-    from amp_lessons.runner import environment_variable
+    from amp_lessons.publish.notebooks import environment_variable
     monkeypatch.delenv("AMP_LESSONS_TEST_VAR", raising=False)
     with environment_variable("AMP_LESSONS_TEST_VAR", "a"):
         assert os.environ["AMP_LESSONS_TEST_VAR"] == "a"

@@ -169,7 +169,7 @@ def test_numpy_scalars_and_0d_tensors_are_numbers_in_tables():
 
 
 def test_report_cells_show_numbers_below_1e7_in_full():
-    from amp_lessons import report
+    from amp_lessons.publish import report
     np = pytest.importorskip("numpy")
     assert report._cell(131072.0) == "131,072" and report._cell(np.float64(123456.0)) == "123,456"
     assert report._cell(16777216.0) == "1.68e+07" == tables.format_value(16777216.0)

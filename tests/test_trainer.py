@@ -1,4 +1,4 @@
-"""amp_lessons.trainer: the loop against PyTorch's AMP examples, skipped steps, the non-finite
+"""amp_lessons.train.trainer: the loop against PyTorch's AMP examples, skipped steps, the non-finite
 policy, settings, hooks and fit. (Checkpoints: test_checkpoint.py; records: test_records.py.)
 
 The reference loops below are written the way https://pytorch.org/docs/stable/notes/amp_examples.html
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_lessons import precision as P
-from amp_lessons import trainer as T
+from amp_lessons.numerics import precision as P
+from amp_lessons.train import trainer as T
 from amp_lessons.data import TensorBatches
-from amp_lessons._lazy import StepClock
+from amp_lessons.train.lazy import StepClock
 from trainer_helpers import (Inject, TinyNet, assert_same_tensors, batches, fresh, make_data,
                              optimizer_tensors)
 
@@ -1060,7 +1060,7 @@ def test_trainer_makes_only_the_device_calls_it_needs(monkeypatch, precision, fu
     opt = sgd(model)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     if fused:
-        from amp_lessons._skipsafe import prime_momentum_buffers
+        from amp_lessons.train.skipsafe import prime_momentum_buffers
         prime_momentum_buffers(opt)  # as the trainer does
 
     def hand():

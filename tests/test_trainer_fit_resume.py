@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_lessons import trainer as T
+from amp_lessons.train import trainer as T
 
 
 def mlp(seed=0, dropout=0.0):

@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from amp_lessons import trainer as T
-from amp_lessons._graphed import GraphedStep
+from amp_lessons.train import trainer as T
+from amp_lessons.train.graphed import GraphedStep
 from trainer_helpers import batches, fresh
 
 

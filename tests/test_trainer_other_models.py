@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_lessons import trainer as T
-from amp_lessons._skipsafe import stateful_modules
+from amp_lessons.train import trainer as T
+from amp_lessons.train.skipsafe import stateful_modules
 from trainer_helpers import ScalarReads
 
 

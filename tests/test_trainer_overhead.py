@@ -211,7 +211,7 @@ def test_the_logging_hand_loop_logs_the_trainers_figures(bench, network):
     gradients hold an inf, leaving weights and fused AdamW's state as they were."""
     import torch
 
-    from amp_lessons import trainer as T
+    from amp_lessons.train import trainer as T
 
     cpu = torch.device("cpu")
     name = bench.LOGGING if network == "recipe" else bench.LOGGING_CHECK

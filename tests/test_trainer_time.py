@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from amp_lessons import trainer as T
-from amp_lessons._graphed import GraphedStep
-from amp_lessons._lazy import EventSpan, StepClock
+from amp_lessons.train import trainer as T
+from amp_lessons.train.graphed import GraphedStep
+from amp_lessons.train.lazy import EventSpan, StepClock
 from trainer_helpers import assert_same_tensors, batches, fresh
 
 
@@ -159,7 +159,7 @@ def test_materialize_waits_for_the_last_event_only():
 def test_cpu_step_times_are_chained_periods(monkeypatch):
     """On a CPU the same meaning with ``time.perf_counter``: one call a step (two where the
     chain is broken), periods adding up to the span."""
-    import amp_lessons._lazy as lazy
+    import amp_lessons.train.lazy as lazy
     calls = []
 
     class FakeTime:

@@ -14,8 +14,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import pytest
 
-from amp_lessons import formats as F
-from amp_lessons.trainer import ScalerSettings
+from amp_lessons.numerics import formats as F
+from amp_lessons.train.trainer import ScalerSettings
 from amp_lessons.ui import plots
 from amp_lessons.ui import controls as C
 from amp_lessons.ui import widgets as W

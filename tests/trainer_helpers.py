@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_lessons import trainer as T
+from amp_lessons.train import trainer as T
 
 class TinyNet(nn.Module):
     """Conv + BatchNorm + Dropout + Linear: enough to exercise BN buffers and the RNG."""

@@ -34,14 +34,14 @@ _PARTS = {"compiled", "command", "dtype_trace", "findings", "fp8", "inputs", "ra
 
 def doctor(model, batch, loss_fn=None, optimizer=None, **kwargs):
     """See ``doctor.run.doctor``: measure ``model`` on ``batch``; returns a ``DoctorReport``."""
-    from .run import doctor as _doctor
+    from amp_lessons.doctor.run import doctor as _doctor
 
     return _doctor(model, batch, loss_fn=loss_fn, optimizer=optimizer, **kwargs)
 
 
 def __getattr__(name: str):
     if name == "DoctorReport":
-        from .report import DoctorReport
+        from amp_lessons.doctor.report import DoctorReport
 
         return DoctorReport
     if name in _PARTS:

@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit status (one error line on bad input)."""
-    from ..cli import check_writable, fail
+    from amp_lessons.cli import check_writable, fail
 
     try:
         for out in args.out:
@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
             check_writable(out, "--out")
         import torch
 
-        from ..precision import as_device
-        from .inputs import build_model, parse_shape
-        from .run import check_device, doctor
+        from amp_lessons.numerics.precision import as_device
+        from amp_lessons.doctor.inputs import build_model, parse_shape
+        from amp_lessons.doctor.run import check_device, doctor
 
         shape = parse_shape(args.batch_shape)
         device = check_device(as_device(args.device), name="--device")
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     for out in args.out:
         figure = ""
         if out.suffix.lower() != ".json":
-            from ..ui.doctor_plots import figure_html, ranges_figure
+            from amp_lessons.ui.doctor_plots import figure_html, ranges_figure
 
             figure = figure_html(ranges_figure(report))
         try:

@@ -14,9 +14,9 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from .._modes import kept_modes
-from ..precision import autocast_for, precision_settings
-from .scale import failure_text
+from amp_lessons.numerics.modes import kept_modes
+from amp_lessons.numerics.precision import autocast_for, precision_settings
+from amp_lessons.doctor.scale import failure_text
 
 
 def _outputs(out) -> Dict[str, torch.Tensor]:

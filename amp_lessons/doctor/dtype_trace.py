@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._modes import restore_modes, saved_modes
-from ..tables import text_table
+from amp_lessons.numerics.modes import restore_modes, saved_modes
+from amp_lessons.tables import text_table
 
 
 def dtype_label(dtype: torch.dtype, low: torch.dtype) -> str:

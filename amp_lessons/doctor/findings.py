@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ..tables import percent, plural
+from amp_lessons.tables import percent, plural
 
 # where each topic is taught
 LESSONS = {"ranges": ("01", "fp16/bf16/fp8 ranges, underflow and overflow"),

@@ -14,8 +14,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..bench.float8 import conversion_plan, fp8_support
-from ..tables import plural
+from amp_lessons.measure.float8 import conversion_plan, fp8_support
+from amp_lessons.tables import plural
 
 
 def fp8_unavailable(device) -> Optional[str]:

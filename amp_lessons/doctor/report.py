@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..tables import format_value, html_table, json_safe, percent, plural, spread_text
-from ..files import write_atomic
+from amp_lessons.tables import format_value, html_table, json_safe, percent, plural, spread_text
+from amp_lessons.files import write_atomic
 
 # scoped to the report's <div>, so a notebook's own styles stay as they are
 CSS = (".amp-doctor table{border-collapse:collapse;margin:.4em 0 1em;font-size:13px}"

@@ -7,19 +7,19 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .._modes import keeps_rng
-from .._validate import check_bool, check_int
-from ..bench import free_memory
-from ..precision import PRECISIONS, as_device, available_device, check_precision, native_bf16
-from . import compiled as _compiled
-from . import findings as _findings
-from . import fp8 as _fp8
-from . import inputs as _inputs
-from . import ranges as _ranges
-from . import scale as _scale
-from . import speed as _speed
-from .dtype_trace import op_dtypes, trace
-from .report import DoctorReport
+from amp_lessons.numerics.modes import keeps_rng
+from amp_lessons.validate import check_bool, check_int
+from amp_lessons.measure import free_memory
+from amp_lessons.numerics.precision import PRECISIONS, as_device, available_device, check_precision, native_bf16
+from amp_lessons.doctor import compiled as _compiled
+from amp_lessons.doctor import findings as _findings
+from amp_lessons.doctor import fp8 as _fp8
+from amp_lessons.doctor import inputs as _inputs
+from amp_lessons.doctor import ranges as _ranges
+from amp_lessons.doctor import scale as _scale
+from amp_lessons.doctor import speed as _speed
+from amp_lessons.doctor.dtype_trace import op_dtypes, trace
+from amp_lessons.doctor.report import DoctorReport
 
 
 DEFAULT_KEY = "fp16@init"  # fp16 gradient counts at GradScaler's default init_scale

@@ -15,9 +15,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import formats
-from ..tables import plural
-from ..trainer import ScalerSettings, TrainConfig, Trainer
+from amp_lessons.numerics import formats
+from amp_lessons.tables import plural
+from amp_lessons.train.trainer import ScalerSettings, TrainConfig, Trainer
 
 DEFAULT = ScalerSettings()
 # float32's normal range, where ScalerSettings accepts an init_scale

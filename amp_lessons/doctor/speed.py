@@ -17,11 +17,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import bench
-from ..claims import rows_timing_gate
-from ..precision import PRECISIONS, check_precision, precision_settings
-from .inputs import batch_size as _batch_size
-from .scale import failure_text
+from amp_lessons import measure as bench
+from amp_lessons.publish.claims import rows_timing_gate
+from amp_lessons.numerics.precision import PRECISIONS, check_precision, precision_settings
+from amp_lessons.doctor.inputs import batch_size as _batch_size
+from amp_lessons.doctor.scale import failure_text
 
 GIB = 2 ** 30
 

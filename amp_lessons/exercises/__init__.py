@@ -9,8 +9,16 @@ levels unfold on a click. Each module also holds its reference solutions (``refe
 typical wrong answers (``WRONG_*``), which ``tests/test_exercises.py`` runs. The engine's layer:
 no lesson module, no claim.
 """
-from . import ex01, ex02, ex03, ex04, ex05, ex06, ex07, ex08, ex09
-from .check import Check, Hints
+from amp_lessons.exercises import ex01
+from amp_lessons.exercises import ex02
+from amp_lessons.exercises import ex03
+from amp_lessons.exercises import ex04
+from amp_lessons.exercises import ex05
+from amp_lessons.exercises import ex06
+from amp_lessons.exercises import ex07
+from amp_lessons.exercises import ex08
+from amp_lessons.exercises import ex09
+from amp_lessons.exercises.check import Check, Hints
 
 MODULES = {"ex01": ex01, "ex02": ex02, "ex03": ex03, "ex04": ex04, "ex05": ex05, "ex06": ex06,
            "ex07": ex07, "ex08": ex08, "ex09": ex09}

@@ -18,7 +18,7 @@ import operator
 import textwrap
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
-from .._validate import check_choice, check_int
+from amp_lessons.validate import check_choice, check_int
 
 STATUSES = ("passed", "wrong", "not answered yet", "skipped")
 

@@ -1,12 +1,12 @@
 """Lesson 01's exercises: predict fp16 rounding, find the smallest loss scale that flushes no
-gradient, keep an fp32 master weight. Graded with ``amp_lessons.formats``."""
+gradient, keep an fp32 master weight. Graded with ``amp_lessons.numerics.formats``."""
 import math
 from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .. import formats
-from .check import (Check, close, hint_book, hint_reader, is_blank, number, passed, unanswered,
+from amp_lessons.numerics import formats
+from amp_lessons.exercises.check import (Check, close, hint_book, hint_reader, is_blank, number, passed, unanswered,
                     whole_number, wrong)
 
 PREDICT = "Exercise 1 (predict, then run): fp16 rounding"

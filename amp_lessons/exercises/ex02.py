@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision import as_device, check_precision
-from ..trainer import ScalerSettings, TrainConfig, Trainer
-from .check import (Check, hint_book, hint_reader, is_blank, keyed, not_a_function, passed,
+from amp_lessons.numerics.precision import as_device, check_precision
+from amp_lessons.train.trainer import ScalerSettings, TrainConfig, Trainer
+from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, keyed, not_a_function, passed,
                     same_code, skipped, unanswered, wrong)
 
 DTYPES = "Exercise 2 (predict, then run): dtypes under autocast"

@@ -4,9 +4,9 @@ falls below 1. Graded against the scale traces the trainer recorded."""
 import math
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
-from ..tables import plural
-from ..trainer import ScalerSettings
-from .check import (Check, hint_book, hint_reader, is_blank, keyed, matching_mistake,
+from amp_lessons.tables import plural
+from amp_lessons.train.trainer import ScalerSettings
+from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, keyed, matching_mistake,
                     not_a_function, number, passed, canonical, unanswered, whole_number, wrong)
 
 RULE = "Exercise 1 (implement): GradScaler's update rule"

@@ -6,9 +6,9 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from ..models import SmallCNN
-from ..precision import as_device
-from .check import (Check, close, hint_book, hint_reader, is_blank, keyed, not_a_function, number,
+from amp_lessons.models import SmallCNN
+from amp_lessons.numerics.precision import as_device
+from amp_lessons.exercises.check import (Check, close, hint_book, hint_reader, is_blank, keyed, not_a_function, number,
                     passed, skipped, unanswered, within, wrong)
 
 STATE = "Exercise 1 (predict, then run): bytes of weights, gradients and momentum"

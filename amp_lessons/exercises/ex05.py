@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import check_int
-from ..precision import as_device, check_precision
-from ..tables import plural
-from ..trainer import ScalerSettings, TrainConfig, Trainer
-from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, not_a_function,
+from amp_lessons.validate import check_int
+from amp_lessons.numerics.precision import as_device, check_precision
+from amp_lessons.tables import plural
+from amp_lessons.train.trainer import ScalerSettings, TrainConfig, Trainer
+from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, matching_mistake, not_a_function,
                     passed, skipped, unanswered, wrong)
 
 ACCUMULATE = "Exercise 2 (implement): gradient accumulation"

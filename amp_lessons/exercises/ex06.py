@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from ..tables import plural
-from .check import (Check, close, hint_book, hint_reader, is_blank, keyed, matching_mistake,
+from amp_lessons.tables import plural
+from amp_lessons.exercises.check import (Check, close, hint_book, hint_reader, is_blank, keyed, matching_mistake,
                     not_a_function, number, passed, skipped, unanswered, within, wrong)
 
 SCRIPT = "Exercise 1 (implement): DDP and fully_shard, run with torchrun"
@@ -242,7 +242,7 @@ def check_script(source: str, timeout_s: float = 180.0) -> Check:
         return unanswered(SCRIPT, hint)
     if "def make_model" not in source:
         source = full_script(source)
-    from ..distributed import fsdp2_problem
+    from amp_lessons.measure.distributed import fsdp2_problem
     problem = fsdp2_problem("cpu")
     if problem:  # the grader's two processes are CPU ones
         return skipped(SCRIPT, f"cannot be run here: {problem}")

@@ -1,13 +1,13 @@
 """Lesson 07's exercises: per-tensor and per-row amax scaling (graded against the e4m3 format's
-limits in ``amp_lessons.formats``), and a module filter for ``convert_to_float8_training``
+limits in ``amp_lessons.numerics.formats``), and a module filter for ``convert_to_float8_training``
 (graded against a conversion plan: which Linear layers to keep in bf16, and why)."""
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .. import formats
-from .check import (Check, hint_book, hint_reader, is_blank, not_a_function, passed, unanswered,
+from amp_lessons.numerics import formats
+from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, not_a_function, passed, unanswered,
                     wrong)
 
 TENSOR = "Exercise 1 (implement): per-tensor amax scaling"

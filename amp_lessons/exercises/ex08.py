@@ -8,8 +8,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .. import formats, optim
-from .check import (Check, hint_book, hint_reader, is_blank, not_a_function, number, passed,
+from amp_lessons.numerics import formats
+from amp_lessons.numerics import optim
+from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, not_a_function, number, passed,
                     skipped, canonical, unanswered, within, wrong)
 
 STOCHASTIC = "Exercise 1 (implement): stochastic rounding to bf16"

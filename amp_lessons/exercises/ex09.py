@@ -8,9 +8,9 @@ import math
 import sys
 from typing import Callable, Iterable, Mapping, Optional
 
-from .. import formats
-from ..tables import plural
-from .check import (Check, hint_book, hint_reader, is_blank, matching_mistake, not_a_function,
+from amp_lessons.numerics import formats
+from amp_lessons.tables import plural
+from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, matching_mistake, not_a_function,
                     number, passed, skipped, text_key, unanswered, whole_number, wrong)
 
 OVERFLOW = "Exercise 2 (read the report): the layer that overflows fp16"

@@ -1,6 +1,6 @@
 """Lesson 01 (``notebooks/01_fp16_ranges_and_underflow.ipynb``): number ranges, measured.
 
-The lesson's own experiments, built on ``amp_lessons.formats``:
+The lesson's own experiments, built on ``amp_lessons.numerics.formats``:
 
 - ``check_range`` / ``range_checks_text`` / ``verdict_r1``: claim R1 (FP16 spans 5.96e-8 to
   65504, FP32 1.4e-45 to 3.4e38) against the limits measured by arithmetic on this device
@@ -18,8 +18,9 @@ from typing import Dict, Mapping, Sequence, Union
 
 import torch
 
-from .. import claims, formats
-from ..report import show_table
+from amp_lessons.publish import claims
+from amp_lessons.numerics import formats
+from amp_lessons.publish.report import show_table
 
 LESSON = "01"
 

@@ -17,17 +17,17 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import claims
-from .. import bench
-from .._validate import check_int, check_positive, is_real
-from ..data import digits_loaders
-from ..doctor.dtype_trace import AutocastReport, autocast_report, dtype_label  # noqa: F401
-from ..models import build_digits_model
-from ..precision import Device, as_device, check_precision, normalize_precision, precision_settings
-from ..recipes import train_digits
-from ..report import show_table
-from ..tables import percent, plural, text_table
-from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
+from amp_lessons.publish import claims
+from amp_lessons import measure as bench
+from amp_lessons.validate import check_int, check_positive, is_real
+from amp_lessons.data import digits_loaders
+from amp_lessons.doctor.dtype_trace import AutocastReport, autocast_report, dtype_label  # noqa: F401
+from amp_lessons.models import build_digits_model
+from amp_lessons.numerics.precision import Device, as_device, check_precision, normalize_precision, precision_settings
+from amp_lessons.train.recipes import train_digits
+from amp_lessons.publish.report import show_table
+from amp_lessons.tables import percent, plural, text_table
+from amp_lessons.train.trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
 
 LESSON = "02"
 OTHERS_SHOWN = ("B1", "B2")  # shown beside this lesson's numbers, decided by lesson 04

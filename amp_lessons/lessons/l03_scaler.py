@@ -21,14 +21,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .. import claims
-from .._validate import check_int, is_int, is_real
-from ..data import digits_loaders
-from ..formats import fraction_rows, lost_shares, scale_window  # noqa: F401 (the lesson's API)
-from ..models import DIGITS_MODELS, build_digits_model, resnet50
-from ..precision import as_device
-from ..tables import plural, pow2_text
-from ..trainer import Hooks, ScalerSettings, TrainConfig, Trainer
+from amp_lessons.publish import claims
+from amp_lessons.validate import check_int, is_int, is_real
+from amp_lessons.data import digits_loaders
+from amp_lessons.numerics.formats import fraction_rows, lost_shares, scale_window  # noqa: F401 (the lesson's API)
+from amp_lessons.models import DIGITS_MODELS, build_digits_model, resnet50
+from amp_lessons.numerics.precision import as_device
+from amp_lessons.tables import plural, pow2_text
+from amp_lessons.train.trainer import Hooks, ScalerSettings, TrainConfig, Trainer
 
 
 LESSON = "03"

@@ -13,17 +13,18 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .. import claims, models
-from .. import trainer as training
-from .._validate import check_choice, check_int
-from ..data import TensorBatches, digits
-from ..bench import (COMPILE_MODES, OPTIMIZERS, PRECISION_NAMES, STANDARD, BenchConfig,
+from amp_lessons.publish import claims
+from amp_lessons import models
+from amp_lessons.train import trainer as training
+from amp_lessons.validate import check_choice, check_int
+from amp_lessons.data import TensorBatches, digits
+from amp_lessons.measure import (COMPILE_MODES, OPTIMIZERS, PRECISION_NAMES, STANDARD, BenchConfig,
                      build_optimizer, find_row, free_memory, ratio, wall_clock)
-from ..optim import (adam_precision_facts, multi_tensor_status,  # noqa: F401 (the lesson's API)
+from amp_lessons.numerics.optim import (adam_precision_facts, multi_tensor_status,  # noqa: F401 (the lesson's API)
                      skipped_step_check)
-from ..precision import (HALF_DTYPES, PRECISIONS, as_device, autocast_error_by_op,  # noqa: F401
+from amp_lessons.numerics.precision import (HALF_DTYPES, PRECISIONS, as_device, autocast_error_by_op,  # noqa: F401
                          autocast_op_list_api, native_bf16)
-from ..tables import percent, plural, spread_text
+from amp_lessons.tables import percent, plural, spread_text
 
 LESSON = "04"
 

@@ -15,22 +15,23 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .. import claims, models
-from .._validate import check_choice, check_int, is_int, is_real
-from ..data import digits, digits_loaders
-from ..env import allocatable_bytes
-from ..bench import (GIB, BenchConfig, free_memory, ratio, run_configs,
+from amp_lessons.publish import claims
+from amp_lessons import models
+from amp_lessons.validate import check_choice, check_int, is_int, is_real
+from amp_lessons.data import digits, digits_loaders
+from amp_lessons.env import allocatable_bytes
+from amp_lessons.measure import (GIB, BenchConfig, free_memory, ratio, run_configs,
                      settings_caption, standard_settings)
-from ..bench.accumulation import (accumulation_equivalence,  # noqa: F401 (lesson API)
+from amp_lessons.measure.accumulation import (accumulation_equivalence,  # noqa: F401 (lesson API)
                                   accumulation_memory)
-from ..checkpointing import (checkpoint_equivalence,  # noqa: F401 (the lesson's API)
+from amp_lessons.measure.activation_checkpointing import (checkpoint_equivalence,  # noqa: F401 (the lesson's API)
                              checkpoint_sequential_pitfall, deterministic_kernels)
-from ..bench.cards import largest_per_card
-from ..bench.counted import counted_memory_model, counted_step_memory  # noqa: F401
-from ..precision import as_device, check_precision, native_tf32
-from ..tables import (format_value, largest_batch_report_rows,  # noqa: F401 (lesson API)
+from amp_lessons.measure.cards import largest_per_card
+from amp_lessons.measure.counted import counted_memory_model, counted_step_memory  # noqa: F401
+from amp_lessons.numerics.precision import as_device, check_precision, native_tf32
+from amp_lessons.tables import (format_value, largest_batch_report_rows,  # noqa: F401 (lesson API)
                       plural, shown_technique, technique_report_rows, technique_with_math)
-from ..trainer import ScalerSettings, Trainer, TrainConfig
+from amp_lessons.train.trainer import ScalerSettings, Trainer, TrainConfig
 
 LESSON = "05"
 

@@ -1,6 +1,6 @@
 """Lesson 06, mixed precision on several GPUs (notebooks/06_multi_gpu.ipynb).
 
-Built on ``amp_lessons.distributed`` (the engine: launching, DDP / ZeRO / FSDP2 runs, sweeps):
+Built on ``amp_lessons.measure.distributed`` (the engine: launching, DDP / ZeRO / FSDP2 runs, sweeps):
 
 1. **wrapping FSDP2 on a CNN**: ResNet-50 under DDP and under three FSDP2 wrappings (every
    BatchNorm its own unit, one unit per residual block, the same without resharding after
@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .. import claims
-from .. import distributed as multi
-from .._validate import is_real
-from ..precision import HALF_DTYPES, as_device, autocast_for
+from amp_lessons.publish import claims
+from amp_lessons.measure import distributed as multi
+from amp_lessons.validate import is_real
+from amp_lessons.numerics.precision import HALF_DTYPES, as_device, autocast_for
 
 LESSON = "06"
 

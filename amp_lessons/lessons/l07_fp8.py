@@ -34,25 +34,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import data as _data
-from ..data import (EXCLUDED_DIRS, Corpus, batch_offsets, stdlib_corpus,  # noqa: F401 (lesson API)
+from amp_lessons import data as _data
+from amp_lessons.data import (EXCLUDED_DIRS, Corpus, batch_offsets, stdlib_corpus,  # noqa: F401 (lesson API)
                     stdlib_files, text_batch)
-from .. import models as _models
-from .._validate import check_choice, check_int, check_positive, is_real
-from ..bench.float8 import (FP8_RECIPES, INSTALL_HINT, MIN_CAPABILITY,  # noqa: F401 (lesson API)
+from amp_lessons import models as _models
+from amp_lessons.validate import check_choice, check_int, check_positive, is_real
+from amp_lessons.measure.float8 import (FP8_RECIPES, INSTALL_HINT, MIN_CAPABILITY,  # noqa: F401 (lesson API)
                             NOT_MEASURED, RECIPES, TORCHAO_REQUIREMENT, Float8Config, FP8Support,
                             check_ints, compile_blocks, conversion_plan, convert_to_float8,
                             evaluate, float8_api, lr_factor, module_filter, train_gpt,
                             float8_config, float8_layers, fp8_support, measure_float8, mlp_stack,
                             quiet, speed_sweep, support_reason, time_recipe, torchao_version)
-from ..bench.oom import free_memory, is_out_of_memory  # noqa: F401
-from ..bench.rows import noisy
-from ..fp8 import FP8_FORMATS as FORMATS, FP8_USE as FORMAT_USE  # noqa: F401 (lesson API)
-from ..fp8 import (SCALINGS, TENSOR_KINDS, amax_scale, error_summary,  # noqa: F401
+from amp_lessons.measure.oom import free_memory, is_out_of_memory  # noqa: F401
+from amp_lessons.measure.rows import noisy
+from amp_lessons.numerics.fp8 import FP8_FORMATS as FORMATS, FP8_USE as FORMAT_USE  # noqa: F401 (lesson API)
+from amp_lessons.numerics.fp8 import (SCALINGS, TENSOR_KINDS, amax_scale, error_summary,  # noqa: F401
                    fake_quantize, from_fp8, fp8_max, quantization_error, to_fp8)
-from ..fp8 import fp8_format_facts as format_facts  # noqa: F401 (the lesson's API)
-from ..report import show_table
-from ..tables import not_compared, plural, text_table
+from amp_lessons.numerics.fp8 import fp8_format_facts as format_facts  # noqa: F401 (the lesson's API)
+from amp_lessons.publish.report import show_table
+from amp_lessons.tables import not_compared, plural, text_table
 
 LESSON = "07"
 DECIDES = ()  # no article claims FP8 numbers: the lesson states its findings as measurements

@@ -17,7 +17,7 @@ parameter with the gradients. This lesson stores them in less, and measures what
 4. **which recipe for which card and model size**, derived from those measurements
    (``choice_table``).
 
-Measuring lives in the engine (``amp_lessons.optim.train_recipe``: ``timing.time_steps``, the
+Measuring lives in the engine (``amp_lessons.numerics.optim.train_recipe``: ``timing.time_steps``, the
 peak-memory reading, the out-of-memory rule); this module defines the workloads and reads the
 rows. torchao is optional: without it the low-bit states are rows saying so.
 """
@@ -31,15 +31,15 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .. import claims
-from .. import formats
-from .. import models as _models
-from .. import optim
-from .._validate import check_int, check_real, is_real
-from ..bench.memory import GIB
-from ..report import show_table
-from ..tables import plural, text_table
-from . import l07_fp8
+from amp_lessons.publish import claims
+from amp_lessons.numerics import formats
+from amp_lessons import models as _models
+from amp_lessons.numerics import optim
+from amp_lessons.validate import check_int, check_real, is_real
+from amp_lessons.measure.memory import GIB
+from amp_lessons.publish.report import show_table
+from amp_lessons.tables import plural, text_table
+from amp_lessons.lessons import l07_fp8
 
 LESSON = "08"
 DECIDES = ()  # R10c is decided by lesson 06's multi-GPU run; this lesson shows related numbers

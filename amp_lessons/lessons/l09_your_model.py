@@ -17,14 +17,14 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .. import claims
-from .. import bench
-from .. import models
-from .. import report as _report
-from .._validate import check_int
-from ..data import synthetic_images
-from . import l04_resnet50 as l04
-from . import l07_fp8 as l07
+from amp_lessons.publish import claims
+from amp_lessons import measure as bench
+from amp_lessons import models
+from amp_lessons.publish import report as _report
+from amp_lessons.validate import check_int
+from amp_lessons.data import synthetic_images
+from amp_lessons.lessons import l04_resnet50 as l04
+from amp_lessons.lessons import l07_fp8 as l07
 
 LESSON = "09"
 DECIDES = ()  # no article claim is decided here: the doctor's findings are measurements
@@ -47,7 +47,7 @@ def cheat_sheet() -> str:
         text = CHEAT_SHEET.read_text(encoding="utf-8")
         results = None
         if _report.CITATION.search(text):
-            from ..runner import course_notebooks
+            from amp_lessons.publish.notebooks import course_notebooks
             results = _report.collect(course_notebooks(REPO / "notebooks"))
         try:
             return _report.cheat_sheet_body(text, results) + "\n"

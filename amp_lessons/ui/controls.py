@@ -16,7 +16,7 @@ import ipywidgets as w
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from .._validate import is_real
+from amp_lessons.validate import is_real
 
 FIGURE_MODES = ("auto", "widget", "output")
 ERROR_COLOR = "#d62728"

@@ -6,9 +6,9 @@ from typing import Optional
 
 import plotly.graph_objects as go
 
-from .. import formats
-from .._validate import is_real
-from .plots import styled
+from amp_lessons.numerics import formats
+from amp_lessons.validate import is_real
+from amp_lessons.ui.plots import styled
 
 LIMITS = (("fp16 max", "fp16", "max", "#d62728"),
           ("fp16 smallest normal", "fp16", "smallest_normal", "#ff7f0e"),

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from ..bench.float8 import FP8_RECIPES, NOT_MEASURED
-from .._validate import check_int, is_real
-from ..fp8 import FP8_FORMATS as FORMATS
-from ..fp8 import SCALINGS, TENSOR_KINDS, error_summary
-from ..tables import plural
+from amp_lessons.measure.float8 import FP8_RECIPES, NOT_MEASURED
+from amp_lessons.validate import check_int, is_real
+from amp_lessons.numerics.fp8 import FP8_FORMATS as FORMATS
+from amp_lessons.numerics.fp8 import SCALINGS, TENSOR_KINDS, error_summary
+from amp_lessons.tables import plural
 
 
 def error_figure(rows: Sequence[Mapping], title: str = "FP8 round-trip error of real tensors"):
@@ -18,7 +18,7 @@ def error_figure(rows: Sequence[Mapping], title: str = "FP8 round-trip error of 
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from .plots import TEMPLATE
+    from amp_lessons.ui.plots import TEMPLATE
 
     summary = error_summary(rows) if rows and "layer" in rows[0] else list(rows)
     if not summary:
@@ -58,7 +58,7 @@ def speed_figure(rows: Sequence[Mapping],
     nothing was measured, the figure says why."""
     import plotly.graph_objects as go
 
-    from .plots import styled
+    from amp_lessons.ui.plots import styled
 
     if not rows:
         raise ValueError("rows must hold at least one row (see speed_sweep)")
@@ -94,7 +94,7 @@ def loss_figure(runs: Sequence[Mapping], title: Optional[str] = None, smooth: Op
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from .plots import TEMPLATE, trailing_mean
+    from amp_lessons.ui.plots import TEMPLATE, trailing_mean
 
     trained = [r for r in runs if r.get("status") == "trained"]
     if not trained:

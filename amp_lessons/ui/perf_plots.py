@@ -7,9 +7,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 import plotly.graph_objects as go
 
-from .._validate import is_real
-from ..tables import plural, shown_technique
-from .plots import label_positions, preset_comparison, styled, with_caveat
+from amp_lessons.validate import is_real
+from amp_lessons.tables import plural, shown_technique
+from amp_lessons.ui.plots import label_positions, preset_comparison, styled, with_caveat
 
 
 # ---------------------------------------------------------------------------------------------

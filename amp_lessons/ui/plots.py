@@ -15,10 +15,10 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import formats
-from .._validate import check_int, is_int
-from ..formats import lost_shares  # noqa: F401 (re-exported: figures and panels use it)
-from ..tables import percent, plural, pow2_text  # noqa: F401 (re-exported)
+from amp_lessons.numerics import formats
+from amp_lessons.validate import check_int, is_int
+from amp_lessons.numerics.formats import lost_shares  # noqa: F401 (re-exported: figures and panels use it)
+from amp_lessons.tables import percent, plural, pow2_text  # noqa: F401 (re-exported)
 
 TEMPLATE = "plotly_white"
 

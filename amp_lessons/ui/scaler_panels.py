@@ -9,13 +9,13 @@ from typing import Callable, List, Mapping, Optional
 
 import numpy as np
 
-from ..lessons.l03_scaler import (OverflowInjector, RunSetup, ScalerRun, measured_defaults,
+from amp_lessons.lessons.l03_scaler import (OverflowInjector, RunSetup, ScalerRun, measured_defaults,
                                   preset_note, scaler_presets, train_with_scaler)
-from .._validate import is_int
-from ..report import show_table
-from ..trainer import ScalerSettings
-from . import widgets
-from .plots import pow2_text
+from amp_lessons.validate import is_int
+from amp_lessons.publish.report import show_table
+from amp_lessons.train.trainer import ScalerSettings
+from amp_lessons.ui import widgets
+from amp_lessons.ui.plots import pow2_text
 
 
 def scaler_panel(setup: RunSetup = RunSetup(), steps: int = 60,

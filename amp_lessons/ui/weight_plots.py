@@ -1,6 +1,6 @@
 """Figures of lesson 08 (weights and optimizer state): loss curves per recipe, the share of
 updates rounded away per step, and memory by category. Pure functions: rows in (from
-``amp_lessons.optim.train_recipe`` and ``optim.memory_rows``), a plotly figure out, with a title
+``amp_lessons.numerics.optim.train_recipe`` and ``optim.memory_rows``), a plotly figure out, with a title
 and axis titles with units."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .._validate import check_int, is_real
-from .plots import TEMPLATE, styled, trailing_mean
+from amp_lessons.validate import check_int, is_real
+from amp_lessons.ui.plots import TEMPLATE, styled, trailing_mean
 
 RECIPE_COLORS = {"fp32 master": "#000000", "bf16": "#E45756",
                  "bf16 + stochastic rounding": "#F58518", "bf16 + Kahan": "#54A24B",

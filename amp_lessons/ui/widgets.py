@@ -24,11 +24,11 @@ import ipywidgets as w
 import numpy as np
 import plotly.graph_objects as go
 
-from .. import formats
-from .._validate import is_int, is_real
-from ..tables import percent, plural
-from . import plots
-from .controls import (WRAP, BackgroundRun, LiveFigure, NumberField,
+from amp_lessons.numerics import formats
+from amp_lessons.validate import is_int, is_real
+from amp_lessons.tables import percent, plural
+from amp_lessons.ui import plots
+from amp_lessons.ui.controls import (WRAP, BackgroundRun, LiveFigure, NumberField,
                        SliderField, error_html, escape_html, parse_number, resolve_figure_mode,
                        scroll_box, set_class)
 

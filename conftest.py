@@ -17,3 +17,37 @@ def pytest_collection_modifyitems(config, items):
         cell = getattr(item, "cell", None)  # nbval's IPyNbCell
         if cell is not None and GPU_TAG in cell.get("metadata", {}).get("tags", []):
             item.add_marker(skip)
+
+
+# --- how long each notebook takes under nbval -------------------------------------------------
+# Every nbval run records, per notebook, the seconds its cells took (setup + call + teardown) in
+# build/notebook-times/<notebook>.json (an ignored path): tests/test_notebook_times.py holds the
+# times the notebooks and the README state against these records.
+_NOTEBOOK_TIMES = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    if not path.endswith(".ipynb"):
+        return
+    entry = _NOTEBOOK_TIMES.setdefault(path, {"seconds": 0.0, "cells": set(), "failed": False})
+    entry["seconds"] += report.duration
+    entry["cells"].add(report.nodeid)
+    entry["failed"] = entry["failed"] or report.failed
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput") or not _NOTEBOOK_TIMES:
+        return  # an xdist worker: the controller receives the same reports and writes them
+    import datetime, json, os
+    from pathlib import Path
+    out = Path(session.config.rootpath) / "build" / "notebook-times"
+    out.mkdir(parents=True, exist_ok=True)
+    for path, entry in _NOTEBOOK_TIMES.items():
+        record = {"notebook": Path(path).name, "seconds": round(entry["seconds"], 1),
+                  "cells": len(entry["cells"]), "failed": entry["failed"],
+                  "profile": os.environ.get("AMP_LESSONS_PROFILE", ""),
+                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
+                  "cpu_count": os.cpu_count(),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        (out / f"{Path(path).stem}.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -223,12 +223,32 @@ _PARAM_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_
                        "square_avg", "grad_avg", "acc_delta", "sum", "ax", "prev", "mu_product")
 
 
+def _shadow_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` that a ``load_state_dict`` may change without touching it: its
+    own dicts and lists (settings, param groups, state, an optimizer's own records such as
+    BF16AdamW's generators), the tensors shared (a load replaces them, never writes into them).
+    ``copy.copy`` is not that: it shares the settings dict, to which torch's load adds keys."""
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, list)) else v
+                            for k, v in optimizer.__dict__.items()})
+    shadow.param_groups = [dict(g) for g in optimizer.param_groups]
+    return shadow
+
+
+# settings torch's Optimizer.load_state_dict adds itself (to the optimizer's defaults), which a
+# saved group need not hold
+_ADDED_BY_TORCH_LOAD = {"differentiable"}
+
+
 def check_optimizer_state(saved, optimizer: torch.optim.Optimizer) -> None:
-    """Load into a shallow copy of ``optimizer`` (the live one is not touched), then compare
-    the param groups' settings and the state shapes with the live ones: a state saved by
-    another kind of optimizer (RMSprop's into Adam) loads without complaint in torch and fails
-    at the first ``step()`` (``KeyError: 'betas'``); here it is refused, naming what is missing."""
-    shadow = copy.copy(optimizer)
+    """Load into a copy of ``optimizer`` with its own settings, groups and state
+    (``_shadow_optimizer``: the live one is not touched), then compare the param groups'
+    settings and the state shapes with the live ones: a state saved by another kind of
+    optimizer (RMSprop's into Adam) loads without complaint in torch and fails at the first
+    ``step()`` (``KeyError: 'betas'``); here it is refused, naming what is missing. An optimizer
+    that checks its own state on load (``BF16AdamW``: rounding, moments, generators) refuses
+    through that check."""
+    shadow = _shadow_optimizer(optimizer)
     try:
         shadow.load_state_dict(saved)
     except Exception as exc:  # noqa: BLE001 - torch raises ValueError, KeyError, TypeError...
@@ -236,7 +256,7 @@ def check_optimizer_state(saved, optimizer: torch.optim.Optimizer) -> None:
     for i, loaded in enumerate(shadow.param_groups):
         # the constructor's settings (a scheduler's own keys, initial_lr, are not the
         # optimizer's); torch fills in settings newer than the file when it loads
-        missing = sorted(set(optimizer.defaults) - set(loaded))
+        missing = sorted(set(optimizer.defaults) - set(loaded) - _ADDED_BY_TORCH_LOAD)
         if missing:
             raise CheckpointError(
                 f"optimizer: param group {i} lacks {', '.join(map(repr, missing))}, which "
@@ -265,7 +285,7 @@ def _newer_format(found, formats) -> bool:
 def check_training_state(state, model, optimizer, scaler, scheduler, formats) -> None:
     """CheckpointError unless ``state`` (``Trainer.state_dict()``, one of ``formats``) can be
     loaded whole into these live objects (``scaler`` None: the scaler is not loaded). Nothing
-    live is changed: the optimizer state is tried on a shallow copy."""
+    live is changed: the optimizer state is tried on a copy (``check_optimizer_state``)."""
     found = state.get("format") if isinstance(state, dict) else None
     newer = _newer_format(found, formats)
     if newer:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from amp_lessons._compat import found_inf, scale_tensor
-from amp_lessons.validate import check_bool, check_choice, check_int, check_real
+from amp_lessons.validate import check_bool, check_choice, check_int, check_real, check_seed, is_int
 from amp_lessons.measure import (BenchConfig, SavedActivations, Step, free_memory,
                     is_out_of_memory, optimizer_state_tensors, tensor_bytes)
 from amp_lessons.measure.config import OPTIMIZER_IMPLS, OPTIMIZERS
@@ -72,34 +72,38 @@ class BF16AdamW(torch.optim.Optimizer):
     bf16 buffer per weight keeps what the last rounding dropped and adds it to the next update,
     so small updates accumulate until they move the weight. The moments are kept in the weight's
     dtype (bf16), as with torch's AdamW on bf16 weights; ``seed`` fixes the random rounding.
+
+    ``state_dict()`` holds everything that decides the next step: the moments, the step count,
+    the Kahan compensation, and a ``BF16AdamW`` record with the rounding, the seed and the state
+    of each device's random generator. ``load_state_dict`` checks the whole state first (another
+    rounding, or torch's AdamW state, is refused with a ValueError) and leaves the optimizer
+    exactly as it was when it refuses one; a resume is bitwise the run it continues.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, rounding: str = "kahan",
                  seed: int = 0):
-        check_real("lr", lr, 0.0)
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}")
-        for b in betas:
-            check_real("each of betas", b, 0.0, 1.0, high_open=True)
-        check_real("eps", eps, 0.0)
-        check_real("weight_decay", weight_decay, 0.0)
+        _check_hyperparameters(lr, betas, eps, weight_decay)
         check_choice("rounding", rounding, ROUNDINGS)
-        check_int("seed", seed, 0)
+        check_seed("seed", seed)
+        self.rounding = rounding
+        self.seed = int(seed)
+        self._generators: Dict[torch.device, torch.Generator] = {}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
-        self.rounding = rounding
-        self.seed = seed
-        self._generators: Dict[torch.device, torch.Generator] = {}
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group of parameters (``torch.optim.Optimizer.add_param_group``); its params must
-        be bfloat16 tensors, as the constructor's: a ValueError names the dtype found, and the
-        group is not added. The constructor adds its own groups through here."""
+        be bfloat16 tensors, as the constructor's, and at least one: a ValueError names what was
+        found, and the group is not added. The constructor adds its own groups through here."""
         params = param_group.get("params") if isinstance(param_group, dict) else None
         if params is not None and not isinstance(params, (torch.Tensor, set, list, tuple)):
             params = param_group["params"] = list(params)  # a generator is read once: keep it
         params = [params] if isinstance(params, torch.Tensor) else params
+        if isinstance(params, (list, tuple)) and not params:
+            raise ValueError(f"params: param group {len(self.param_groups)} holds no tensor; "
+                             f"BF16AdamW needs at least one bfloat16 tensor to train in each "
+                             f"group")
         for p in params if isinstance(params, (list, tuple)) else []:
             if isinstance(p, torch.Tensor) and p.dtype != torch.bfloat16:
                 raise ValueError(f"params must be bfloat16 tensors (BF16AdamW stores bf16 "
@@ -110,6 +114,101 @@ class BF16AdamW(torch.optim.Optimizer):
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
+
+    def state_dict(self) -> dict:
+        """torch's optimizer state (moments, step counts, Kahan compensation; tensors are the
+        live ones, as torch's) plus ``STATE_KEY``: the rounding, the seed and a copy of each
+        device's generator state, so a stochastic-rounding resume draws the numbers the
+        uninterrupted run would have drawn."""
+        state = super().state_dict()
+        state[STATE_KEY] = {"rounding": self.rounding, "seed": self.seed,
+                            "generators": {str(d): g.get_state()
+                                           for d, g in self._generators.items()}}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what ``state_dict()`` returned (of a ``BF16AdamW`` with the same rounding and
+        parameter shapes). Everything is checked before anything changes: a state of torch's
+        AdamW, of another rounding, with a group setting out of range, a moment of the wrong
+        shape or dtype, a missing compensation buffer or a generator state that cannot be
+        restored raises ValueError, and the optimizer stays exactly as it was (settings, state,
+        generators). Tensors are copied in, so one state dict can be loaded into several
+        optimizers."""
+        generators, seed = self._check_loadable(state_dict)
+        plain = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        plain["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
+                              for n, v in entry.items()}
+                          for k, entry in state_dict["state"].items()}
+        kept = dict(self.__dict__)  # what a failure inside torch's load puts back
+        kept_defaults = dict(self.defaults)  # torch's load adds to this dict in place
+        try:
+            super().load_state_dict(plain)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(kept)
+            self.defaults.clear()
+            self.defaults.update(kept_defaults)
+            raise
+        self.defaults.clear()  # torch adds settings (differentiable) BF16AdamW does not have
+        self.defaults.update(kept_defaults)
+        self.seed = seed
+        self._generators = generators
+
+    def _check_loadable(self, state_dict) -> Tuple[Dict[torch.device, torch.Generator], int]:
+        """ValueError unless ``state_dict`` is a ``BF16AdamW`` state this optimizer can take
+        whole; returns the restored generators and the seed. Changes nothing."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+                or not isinstance(state_dict.get("param_groups"), list):
+            raise ValueError("state_dict: not an optimizer state (a dict with 'state' and "
+                             "'param_groups')")
+        record = state_dict.get(STATE_KEY)
+        if not isinstance(record, dict):
+            raise ValueError(f"state_dict: not a BF16AdamW state (no {STATE_KEY!r} record of "
+                             f"rounding, seed and generators): saved by another optimizer, "
+                             f"such as torch.optim.AdamW?")
+        if record.get("rounding") != self.rounding:
+            raise ValueError(f"state_dict: saved by a BF16AdamW with rounding="
+                             f"{record.get('rounding')!r}; this one has rounding="
+                             f"{self.rounding!r} (its state has other parts: build the "
+                             f"optimizer with the same rounding)")
+        seed = check_seed("state_dict's seed", record.get("seed"))
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict: {len(groups)} param groups; this optimizer has "
+                             f"{len(self.param_groups)}")
+        params = {}
+        for i, (saved, live) in enumerate(zip(groups, self.param_groups)):
+            ids = saved.get("params") if isinstance(saved, dict) else None
+            if not isinstance(ids, list) or len(ids) != len(live["params"]):
+                raise ValueError(f"state_dict: param group {i} holds "
+                                 f"{len(ids) if isinstance(ids, list) else 'no list of'} "
+                                 f"parameters; this optimizer's holds {len(live['params'])}")
+            try:
+                _check_hyperparameters(saved.get("lr"), saved.get("betas"), saved.get("eps"),
+                                       saved.get("weight_decay"))
+            except ValueError as exc:
+                raise ValueError(f"state_dict: param group {i}: {exc}") from None
+            params.update(zip(ids, live["params"]))
+        for key, entry in state_dict["state"].items():
+            if key not in params:
+                raise ValueError(f"state_dict: state for parameter {key!r}, which no param "
+                                 f"group holds")
+            _check_param_state(key, entry, params[key], self.rounding)
+        generators = {}
+        saved_generators = record.get("generators")
+        if not isinstance(saved_generators, dict):
+            raise ValueError("state_dict: the BF16AdamW record holds no generators dict")
+        for name, value in saved_generators.items():
+            try:
+                device = torch.device(name)
+                generator = torch.Generator(device=device)
+                generator.set_state(value)
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise ValueError(f"state_dict: the random generator of device {name!r} cannot "
+                                 f"be restored here ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                                 ) from None
+            generators[device] = generator
+        return generators, seed
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -143,6 +242,47 @@ class BF16AdamW(torch.optim.Optimizer):
                 add_rounded(p, update, self.rounding, state.get("compensation"),
                             self._generator(p.device) if self.rounding == "stochastic" else None)
         return loss
+
+
+STATE_KEY = "BF16AdamW"  # BF16AdamW.state_dict()'s own record: rounding, seed, generators
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    """ValueError naming the first AdamW setting out of its range (constructor and loads)."""
+    check_real("lr", lr, 0.0)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}")
+    for b in betas:
+        check_real("each of betas", b, 0.0, 1.0, high_open=True)
+    check_real("eps", eps, 0.0)
+    check_real("weight_decay", weight_decay, 0.0)
+
+
+def _check_param_state(key, entry, param: torch.Tensor, rounding: str) -> None:
+    """ValueError unless ``entry`` is the state BF16AdamW keeps for ``param``: a step count,
+    two moments of its shape and dtype, and (kahan) a compensation buffer, nothing else; or
+    nothing yet (a parameter that has not stepped)."""
+    expected = {"step", "exp_avg", "exp_avg_sq"} | ({"compensation"} if rounding == "kahan"
+                                                    else set())
+    if isinstance(entry, dict) and not entry:  # a parameter that has not stepped yet
+        return
+    if not isinstance(entry, dict) or set(entry) != expected:
+        found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise ValueError(f"state_dict: parameter {key!r} has state {found}; a BF16AdamW with "
+                         f"rounding={rounding!r} keeps {sorted(expected)}: saved by another "
+                         f"optimizer or rounding?")
+    step = entry["step"]
+    if not is_int(step) or step < 0:
+        raise ValueError(f"state_dict: parameter {key!r} has step {step!r}; BF16AdamW counts "
+                         f"steps as a whole number >= 0 (a tensor step is torch's AdamW's)")
+    for name in sorted(expected - {"step"}):
+        t = entry[name]
+        if not isinstance(t, torch.Tensor) or t.shape != param.shape or \
+                t.dtype != param.dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else \
+                type(t).__name__
+            raise ValueError(f"state_dict: parameter {key!r}: {name} is {got}; the parameter "
+                             f"is {tuple(param.shape)} {param.dtype}")
 
 
 @torch.no_grad()

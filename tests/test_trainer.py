@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_lessons.numerics import precision as P
+from amp_lessons.train import records as R
 from amp_lessons.train import trainer as T
 from amp_lessons.data import TensorBatches
-from amp_lessons.train.lazy import StepClock
 from trainer_helpers import (Inject, TinyNet, assert_same_tensors, batches, fresh, make_data,
                              optimizer_tensors)
 
@@ -193,7 +193,7 @@ def test_trainer_rejects_bad_arguments():
         T.Trainer(model, opt, config={"precision": "fp32"})
     with pytest.raises(ValueError, match="optimizer must be a torch.optim.Optimizer"):
         T.Trainer(model, "sgd")
-    with pytest.raises(ValueError, match="hooks must be Hooks instances"):
+    with pytest.raises(ValueError, match="hooks must be a list of Hooks instances"):
         T.Trainer(model, opt, hooks=[object()])
     trainer = T.Trainer(model, opt, T.TrainConfig(progress=False))
     with pytest.raises(ValueError, match="micro_batches must hold at least one"):
@@ -319,8 +319,9 @@ def test_fp16_reference_loop_without_clipping():
     assert scales[0] == 2.0 ** 20 and len(set(scales)) > 1  # the scale moved during the run
 
 
-def test_lean_mode_matches_the_reference_and_still_detects_skips():
-    """track_grad_norm/track_memory/skip-safe BN off: scaler.step unscales, as in the example."""
+def test_the_defaults_match_the_typical_example_and_still_detect_skips():
+    """No clipping, no norm, no hook reading gradients: scaler.step unscales, as in the
+    example; a step with an inf gradient is skipped as GradScaler skips it."""
     data = batches(4)
     ref_model, ref_opt = fresh()
     scaler = torch.amp.GradScaler("cpu")
@@ -334,10 +335,8 @@ def test_lean_mode_matches_the_reference_and_still_detects_skips():
         scaler.step(ref_opt)
         scaler.update()
     model, opt = fresh()
-    cfg = T.TrainConfig(precision="fp16", progress=False, seed=None, track_grad_norm=False,
-                        track_memory=False, skip_safe_batchnorm=False)
+    cfg = T.TrainConfig(precision="fp16", progress=False, seed=None, skip_safe_batchnorm=False)
     trainer = T.Trainer(model, opt, cfg, hooks=[Inject({2})])
-    assert not trainer._unscale_first
     for b in data:
         trainer.train_step([b])
     assert_same_tensors(model.state_dict(), ref_model.state_dict())
@@ -352,18 +351,13 @@ def test_clip_by_value_after_unscale():
     trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", clip_value=1e-3,
                                                   progress=False))
 
-    class Spy(T.Hooks):
-        def after_step(self, trainer, record):
-            pass
-
     grads = []
 
     class Capture(T.Hooks):
         def after_unscale(self, trainer):
             grads.append(trainer.model.fc.weight.grad.clone())
 
-    trainer.hooks.append(Capture())
-    trainer._after_unscale = T._overrides(trainer.hooks, "after_unscale")
+    trainer = T.Trainer(model, opt, trainer.config, hooks=[Capture()])
     # capture after the trainer's clipping too: wrap the optimizer step
     stepped = []
     original = opt.step
@@ -386,7 +380,8 @@ def test_clip_by_value_after_unscale():
 def test_skipped_step_leaves_the_model_exactly_as_it_was(value):
     data = batches(3)
     model, opt = fresh()
-    trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False),
+    trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False,
+                                                  track_grad_norm=True),
                         hooks=[Inject({2}, value)])
     trainer.train_step([data[0]])
     trainer.train_step([data[1]])
@@ -667,11 +662,9 @@ def test_train_config_is_immutable_and_replace_revalidates():
 def test_trainer_config_can_be_replaced_between_steps_but_not_its_precision():
     model, opt = fresh()
     trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False))
-    assert trainer._unscale_first and trainer._guard is not None
-    trainer.config = dataclasses.replace(trainer.config, track_grad_norm=False,
-                                         skip_safe_batchnorm=False)
-    assert not trainer._unscale_first  # derived settings follow the new config
-    assert trainer._guard is None
+    assert trainer.train_step(batches(1)).grad_norm is None
+    trainer.config = dataclasses.replace(trainer.config, track_grad_norm=True)
+    assert trainer.train_step(batches(1)).grad_norm > 0  # the step follows the new config
     trainer.config = dataclasses.replace(trainer.config,
                                          scaler=T.ScalerSettings(init_scale=8.0))
     assert trainer.scaler.get_scale() == 8.0
@@ -724,12 +717,12 @@ def test_nonfinite_skip_leaves_everything_as_it_was(precision, impl):
     trainer = T.Trainer(model, opt, T.TrainConfig(precision=precision, progress=False),
                         hooks=[InjectLoss({0, 2})])
     first = trainer.train_step([data[0]])  # first step: no optimizer state yet
-    assert first.skipped and first.skip_reason == T.SKIPPED_NONFINITE
+    assert first.skipped and first.skip_reason == R.SKIPPED_NONFINITE
     trainer.train_step([data[1]])
     weights = copy.deepcopy(model.state_dict())
     state = copy.deepcopy(optimizer_tensors(opt))
     record = trainer.train_step([data[2]])
-    assert record.skipped is True and record.skip_reason == T.SKIPPED_NONFINITE
+    assert record.skipped is True and record.skip_reason == R.SKIPPED_NONFINITE
     assert_same_tensors(model.state_dict(), weights)  # weights and BatchNorm statistics
     assert_same_tensors(optimizer_tensors(opt), state)
     assert not trainer.train_step([data[3]]).skipped
@@ -809,7 +802,7 @@ def test_epoch_summary_counts_skips_and_averages_finite_losses_only():
     assert math.isfinite(summary["train_loss"])
     losses = [r.loss for r in trainer.history if not r.skipped]
     assert summary["train_loss"] == pytest.approx(sum(losses) / 3)
-    assert trainer.history[0].skip_reason == T.SKIPPED_BY_SCALER
+    assert trainer.history[0].skip_reason == R.SKIPPED_BY_SCALER
 
 
 class NaNOnce:
@@ -824,449 +817,7 @@ class NaNOnce:
         return loss * float("nan") if self.calls == 1 else loss
 
 
-# --- per-step host work: ops launched, against the hand loop -------------------------------------
-
-_NO_KERNEL = {"detach", "view", "_unsafe_view", "select", "alias", "unbind", "t", "transpose",
-              "reshape", "expand", "as_strided", "slice", "unsqueeze", "squeeze", "lift_fresh"}
-
-
-class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
-    """The names of the aten ops run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def _ops_per_step(step, warmup=2):
-    """Kernel-launching aten ops of one step (views and ``detach`` left out: ``_NO_KERNEL``;
-    torch 2.4 dispatches ``loss.detach()`` as two ``detach`` ops, 2.14 as one)."""
-    for _ in range(warmup):
-        step()
-    with OpNames() as ops:
-        step()
-    return sum(n not in _NO_KERNEL for n in ops.names)
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-                         nn.Linear(32, 10))
-
-
-@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
-def test_trainer_launches_few_ops_beyond_the_hand_loop(precision):
-    """Per-step host work, counted as aten ops (not time) on the AMP recipe's network shape.
-
-    Budgets: the lean trainer (no grad norm, no memory tracking) adds no kernel to the hand
-    loop (its loss detach launches none; fp16's scale copy is gone since issue 22:
-    ``ScaleLog``) with nonfinite='ignore'; the defaults add one (the foreach norm, reduced when
-    read: issue 22; it was 5 more before); the skip check at most 6 (no zero fill: pre-zeroed
-    flags). A change that launches more per step fails here."""
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
-
-    def hand():
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-
-        def step():
-            with P.autocast_for(precision, "cpu"):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-        return step
-
-    def trainer(**flags):
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        tr = T.Trainer(model, opt, T.TrainConfig(precision=precision, progress=False, seed=None,
-                                                 **flags))
-        return lambda: tr.train_step([(x, y)])
-
-    base = _ops_per_step(hand())
-    lean = _ops_per_step(trainer(track_grad_norm=False, track_memory=False, nonfinite="ignore"))
-    defaults = _ops_per_step(trainer(nonfinite="ignore"))
-    assert lean - base <= 0, (base, lean)
-    assert defaults - lean <= 1, (lean, defaults)
-    if precision != "fp16":  # the non-finite check: a few ops, not one per parameter
-        skip = _ops_per_step(trainer(track_grad_norm=False, track_memory=False))
-        assert skip - lean <= 6, (lean, skip)
-
-
-def test_capture_says_everything_it_needs():
-    model, opt = fresh()
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", accumulate=2,
-                                                  progress=False, nonfinite="raise"),
-                        scheduler=sched, hooks=[Inject({0})])
-    x, y = batches(1)[0]
-    with pytest.raises(ValueError, match=r"capture needs a CUDA device \(this trainer runs on "
-                                         r"cpu\); accumulate == 1 \(got 2\); no hooks and no "
-                                         r"scheduler; a fused optimizer under fp16"):
-        trainer.capture(x, y)
-    with pytest.raises(ValueError, match="nonfinite 'skip' or 'ignore', not 'raise'"):
-        T.Trainer(*fresh(), T.TrainConfig(progress=False, nonfinite="raise")).capture(x, y)
-
-
-def _python_calls_per_step(step, warmup=2):
-    count = [0]
-
-    def profiler(frame, event, arg):
-        if event in ("call", "c_call"):
-            count[0] += 1
-
-    for _ in range(warmup):
-        step()
-    sys.setprofile(profiler)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return count[0]
-
-
-def test_trainer_host_calls_per_step_stay_few():
-    """Host work in Python, counted as function calls (Python and C) per step against the hand
-    loop: on a short GPU step every one of them is paid (benchmarks/NOTES.md). fp16, a model
-    without BatchNorm: lean at most 20 calls more than the hand loop, without the step time at
-    most 18, defaults at most 26 (they were 48 and 110 before issue 14, 21/19/27 before issue
-    22, which made the gradient norm and the loss scale lazy: fewer device calls, one more
-    Python call; 22/20/26 before the lean step of its ninth session). The step time costs 2 calls on a CPU (the clock's ``end`` and one
-    ``perf_counter``) and 4 on the CUDA path (``end``, a pooled event, its ``record``, the
-    span), counted here with a stand-in event whose ``record`` is one call (a real one also
-    looks up ``torch.cuda.current_stream()``); before the third round of issue 22 two
-    ``torch.cuda.Event`` were built and recorded a step, each record with that look-up."""
-    x, y = torch.randn(4, 8), torch.randint(0, 8, (4,))
-
-    def mlp():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu")
-
-    def hand():
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    class Event:  # a CUDA event's stand-in: recording it is one call
-        def record(self):
-            pass
-
-    def trainer(cuda_clock=False, **flags):
-        m = mlp()
-        tr = T.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                       T.TrainConfig(precision="fp16", progress=False, seed=None, **flags))
-        if cuda_clock:
-            tr._clock = StepClock(True, Event)
-        return lambda: tr.train_step([(x, y)])
-
-    lean_flags = dict(track_grad_norm=False, track_memory=False)
-    # the trainer passes autocast cache_enabled=True, which spares newer torch (2.14) one query
-    # of the cache flag that the hand loop makes; 2.4 to 2.6 query it anyway: one call of slack
-    told = _python_calls_per_step(
-        lambda: torch.autocast("cpu", dtype=torch.float16, cache_enabled=True))
-    spared = _python_calls_per_step(lambda: torch.autocast("cpu", dtype=torch.float16)) - told
-    assert spared in (0, 1), spared
-    slack = 1 - spared
-    base = _python_calls_per_step(hand)
-    lean = _python_calls_per_step(trainer(**lean_flags))
-    leanest = _python_calls_per_step(trainer(**lean_flags, track_time=False))
-    defaults = _python_calls_per_step(trainer())
-    assert lean - base <= 20 + slack, (base, lean)
-    assert leanest < lean and leanest - base <= 18 + slack, (base, leanest)
-    assert defaults - base <= 26 + slack, (base, defaults)
-    assert lean - leanest == 2, (lean, leanest)
-    assert _python_calls_per_step(trainer(cuda_clock=True, **lean_flags)) - leanest == 4
-
-
-# --- CUDA-facing calls per step (issue 22): what the hand loop does not do ----------------------
-
-class FakeAllocator:
-    """Stands in for the CUDA allocator's peak counter on the CPU: counts resets and reads."""
-
-    def __init__(self, monkeypatch):
-        self.resets = self.reads = 0
-        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
-        monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", self.stats)
-
-    def reset(self, device=None):
-        self.resets += 1
-
-    def stats(self, device=None):
-        self.reads += 1
-        return {"allocated_bytes": {"all": {"peak": 1000 * self.reads}}}
-
-
-def _device_calls(step, allocator, warmup=3):
-    """Kernel-launching aten ops (views and detach left out) and allocator calls of one step."""
-    for _ in range(warmup):
-        step()
-    before = allocator.resets + allocator.reads
-    with OpNames() as ops:
-        step()
-    return [n for n in ops.names if n not in _NO_KERNEL], allocator.resets + allocator.reads - before
-
-
-@pytest.mark.parametrize("precision,fused", [("fp16", False), ("bf16", True), ("fp32", True)])
-def test_trainer_makes_only_the_device_calls_it_needs(monkeypatch, precision, fused):
-    """Per step, the kernels and allocator calls the trainer makes beyond the hand loop, by name
-    (on the CPU, each aten op that launches a kernel on a GPU; the peak-memory calls patched):
-    lean makes none under fp16 (the scale a step used is replayed when read: ``ScaleLog``) and
-    only the skip check otherwise (fused optimizer, no zero fill); the defaults add one foreach norm (stack and norm run when the norm is read) and no
-    allocator call at all once the window is open (issue 22: it was reset + stats every step),
-    and the step time one CUDA event recorded, none created once the pool holds one whose time
-    was read (it was two events created and recorded a step)."""
-    allocator = FakeAllocator(monkeypatch)
-    events = {"made": 0, "records": 0}
-
-    class Event:  # a CUDA event's stand-in (the trainer's clock is given the CUDA path)
-        def __init__(self):
-            events["made"] += 1
-            self.t = 0
-
-        def record(self):
-            events["records"] += 1
-            self.t = events["records"]
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return float(end.t - self.t)
-
-    x, y = torch.randn(4, 8), torch.randint(0, 8, (4,))
-
-    def mlp():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-
-    def sgd(m):
-        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, fused=fused or None)
-
-    model = mlp()
-    opt = sgd(model)
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-    if fused:
-        from amp_lessons.train.skipsafe import prime_momentum_buffers
-        prime_momentum_buffers(opt)  # as the trainer does
-
-    def hand():
-        with P.autocast_for(precision, "cpu"):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    def trainer(**flags):
-        m = mlp()
-        tr = T.Trainer(m, sgd(m), T.TrainConfig(precision=precision, progress=False, seed=None,
-                                                **flags))
-        tr._track_memory = tr.config.track_memory  # as on a GPU (the allocator is patched)
-        tr._clock = StepClock(True, Event)  # as on a GPU
-        return tr, lambda: tr.train_step([(x, y)])
-
-    base, none = _device_calls(hand, allocator)
-    assert none == 0
-
-    def extra(flags):
-        tr, step = trainer(**flags)
-        names, allocator_calls = _device_calls(step, allocator)
-        left = list(names)
-        for n in base:
-            if n in left:
-                left.remove(n)
-        return sorted(left), allocator_calls, tr
-
-    lean = dict(track_grad_norm=False, track_memory=False, track_time=False)
-    check = [] if precision == "fp16" else ["_amp_foreach_non_finite_check_and_unscale_"]
-    assert extra(lean)[:2] == (check, 0)
-    if check:  # raise: the sticky flag written into the step's own (no copy of it)
-        raised = extra(dict(lean, nonfinite="raise"))[0]
-        assert [n for n in raised if n not in ("_local_scalar_dense",)] == sorted(
-            check + ["maximum"]), raised
-    made = events["made"]
-    names, calls, tr = extra({})
-    assert names == sorted(["_foreach_norm"] + check) and calls == 0
-    assert events["made"] - made == 5  # a start and 4 ends (3 warm-up steps, one counted)
-    assert allocator.resets >= 1 and allocator.reads == 0  # one window, not read yet
-    tr.history[-1].peak_memory_bytes  # reading it closes the window: the next step opens one
-    reads, resets = allocator.reads, allocator.resets
-    tr.train_step([(x, y)])
-    assert (allocator.reads, allocator.resets) == (reads, resets + 1)
-    tr.history.materialize()  # every event but the chain's goes back to the pool
-    made, records = events["made"], events["records"]
-    tr.train_step([(x, y)])
-    assert (events["made"] - made, events["records"] - records) == (0, 1)
-
-
-def test_peak_memory_is_read_per_window(monkeypatch):
-    """``peak_memory_bytes``: the device's peak counter is reset at the first step after the
-    last reading and read once when a record of the window is read; read after each step, it is
-    each step's own peak (two allocator calls a step, as before issue 22); an epoch's summary
-    still holds the peak of its own steps only."""
-    allocator = FakeAllocator(monkeypatch)
-    model, opt = fresh()
-    trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False))
-    trainer._track_memory = True  # as on a GPU (the allocator is patched)
-    data = batches(4)
-    records = [trainer.train_step([b]) for b in data[:3]]
-    assert (allocator.resets, allocator.reads) == (1, 0)
-    assert records[1].peak_memory_bytes == 1000 and allocator.reads == 1
-    assert [r.peak_memory_bytes for r in records] == [1000] * 3 and allocator.reads == 1
-    for b in data:  # read after each step: per step
-        assert trainer.train_step([b]).peak_memory_bytes == 1000 * (allocator.reads)
-    assert (allocator.resets, allocator.reads) == (5, 5)
-    trainer.train_step([data[0]])  # an open window before fit: read when fit starts
-    trainer.fit(data, epochs=2)
-    assert allocator.reads == 8 and allocator.resets == 8
-    assert [e["peak_memory_bytes"] for e in trainer.history.epochs] == [7000, 8000]
-    assert trainer.history.columns()["peak_memory_bytes"][-4:] == [8000] * 4
-
-
-def test_the_lazy_gradient_norm_is_the_eager_one_bitwise():
-    """The norm kept as per-parameter norms and reduced when read equals, bit for bit,
-    ``torch.nn.utils.get_total_norm`` (or the trainer's eager three kernels) of the gradients."""
-    seen = []
-
-    class Norms(T.Hooks):
-        def after_unscale(self, trainer):
-            grads = [p.grad for p in trainer._params if p.grad is not None]
-            seen.append(T._total_norm(grads, one_group=True).item())
-            if hasattr(torch.nn.utils, "get_total_norm"):
-                assert torch.nn.utils.get_total_norm(grads).item() == seen[-1]
-
-    for precision in ("fp16", "fp32"):
-        seen.clear()
-        model, opt = fresh()
-        trainer = T.Trainer(model, opt, T.TrainConfig(precision=precision, progress=False),
-                            hooks=[Norms()])
-        records = [trainer.train_step([b]) for b in batches(3)]
-        assert isinstance(records[0].__dict__["_grad_norm"], T._NormParts)
-        assert records[0].grad_norm == seen[0]  # read alone
-        assert trainer.history.columns()["grad_norm"] == seen  # read together
-
-
-def test_the_logged_loss_scale_is_the_scale_each_step_used(monkeypatch, tmp_path):
-    """fp16 records keep no copy of the scale: ``ScaleLog`` replays GradScaler's update when a
-    record is read. Every recorded scale equals, bit for bit, the scale GradScaler held when its
-    step began, through growth, backoff (inf steps), a cancelled step, ``set_scaler`` and a
-    checkpoint load mid-run (new windows), windows of 3 steps, and reads in between."""
-    from amp_lessons import _compat
-    monkeypatch.setattr(_compat.ScaleLog, "WINDOW", 3)
-
-    class Cancel(T.Hooks):
-        def before_step(self, trainer):
-            if trainer.step == 6:
-                trainer.cancel_step("test")
-
-    model, opt = fresh()
-    settings = T.ScalerSettings(init_scale=2.0 ** 10, growth_interval=2)
-    trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False,
-                                                  scaler=settings),
-                        hooks=[Inject({2, 3, 9}), Cancel()])
-    expected, data = [], batches(4)
-    for i in range(16):
-        if i == 8:
-            trainer.set_scaler(dataclasses.replace(settings, init_scale=2.0 ** 5))
-        if i == 11:
-            path = trainer.save_checkpoint(tmp_path / "c.pt")
-        if i == 13:
-            trainer.load_checkpoint(path)
-            del expected[11:]
-        expected.append(trainer.scaler.get_scale())
-        record = trainer.train_step([data[i % 4]])
-        if i in (4, 10):
-            assert record.scale == expected[-1]  # read alone, mid-window
-    with torch.inference_mode():  # a read there leaves the log usable outside it
-        assert trainer.history[-2].scale == expected[-2]
-    scales = trainer.history.columns()["scale"]
-    assert scales == expected and len(set(expected)) > 4, (scales, expected)
-    skipped = trainer.history.columns()["skipped"]
-    assert skipped[2] and skipped[3] and skipped[6] and skipped[9]
-
-
-def test_the_lazy_norm_keeps_one_tensor_where_the_norms_share_one(monkeypatch):
-    """Where ``_foreach_norm`` returns views of one tensor (its CUDA kernel does; simulated
-    here), a record keeps that tensor alone, the skip check runs over it, and the norm read is
-    the same bits as the eager one."""
-    real = torch._foreach_norm
-
-    def as_views(tensors, *args, **kwargs):  # CUDA's layout: views, in order, of one tensor
-        return list(torch.stack(real(tensors, *args, **kwargs)).unbind())
-
-    eager = []
-
-    class Norm(T.Hooks):
-        def after_unscale(self, trainer):
-            grads = [p.grad for p in trainer._params if p.grad is not None]
-            eager.append(T._total_norm(grads, one_group=True).item())
-
-    monkeypatch.setattr(torch, "_foreach_norm", as_views)
-    model, opt = fresh()
-    trainer = T.Trainer(model, opt, T.TrainConfig(progress=False), hooks=[Norm()])
-    records = [trainer.train_step([b]) for b in batches(2)]
-    parts = records[0].__dict__["_grad_norm"]
-    assert parts.flat is not None and parts.parts == [parts.flat]
-    assert parts.flat.shape == (len(list(model.parameters())),)
-    assert trainer.history.columns()["grad_norm"] == eager
-    bad = T.Trainer(*fresh(), T.TrainConfig(progress=False), hooks=[Inject({1})])
-    bad.fit(batches(3))
-    assert bad.history.columns()["skipped"] == [False, True, False]
-
-
-def test_skip_flags_come_from_a_pre_zeroed_block():
-    """NonFiniteCheck hands out each flag once from a block of zeros (one fill per block, not
-    per step); a set flag never comes back; with ``pool=False`` (CUDA-graph capture) each flag
-    is a fresh ``torch.zeros``."""
-    from amp_lessons._compat import NonFiniteCheck
-    check = NonFiniteCheck()
-    good, bad = [torch.ones(3)], [torch.tensor([1.0, float("nan")])]
-    flags = [check(bad if i % 7 == 0 else good, torch.device("cpu"), uniform=True)
-             for i in range(NonFiniteCheck.POOL + 5)]
-    assert [f.item() for f in flags] == [1.0 if i % 7 == 0 else 0.0 for i in range(len(flags))]
-    assert len({f.data_ptr() for f in flags}) == len(flags)
-    with OpNames() as ops:
-        check(good, torch.device("cpu"), uniform=True)
-    assert "zeros" not in ops.names and "fill_" not in ops.names
-    check.pool = False
-    with OpNames() as ops:
-        flag = check(good, torch.device("cpu"), uniform=True)
-    assert flag._base is None and flag.item() == 0.0 and ops.names[0] in ("zeros", "zero_", "fill_")
-
-
-def test_track_time_off_records_no_step_time():
-    """``track_time=False``: no timer (no CUDA events on a GPU), ``time_s`` reads None; the
-    step trains exactly as with it on."""
-    runs = {}
-    for timed in (True, False):
-        model, opt = fresh()
-        trainer = T.Trainer(model, opt, T.TrainConfig(precision="fp16", progress=False,
-                                                      track_time=timed))
-        for x, y in batches(3):
-            record = trainer.train_step([(x, y)])
-        assert (record.time_s is None) is not timed
-        assert all((r.time_s is None) is not timed for r in trainer.history.materialize())
-        runs[timed] = model.state_dict()
-    assert_same_tensors(runs[True], runs[False])
-    with pytest.raises(ValueError, match="track_time"):
-        T.TrainConfig(track_time="no")
-
-
-# --- a step that raises leaves the trainer as it was (issue 23) ---------------------------------
+# --- a step that raises leaves the trainer as it was -----------------------------------------------
 
 def _snapshot(trainer):
     return (copy.deepcopy(trainer.model.state_dict()), copy.deepcopy(optimizer_tensors(
@@ -1348,7 +899,7 @@ def test_an_interrupted_fp16_step_leaves_the_trainer_able_to_step(where):
     assert trainer.scaler.get_scale() == reference.scaler.get_scale()
 
 
-# --- loops over data neither lose nor invent work (issue 23) ------------------------------------
+# --- loops over data neither lose nor invent work --------------------------------------------------
 
 class _Counted:
     """A one-shot generator of ``batches`` that counts what was drawn from it."""

@@ -71,8 +71,7 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
                  progress: bool = True, checkpoint: Union[str, Path, None] = None,
                  resume: Union[str, Path, None] = None, hooks: Sequence[Hooks] = (),
                  on_epoch: Optional[Callable[[dict], None]] = None,
-                 lr_schedule: str = "constant", nonfinite: str = "skip",
-                 nonfused_skip: str = "auto") -> DigitsRun:
+                 lr_schedule: str = "constant", nonfinite: str = "skip") -> DigitsRun:
     """Train a digits model (SGD, momentum 0.9) and evaluate it on the test split every epoch.
 
     ``lr_schedule``: ``"constant"`` (``lr`` throughout) or ``"cosine"`` (``lr`` decayed to 0 over
@@ -81,9 +80,8 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
     ``epochs`` is the total: a run resumed from ``resume`` trains only the epochs still missing.
     ``checkpoint``: saved (atomically) after every epoch. ``image_size`` overrides the CNN's 32.
     ``on_epoch`` gets each epoch's summary as it finishes (the CLI prints it).
-    ``nonfinite``: the trainer's policy for inf/NaN without a GradScaler (``TrainConfig``);
-    ``nonfused_skip``: how it skips this non-fused SGD's step, "auto", "copy" or "sync"
-    (``TrainConfig``).
+    ``nonfinite``: the trainer's policy for inf/NaN without a GradScaler (``TrainConfig``).
+    Each step records its gradient norm (lesson 02 plots it).
     """
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("width", width)):
         check_int(name, value, 1)
@@ -111,7 +109,7 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
                          scaler=scaler if scaler is not None else ScalerSettings(),
                          clip_norm=clip_norm, accumulate=accumulate,
                          eval_precision=eval_precision, progress=progress, seed=seed,
-                         nonfinite=nonfinite, nonfused_skip=nonfused_skip)
+                         nonfinite=nonfinite, track_grad_norm=True)
     net.to(dev)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     schedule = None

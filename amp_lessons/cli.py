@@ -307,32 +307,35 @@ def _cmd_readme(args) -> int:
 
 def _add_explain(sub) -> None:
     p = sub.add_parser("explain", help="where a published table's numbers came from",
-                       description="Print the path from a table the notebooks publish (e.g. "
-                                   "lesson05.techniques) to the code that measured it (functions "
-                                   "with file and line), the configurations, device, torch and "
-                                   "the run, from the committed notebooks.")
-    p.add_argument("key", nargs="?", default=None,
-                   help="a published key; without one, every key the notebooks publish")
+                       description="Print what the committed notebooks recorded when they "
+                                   "published a table (e.g. lesson05.techniques): the run and "
+                                   "the code version, the call path at publish time, the calls "
+                                   "that made each row (with its configuration) and each "
+                                   "column. Without KEY, list the published keys.")
+    p.add_argument("key", nargs="?", default=None, metavar="KEY",
+                   help="a published key (the README names each table's); without one, list them")
     p.set_defaults(func=_cmd_explain)
 
 
 def _cmd_explain(args) -> int:
-    from amp_lessons.publish.provenance import explain, producers
-    from amp_lessons.publish.report import collect
     from amp_lessons.publish.notebooks import course_notebooks
+    from amp_lessons.publish.provenance import explain, unknown_key
+    from amp_lessons.publish.report import collect
 
-    try:
-        published = collect(course_notebooks())
+    try:  # the committed records only: no torch-heavy module is imported, no lesson runs
+        published = collect(course_notebooks(), validate=False)
     except (OSError, ValueError) as exc:
         return fail("explain", str(exc))
-    keys = [args.key] if args.key else list(dict.fromkeys(r["key"] for r in published))
-    for i, key in enumerate(keys):
-        try:
-            producers(key)
-        except ValueError as exc:
-            return fail("explain", str(exc))
-        found = [r for r in published if r["key"] == key]
-        print(("\n" if i else "") + explain(key, found[-1] if found else None))
+    keys = list(dict.fromkeys(r["key"] for r in published))
+    if args.key is None:
+        for key in keys:
+            found = next(r for r in published if r["key"] == key)
+            print(f"{key}  (notebooks/{found['notebook']}): {found.get('title', '')}")
+        return 0
+    found = [r for r in published if r["key"] == args.key]
+    if not found:
+        return fail("explain", unknown_key(args.key, keys))
+    print(explain(args.key, found[-1]))
     return 0
 
 
@@ -521,7 +524,7 @@ def _whole(text: str) -> int:
 
 def _add_train(sub) -> None:
     from amp_lessons.models import DIGITS_MODELS
-    from amp_lessons.train.trainer import EVAL_PRECISIONS, NONFINITE_POLICIES, NONFUSED_SKIPS, PRECISIONS
+    from amp_lessons.train.trainer import EVAL_PRECISIONS, NONFINITE_POLICIES, PRECISIONS
 
     p = sub.add_parser("train", help="train a digits model at one precision (lesson 02)",
                        description="Train on scikit-learn's digits with the course's trainer and "
@@ -548,11 +551,6 @@ def _add_train(sub) -> None:
     p.add_argument("--nonfinite", choices=NONFINITE_POLICIES, default="skip",
                    help="a step with an inf/NaN loss or gradient without GradScaler (fp32, tf32, "
                         "bf16): skip it (default), raise, or ignore")
-    p.add_argument("--nonfused-skip", choices=NONFUSED_SKIPS, default="auto",
-                   help="how --nonfinite skip/raise skip SGD's (non-fused) step: auto "
-                        "(default: sync on a CPU, copy on a GPU), copy (put a device copy "
-                        "back: no host sync, two copies of weights and momentum in memory) or "
-                        "sync (one host read a step decides: no copies)")
     p.add_argument("--eval-precision", choices=EVAL_PRECISIONS, default="same",
                    help="evaluate under training's autocast (same) or another precision")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -630,7 +628,7 @@ def _cmd_train(args) -> int:
                            device=None if args.device == "auto" else args.device,
                            seed=args.seed, progress=not args.no_progress,
                            checkpoint=args.checkpoint, resume=args.resume, on_epoch=on_epoch,
-                           nonfinite=args.nonfinite, nonfused_skip=args.nonfused_skip)
+                           nonfinite=args.nonfinite)
     except (ValueError, OSError, FloatingPointError) as exc:
         # bad settings, a damaged --resume file (CheckpointError), a full disk (DiskFullError)
         return fail("train", as_flag(str(exc), vars(args), {"clip_norm": "--clip"}))

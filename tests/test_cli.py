@@ -33,7 +33,7 @@ def test_train_end_to_end_with_json_checkpoint_and_resume(tmp_path, capsys):
     assert doc["summary"]["precision"] == "fp16" and len(doc["epochs"]) == 1
     assert doc["args"]["clip"] == 1.0 and len(doc["history"]["loss"]) == 6
     assert main(["train", "--precision", "amp", "--epochs", "2", "--resume", str(ckpt),
-                 "--nonfinite", "raise", "--nonfused-skip", "sync"] + FAST) == 0
+                 "--nonfinite", "raise"] + FAST) == 0
     text = capsys.readouterr().out
     assert "epoch 2/2:" in text and "epoch 1/2" not in text and ", 2 epochs" in text
 
@@ -44,7 +44,6 @@ def test_train_end_to_end_with_json_checkpoint_and_resume(tmp_path, capsys):
     (["--epochs", "0"], "expected a whole number >= 1"),
     (["--lr", "fast"], "expected a number"),
     (["--nonfinite", "warn"], "invalid choice"),
-    (["--nonfused-skip", "host"], "invalid choice"),
 ])
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -25,11 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from amp_lessons.train.records import Deferred
-
 __all__ = ["torch_version", "FOUND_INF_READABLE", "scale_tensor", "scale_reader", "found_inf",
            "forget_step", "cap_growth_tracker", "init_scale", "reset_scale", "supports_found_inf",
-           "step_skipping", "NonFiniteCheck", "ScaleLog"]
+           "step_skipping", "NonFiniteCheck"]
 
 
 def torch_version() -> "tuple[int, int]":
@@ -210,116 +208,3 @@ class NonFiniteCheck:
         if one is None:
             one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
         return one
-
-
-# --- the loss scale each step used, without a copy per step -------------------------------------
-
-class ScaleLog:
-    """The loss scale each step of a GradScaler used, as lazy values, without a device copy per
-    step. ``update()`` changes the scale in place, so the scale a step used is gone after it;
-    instead of a copy per step, a window keeps one copy of the scale and of the growth tracker
-    (its anchor) and, per step, the inf/NaN flag ``update()`` consumed and the three growth
-    settings. Read, it replays GradScaler's own kernel (``torch._amp_update_scale_``) on copies
-    of the anchor, step by step: the very float32 operations ``update()`` ran, so the same bits.
-
-    A new window (one copy of each) starts every ``WINDOW`` steps and whenever the scale or
-    tracker tensor was replaced or changed in place by anything else between steps
-    (``update(new_scale=...)``, ``set_scaler``, ``load_state_dict``, a clamp: their version
-    counters tell), and after ``invalidate()`` (a CUDA-graph replay changes them without a
-    version bump: ``Trainer.capture`` calls it). ``usable``: False where this torch lacks what it
-    needs (then the caller copies the scale per step).
-
-    Per step: ``used()`` (after backward, before ``scaler.step``) gives the step's scale; set
-    ``flag`` to the inf/NaN flag GradScaler computed for the step; ``update()`` replaces
-    ``scaler.update()`` and logs the step (a step without ``flag`` is not logged: its scale
-    was copied, and the next ``used()`` starts a new window since the version moved).
-    """
-
-    #: steps per window at most (a window's flags and replayed values stay in memory until
-    #: its records are read)
-    WINDOW = 256
-
-    def __init__(self, scaler):
-        self.scaler = scaler
-        self.usable = (FOUND_INF_READABLE and callable(getattr(torch, "_amp_update_scale_", None))
-                       and all(hasattr(scaler, a) for a in (
-                           "_scale", "_growth_tracker", "_growth_factor", "_backoff_factor",
-                           "_growth_interval")))
-        self._window: Optional[_ScaleWindow] = None
-        self.flag: Optional[torch.Tensor] = None
-
-    def invalidate(self) -> None:
-        """Start a new window at the next step (the scale may have changed unseen)."""
-        self._window = None
-
-    def used(self) -> "_ScaleAt":
-        """The scale of the step in progress, a ``Deferred`` value (no device work except one
-        copy of scale and tracker when a window starts)."""
-        scaler = self.scaler
-        scale, tracker = scaler._scale, scaler._growth_tracker
-        w = self._window
-        if (w is None or w.live is not scale or w.live_tracker is not tracker
-                or w.version != (scale._version, tracker._version) or w.count >= self.WINDOW):
-            w = self._window = _ScaleWindow(scale, tracker, self.WINDOW)
-        return w.ats[w.count]
-
-    def update(self) -> None:
-        """``scaler.update()``, then log the step if ``flag`` was set for it."""
-        scaler = self.scaler
-        scaler.update()
-        flag, w = self.flag, self._window
-        if flag is None or w is None:
-            return
-        self.flag = None
-        w.steps[w.count] = (flag, scaler._growth_factor, scaler._backoff_factor,
-                            scaler._growth_interval)
-        w.count += 1
-        w.version = (w.live._version, w.live_tracker._version)
-
-
-class _ScaleWindow:
-    __slots__ = ("live", "live_tracker", "version", "count", "steps", "ats", "values", "scale",
-                 "tracker")
-
-    def __init__(self, scale: torch.Tensor, tracker: torch.Tensor, size: int):
-        self.live, self.live_tracker = scale, tracker
-        self.version = (scale._version, tracker._version)
-        self.count = 0  # steps logged
-        self.steps: list = [None] * size  # (flag, growth factor, backoff factor, interval)
-        self.ats = [_ScaleAt(self, k) for k in range(size)]  # made once: none per step
-        self.values = [scale.clone()]  # the scale before the k-th update of the window
-        self.tracker = tracker.clone()  # replay state: the tracker, and the scale (made lazily)
-        self.scale = None
-
-    def value(self, k: int) -> torch.Tensor:
-        values = self.values
-        if len(values) > k:
-            return values[k]
-        # normal tensors even when read under inference_mode (the replay works in place)
-        with torch.inference_mode(False):
-            while len(values) <= k:
-                if self.scale is None:
-                    self.scale = values[0].clone()
-                i = len(values) - 1
-                flag, growth, backoff, interval = self.steps[i]
-                self.steps[i] = None  # replayed: the flag is not needed any more
-                torch._amp_update_scale_(self.scale, self.tracker,
-                                         flag.to(self.scale.device, non_blocking=True),
-                                         growth, backoff, interval)
-                values.append(self.scale.clone())
-        return values[k]
-
-
-class _ScaleAt(Deferred):
-    """The scale used by the ``k``-th step of a ``ScaleLog`` window."""
-
-    __slots__ = ("window", "k")
-
-    def __init__(self, window: _ScaleWindow, k: int):
-        self.window, self.k = window, k
-
-    def tensor(self) -> torch.Tensor:
-        return self.window.value(self.k)
-
-    def read(self) -> float:
-        return float(self.tensor().item())

@@ -19,13 +19,20 @@ Column = Union[str, Tuple[str, str], Tuple[str, str, Union[str, Callable[[Any], 
 BRIEF_FROM = 1e7  # from here on a table shows a number in brief (3 significant digits)
 
 
-def format_value(value, digits: int = 2) -> str:
-    """One number as a table cell: ``None`` -> ``"n/a"``, thousands separated, small values to
-    ``digits + 1`` significant digits (never rounded to 0 when nonzero), blown-up values brief.
-    NumPy scalars and 0-d tensors read as the numbers they hold."""
+def format_value(value, digits: int = 2, missing: str = "n/a") -> str:
+    """One value as a table cell: the course's one cell formatter (notebook tables, the README's
+    tables, lesson and doctor tables all call it).
+
+    ``None`` -> ``missing`` (``"n/a"``), a flag -> ``"yes"``/``"no"``; a float: thousands
+    separated from 100 on, ``digits`` decimals from about 1, ``digits + 1`` significant digits
+    below (never rounded to 0 when nonzero), brief (``digits + 1`` significant digits) from
+    ``BRIEF_FROM`` on, NaN and infinities as ``nan``/``inf``; whole numbers as they are; text on
+    one line. NumPy scalars and 0-d tensors read as the numbers they hold.
+    Example: ``format_value(1234.5) == "1,234"``, ``format_value(0.000123) == "0.000123"``."""
+    check_int("digits", digits, 0)
     value = plain_number(value)
     if value is None:
-        return "n/a"
+        return missing
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -38,7 +45,20 @@ def format_value(value, digits: int = 2) -> str:
         if value == 0 or abs(value) >= 0.995:
             return f"{value:.{digits}f}"
         return f"{value:.{digits + 1}g}"
-    return str(value)
+    return str(value).replace("\n", " ")
+
+
+NOISY_SPREAD = 0.10  # repeats of one row that disagree by more than this decide nothing
+
+
+def noisy(row: Mapping[str, Any]) -> Optional[str]:
+    """Why ``row``'s timing decides nothing because its repeats disagree (``spread`` over
+    ``NOISY_SPREAD``), as a table's status says it, or None."""
+    spread = plain_number(row.get("spread"))
+    if is_real(spread) and spread > NOISY_SPREAD:
+        return (f"noisy: repeats differ by {100 * spread:.0f}% (over "
+                f"{100 * NOISY_SPREAD:.0f}%), decides nothing")
+    return None
 
 
 def percent(part: float, whole: float, digits: int = 3, floor: float = 0.001) -> str:
@@ -322,12 +342,6 @@ def json_safe(obj):
 # --- lesson 05's tables: techniques against fp32, the largest batch per card ------------------
 
 
-def _noisy(row: Mapping[str, Any]) -> str:
-    from amp_lessons.measure.rows import noisy  # at call time: bench imports this module
-
-    return noisy(row) or ""
-
-
 def shown_technique(row: Mapping[str, Any]) -> str:
     """A technique's name as a table shows it: "fp32" becomes "TF32" where the row ran with TF32
     tensor-core math (precision "tf32" on a GPU; lesson 04's "fp32, TF32 on"); fp32 stays fp32
@@ -377,7 +391,7 @@ def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, o
             if good and r.get("gpu_idle_fraction") is not None else None,
             "repeat spread %": 100 * r["spread"] if good and r.get("spread") is not None
             else None,
-            "status": ("ok" if not _noisy(r) else f"ok ({_noisy(r)})") if good
+            "status": ("ok" if not noisy(r) else f"ok ({noisy(r)})") if good
             else f"{r.get('status')}: {r.get('reason')}"})
     return out
 

@@ -1,93 +1,214 @@
-"""Every published table can be traced: ``python -m amp_lessons explain KEY`` names the functions
-(file and line) from the table to the code that measured it, and ``report.publish`` keeps what
-produced the table (functions, configurations, device, torch) inside its bundle."""
+"""Provenance is recorded from the code that ran: traced calls (``measure.lineage``), the call
+path at publish time, the code that computes each column; ``explain`` prints it back from the
+executed notebooks, fast, and refuses an empty or unknown key in one line."""
 import json
-import re
+import linecache
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from amp_lessons import cli
-from amp_lessons.publish import report
-from amp_lessons.measure import BenchConfig, measure
-from amp_lessons.publish import provenance
+from amp_lessons import cli, tables
+from amp_lessons.measure import BenchConfig, lineage, published_rows, run_configs, with_ratios
+from amp_lessons.publish import notebooks, provenance, report
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLISH = re.compile(r"publish\(\s*[\"']([a-z0-9._-]+)[\"']")
+TINY = dict(model="resnet18", batch_size=2, image_size=16, num_classes=10)
 
 
-def _published_keys():
-    keys = set()
-    for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-        cells = json.loads(nb.read_text())["cells"]
-        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-        keys |= set(PUBLISH.findall(code))
-        if "publish_verdicts(" in code:
-            keys.add(f"{report.VERDICT_PREFIX}l{nb.name[:2]}")
-    return sorted(keys)
+def _cell(source: str, name: str, scope: dict):
+    """Run ``source`` as a notebook kernel runs a cell: its code kept in linecache."""
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    exec(compile(source, name, "exec"), scope)
+    return scope
 
 
-def test_the_notebooks_publish_tables():
-    keys = _published_keys()
-    assert "lesson05.techniques" in keys and "lesson04.resnet" in keys and len(keys) >= 20
+@lineage.traced
+def _measure_one(setting, scale=2):
+    return {"name": setting["name"], "value": setting["x"] * scale}
 
 
-@pytest.mark.parametrize("key", _published_keys())
-def test_every_published_key_can_be_explained(key):
-    chain = provenance.producers(key)
-    assert chain, key
-    for name in chain:
-        where = provenance.locate(name)
-        path = ROOT / where["file"]
-        assert path.is_file() and where["line"] >= 1, where
-        lines = path.read_text().splitlines()
-        assert re.match(rf"\s*(def|class) {where['function'].split('.')[-1]}\b",
-                        lines[where["line"] - 1]) or lines[where["line"] - 1].lstrip().startswith("@"), where
-    text = provenance.explain(key)
-    assert text.startswith(f"{key}:") and chain[0].rsplit(".", 1)[1] in text
+@lineage.traced
+def _measure_all(settings):
+    return [_measure_one(s) for s in settings]
 
 
-def test_timed_tables_end_at_the_timer():
-    for key in ("lesson04.resnet", "lesson04.claim-r6", "lesson05.techniques", "lesson05.frontier",
-                "lesson06.cnn-wrapping", "lesson06.transformer-scaling", "lesson07.speed",
-                "lesson08.recipes", "lesson09.summary", "lesson09.resnet_vs_lesson04"):
-        assert provenance.producers(key)[-1] == "amp_lessons.measure.timer.time_steps", key
+@lineage.traced
+def _shown(rows):
+    return [{"setting": r["name"], "value x 10": 10 * r["value"]} for r in rows]
 
 
-def test_unknown_keys_and_names_are_refused():
-    with pytest.raises(ValueError, match="published table's key"):
-        provenance.producers("lesson42.nothing")
-    with pytest.raises(ValueError, match="does not name"):
-        provenance.locate("amp_lessons.measure.no_such_function")
-    with pytest.raises(ValueError, match="label must be"):
-        provenance.remember(3, {})
+def test_a_traced_call_records_its_arguments_inner_calls_and_rows():
+    rows = _measure_all([{"name": "a", "x": 1}, {"name": "b", "x": 2}])
+    outer = lineage.origin(rows)
+    assert outer.name.endswith("_measure_all") and outer.file.endswith("test_provenance.py")
+    assert [c.name.rsplit(".", 1)[1] for c in outer.calls] == ["_measure_one", "_measure_one"]
+    # each row keeps the innermost call that made it, with its own arguments
+    assert lineage.origin(rows[1]).arguments == {"setting": {"name": "b", "x": 2}}
+    shown = _shown(rows)
+    assert lineage.origin(shown).inputs["rows"] is outer
+    # row i of a table made from as many traced rows comes from row i
+    assert lineage.source_row(shown[1]) is rows[1]
+    assert lineage.origin(5) is None and lineage.origin({"untraced": 1}) is None
 
 
-def test_a_published_bundle_records_what_produced_it():
-    cfg = BenchConfig(model="resnet18", batch_size=2, image_size=32, num_classes=10,
-                      label="tiny traced row")
-    row = measure(cfg, "cpu", warmup=0, steps=1, breakdown=False, idle=False)
-    assert row["status"] == "ok"
-    bundle = report.result_bundle("lesson04.resnet", [{"configuration": row["label"],
-                                                      "img/s": row["img_per_s"]}], "t")
-    prov = bundle[report.RESULT_MIME]["provenance"]
-    assert prov["produced_by"][-1]["function"] == "time_steps"
-    assert prov["produced_by"][-1]["file"].endswith("measure/timer.py")
-    assert prov["configurations"] == [dict(prov["configurations"][0], label="tiny traced row")]
-    assert prov["configurations"][0]["model"] == "resnet18" and prov["torch"]
-    text = provenance.explain("lesson04.resnet", dict(bundle[report.RESULT_MIME],
-                                                      notebook="04.ipynb", run={"id": "r1"}))
-    assert "configuration: label=tiny traced row" in text and "run: id=r1" in text
-    assert "amp_lessons/measure/timer.py:" in text
+def test_traced_leaves_the_function_as_it_was():
+    assert _measure_one({"name": "a", "x": 3}, scale=3) == {"name": "a", "value": 9}
+    assert _measure_one.__name__ == "_measure_one" and "lineage" not in (_measure_one.__doc__ or "")
+    with pytest.raises(KeyError):
+        _measure_one({})
+    assert lineage.current() is None  # the failed call left no frame behind
+    with pytest.raises(ValueError, match="traced decorates a function"):
+        lineage.traced(3)
 
 
-def test_explain_command_prints_every_key(capsys):
-    assert cli.main(["explain", "lesson05.techniques"]) == 0
+def test_short_arguments_stay_small_and_json():
+    cfg = BenchConfig(precision="bf16", **TINY)
+    assert lineage.short(cfg)["precision"] == "bf16"
+    assert lineage.short([1, 2, 3]) == [1, 2, 3]
+    assert lineage.short([{"a": 1}] * 3) == "<list of 3>"
+    assert lineage.short(float("nan")) == "nan" and lineage.short("x" * 500).endswith("...")
+    json.dumps(lineage.short(cfg))
+
+
+def test_each_measured_row_names_the_step_it_timed():
+    """A row timed through the Trainer names trainer_step, a hand-written one hand_step (the
+    registry typed by hand named hand_step for a table whose fastest row ran the Trainer)."""
+    configs = [BenchConfig(precision="fp32", **TINY),
+               BenchConfig(precision="fp32", loop="trainer", label="through the Trainer", **TINY)]
+    rows = run_configs(configs, "cpu", warmup=0, steps=1, breakdown=False, progress=False)
+    table = with_ratios(rows, baseline=rows[0]["label"])
+    scope = _cell("bundle = report.result_bundle('lesson04.resnet', published_rows(table), 't',"
+                  " caller=sys._getframe())\n", "<cell-resnet>",
+                  {"report": report, "published_rows": published_rows, "table": table, "sys": sys})
+    prov = scope["bundle"][report.RESULT_MIME]["provenance"]
+    hand, trainer = prov["rows"]
+    assert hand["ran"][0].endswith("measure.steps.hand_step")
+    assert trainer["ran"][0].endswith("measure.steps.trainer_step")
+    assert trainer["configuration"]["loop"] == "trainer" and hand["configuration"]["loop"] == "hand"
+    assert trainer["made by"][-1] == "amp_lessons.measure.runner.measure"
+    assert all(r["ran"][-1].endswith("measure.timer.time_steps") for r in (hand, trainer))
+    assert prov["made by"][0]["function"] == "amp_lessons.measure.rows.published_rows"
+    assert "published_rows(table)" in prov["published by"][-1]["code"]
+    assert prov["columns"]["img/s"]["code"] == '("img_per_s", "img/s")'
+    text = provenance.explain("lesson04.resnet", dict(scope["bundle"][report.RESULT_MIME],
+                                                      notebook="04.ipynb", run={}))
+    assert "ran measure.steps.trainer_step" in text and "loop='trainer'" in text
+    assert text.count("\n  ") >= 6 and "code version: not recorded" in text
+
+
+def test_a_function_called_inside_the_publish_call_is_named_and_its_columns_traced():
+    """``publish(key, technique_report_rows(rows))``: an untraced function called in the publish
+    call itself is recorded from the cell's code; its columns from its own code."""
+    rows = [{"technique": "fp32", "status": "ok", "step_ms": 2.0, "img_per_s": 1.0,
+             "memory_gib": 1.0, "config": {"batch_size": 4}}]
+    scope = _cell("rec = provenance.record('k.x', tables.technique_report_rows(rows), "
+                  "sys._getframe())\n", "<cell-techniques>",
+                  {"provenance": provenance, "tables": tables, "rows": rows, "sys": sys})
+    rec = scope["rec"]
+    assert rec["made by"][0]["function"] == "amp_lessons.tables.technique_report_rows"
+    assert rec["made by"][0]["file"] == "amp_lessons/tables.py"
+    step = rec["columns"]["step ms"]
+    assert step["function"] == "amp_lessons.tables.technique_report_rows"
+    assert "step_ms" in step["code"] and step["file"] == "amp_lessons/tables.py"
+    assert rec["rows"][0]["made by"] is None  # nothing traced made the rows: said, not guessed
+
+
+@lineage.traced
+def _examine(name):
+    advice = tables.format_value(2.5)          # a package function computes the field
+    exponent = tables.plural(3, "step")
+    return SimpleNamespace(name=name, advice=advice, exponent=exponent)
+
+
+@lineage.traced
+def _summary(reports):
+    return [{"model": n, "train in": r.advice, "loss scale": r.exponent}
+            for n, r in reports.items()]
+
+
+def test_a_column_read_from_a_traced_report_names_the_function_that_computed_that_field():
+    """lesson09.summary's "loss scale" comes from the doctor's scale path: a column that reads a
+    field of a traced input names the function that computed that field."""
+    reports = {"a": _examine("a"), "b": _examine("b")}
+    scope = _cell("rec = provenance.record('k.summary', _summary(reports), sys._getframe())\n",
+                  "<cell-summary>", {"provenance": provenance, "_summary": _summary,
+                                     "reports": reports, "sys": sys})
+    columns = scope["rec"]["columns"]
+    assert [f["function"] for f in columns["train in"]["fields from"]] == \
+        ["amp_lessons.tables.format_value"]
+    assert [f["function"] for f in columns["loss scale"]["fields from"]] == \
+        ["amp_lessons.tables.plural"]
+    assert columns["loss scale"]["code"] == "r.exponent"
+
+
+def test_rows_projected_in_the_cell_are_traced_by_their_content():
+    rows = _measure_all([{"name": "p", "x": 7}])
+    scope = _cell("rec = provenance.record('k.p', [{'name': r['name']} for r in rows], "
+                  "sys._getframe())\n", "<cell-projection>",
+                  {"provenance": provenance, "rows": rows, "sys": sys})
+    assert scope["rec"]["rows"][0]["made by"][-1].endswith("_measure_one")
+
+
+def test_code_version_names_the_commit_and_a_dirty_tree(tmp_path):
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "x")
+    (tmp_path / "run.ipynb").write_text("{}")  # a notebook the run rewrites does not count
+    got = notebooks.code_version(tmp_path)
+    assert len(got["commit"]) == 40 and got["clean"] is True
+    (tmp_path / "code.py").write_text("x = 1\n")
+    got = notebooks.code_version(tmp_path)
+    assert got["clean"] is False and got["changed"] == ["code.py"]
+    assert "uncommitted changes in the tree: code.py" in provenance.code_version({"code": got})
+    outside = tmp_path / "no_git"
+    outside.mkdir()
+    (outside / ".git").write_text("not a repository")
+    assert notebooks.code_version(outside)["commit"] is None
+    assert provenance.code_version({}).startswith("not recorded")
+
+
+def test_explain_refuses_an_empty_or_unknown_key_in_one_line(capsys):
+    for bad in ("", "   "):
+        assert cli.main(["explain", bad]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "empty key" in err
+    assert cli.main(["explain", "lesson4.resnet"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "did you mean lesson04.resnet" in err
+    assert cli.main(["explain", "zzz"]) == 2
+    assert "run without KEY to list" in capsys.readouterr().err
+
+
+def test_close_keys():
+    keys = ["lesson04.resnet", "lesson05.techniques", "claims.l04"]
+    assert provenance.close_keys("lesson05.technique", keys)[0] == "lesson05.techniques"
+    assert provenance.close_keys("resnet", keys) == ["lesson04.resnet"]
+    assert provenance.close_keys("qqqq", keys) == []
+
+
+def test_explain_lists_keys_and_prints_the_recorded_run(capsys):
+    assert cli.main(["explain"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert "lesson04.resnet" in listed and "claims.l04" in listed and len(listed) >= 20
+    assert cli.main(["explain", "lesson04.resnet"]) == 0
     out = capsys.readouterr().out
-    assert "lesson05.techniques" in out and "measure/timer.py:" in out
-    assert cli.main(["explain", "lesson42.nothing"]) != 0
+    assert out.startswith("lesson04.resnet: ") and "code version: " in out
 
 
-def test_a_table_no_lesson_declares_is_published_and_said_to_be_unexplained():
-    prov = provenance.record("lesson99.scratch", [{"a": 1}])
-    assert prov["produced_by"] == [] and "published table's key" in prov["unexplained"]
+def test_explain_imports_no_engine_and_runs_no_lesson():
+    """``explain`` reads what the executed notebooks recorded: no lesson, engine or plotting
+    module is imported (they took it to 43-52 s)."""
+    code = ("import sys\nfrom amp_lessons import cli\ncli.build_parser()\nbefore = set(sys.modules)\n"
+            "assert cli.main(['explain', 'lesson05.techniques']) == 0\n"
+            "heavy = [m for m in set(sys.modules) - before if m.startswith(("
+            "'amp_lessons.lessons', 'amp_lessons.measure', 'amp_lessons.train', "
+            "'amp_lessons.doctor', 'amp_lessons.ui', 'plotly', 'nbformat', 'ipywidgets'))]\n"
+            "assert not heavy, heavy\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "lesson05.techniques: " in done.stdout

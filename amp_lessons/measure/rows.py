@@ -1,5 +1,6 @@
 """Measured rows: ratios between rows, the published form of a table, finding a row by its
-configuration, and a results document (rows plus what produced them)."""
+configuration, and a results document (rows plus what produced them). ``noisy``, the status
+of a row whose repeats disagree, is ``tables.noisy``, the one place tables write it."""
 from __future__ import annotations
 
 import datetime
@@ -9,8 +10,8 @@ from typing import Dict, List, Optional, Sequence, TypedDict
 import torch
 
 from amp_lessons.numerics.precision import as_device
-from amp_lessons.tables import json_safe, percent, spread_text
-from amp_lessons.measure.timer import NOISY_SPREAD
+from amp_lessons.measure.lineage import traced
+from amp_lessons.tables import json_safe, noisy, percent, spread_text
 
 
 class MeasuredRow(TypedDict, total=False):
@@ -42,6 +43,7 @@ class MeasuredRow(TypedDict, total=False):
     config: Dict[str, object]        # the BenchConfig as a dict
 
 
+@traced
 def with_ratios(rows: Sequence[Dict[str, object]], baseline: str) -> List[Dict[str, object]]:
     """Copies of ``rows`` with ``speedup`` (img/s over the baseline's) and ``memory_ratio``.
 
@@ -69,16 +71,7 @@ DEFAULT_COLUMNS = (("label", "configuration"), ("img_per_s", "img/s"),
                    ("status", "status"))
 
 
-def noisy(row: Dict[str, object]) -> Optional[str]:
-    """Why ``row``'s timing decides nothing because its repeats disagree (``spread`` over
-    ``timer.NOISY_SPREAD``), or None."""
-    spread = row.get("spread")
-    if isinstance(spread, (int, float)) and spread > NOISY_SPREAD:
-        return (f"noisy: repeats differ by {100 * spread:.0f}% (over "
-                f"{100 * NOISY_SPREAD:.0f}%), decides nothing")
-    return None
-
-
+@traced
 def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -> List[Dict[str, object]]:
     """Rows keyed by column heading, for ``report.publish`` (the README's results section): the
     columns and status text of ``tables.text_table``; numbers stay numbers, except in a column
@@ -96,7 +89,6 @@ def published_rows(rows: Sequence[Dict[str, object]], columns=DEFAULT_COLUMNS) -
             return f"ok ({noisy(r)})"
         return c[2](v) if len(c) > 2 and callable(c[2]) and v is not None else v
     return [{c[1]: cell(r, c) for c in columns} for r in rows]
-
 
 
 def find_row(rows: Sequence[Dict[str, object]], **match) -> Optional[Dict[str, object]]:

@@ -8,7 +8,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -17,8 +17,9 @@ from amp_lessons.data import synthetic_images
 from amp_lessons.env import allocatable_bytes
 from amp_lessons.numerics.precision import precision_settings
 from amp_lessons.tables import plural
-from amp_lessons.publish import provenance as _provenance
+from amp_lessons.progress import progress_bar
 from amp_lessons.measure.config import BenchConfig, skip_reason
+from amp_lessons.measure.lineage import call, traced
 from amp_lessons.measure.memory import GIB, memory_breakdown, optimizer_state_tensors, tensor_bytes
 from amp_lessons.measure.oom import free_memory, is_out_of_memory
 from amp_lessons.measure.rows import noisy
@@ -47,15 +48,16 @@ def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
                             channels_last=config.channels_last)
     compiled = model if not config.compile else torch.compile(model, mode=config.compile)
     cudagraph_mode = bool(config.compile) and config.compile in ("reduce-overhead", "max-autotune")
+    # the calls are recorded (lineage.call): ``explain`` names the step each row timed
     if config.loop == "trainer":
-        step = trainer_step(compiled, optimizer, config, device)
+        step = call(trainer_step, compiled, optimizer, config, device)
     else:
-        step = hand_step(compiled, optimizer, config.precision, device,
-                         cache_enabled=not config.cuda_graph, mark_step=cudagraph_mode)
+        step = call(hand_step, compiled, optimizer, config.precision, device,
+                    cache_enabled=not config.cuda_graph, mark_step=cudagraph_mode)
     row = _empty_row(config, "ok")
     if breakdown:  # on the eager model: saved-tensor hooks do not see inside compiled graphs
-        row.update(memory_breakdown(hand_step(model, optimizer, config.precision, device),
-                                    x, y, device))
+        row.update(call(memory_breakdown, hand_step(model, optimizer, config.precision, device),
+                        x, y, device))
     graphed = config.cuda_graph or cudagraph_mode
     if graphed and device.type == "cuda":
         # a CUDA graph's memory pool is set aside during warm-up and capture and held for the
@@ -64,9 +66,9 @@ def _measure(config: BenchConfig, device: torch.device, warmup: int, steps: int,
         torch.cuda.reset_peak_memory_stats(device)
     run = step
     if config.cuda_graph:
-        run = cuda_graph_step(step, x, y, warmup=max(warmup, 2))
-    timing = time_steps(run, x, y, warmup=warmup, steps=steps, device=device,
-                        reset_peak=not graphed)
+        run = call(cuda_graph_step, step, x, y, warmup=max(warmup, 2))
+    timing = call(time_steps, run, x, y, warmup=warmup, steps=steps, device=device,
+                  reset_peak=not graphed)
     row.update(summarize_times(timing["times_ms"], config.batch_size))
     row.update(loss=timing["loss"], timer=timing["timer"], steps=steps, warmup=warmup)
     row["optimizer_state_gib"] = tensor_bytes(optimizer_state_tensors(optimizer)) / GIB
@@ -110,6 +112,7 @@ def _unskipped_state_bytes(config: BenchConfig, model: torch.nn.Module) -> int:
     return tensor_bytes(optimizer_state_tensors(fresh))
 
 
+@traced
 def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
             breakdown: bool = True, idle: bool = True) -> Dict[str, object]:
     """Measure one configuration; returns a row (a dict) whatever happens.
@@ -133,7 +136,6 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
     if reason:
         return _empty_row(config, "skipped", reason)
     t0 = time.perf_counter()
-    _provenance.remember(config.label, asdict(config))
     old_benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = config.cudnn_benchmark
     try:
@@ -155,11 +157,16 @@ def measure(config: BenchConfig, device, warmup: int = 5, steps: int = 15,
     return row
 
 
+@traced
 def run_configs(configs: Sequence[BenchConfig], device, warmup: int = 5, steps: int = 15,
                 breakdown: bool = True, progress: bool = True, idle: bool = True,
                 on_row: Optional[Callable[[Dict[str, object]], None]] = None
                 ) -> List[Dict[str, object]]:
-    """Measure every configuration in turn, in this process, freeing memory between them."""
+    """Measure every configuration in turn, in this process, freeing memory between them.
+
+    ``progress`` shows the course's progress bar (``amp_lessons.progress``) over the
+    configurations; ``on_row`` is called with each row as it is measured. Each row is recorded
+    with the call that measured it (``lineage``): ``explain`` names the step it timed."""
     configs = list(configs)
     if not configs or not all(isinstance(c, BenchConfig) for c in configs):
         raise ValueError("configs must hold at least one BenchConfig, and nothing else")
@@ -168,20 +175,17 @@ def run_configs(configs: Sequence[BenchConfig], device, warmup: int = 5, steps: 
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
         raise ValueError("configuration labels must be unique")
+    check_bool("progress", progress)
     rows = []
-    iterator: Iterable = configs
-    if progress:
-        try:
-            from amp_lessons.measure.progress import progress_bar as tqdm
-            iterator = tqdm(configs, desc="configurations", leave=False)
-        except ImportError:
-            pass
     free_memory(device)
-    for config in iterator:
-        row = measure(config, device, warmup=warmup, steps=steps, breakdown=breakdown, idle=idle)
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+    with progress_bar(configs, desc="measuring", unit="configuration", leave=False,
+                      disable=not progress) as bar:
+        for config in bar:
+            row = measure(config, device, warmup=warmup, steps=steps, breakdown=breakdown,
+                          idle=idle)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from amp_lessons.validate import check_choice, check_int, is_real
-from amp_lessons.tables import plural
+from amp_lessons.tables import NOISY_SPREAD, plural  # NOISY_SPREAD: where tables call a row noisy
 
 
 def time_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int = 5,
@@ -160,7 +160,6 @@ def idle_fraction(busy_ms: Optional[float], step_ms: Optional[float]) -> Optiona
     return min(1.0, max(0.0, 1.0 - busy_ms / step_ms))
 
 
-NOISY_SPREAD = 0.10  # repeats of one row that disagree by more than this decide nothing
 REPEATS = 3          # the timed steps are split into this many consecutive repeats
 
 

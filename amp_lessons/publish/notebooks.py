@@ -3,7 +3,7 @@
 This is how notebooks are run on a GPU before they are committed
 (``python -m amp_lessons run-notebooks --profile full``): every notebook in the repository carries
 the outputs of its latest full run and, in its metadata under ``amp_lessons.run``, the device name,
-torch version, profile and date of that run.
+torch version, profile and date of that run, and the code version (git commit, clean tree or not).
 """
 from __future__ import annotations
 
@@ -47,8 +47,37 @@ def course_notebooks(directory: Path = NOTEBOOK_DIR) -> List[Path]:
     return sorted(p for p in Path(directory).glob("[0-9][0-9]_*.ipynb"))
 
 
-def run_record(profile: str) -> dict:
-    """What to store in a notebook's metadata about the run that produced its outputs."""
+def code_version(folder: Path = NOTEBOOK_DIR) -> dict:
+    """The code a run used: ``{"commit", "clean"}`` of the git checkout holding ``folder``
+    (``clean``: no file differs from the commit and no untracked file outside .gitignore, the
+    notebooks' own ``.ipynb`` files aside: running them rewrites them; otherwise ``changed``
+    names up to 5 of the files that differ), or ``{"commit": None, "clean": None, "reason"}``
+    where it cannot be told (no git, not a checkout). ``run_notebook`` records it before the
+    first cell runs; ``explain`` prints it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.rstrip("\n")
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changed = git("status", "--porcelain", "--untracked-files=normal", "--", ":/",
+                      ":(top,exclude,glob)**/*.ipynb").splitlines()
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = getattr(exc, "stderr", None) or str(exc)
+        return {"commit": None, "clean": None,
+                "reason": f"no git commit to name ({' '.join(str(why).split())[:160]})"}
+    out = {"commit": commit, "clean": not changed}
+    if changed:
+        out["changed"] = [line[3:] for line in changed[:5]]
+    return out
+
+
+def run_record(profile: str, code: Optional[dict] = None) -> dict:
+    """What to store in a notebook's metadata about the run that produced its outputs: device,
+    torch, Python, profile, date and the code version (``code``: ``code_version()`` taken when
+    the run started; now, when not given)."""
     env = probe(profile)
     return {
         "device": str(env.device),
@@ -59,6 +88,7 @@ def run_record(profile: str) -> dict:
         "python": env.python_version,
         "profile": profile,
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "code": code if code is not None else code_version(),
     }
 
 
@@ -113,6 +143,7 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
                             store_widget_state=False,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
+    code = code_version(path.resolve().parent)  # the code as the run starts
     started = time.perf_counter()
     # the kernel's own stderr (its log, and the zmq traceback of a kernel stopped mid-cell after
     # a timeout) goes to a file, not the terminal: a failure is reported in one line below
@@ -140,7 +171,7 @@ def run_notebook(path: Path, profile: Optional[str] = None, out: Optional[Path] 
                     _write(nb, target)
                 raise NotebookRunError(path, index, cell.source, error) from None
     _tidy_widget_outputs(nb)
-    record = run_record(profile)
+    record = run_record(profile, code)
     record["seconds"] = round(time.perf_counter() - started, 1)
     nb.metadata.setdefault("amp_lessons", {})["run"] = record
     _write(nb, target)

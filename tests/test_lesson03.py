@@ -33,7 +33,7 @@ def _fake_run(name, skipped, losses=None, scale=1024.0, growth=2.0):
 
 
 def test_lesson_decides_only_its_own_claims():
-    assert L.LESSON == "03" and set(L.DECIDES) == {"R2", "R3", "B4"}
+    assert L.LESSON == "03" and set(L.DECIDES) == {"R2", "R3", "B4", "R13", "R14"}
     assert all(claims.CLAIMS[c].lesson == L.LESSON for c in L.DECIDES)
 
 
@@ -260,11 +260,14 @@ def test_verdict_r3_is_decided_on_resnet50_only(monkeypatch):
     assert "digits model" in v.measured and "2 early skips" in v.measured
     # on the ResNet-50 pair: sooner with fewer early skips holds, the reverse does not
     v = L.verdict_r3((wobbly, better))
-    assert v.held is True and v.claim == "R3" and "2 early skips" in v.measured
+    assert v.claim == "R3" and "2 early skips" in v.measured and v.parts[0].held is True
+    # "best" is untested on ResNet-50, so the verdict is partly held, on its named stand-in
+    assert v.outcome == "partly held, on a stand-in" and "untested" in v.why
+    assert "digits set" in v.why and v.parts[1].held is None and v.parts[2].held is None
     assert L.verdict_r3((better, wobbly)).held is False
     # settling one step sooner is strictly sooner (held); the same step with no wobble decides nothing
     one_sooner = _fake_run("t", [True] * 3 + [False] * 21)
-    assert L.verdict_r3((wobbly, one_sooner)).held is True
+    assert L.verdict_r3((wobbly, one_sooner)).parts[0].held is True
     assert L.verdict_r3((wobbly, _fake_run("t", [True] * 4 + [False] * 20))).held is False
     assert L.verdict_r3((calm, _fake_run("t", [False] * 20))).held is None
 
@@ -308,7 +311,8 @@ def test_verdict_b4_decides_its_two_halves(monkeypatch):
     # the second held (a lower start skipped fewer early steps): partly held
     v = L.verdict_b4(a, b, base, worse, "cpu", wobbly=high, lower_start=low)
     assert isinstance(v, claims.Verdict) and v.claim == "B4" and v.outcome == "partly held"
-    assert [p.held for p in v.parts] == [False, True]
+    assert [p.held for p in v.parts] == [False, True, True]
+    assert "produced on purpose" in v.why and "2^24" in v.why
     assert "changes nothing" in v.why and "no scale_factor argument" in v.why
     assert "early skipped steps 3 -> 0" in v.why
     assert v.numbers["scale_factor_accepted"] is False and v.numbers["same_as_default"] is True
@@ -318,7 +322,7 @@ def test_verdict_b4_decides_its_two_halves(monkeypatch):
                        ).parts[1].held is True
     assert L.verdict_b4(a, b, base, worse, "cpu", wobbly=high,
                        lower_start=_start("l", [True] * 3 + [False] * 9, 2.0 ** 16)
-                       ).outcome == "did not hold"
+                       ).parts[1].held is False
     # without the second pair only the first half is decided: did not hold
     v = L.verdict_b4(a, b, base, worse, "cpu")
     assert v.held is False and v.outcome == "did not hold" and v.parts[1].held is None
@@ -490,3 +494,111 @@ def test_preset_note_names_the_steps_the_final_loss_averages():
     for bad in (0, -1, 2.5, None):
         with pytest.raises(ValueError, match="steps must be a whole number >= 1"):
             L.preset_note(bad)
+
+
+# ---- sensitivity rows and the claims R13, R14 -----------------------------------------------------
+
+def _scaled(name, skipped, scales, losses=None, **settings):
+    run = _fake_run(name, skipped, losses)
+    run.scales = list(scales)
+    run.settings = ScalerSettings(**settings)
+    return run
+
+
+def test_verdict_r3_growth_part_needs_growth_to_act_and_the_seed_row_can_flip_it(monkeypatch):
+    monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
+    wobbly = _fake_run("d", [True] * 4 + [False] * 20)
+    better = _fake_run("t", [True] * 2 + [False] * 20)
+    grow = [2.0 ** (10 + i // 5) for i in range(24)]  # grows every 5 steps
+    d = _scaled("d", [False] * 24, grow, growth_interval=5)
+    t = _scaled("t", [False] * 24, grow, losses=[0.5] * 24, growth_interval=3)
+    v = L.verdict_r3((wobbly, better), growth_pair=(d, t))
+    assert v.parts[1].held is True and "growths" in v.parts[1].why and "2000 and 1000" in v.parts[1].why
+    # a pair shorter than two growth intervals, or without growth, decides nothing
+    short = _scaled("d", [False] * 24, [1024.0] * 24, growth_interval=20)
+    assert L.verdict_r3((wobbly, better), growth_pair=(short, t)).parts[1].held is None
+    # more skips with the article's settings over the long run: that part did not hold
+    bad = _scaled("t", [False] * 10 + [True] * 3 + [False] * 11, grow, growth_interval=3)
+    assert L.verdict_r3((wobbly, better), growth_pair=(d, bad)).parts[1].held is False
+    # another seed where the article's settings settle later: the verdict names both conditions
+    v = L.verdict_r3((wobbly, better), growth_pair=(d, t), seed_pair=(better, wobbly))
+    assert v.outcome == "partly held, on a stand-in" and v.sensitivity[0].held is False
+    assert "did not hold with seed 1" in v.why and "held with seed 0" in v.why
+    # the same seed row agreeing changes nothing but is shown
+    v = L.verdict_r3((wobbly, better), seed_pair=(wobbly, better))
+    assert v.sensitivity[0].held is True and "It depends" not in v.why
+    assert "seed 1" in v.row()["sensitivity"]
+
+
+def test_verdict_b4_seed_row_and_convergence_part(monkeypatch):
+    monkeypatch.setattr(L, "MIN_DECIDING_STEPS", 10)
+    a, b = _fake_run("a", [False] * 12), _fake_run("b", [False] * 12)
+    base = _fake_run("2", [True] * 2 + [False] * 10)
+    worse = _fake_run("4", [True] * 5 + [False] * 7, growth=4.0)
+    high = _start("2^24", [True] * 3 + [False] * 9, 2.0 ** 24)
+    low = _start("2^16", [False] * 12, 2.0 ** 16)
+    # the high start ends with the lower loss: the convergence part does not hold
+    high.losses = [0.5] * 12
+    v = L.verdict_b4(a, b, base, worse, "cpu", wobbly=high, lower_start=low)
+    assert [p.held for p in v.parts] == [False, True, False] and "final loss 0.5000" in v.why
+    v = L.verdict_b4(a, b, base, worse, "cpu", wobbly=high, lower_start=low,
+                     seed_pair=(_start("2^24 s1", [True] * 3 + [False] * 9, 2.0 ** 24),
+                                _start("2^16 s1", [False] * 12, 2.0 ** 16)))
+    assert v.sensitivity and "another seed" in v.sensitivity[0].setting
+    assert v.sensitivity[0].held is False        # the scale_factor part fails on every seed
+
+
+def _falling(name, skipped, init_scale=2.0 ** 24, backoff=0.5, injected=False):
+    run = _fake_run(name, skipped)
+    run.settings = ScalerSettings(init_scale=init_scale, backoff_factor=backoff)
+    run.injected = [injected] * len(skipped)
+    return run
+
+
+def test_verdict_r13_is_decided_only_where_the_scale_fell_on_its_own():
+    fall = _falling("2^24", [True] * 9 + [False] * 11)
+    lower = _falling("2^16", [True] + [False] * 19, init_scale=2.0 ** 16)
+    gentler = _falling("0.8", [True] * 14 + [False] * 6, backoff=0.8)
+    v = L.verdict_r13(fall, lower, gentler)
+    assert v.claim == "R13" and [p.held for p in v.parts] == [True, False]
+    assert v.outcome == "partly held" and "falls slower" in v.why and "9 in a row" not in v.why
+    # forced: an overflow every step; neither remedy stops the fall (produced on purpose)
+    forced = tuple(_falling(n, [True] * 24, init_scale=s, backoff=bf, injected=True)
+                   for n, s, bf in (("f", 2.0 ** 16, 0.5), ("fl", 2.0 ** 8, 0.5), ("fg", 2.0 ** 16, 0.8)))
+    v = L.verdict_r13(fall, lower, gentler, forced)
+    assert v.sensitivity[0].held is False and "produced on purpose" in v.sensitivity[0].setting
+    assert v.outcome == "partly held"            # the forced row agrees that the claim fails
+    # the condition did not occur on its own: not decided, the forced row still shown
+    calm = _falling("calm", [True] * 3 + [False] * 17)
+    v = L.verdict_r13(calm, lower, gentler, forced)
+    assert v.held is None and "did not occur on its own" in v.why and v.sensitivity
+    # an injected run is not the condition occurring on its own
+    assert L.verdict_r13(forced[0], forced[1], forced[2]).held is None
+    with pytest.raises(ValueError, match="lower must start below"):
+        L.verdict_r13(fall, fall, gentler)
+    with pytest.raises(ValueError, match="larger backoff_factor"):
+        L.verdict_r13(fall, lower, fall)
+
+
+def test_verdict_r14_reads_the_getter_beside_the_scale():
+    grew = L.scaler_getter_trace("cpu")
+    assert max(grew["scale"]) > grew["scale"][0] and set(grew["growth_factor"]) == {2.0}
+    fell = L.scaler_getter_trace("cpu", overflow_steps=range(12))
+    v = L.verdict_r14(grew, fell)
+    assert v.claim == "R14" and v.held is False and "not a trend" in v.why
+    assert v.sensitivity[0].held is False and "get_scale()" in v.why
+    # a getter that followed the scale would hold; a scale that never moved decides nothing
+    follows = dict(grew, growth_factor=[1.0 + i for i in range(len(grew["scale"]))])
+    assert L.verdict_r14(follows).held is True
+    still = {"scale": [1.0] * 5, "growth_factor": [2.0] * 5, "skipped": [False] * 5}
+    assert L.verdict_r14(still).held is None
+    with pytest.raises(ValueError, match="overflow_steps"):
+        L.scaler_getter_trace("cpu", steps=3, overflow_steps=(5,))
+
+
+def test_verdict_r2_sensitivity_rows_read_the_signature_and_another_device(monkeypatch):
+    v = L.verdict_r2("cpu")
+    assert v.sensitivity and "signature" in v.sensitivity[0].setting and v.sensitivity[0].held
+    monkeypatch.setitem(L.ARTICLE_R_DEFAULTS, "init_scale", 1.0)
+    v = L.verdict_r2("cpu")
+    assert v.held is False and all(a.held is False for a in v.sensitivity)

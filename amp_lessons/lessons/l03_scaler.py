@@ -3,32 +3,36 @@
 The lesson's experiments, built on the engine (``trainer``, ``data``, ``models``, ``formats``) and
 shown with ``ui.plots``/``ui.widgets``:
 
-- ``RunSetup`` / ``train_with_scaler`` / ``ScalerRun``: one fp16 run of a digits model with given
-  ``ScalerSettings``, the same seed, weights and batches every time; ``OverflowInjector`` writes
-  an inf into a gradient at a chosen rate (overflow on demand).
+- ``RunSetup`` / ``train_with_scaler``: one fp16 run of a digits model with given
+  ``ScalerSettings``, the same seed, weights and batches every time, recorded as a
+  ``measure.scaler_runs.ScalerRun``; its ``OverflowInjector`` writes an inf into a gradient at a
+  chosen rate (overflow on demand).
 - ``scaler_presets`` / ``compare_presets`` / ``comparison_rows``: PyTorch's defaults (measured),
   article R's tuned set and NVIDIA's ResNet-50 settings on the same run.
 - ``GradientCapture`` / ``capture_gradients``: real per-layer gradients (against fp16's range:
   ``formats.fraction_rows``, ``formats.scale_window``).
-- ``verdict_r2``, ``verdict_r3``, ``verdict_b4``: the claims this lesson decides, as
-  ``claims.Verdict``.
+- ``verdict_r2``, ``verdict_r3``, ``verdict_b4``, ``verdict_r13``, ``verdict_r14``: the claims
+  this lesson decides, as ``claims.Verdict``, each with its sensitivity rows.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from amp_lessons.publish import claims
-from amp_lessons.validate import check_int, is_int, is_real
-from amp_lessons.data import digits_loaders
+from amp_lessons.validate import check_int, is_int
 from amp_lessons.numerics.formats import fraction_rows, lost_shares, scale_window  # noqa: F401 (the lesson's API)
-from amp_lessons.models import DIGITS_MODELS, build_digits_model, resnet50
-from amp_lessons.numerics.precision import as_device
 from amp_lessons.tables import plural, pow2_text
-from amp_lessons.train.trainer import Hooks, ScalerSettings, TrainConfig, Trainer
+from amp_lessons.train.trainer import ScalerSettings
+from amp_lessons.measure.scaler_runs import (FINAL_LOSS_WINDOW, SETTLE_WINDOW,  # noqa: F401 (the lesson's API)
+                                             SETTLED_MEANS, GradientCapture, OverflowInjector,
+                                             RunSetup, ScalerRun, endless, final_loss, last_skip,
+                                             longest_skip_streak, scaler_getter_trace,
+                                             settled_text, steps_to_settle, train_with_scaler)
 
 
 LESSON = "03"
@@ -77,34 +81,6 @@ def scaler_presets(device_type: str = "cpu") -> Dict[str, ScalerSettings]:
 
 # ---- one run: same seed, same data, a given ScalerSettings ------------------------------------
 
-SETTLE_WINDOW = 10
-FINAL_LOSS_WINDOW = 10
-
-
-def last_skip(skipped: Sequence[bool]) -> Optional[int]:
-    """The (0-based) step of the run's last skipped step, or ``None`` when no step was skipped."""
-    return max((i for i, skip in enumerate(skipped) if skip), default=None)
-
-
-def steps_to_settle(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> Optional[int]:
-    """How many optimizer steps a run took before its loss scale settled, or ``None``.
-
-    Definition (``SETTLED_MEANS``): the scale has *settled* at the step after the run's last
-    skipped step (0 when none was skipped): no step after it was skipped. ``None`` when its last
-    skip is among its last ``window`` steps, too close to the end to tell a settled scale from a
-    pause between overflows: a scaler that keeps probing (grows, overflows, backs off) never
-    settles. Raises ``ValueError`` for ``window < 1``."""
-    if not is_int(window) or window < 1:
-        raise ValueError(f"window must be an integer >= 1; got {window!r}")
-    last = last_skip(skipped)
-    settled = 0 if last is None else last + 1
-    return settled if len(skipped) - settled >= window else None
-
-
-SETTLED_MEANS = (f"settled: the step after the last skipped step (no skip in the rest of the "
-                 f"run); never when the last skip is within the last {SETTLE_WINDOW} steps")
-
-
 PRESET_COLUMNS = ("preset", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
                   "skipped steps", "settled after (steps)", "last skip (step)", "final scale",
                   "final loss", "test accuracy")
@@ -124,286 +100,6 @@ def preset_note(steps: int = FINAL_LOSS_WINDOW) -> str:
 PRESET_NOTE = preset_note()  # runs of FINAL_LOSS_WINDOW steps or more (the lesson's)
 
 
-def settled_text(skipped: Sequence[bool], window: int = SETTLE_WINDOW) -> str:
-    """When the scale settled, with the last skip beside it: ``"after 981 steps (last skip at
-    step 980)"``, or ``"not within the run (last skip at step 2,995 of 3,000)"``."""
-    k, last = steps_to_settle(skipped, window), last_skip(skipped)
-    if last is None:
-        return "at step 0 (no step skipped)" if k == 0 else "not within the run (too short)"
-    if k is None:
-        return f"not within the run (last skip at step {last:,} of {len(skipped):,})"
-    return f"after {plural(k, 'step')} (last skip at step {last:,})"
-
-
-def final_loss(losses: Sequence[float], last: int = FINAL_LOSS_WINDOW) -> float:
-    """The run's final loss: the mean training loss over its last ``last`` steps (fewer if the
-    run is shorter), which is steadier than one step's loss. ``nan`` for an empty run."""
-    if not is_int(last) or last < 1:
-        raise ValueError(f"last must be an integer >= 1; got {last!r}")
-    tail = [float(v) for v in list(losses)[-last:]]
-    return float(np.mean(tail)) if tail else float("nan")
-
-
-@dataclasses.dataclass
-class ScalerRun:
-    """What one run recorded, step by step, and its summary.
-
-    ``scales[i]`` is the scale step ``i`` used (as the trainer's ``StepRecord.scale``),
-    ``skipped[i]`` whether the scaler skipped it, ``injected[i]`` whether the overflow injector
-    wrote an inf into its gradients, ``changes`` the settings changed mid-run as
-    ``(step, ScalerSettings)``; ``evaluation`` the test loss and accuracy after the run.
-    """
-
-    name: str
-    settings: ScalerSettings
-    steps: List[int] = dataclasses.field(default_factory=list)
-    scales: List[float] = dataclasses.field(default_factory=list)
-    skipped: List[bool] = dataclasses.field(default_factory=list)
-    losses: List[float] = dataclasses.field(default_factory=list)
-    injected: List[bool] = dataclasses.field(default_factory=list)
-    changes: List[tuple] = dataclasses.field(default_factory=list)
-    evaluation: Optional[dict] = None
-    final_scale: Optional[float] = None
-    trainer: object = dataclasses.field(default=None, repr=False, compare=False)
-
-    def _take(self, records, injector: "OverflowInjector") -> None:
-        """Append the numbers of the records not yet taken (reading them from the device)."""
-        for record in records[len(self.steps):]:
-            self.steps.append(len(self.steps))
-            self.scales.append(float(record.scale))
-            self.skipped.append(bool(record.skipped))
-            self.losses.append(float(record.loss))
-            self.injected.append(injector.injected[len(self.injected)])
-        if self.trainer is not None:
-            self.final_scale = float(self.trainer.scaler.get_scale())
-
-    def columns(self) -> Dict[str, list]:
-        """The per-step columns the plots take: steps, scales, skipped, losses."""
-        return {"steps": list(self.steps), "scales": list(self.scales),
-                "skipped": list(self.skipped), "losses": list(self.losses)}
-
-    def summary(self, window: int = SETTLE_WINDOW) -> dict:
-        """Skipped steps, steps until settled (see ``steps_to_settle``), final scale (after the
-        last update), final loss (see ``final_loss``), and test accuracy when evaluated."""
-        ev = self.evaluation or {}
-        return {"preset": self.name, "steps": len(self.steps),
-                "skipped steps": int(sum(self.skipped)),
-                "injected overflows": int(sum(self.injected)),
-                "settled after (steps)": steps_to_settle(self.skipped, window),
-                "last skip (step)": last_skip(self.skipped),
-                "final scale": self.final_scale,
-                "min scale": min(self.scales) if self.scales else None,
-                "final loss": final_loss(self.losses) if self.losses else None,
-                "test accuracy": ev.get("accuracy")}
-
-    def row(self) -> dict:
-        """The run's settings and ``summary`` in one row (``comparison_rows``, the preset panel's
-        table)."""
-        s = self.settings
-        return {"preset": self.name, "init_scale": s.init_scale, "growth_factor": s.growth_factor,
-                "backoff_factor": s.backoff_factor, "growth_interval": s.growth_interval,
-                **{k: v for k, v in self.summary().items() if k != "preset"}}
-
-    def summary_line(self, window: int = SETTLE_WINDOW) -> str:
-        """One line for people: the panel's summary."""
-        s = self.summary(window)
-        parts = [f"skipped {s['skipped steps']:,} of {plural(s['steps'], 'step')}",
-                 f"settled {settled_text(self.skipped, window)}",
-                 (f"final scale {pow2_text(s['final scale'])}" if s["final scale"] is not None
-                  else ""),
-                 f"final loss {s['final loss']:.4f} (mean of last "
-                 f"{plural(min(FINAL_LOSS_WINDOW, s['steps']), 'step')})"
-                 if s["final loss"] is not None else "",
-                 f"test accuracy {s['test accuracy']:.1%}"
-                 if s["test accuracy"] is not None else ""]
-        return " · ".join(p for p in parts if p)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSetup:
-    """What every run of a comparison shares: model, data, optimizer and seed.
-
-    ``model``: one of ``trainer.DIGITS_MODELS`` built by ``trainer.build_digits_model(model,
-    width)``: ``"mlp"`` (flat 8x8 digits; fast on a CPU) or ``"cnn"`` (``SmallCNN`` on digits
-    upsampled to ``image_size``), as in lesson 02, or ``"resnet50"`` (torchvision's ResNet-50,
-    its stem adapted to 1-channel digits at ``image_size``: claim R3's model). SGD with momentum
-    at ``lr``. Validated when built.
-    """
-
-    model: str = "mlp"
-    width: int = 32
-    image_size: int = 32
-    batch_size: int = 64
-    lr: float = 0.05
-    momentum: float = 0.9
-    seed: int = 0
-    device: Optional[str] = None
-
-    def __post_init__(self):
-        if self.model not in DIGITS_MODELS + ("resnet50",):
-            raise ValueError(f"model must be one of {', '.join(DIGITS_MODELS + ('resnet50',))}; "
-                             f"got {self.model!r}")
-        for name, low in (("width", 1), ("image_size", 8), ("batch_size", 1)):
-            value = getattr(self, name)
-            if not is_int(value) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-            object.__setattr__(self, name, int(value))
-        if not (is_real(self.lr) and 0 < self.lr <= 10):
-            raise ValueError(f"lr must be in (0, 10]; got {self.lr!r}")
-        if not (is_real(self.momentum) and 0 <= self.momentum < 1):
-            raise ValueError(f"momentum must be in [0, 1); got {self.momentum!r}")
-        if not is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer; got {self.seed!r}")
-        for name, kind in (("lr", float), ("momentum", float), ("seed", int)):
-            object.__setattr__(self, name, kind(getattr(self, name)))
-
-    @property
-    def torch_device(self) -> torch.device:
-        """The device runs train on: ``device`` if given, else the course's default device."""
-        return as_device(self.device)
-
-    def build(self, settings: ScalerSettings, hooks: Sequence = ()):
-        """A fresh, seeded ``Trainer`` (fp16 + GradScaler with ``settings``) and the data
-        ``(train_batches, test_batches)``: the same weights and batch order for every call."""
-        device = self.torch_device
-        torch.manual_seed(self.seed)
-        if self.model == "resnet50":  # claim R3's model, its stem adapted to the digits
-            model, size = resnet50(num_classes=10, in_channels=1, small_input=True), 0
-        else:
-            model, size = build_digits_model(self.model, self.width)
-        if size is not None:
-            size = self.image_size
-        model = model.to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum)
-        config = TrainConfig(precision="fp16", scaler=settings, progress=False, seed=self.seed)
-        trainer = Trainer(model, opt, config, device=device, hooks=tuple(hooks))
-        train, test = digits_loaders(self.batch_size, size, device, self.seed)
-        return trainer, train, test
-
-
-def _forever(batches):
-    epoch = 0
-    while True:
-        batches.set_epoch(epoch)
-        yield from batches
-        epoch += 1
-
-
-class OverflowInjector(Hooks):
-    """A trainer hook that writes ``inf`` into a gradient with probability ``rate`` per step.
-
-    Runs in ``after_backward`` (the gradients are still scaled), so ``unscale_`` finds the inf,
-    the step is skipped and the scale backs off: overflow on demand. Draws come from its own
-    generator seeded with ``seed`` (one draw per backward, whatever the rate), so a run repeats
-    exactly and changing ``rate`` mid-run does not shift later draws. ``injected`` lists, per
-    optimizer step, whether an inf was written. Raises ``ValueError`` for a rate outside [0, 1].
-    """
-
-    def __init__(self, rate: float = 0.0, seed: int = 0):
-        self.rate = rate
-        self.generator = torch.Generator().manual_seed(int(seed))
-        self.injected: List[bool] = []
-        self._this_step = False
-
-    @property
-    def rate(self) -> float:
-        """The probability of an inf per backward pass, in [0, 1]."""
-        return self._rate
-
-    @rate.setter
-    def rate(self, value: float) -> None:
-        if not is_real(value) or not 0.0 <= float(value) <= 1.0:
-            raise ValueError(f"overflow injection rate must be in [0, 1]; got {value!r}")
-        self._rate = float(value)
-
-    def after_backward(self, trainer, micro_step):
-        draw = float(torch.rand((), generator=self.generator))
-        if draw < self._rate:
-            grad = next((p.grad for p in trainer.model.parameters() if p.grad is not None), None)
-            if grad is not None:
-                grad[(0,) * grad.dim()] = float("inf")
-                self._this_step = True
-
-    def after_step(self, trainer, record):
-        self.injected.append(self._this_step)
-        self._this_step = False
-
-
-def train_with_scaler(settings: ScalerSettings, steps: int, setup: RunSetup = RunSetup(),
-                      injection_rate: float = 0.0, name: str = "run",
-                      on_step: Optional[Callable] = None, evaluate: bool = True,
-                      injector: Optional["OverflowInjector"] = None) -> ScalerRun:
-    """Train ``steps`` optimizer steps in fp16 with a GradScaler set to ``settings``.
-
-    Same seed, weights and batches for every call with the same ``setup``; an
-    ``OverflowInjector(injection_rate, setup.seed)`` is installed. ``on_step(trainer, run)`` runs
-    after every step; it may call ``trainer.set_scaler`` (a mid-run change) and returns
-    ``False`` to stop early. Pass ``injector`` to keep a handle on it (its rate is then used and
-    ``injection_rate`` ignored). Returns the ``ScalerRun`` (its ``trainer`` attribute holds the
-    trainer). Raises ``ValueError`` for ``steps < 1`` and the trainer's documented errors for
-    bad settings.
-    """
-    if not is_int(steps) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
-    injector = injector or OverflowInjector(injection_rate, seed=setup.seed)
-    trainer, train, test = setup.build(settings, hooks=[injector])
-    run = ScalerRun(name=name, settings=settings, trainer=trainer)
-    batches = _forever(train)
-    records = []
-    for _ in range(steps):
-        records.append(trainer.train_step([next(batches)]))
-        if on_step is not None:  # live: read this step's numbers now (one small sync)
-            run._take(records, injector)
-            if on_step(trainer, run) is False:
-                break
-    trainer.history.materialize()  # the rest with one copy per field, no sync per step
-    run._take(records, injector)
-    if evaluate:
-        run.evaluation = dict(trainer.evaluate(test))
-    return run
-
-
-class GradientCapture(Hooks):
-    """A trainer hook that keeps each layer's true gradient magnitudes ``|g|``.
-
-    Runs in ``after_unscale``: the gradients are unscaled (what the model really computed) and
-    not yet clipped. Layers are the modules with a weight of two or more dimensions (convolutions
-    and linear layers), weight and bias together, named ``"<module name> (<type>)"``. From step
-    ``start_at`` (0-based) on, it keeps the latest step whose gradients are all finite (a skipped
-    step's are not); ``magnitudes`` maps layer to a float32 array, ``step`` is the step they came
-    from (``None`` before a capture).
-    """
-
-    def __init__(self, start_at: int = 0):
-        if not is_int(start_at) or start_at < 0:
-            raise ValueError(f"start_at must be an integer >= 0; got {start_at!r}")
-        self.start_at = start_at
-        self.magnitudes: Dict[str, np.ndarray] = {}
-        self.step: Optional[int] = None
-        self._count = 0
-
-    def after_unscale(self, trainer):
-        if self._count < self.start_at:
-            return
-        found = {}
-        for name, module in trainer.model.named_modules():
-            weight = getattr(module, "weight", None)
-            if (not isinstance(weight, torch.nn.Parameter) or weight.dim() < 2
-                    or weight.grad is None):
-                continue
-            parts = [weight.grad.detach().reshape(-1)]
-            bias = getattr(module, "bias", None)
-            if isinstance(bias, torch.nn.Parameter) and bias.grad is not None:
-                parts.append(bias.grad.detach().reshape(-1))
-            found[f"{name} ({type(module).__name__})"] = torch.cat(parts).abs().float()
-        if found and all(bool(torch.isfinite(g).all()) for g in found.values()):
-            self.magnitudes = {k: v.cpu().numpy() for k, v in found.items()}
-            self.step = self._count
-
-    def after_step(self, trainer, record):
-        self._count += 1
-
-
 def capture_gradients(steps: int = 20, setup: RunSetup = RunSetup(model="cnn", image_size=32),
                       settings: Optional[ScalerSettings] = None, last: int = 3):
     """Train ``setup``'s model for ``steps`` fp16 steps and return ``(magnitudes, step)``: the
@@ -414,7 +110,7 @@ def capture_gradients(steps: int = 20, setup: RunSetup = RunSetup(model="cnn", i
     settings = settings or measured_defaults(setup.torch_device.type)
     capture = GradientCapture(start_at=max(0, steps - last))
     trainer, train, _ = setup.build(settings, hooks=[capture])
-    batches = _forever(train)
+    batches = endless(train)
     for _ in range(steps):
         trainer.train_step([next(batches)])
     if not capture.magnitudes:
@@ -465,18 +161,36 @@ def scale_factor_error(device_type: str = "cpu") -> str:
 
 # ---- the claims lesson 03 decides ------------------------------------------------------------------
 
+def _signature_defaults() -> Dict[str, float]:
+    sig = inspect.signature(torch.amp.GradScaler.__init__).parameters
+    return {k: sig[k].default for k in ARTICLE_R_DEFAULTS if k in sig}
+
+
+def _defaults_rule(got: Mapping[str, float]) -> Tuple[bool, str]:
+    wrong = [k for k, v in ARTICLE_R_DEFAULTS.items() if got.get(k) != v]
+    return not wrong, ("every default matches" if not wrong else "differs in " + ", ".join(
+        f"{k} (claimed {ARTICLE_R_DEFAULTS[k]:g}, measured {got.get(k)!r})" for k in wrong))
+
+
 @claims.decides("R2")
 def verdict_r2(device_type: str = "cpu") -> claims.Verdict:
-    """Claim R2 (PyTorch's GradScaler defaults) against a fresh scaler's getters on this torch."""
+    """Claim R2 (PyTorch's GradScaler defaults) against a fresh scaler's getters on this torch;
+    sensitivity rows: the defaults in GradScaler's signature, and a scaler for the other device
+    type where one runs here (a CPU's beside a GPU's)."""
     measured = measured_defaults(device_type)
     got = {k: getattr(measured, k) for k in ARTICLE_R_DEFAULTS}
-    wrong = [k for k, v in ARTICLE_R_DEFAULTS.items() if got[k] != v]
+    held, why = _defaults_rule(got)
+    alts = [claims.alternative("in GradScaler's signature", held=_defaults_rule(
+        _signature_defaults())[0], why=_defaults_rule(_signature_defaults())[1])]
+    other = "cpu" if device_type != "cpu" else "cuda" if torch.cuda.is_available() else None
+    if other is not None:
+        o = measured_defaults(other)
+        alts.append(claims.alternative(f"for device type {other}", held=_defaults_rule(
+            dataclasses.asdict(o))[0], why=_defaults_rule(dataclasses.asdict(o))[1]))
     text = ", ".join(f"{k} {v:g}" for k, v in got.items())
-    why = ("every default matches" if not wrong else
-           "differs in " + ", ".join(f"{k} (claimed {ARTICLE_R_DEFAULTS[k]:g}, "
-                                     f"measured {got[k]:g})" for k in wrong))
-    return claims.decide("R2", LESSON, f"torch {torch.__version__}: {text}", not wrong, why,
-                         numbers=got)
+    return claims.decide("R2", LESSON, f"torch {torch.__version__}: {text}", held, why,
+                         numbers=got, sensitivity=alts,
+                         condition=f"from a fresh GradScaler({device_type!r})'s getters")
 
 
 def compare_settling(defaults: ScalerRun, tuned: ScalerRun,
@@ -522,34 +236,77 @@ def _too_short(runs: Sequence[ScalerRun], what: str) -> Optional[str]:
 #: setting (digits at 32x32, batch 64), enough for the early skips and the settling to show.
 R3_RESNET50_STEPS = 300
 R3_RESNET50_SETUP = RunSetup(model="resnet50", image_size=32, batch_size=64, lr=0.05)
+R3_STAND_IN = "ResNet-50 at 32x32 on the digits set, batch 64, for ResNet-50 on ImageNet"
+#: R3's growth settings act only after growth_interval clean steps (1000 and PyTorch's 2000):
+#: the growth pair divides both intervals by this, so growth acts within R3_RESNET50_STEPS.
+R3_GROWTH_SCALE = 20
+R3_LOSS_TOLERANCE = 0.05  # "no higher final loss": within 5% (one seed)
 
 
 def resnet50_scaler_pair(device_type: str, full: bool, steps: int = R3_RESNET50_STEPS,
-                         setup: RunSetup = R3_RESNET50_SETUP
+                         setup: RunSetup = R3_RESNET50_SETUP, interval_scale: int = 1
                          ) -> Optional[Tuple[ScalerRun, ScalerRun]]:
     """Claim R3's own comparison: ResNet-50 trained ``steps`` fp16 steps with PyTorch's
     defaults and with article R's settings (``ARTICLE_R_TUNED``), same seed and batches, on a
     CUDA GPU in the full profile; None elsewhere (a CPU or the quick profile: ``verdict_r3``
-    says why)."""
+    says why). ``interval_scale`` divides both growth intervals (the growth pair, labelled)."""
     if device_type != "cuda" or not full:
         return None
-    defaults = train_with_scaler(measured_defaults(device_type), steps, setup,
-                                 name="ResNet-50, PyTorch defaults", evaluate=False)
-    tuned = train_with_scaler(ScalerSettings(**ARTICLE_R_TUNED), steps, setup,
-                              name="ResNet-50, article R's settings", evaluate=False)
-    return defaults, tuned
+    check_int("interval_scale", interval_scale, 1)
+    label = "" if interval_scale == 1 else f", growth_interval / {interval_scale}"
+    settings = [measured_defaults(device_type), ScalerSettings(**ARTICLE_R_TUNED)]
+    settings = [dataclasses.replace(x, growth_interval=max(1, x.growth_interval // interval_scale))
+                for x in settings]
+    return tuple(train_with_scaler(x, steps, setup, evaluate=False, name=f"ResNet-50, {who}{label}")
+                 for x, who in zip(settings, ("PyTorch defaults", "article R's settings")))
+
+
+def growths(run: ScalerRun) -> int:
+    """How many times the run's scale grew (a step's scale above the step before's)."""
+    return sum(1 for a, b in zip(run.scales, run.scales[1:]) if b > a)
+
+
+def first_clean_scale(run: ScalerRun) -> Optional[float]:
+    """The scale of the run's first step that was not skipped: where the early backoffs ended."""
+    return next((s for s, k in zip(run.scales, run.skipped) if not k), None)
+
+
+def growth_part(defaults: ScalerRun, tuned: ScalerRun) -> claims.Part:
+    """R3's second part on a pair whose growth acts: the article's settings skip no more steps
+    over the whole run and end at no higher final loss (within ``R3_LOSS_TOLERANCE``); not
+    decided where the run is shorter than twice a growth interval or the scale never grew."""
+    says = "the growth settings work over a run where growth acts"
+    n = min(len(defaults.steps), len(tuned.steps))
+    longest = max(defaults.settings.growth_interval, tuned.settings.growth_interval)
+    intervals = f"growth_interval {defaults.settings.growth_interval} vs {tuned.settings.growth_interval}"
+    if n < 2 * longest or not (growths(defaults) and growths(tuned)):
+        return claims.Part(says, None, f"not decided: {plural(n, 'step')} with {intervals}: the "
+                                       f"growth settings need a run of two growth intervals "
+                                       f"with growth in both")
+    sd, st = sum(defaults.skipped), sum(tuned.skipped)
+    ld, lt = final_loss(defaults.losses), final_loss(tuned.losses)
+    held = st <= sd and lt <= ld * (1 + R3_LOSS_TOLERANCE)
+    return claims.Part(says, bool(held), (
+        f"over {plural(n, 'step')} ({intervals}; the settings' own are "
+        f"{ARTICLE_R_DEFAULTS['growth_interval']} and {ARTICLE_R_TUNED['growth_interval']}, "
+        f"scaled down so growth acts: {growths(defaults)} and {growths(tuned)} growths): "
+        f"{sd} -> {plural(st, 'skipped step')}, final loss {ld:.4f} -> {lt:.4f}"))
 
 
 @claims.decides("R3")
 def verdict_r3(resnet50_pair: Optional[Tuple[ScalerRun, ScalerRun]],
                digits_pairs: Sequence[Tuple[ScalerRun, ScalerRun]] = (),
-               device_type: str = "cpu", window: int = SETTLE_WINDOW) -> claims.Verdict:
+               device_type: str = "cpu", window: int = SETTLE_WINDOW,
+               growth_pair: Optional[Tuple[ScalerRun, ScalerRun]] = None,
+               seed_pair: Optional[Tuple[ScalerRun, ScalerRun]] = None) -> claims.Verdict:
     """Claim R3 ("for ResNet-50 these settings work best: the scale settles faster with less
-    early wobble") decided on its own model: ``resnet50_pair`` (``resnet50_scaler_pair``: the
-    defaults run, the article-settings run). Held when the article's settles strictly sooner
-    with no more early skipped steps (``compare_settling``); not decided when neither run
-    wobbled, or when ResNet-50 did not run here. ``digits_pairs`` (the digits model's pairs)
-    are shown beside it and never rule: the claim is about ResNet-50."""
+    early wobble") on a named stand-in (``R3_STAND_IN``), in parts: the article's settings
+    settle sooner with no more early skips (``resnet50_pair``, ``compare_settling``, which also
+    names the first scale that did not overflow: the early skips are the backoffs down to it);
+    over a run where growth acts they skip no more steps and end no higher (``growth_pair``:
+    both intervals scaled down ``R3_GROWTH_SCALE``x, labelled; ``growth_part``); "best" against
+    other settings is untested on ResNet-50. Sensitivity row: ``seed_pair`` (another seed).
+    ``digits_pairs`` are shown beside it and never rule."""
     shown = [compare_settling(d, t, window) for d, t in digits_pairs]
     beside = ("; beside it, not ruling (digits model): " + " | ".join(r[1] for r in shown)
               if shown else "")
@@ -560,9 +317,37 @@ def verdict_r3(resnet50_pair: Optional[Tuple[ScalerRun, ScalerRun]],
             f"a CUDA GPU (here: {device_type}); the digits model is not the claim's workload")
     defaults, tuned = resnet50_pair
     held, measured, why = compare_settling(defaults, tuned, window)
-    return claims.decide("R3", LESSON, measured + beside, held, why,
+    clean = [first_clean_scale(r) for r in resnet50_pair]
+    if None not in clean:
+        why += (f" (the early skips are the backoffs from init_scale down to the first scale "
+                f"that did not overflow, {clean[0]:,.0f} and {clean[1]:,.0f}: a count set by "
+                f"init_scale and backoff_factor)")
+    parts = [claims.Part("the scale settles faster with less early wobble", held, why),
+             growth_part(*growth_pair) if growth_pair else claims.Part(
+                 "the growth settings work over a run where growth acts", None,
+                 "not decided: no run with growth acting was given"),
+             claims.Part("untested: best against settings other than PyTorch's defaults", None,
+                         "on ResNet-50 only PyTorch's defaults ran beside them (the digits "
+                         "presets, NVIDIA's among them, are shown, not ruling)")]
+    alts = []
+    if seed_pair is not None:
+        h, m, w = compare_settling(*seed_pair, window)
+        alts.append(claims.alternative(
+            f"with seed {R3_RESNET50_SETUP.seed + 1} ({plural(len(seed_pair[0].steps), 'step')})",
+            parts=[claims.Part("the scale settles faster with less early wobble", h,
+                               f"{m}: {w}")]))
+    runs = [defaults, tuned] + list(growth_pair or ())
+    return claims.decide("R3", LESSON, measured + beside, None, "", parts=parts,
                          numbers={"steps": min(len(defaults.steps), len(tuned.steps))},
-                         cannot_decide=_too_short([defaults, tuned], "settling"))
+                         cannot_decide=_too_short(runs, "settling"), stand_in=R3_STAND_IN,
+                         sensitivity=alts, condition=f"with seed {R3_RESNET50_SETUP.seed}")
+
+
+def resnet50_seed_pair(device_type: str, full: bool, steps: int = MIN_DECIDING_STEPS
+                       ) -> Optional[Tuple[ScalerRun, ScalerRun]]:
+    """R3's sensitivity row: ``resnet50_scaler_pair`` with the next seed, ``steps`` long."""
+    setup = dataclasses.replace(R3_RESNET50_SETUP, seed=R3_RESNET50_SETUP.seed + 1)
+    return resnet50_scaler_pair(device_type, full, steps, setup)
 
 
 def scale_factor_accepted(device_type: str = "cpu") -> bool:
@@ -620,31 +405,28 @@ def lower_start_steadies(wobbly: ScalerRun, lower: ScalerRun,
                                                  f"steps ({ew} -> {el})")
 
 
-@claims.decides("B4")
-def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger: ScalerRun,
-               device_type: str = "cpu", wobbly: Optional[ScalerRun] = None,
-               lower_start: Optional[ScalerRun] = None) -> claims.Verdict:
-    """Claim B4 ("if convergence wobbles, increase scale_factor=2.0 or change the initial
-    scale"), decided in its two parts (``claims.Part``).
+B4_LOSS_TOLERANCE = 0.05  # "converges no worse": a final loss within 5% (one seed)
 
-    Part 1, "increase scale_factor=2.0", as written and generously. As written: GradScaler has
-    no ``scale_factor``; read as ``growth_factor=2.0`` it is PyTorch's default, so ``b4_run``
-    should repeat ``default_run``'s scaler behaviour step for step (same scales and skips;
-    losses may differ in the last bits where kernels are not deterministic, so their largest
-    difference is reported). Generously: a larger growth factor (``larger`` against ``base``,
-    ``steadier``) steadies a wobbling run. Held when either reading changes the run for the
-    better; runs that merely differ are not better. Part 2, "change the initial scale":
-    ``wobbly`` (a start too high, with early skips) against ``lower_start`` (the same run from a
-    lower ``init_scale``, ``lower_start_steadies``); not decided without them. Neither part is
-    decided from runs shorter than ``MIN_DECIDING_STEPS``.
-    """
+
+def lower_start_converges(wobbly: ScalerRun, lower: ScalerRun) -> claims.Part:
+    """B4's "change the initial scale" judged on convergence: the lower start's final loss is no
+    more than ``B4_LOSS_TOLERANCE`` (relative) above the high start's (same seed and data)."""
+    says = "a lower initial scale converges no worse (final loss)"
+    lw, ll = final_loss(wobbly.losses), final_loss(lower.losses)
+    if not (np.isfinite(lw) and np.isfinite(ll)):
+        return claims.Part(says, None, "not decided: a final loss is not finite")
+    return claims.Part(says, bool(ll <= lw * (1 + B4_LOSS_TOLERANCE)), (
+        f"final loss {lw:.4f} from {pow2_text(wobbly.settings.init_scale)}, {ll:.4f} from "
+        f"{pow2_text(lower.settings.init_scale)} ({plural(len(lower.steps), 'step')}, one seed)"))
+
+
+def _b4_parts(default_run, b4_run, base, larger, device_type, wobbly, lower_start):
     error = scale_factor_error(device_type)
     default_growth = measured_defaults(device_type).growth_factor
     same = default_run.scales == b4_run.scales and default_run.skipped == b4_run.skipped
     n = min(len(default_run.losses), len(b4_run.losses))
     diff = max((abs(a - b) for a, b in zip(default_run.losses[:n], b4_run.losses[:n])),
                default=0.0)
-    changes_nothing = bool(error) and same
     generous, g_measured, g_why = steadier(base, larger)
     measured = (f"{error or 'scale_factor accepted'}; the default growth_factor measures "
                 f"{default_growth:g}; over {plural(n, 'step')} the run with growth_factor=2.0 had "
@@ -655,22 +437,151 @@ def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, large
     behaved = "did exactly what it does by default" if same else "behaved differently"
     effect = (f"growth_factor=2.0 {'is' if default_growth == 2.0 else 'is not'} the default, and "
               f"the scaler {behaved}{', so the advice changes nothing' if same else ''}")
-    first = claims.Part("increase scale_factor=2.0",
-                        generous if generous is not None else (False if changes_nothing else None),
-                        f"{no_knob}; read as growth_factor, {effect}. Raising growth_factor: "
-                        f"{g_why}")
-    runs = [default_run, b4_run, base, larger]
+    parts = [claims.Part("increase scale_factor=2.0", generous if generous is not None else (
+        False if error and same else None), f"{no_knob}; read as growth_factor, {effect}. "
+                                            f"Raising growth_factor: {g_why}")]
     if wobbly is not None and lower_start is not None:
         held2, m2, why2 = lower_start_steadies(wobbly, lower_start)
         measured += f"; {m2}"
-        runs += [wobbly, lower_start]
+        parts += [claims.Part("or change the initial scale: fewer early skipped steps", held2,
+                              why2), lower_start_converges(wobbly, lower_start)]
     else:
-        held2, why2 = None, "no run from a too-high start was given to steady"
-    second = claims.Part("or change the initial scale", held2, why2)
-    short = _too_short(runs, "steadying a wobbling run")
-    return claims.decide("B4", LESSON, measured, None, "", parts=[first, second],
-                         numbers={"scale_factor_accepted": not error, "same_as_default": same,
-                                  "largest_loss_difference": diff}, cannot_decide=short)
+        parts += [claims.Part("or change the initial scale", None,
+                              "no run from a too-high start was given to steady")]
+    return parts, measured, {"scale_factor_accepted": not error, "same_as_default": same,
+                             "largest_loss_difference": diff}
+
+
+@claims.decides("B4")
+def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, larger: ScalerRun,
+               device_type: str = "cpu", wobbly: Optional[ScalerRun] = None,
+               lower_start: Optional[ScalerRun] = None,
+               seed_pair: Optional[Tuple[ScalerRun, ScalerRun]] = None) -> claims.Verdict:
+    """Claim B4 ("if convergence wobbles, increase scale_factor=2.0 or change the initial
+    scale"), decided in parts (``claims.Part``).
+
+    "increase scale_factor=2.0", as written and generously. As written: GradScaler has no
+    ``scale_factor``; read as ``growth_factor=2.0`` it is PyTorch's default, so ``b4_run``
+    should repeat ``default_run``'s scaler behaviour step for step (same scales and skips;
+    losses may differ in the last bits where kernels are not deterministic, so their largest
+    difference is reported). Generously: a larger growth factor (``larger`` against ``base``,
+    ``steadier``) steadies a wobbling run. "Change the initial scale": ``wobbly`` (a start too
+    high, a wobble produced on purpose) against ``lower_start``, judged on early skipped steps
+    (``lower_start_steadies``) and on convergence (``lower_start_converges``). Sensitivity row:
+    ``seed_pair`` (the high and the lower start with another seed). Nothing is decided from
+    runs shorter than ``MIN_DECIDING_STEPS``.
+    """
+    parts, measured, numbers = _b4_parts(default_run, b4_run, base, larger, device_type, wobbly,
+                                         lower_start)
+    alts = []
+    if seed_pair is not None:
+        alt_parts, _, _ = _b4_parts(default_run, b4_run, base, larger, device_type, *seed_pair)
+        alts.append(claims.alternative(
+            f"with another seed ({seed_pair[0].name} against {seed_pair[1].name}, "
+            f"{plural(len(seed_pair[0].steps), 'step')})", parts=alt_parts))
+    runs = [default_run, b4_run, base, larger] + [r for r in (wobbly, lower_start) if r]
+    why = ("the wobble is produced on purpose here, by a start at "
+           f"{pow2_text(wobbly.settings.init_scale)} (a run from PyTorch's defaults wobbles "
+           f"little)" if wobbly is not None else "")
+    return claims.decide("B4", LESSON, measured, None, why, parts=parts, numbers=numbers,
+                         cannot_decide=_too_short(runs, "steadying a wobbling run"),
+                         sensitivity=alts, condition="with the lesson's seed")
+
+
+R13_STREAK = 8  # backoffs in a row that count as "the scale keeps falling"
+
+
+def _skips(run: ScalerRun, n: int) -> int:
+    return int(sum(run.skipped[:n]))
+
+
+def _remedies(falling: ScalerRun, lower: ScalerRun, gentler: ScalerRun,
+              stops: bool) -> List[claims.Part]:
+    """R13's two parts on runs from the same seed: ``lower`` (a lower init_scale) and
+    ``gentler`` (a larger backoff_factor) against ``falling``. ``stops``: judge whether the fall
+    stopped at all (a step not skipped) instead of counting skips over the same steps."""
+    if not lower.settings.init_scale < falling.settings.init_scale:
+        raise ValueError("lower must start below the falling run (a lower init_scale)")
+    if not gentler.settings.backoff_factor > falling.settings.backoff_factor:
+        raise ValueError("gentler must have a larger backoff_factor than the falling run")
+    n = min(len(falling.steps), len(lower.steps), len(gentler.steps))
+    base = _skips(falling, n)
+    out = []
+    for says, run, what in (("lower init_scale", lower, pow2_text(lower.settings.init_scale)),
+                            ("raise backoff_factor", gentler,
+                             f"backoff_factor {gentler.settings.backoff_factor:g}")):
+        k = _skips(run, n)
+        held = k < n if stops else k < base
+        out.append(claims.Part(says, held, f"{what}: {k} of {plural(n, 'step')} skipped, against "
+                                           f"{base} from {pow2_text(falling.settings.init_scale)} "
+                                           f"with backoff_factor "
+                                           f"{falling.settings.backoff_factor:g}"
+                               + ("" if held or stops or says != "raise backoff_factor" else
+                                  ": a gentler backoff falls slower, so more steps overflow "
+                                  "before the scale fits")))
+    return out
+
+
+@claims.decides("R13")
+def verdict_r13(falling: ScalerRun, lower: ScalerRun, gentler: ScalerRun,
+                forced: Optional[Tuple[ScalerRun, ScalerRun, ScalerRun]] = None,
+                streak: int = R13_STREAK) -> claims.Verdict:
+    """Claim R13 ("if the loss scale keeps falling, lower init_scale or raise backoff_factor")
+    is conditional: decided only where ``falling`` (a run without injected overflows) backed off
+    at least ``streak`` steps in a row on its own. There each remedy, run from the same seed
+    (``lower``: a lower init_scale; ``gentler``: a larger backoff_factor), holds when it skips
+    fewer steps over the same steps. Sensitivity row: ``forced``, the three runs under an
+    overflow injected at every step (a scale that never stops falling, produced on purpose):
+    a remedy holds there only if the fall stops."""
+    check_int("streak", streak, 2)
+    longest = longest_skip_streak(falling.skipped)
+    alts = []
+    if forced is not None:
+        alts.append(claims.alternative(
+            "with a scale that never stops falling (an overflow injected at every step, "
+            "produced on purpose)", parts=_remedies(*forced, stops=True)))
+    measured = (f"{falling.name}: {plural(longest, 'backoff')} in a row at most, "
+                f"{plural(sum(falling.skipped), 'skipped step')} of {len(falling.steps)}")
+    if any(falling.injected) or longest < streak:
+        return claims.not_decided(
+            "R13", LESSON, measured,
+            f"the condition did not occur on its own: no run without injected overflows backed "
+            f"off {streak} or more steps in a row (longest {longest}); it would trigger on a "
+            f"start far above what the gradients allow", sensitivity=alts)
+    return claims.decide("R13", LESSON, measured, None,
+                         f"the scale fell {longest} steps in a row on its own (a start too high)",
+                         parts=_remedies(falling, lower, gentler, stops=False),
+                         sensitivity=alts, condition="when a start too high made the scale fall")
+
+
+@claims.decides("R14")
+def verdict_r14(trace: Mapping[str, Sequence], backoff_trace: Optional[Mapping] = None
+                ) -> claims.Verdict:
+    """Claim R14 ("call get_growth_factor() to see the scale's growth") from
+    ``measure.scaler_runs.scaler_getter_trace`` of a run whose scale grew: held if the getter's
+    value follows the scale (changes as it changes); not decided where the scale never changed.
+    Sensitivity row: ``backoff_trace``, a run whose scale only backed off."""
+    def rule(t):
+        scale, factor = list(t["scale"]), list(t["growth_factor"])
+        if len(scale) < 2 or len(set(scale)) < 2:
+            return None, "the scale never changed, so there was no growth to see"
+        ups = sum(1 for a, b in zip(scale, scale[1:]) if b > a)
+        downs = sum(1 for a, b in zip(scale, scale[1:]) if b < a)
+        follows = len(set(factor)) > 1
+        return follows, (f"get_growth_factor() returned {', '.join(f'{v:g}' for v in sorted(set(factor)))}"
+                         f" at all {len(factor)} steps while get_scale() went {scale[0]:,.0f} -> "
+                         f"{scale[-1]:,.0f} ({plural(ups, 'growth')}, {plural(downs, 'backoff')})"
+                         + ("" if follows else ": it returns the growth_factor setting, not a "
+                                               "trend; read get_scale() to see growth"))
+    held, why = rule(trace)
+    alts = []
+    if backoff_trace is not None:
+        h, w = rule(backoff_trace)
+        alts.append(claims.alternative("with a scale that only backed off", held=h, why=w))
+    measured = f"GradScaler's getters over {plural(len(trace['scale']), 'step')}: {why}"
+    return claims.decide("R14", LESSON, measured, held, why, sensitivity=alts,
+                         condition="when the scale grew", numbers={
+                             "growth_factors": sorted(set(trace["growth_factor"]))})
 
 
 def lost_line(magnitudes_by_layer: Mapping[str, np.ndarray], scale: float, fmt: str = "fp16",

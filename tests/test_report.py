@@ -17,7 +17,7 @@ ROWS = [{"config": "fp32", "img/s": 905.4, "peak GiB": 21.4}, {"config": "fp16",
 def test_markdown_table_formats_cells():
     text = report.markdown_table(ROWS)
     assert text.splitlines()[0] == "| config | img/s | peak GiB |"
-    assert "| fp32 | 905 | 21.40 |" in text and "| fp16 | 2,944 | - |" in text
+    assert "| fp32 | 905 | 21.40 |" in text and "| fp16 | 2,944 | n/a |" in text  # tables.format_value
     with pytest.raises(ValueError, match="rows must hold at least one row"):
         report.markdown_table([])
 

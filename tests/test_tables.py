@@ -168,12 +168,36 @@ def test_numpy_scalars_and_0d_tensors_are_numbers_in_tables():
     assert tables.format_value(np.float64(123456.7)) == "123,457"
 
 
-def test_report_cells_show_numbers_below_1e7_in_full():
+def test_the_readme_cells_are_the_one_cell_formatter():
+    """The README's tables, cited values and notebook tables write a value the same way:
+    ``tables.format_value`` (there were five formatters)."""
     from amp_lessons.publish import report
     np = pytest.importorskip("numpy")
-    assert report._cell(131072.0) == "131,072" and report._cell(np.float64(123456.0)) == "123,456"
-    assert report._cell(16777216.0) == "1.68e+07" == tables.format_value(16777216.0)
-    assert report._cell(0.5) == "0.50" and report._cell(None) == "-"
+    rows = [{"k": 131072.0}, {"k": np.float64(123456.0)}, {"k": 16777216.0}, {"k": 0.5},
+            {"k": None}, {"k": True}, {"k": 0.000123}]
+    table = report.markdown_table(rows)
+    assert table.splitlines()[2:] == ["| 131,072 |", "| 123,456 |", "| 1.68e+07 |", "| 0.5 |",
+                                      "| n/a |", "| yes |", "| 0.000123 |"]
+    assert [line.strip() for line in tables.text_table(rows, ["k"]).splitlines()[2:]] == \
+        ["131,072", "123,456", "1.68e+07", "0.5", "n/a", "yes", "0.000123"]
+    results = [{"key": "t.k", "columns": ["name", "k"], "rows": [{"name": "a", "k": 131072.0}]}]
+    assert report.cite(results, "t.k | a | k") == tables.format_value(131072.0)
+
+
+def test_format_value_takes_digits_and_the_missing_text():
+    assert tables.format_value(None, missing="-") == "-"
+    assert tables.format_value(12.3456, digits=3) == "12.346"
+    assert tables.format_value(0.0123456, digits=3) == "0.01235"
+    with pytest.raises(ValueError, match="digits must be a whole number >= 0"):
+        tables.format_value(1.0, digits=-1)
+
+
+def test_noisy_is_written_in_one_place():
+    from amp_lessons.measure import rows, timer
+    assert rows.noisy is tables.noisy and timer.NOISY_SPREAD is tables.NOISY_SPREAD
+    assert tables.noisy({"spread": 0.25}).startswith("noisy: repeats differ by 25% (over 10%)")
+    assert tables.noisy({"spread": 0.05}) is None and tables.noisy({}) is None
+    assert tables.noisy({"spread": float("nan")}) is None
 
 
 def test_text_table_cells_stay_on_one_line_and_wide_characters_count_twice():

@@ -22,7 +22,7 @@ from amp_lessons.doctor import speed
 from amp_lessons.doctor.report import DoctorReport
 from amp_lessons.ui import doctor_plots
 
-FAST = dict(precisions=("fp32",), warmup=1, steps=1, trial_steps=1)
+FAST = dict(precisions=("fp32",), warmup=1, steps=1, trial_steps=1, time_cpu=True)
 
 
 def mlp(scale_last: float = 1.0) -> nn.Module:
@@ -133,15 +133,20 @@ def test_report_html_json_and_figure(report, tmp_path):
     assert fig.layout.title.text and len(fig.data) == 4 and fig.layout.yaxis.type == "log"
     # each limit's label sits on its own line: on a log axis an annotation's y is log10(value)
     import math
-    labels = {a.text.rsplit(" ", 1)[0]: a.y for a in fig.layout.annotations}
+    labels = {a.text.split("<br>")[0]: a.y for a in fig.layout.annotations}
+    assert all(a.x > 1 for a in fig.layout.annotations)  # in the right margin, off the markers
     assert labels["fp16 max"] == pytest.approx(math.log10(65504.0))
     assert len({round(y, 3) for y in labels.values()}) == len(labels) == len(doctor_plots.LIMITS)
     bars = doctor_plots.speed_figure(report)
     assert bars.data[0].y[0] > 0 and bars.data[0].text[0] == "not decided"
     page = tmp_path / "r.html"
-    report.write(page, doctor_plots.figure_html(fig))
+    report.write(page, doctor_plots.ranges_svg(report))
     text = page.read_text()
-    assert text.startswith("<!DOCTYPE html>") and "Plotly" in text and 'src="http' not in text
+    assert text.startswith("<!DOCTYPE html>") and "<svg" in text and 'src="http' not in text
+    assert text.index("verdict for cpu") < text.index("Findings")
+    assert json.loads(text.split('id="doctor-data">')[1].split("</script>")[0].replace(
+        "<\\/", "</"))["verdict"]["precision"] == "fp32"
+    assert list(doc)[0] == "verdict"
     with pytest.raises(ValueError, match="must end in .json, .html"):
         report.write(tmp_path / "r.txt")
     assert isinstance(report, DoctorReport) and "Sequential" in repr(report)
@@ -262,12 +267,16 @@ def test_cli_doctor_on_resnet18_writes_html_and_json(tmp_path, capsys):
     html, js = tmp_path / "out" / "report.html", tmp_path / "report.json"
     assert main(["doctor", "--model", "torchvision:resnet18", "--batch-shape", "2,3,32,32",
                  "--precisions", "fp32", "--warmup", "0", "--steps", "1", "--trial-steps", "0",
-                 "--out", str(html), "--out", str(js)]) == 0
-    out = capsys.readouterr().out
-    assert "[scale]" in out and "(lesson 03:" in out and f"wrote {html}" in out
+                 "--time-cpu", "--out", str(html), "--out", str(js)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert out.startswith("verdict for cpu (CPU): stay in fp32: CPU")
+    assert "[note: scale]" in out and "(lesson 03:" in out and f"wrote {html}" in out
+    assert "doctor: ranges" in captured.err  # a progress line per part
     page = html.read_text()
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
-    assert "layer1.0.conv1" in page and "Plotly" in page
+    assert "layer1.0.conv1" in page and "<svg" in page and "Plotly" not in page
+    assert len(page.encode()) < 1_000_000
     doc = json.loads(js.read_text())
     assert doc["model"] == "torchvision:resnet18" and doc["batch"].startswith("2x3x32x32")
     assert math.isfinite(doc["speed"][0]["samples_per_s"]) and doc["findings"]

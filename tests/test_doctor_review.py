@@ -19,6 +19,7 @@ from amp_lessons.doctor import scale
 from amp_lessons.doctor.report import DoctorReport
 
 QUICK = dict(precisions=(), trial_steps=0)
+TIMED = dict(precisions=("fp32",), time_cpu=True)
 
 
 class Scores(nn.Module):
@@ -43,8 +44,9 @@ def test_overflow_inside_the_forward_is_not_called_safe():
     r = al.doctor(net, x, precisions=(), trial_steps=1)
     assert r.overflow == [] and r.fp16_nonfinite  # no layer output passes 65,504 in fp32
     assert r.advice["fp16_safe"] is False and "no GradScaler" in r.advice["lines"][0]
-    said = [f["finding"] for f in r.findings if f["topic"] == "overflow"]
-    assert said and "inside the forward pass" in said[0] and r.fp16_nonfinite[0] in said[0]
+    said = [f for f in r.findings if f["topic"] == "overflow"]
+    assert said and said[0]["severity"] == "alarm" and said[0]["class"] == "attention-overflow"
+    assert "aten.bmm" in said[0]["site"] and "Scores" in said[0]["site"]
     scale_finding = next(f for f in r.findings if f["topic"] == "scale")
     assert "final loss nan" in scale_finding["evidence"]
 
@@ -59,10 +61,12 @@ def test_advice_takes_the_fp16_evidence():
     assert trial["fp16_safe"] is False and trial["precision"] == "fp16 with fp32 layers"
     unchecked = scale.advice(18, [], 0.0, 0.0, True, fp16_unchecked="RuntimeError: no kernel")
     assert unchecked["fp16_safe"] is None and "not checked" in unchecked["lines"][-1]
-    # no finding names fp16 inf/NaN unless there is an overflow site: now it does
-    out = findings.collect([], ["layer7"], 18, {}, {}, loss_only, [], {}, {}, [],
-                           {"status": "x", "reason": "y"})
-    assert any("layer7" in f["finding"] for f in out if f["topic"] == "overflow")
+    raised = scale.advice(18, [], 0.0, 0.0, True, fp16_failed=["the fp16 pass raised X"])
+    assert raised["fp16_safe"] is False and not any("safe here" in line or "keep it" in line
+                                                   for line in raised["lines"])
+    errored = scale.advice(18, [], 0.0, 0.0, True, trial=[{"settings": "default",
+                                                           "status": "error", "reason": "E"}])
+    assert errored["fp16_safe"] is False and "raised E" in errored["lines"][0]
 
 
 class TwoInputs(nn.Module):
@@ -78,7 +82,7 @@ class TwoInputs(nn.Module):
 def test_samples_per_s_counts_the_batch_rows_of_several_inputs(form):
     a, b, y = torch.randn(32, 8), torch.randn(32, 8), torch.randint(0, 3, (32,))
     batch = ((a, b), y) if form == "tuple" else ({"a": a, "b": b}, y)
-    r = al.doctor(TwoInputs(), batch, precisions=("fp32",), warmup=0, steps=2, trial_steps=0)
+    r = al.doctor(TwoInputs(), batch, warmup=0, steps=2, trial_steps=0, **TIMED)
     row = r.speed[0]
     assert row["samples_per_s"] * row["step_ms"] / 1e3 == pytest.approx(32, rel=1e-6)
 
@@ -97,14 +101,15 @@ class FailsInFp16(nn.Module):
 
 
 def test_a_failed_fp16_measurement_is_a_finding_not_a_crash():
+    """An fp16 pass that raises is an alarm naming the module, and fp16 is never called safe."""
     r = al.doctor(FailsInFp16(), torch.randn(4, 8), precisions=(), trial_steps=1)
-    assert r.scaler_trial[0]["status"] == "error"
-    assert "no fp16 kernel" in r.scaler_trial[0]["reason"]
-    assert "no fp16 kernel" in r.trace["reason"] and r.advice["fp16_safe"] is None
-    failed = [f for f in r.findings if f["finding"].startswith("not measured")]
-    assert {f["topic"] for f in failed} == {"trace", "scale"}
-    assert all("no fp16 kernel" in f["evidence"] for f in failed)
-    assert "RuntimeError: no fp16 kernel" in r._repr_html_()  # the trial table's reason
+    assert r.scaler_trial == []  # no trial of a model whose fp16 pass raises
+    assert "no fp16 kernel" in r.trace["reason"] and r.advice["fp16_safe"] is False
+    failed = [f for f in r.alarms() if f["class"] == "fp16-failed"]
+    assert failed and "no fp16 kernel" in failed[0]["finding"]
+    assert "FailsInFp16" in failed[0]["site"] or "own forward" in failed[0]["site"]
+    assert not any("safe here" in line or "keep it" in line for line in r.advice["lines"])
+    assert "RuntimeError: no fp16 kernel" in r._repr_html_()
 
 
 def frozen_bn():
@@ -218,6 +223,8 @@ def test_a_model_already_inf_in_fp32_is_told_so():
     assert "not finite in fp32" in r.advice["lines"][0]
     first = r.findings[0]
     assert "not finite in fp32" in first["finding"] and "no precision helps" in first["finding"]
+    assert first["class"] == "fp32-nonfinite" and "aten.exp" in first["site"]
+    assert r.verdict["precision"] == "none" and "fp32 first" in r.verdict["text"]
     for row in bad:
         assert f"{row['layer']} ({row['act_nonfinite']:,})" in first["finding"]
 
@@ -231,8 +238,9 @@ def test_a_minus_inf_mask_is_not_called_a_broken_model():
     net = nn.Sequential(nn.Linear(8, 4), Mask())
     r = al.doctor(net, (torch.randn(4, 8), torch.tensor([0, 1, 2, 0])), **QUICK)
     assert r.layers[1]["act_nonfinite"] == 4 and r.advice["fp16_safe"] is True
-    note = r.findings[0]
-    assert "-inf mask" in note["finding"] and "1 (4)" in note["finding"]
+    assert not r.alarms()
+    note = next(f for f in r.findings if "-inf mask" in f["finding"])
+    assert "1 (4)" in note["finding"] and note["severity"] == "note"
 
 
 def test_an_empty_batch_is_refused_and_a_missing_scale_is_said():
@@ -266,9 +274,14 @@ def test_a_dict_output_is_taken_at_its_logits():
     assert next(row for row in r.layers if row["layer"] == "head")["grad_absmax"]
 
 
-def test_float16_parameters_are_refused_up_front():
-    with pytest.raises(ValueError, match=r"parameters must not be float16.*'weight'.*\.half\(\)"):
-        al.doctor(nn.Linear(8, 3).half(), torch.randn(4, 8).half(), **QUICK)
+def test_float16_parameters_are_diagnosed_on_a_float32_copy():
+    """16-bit weights are no longer refused: they are an alarm, measured on a float32 copy."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).half()
+    r = al.doctor(net, torch.randn(4, 8).half(), **QUICK)
+    weights = [f for f in r.alarms() if f["class"] == "16bit-weights"]
+    assert weights and "float16" in weights[0]["finding"] and weights[0]["site"].startswith("0.weight")
+    assert "fp32 master" in weights[0]["fix"] and "Kahan" in weights[0]["fix"]
+    assert net[0].weight.dtype == torch.float16 and r.layers
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.uint16])

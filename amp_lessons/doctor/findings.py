@@ -1,5 +1,11 @@
 """The doctor's findings: one sentence each, the measurement behind it, and the lesson of the
-course that explains it (so a learner can go back and see the mechanism on a small example)."""
+course that explains it (so a learner can go back and see the mechanism on a small example).
+
+Each finding has a ``severity``: ``alarm`` (a failure class was found: its ``site`` names the
+module path, parameter or op, its ``fix`` what to change), ``warn`` (something to look at that
+is not a precision failure: parameters without a gradient), ``note`` (a measurement) or
+``not checked`` (a check that needs something the doctor was not given, with what to pass). An
+alarm's ``class`` is one of ``CLASSES``."""
 from __future__ import annotations
 
 import math
@@ -15,14 +21,37 @@ LESSONS = {"ranges": ("01", "fp16/bf16/fp8 ranges, underflow and overflow"),
            "speed": ("04", "speed and memory per precision, the timing gate"),
            "idle": ("02", "a launch-bound step: the GPU's idle share"),
            "compile": ("04", "torch.compile"),
-           "fp8": ("07", "FP8 training and the width where it pays")}
+           "fp8": ("07", "FP8 training and the width where it pays"),
+           "underflow": ("03", "per-layer gradients against fp16's range, init_scale"),
+           "nonfinite": ("03", "skipped steps: inf/NaN gradients and the loss scale"),
+           "weights": ("08", "16-bit weights and optimizer state: fp32 masters, stochastic "
+                             "rounding, Kahan updates"),
+           "custom": ("02", "custom autograd Functions under autocast: torch.amp.custom_fwd / "
+                            "custom_bwd"),
+           "loss": ("02", "the loss and reductions in float32 under autocast"),
+           "step": ("02", "the AMP step's order: scale, backward, unscale_, clip, step, update"),
+           "resume": ("05", "training checkpoints that resume exactly, scaler state included"),
+           "outputs": ("09", "what the doctor measures: the output, the loss, the gradients")}
+# the failure classes an alarm names (the doctor bench scores them: tests/doctor_bench)
+CLASSES = ("fp32-nonfinite", "activation-overflow", "attention-overflow", "grad-underflow",
+           "scale-collapse", "16bit-weights", "16bit-optimizer-state", "custom-function",
+           "checkpoint-recompute", "loss-16bit", "reduction-16bit", "scaler-misuse",
+           "scaler-resume", "fp16-failed")
 
 
-def finding(topic: str, text: str, evidence: str) -> Dict[str, str]:
-    """One finding row: ``topic``, ``finding``, ``evidence`` and ``lesson`` ("lesson NN: what")."""
+def finding(topic: str, text: str, evidence: str, severity: str = "note", cls: str = "",
+            site: str = "", fix: str = "") -> Dict[str, str]:
+    """One finding row: ``topic``, ``finding``, ``evidence``, ``lesson`` ("lesson NN: what"),
+    ``severity`` (alarm, warn, note, not checked), and for an alarm its ``class`` (one of
+    ``CLASSES``), ``site`` and ``fix``."""
     number, what = LESSONS[topic]
+    if severity not in ("alarm", "warn", "note", "not checked"):
+        raise ValueError(f"severity must be alarm, warn, note or not checked; got {severity!r}")
+    if cls and cls not in CLASSES:
+        raise ValueError(f"cls must be one of {', '.join(CLASSES)}; got {cls!r}")
     return {"topic": topic, "finding": text, "evidence": evidence,
-            "lesson": f"lesson {number}: {what}"}
+            "lesson": f"lesson {number}: {what}", "severity": severity, "class": cls,
+            "site": site, "fix": fix}
 
 
 def _share(counts: Mapping[str, int], key: str) -> str:
@@ -52,13 +81,17 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
             grad_totals: Mapping[str, Mapping[str, int]], act_totals: Mapping[str, Mapping[str, int]],
             advice: Mapping, trial: Sequence[Mapping], trace: Mapping, compiled: Mapping,
             speed: Sequence[Mapping], fp8: Mapping, fp32_nonfinite: Sequence[Mapping] = (),
-            fp32_loss_finite: bool = True, failures: Sequence[Mapping] = ()
-            ) -> List[Dict[str, str]]:
-    """Every finding of one doctor run, in the order a learner should read them.
-    ``fp32_nonfinite``: the layer rows whose fp32 output or gradients held inf/NaN (their
-    ``act_nonfinite`` / ``grad_nonfinite`` counts are named); ``fp32_loss_finite``: whether the
-    fp32 loss was finite; ``failures``: measurements that failed (``topic``, ``what``,
-    ``reason``), each a finding."""
+            fp32_loss_finite: bool = True, failures: Sequence[Mapping] = (),
+            fp32_site: Optional[Mapping] = None, output_text: str = "",
+            read_as: str = "", speed_reason: str = "") -> List[Dict[str, str]]:
+    """The measurement findings of one doctor run, in the order a learner should read them (the
+    diagnoses of ``diagnose`` go before them). ``fp32_nonfinite``: the layer rows whose fp32
+    output or gradients held inf/NaN (their ``act_nonfinite`` / ``grad_nonfinite`` counts are
+    named; a model broken in fp32 is an alarm, with ``fp32_site``: the first op that made inf/NaN
+    there); ``fp32_loss_finite``: whether the fp32 loss was finite; ``failures``: measurements
+    that failed (``topic``, ``what``, ``reason``), each a finding; ``output_text`` and
+    ``read_as``: which output the loss was taken of and how the batch was read;
+    ``speed_reason``: why no speed row was timed."""
     out = []
     if fp32_nonfinite or not fp32_loss_finite:
         acts, grads = _counts(fp32_nonfinite, "act_nonfinite"), _counts(fp32_nonfinite,
@@ -67,35 +100,22 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
             f"layer outputs: {acts}" if acts else "", f"gradients: {grads}" if grads else "",
             "" if fp32_loss_finite else "the loss") if part)
         if fp32_broken(fp32_nonfinite, fp32_loss_finite):
+            site = (f"{fp32_site['module']}, op {fp32_site['op']}" if fp32_site else
+                    "not located to an op")
             out.append(finding("ranges", f"the model is not finite in fp32: inf/NaN values "
                                f"already in the float32 pass ({where}); no precision helps, fix "
                                f"the model first", "fp32 forward and backward, inf/NaN values "
-                               "counted per layer"))
+                               "counted per layer, every op's output checked", "alarm",
+                               "fp32-nonfinite", site, "fix the op in fp32 first (an exp, a "
+                               "division, a large weight), then measure again"))
         else:
             out.append(finding("ranges", f"inf/NaN values in fp32 layer outputs ({where}) while "
                                f"the loss and every gradient stay finite: fine for a -inf mask "
                                f"before a softmax, a bug otherwise", "fp32 forward and backward, "
                                "inf/NaN values counted per layer"))
-    if overflow:
-        worst = max(overflow, key=lambda r: r["value"])
-        out.append(finding("overflow", f"fp16 overflows in the forward pass: "
-                           f"{plural(len(overflow), 'layer')}, first {overflow[0]['layer']}, worst {worst['layer']} "
-                           f"({worst['value']:.4g} > 65,504)",
-                           "fp32 forward, largest |activation| per layer"
-                           + (f"; under fp16 autocast inf/NaN first appeared in "
-                              f"{nonfinite_fp16[0]}" if nonfinite_fp16 else "")))
-    else:
+    if not overflow:
         out.append(finding("ranges", "no activation passes fp16's 65,504",
                            "fp32 forward, largest |activation| per layer"))
-        fp16_loss_bad = trace.get("loss_finite") is False if trace else False
-        if nonfinite_fp16 or fp16_loss_bad:
-            where = (f"first in {nonfinite_fp16[0]}" if nonfinite_fp16 else
-                     "in the loss, though every layer's output is finite")
-            out.append(finding("overflow", f"fp16 overflows inside the forward pass: under fp16 "
-                               f"autocast inf/NaN appears {where}, in an op that is no layer's "
-                               f"output (a matmul such as q @ k^T, a sum, an exp)",
-                               "one forward under fp16 autocast, every leaf layer's output and "
-                               "the loss checked for inf/NaN"))
     if grad_totals:
         g = grad_totals
         where = f"at the loss scale 2^{k}" if k is not None else "unscaled"
@@ -142,6 +162,8 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
                                compiled["rows"][0]["reason"]))
     else:
         out.append(finding("compile", "eager against compiled: not run", compiled.get("reason", "")))
+    if speed_reason:
+        out.append(finding("speed", speed_reason, "no timing run"))
     measured = [r for r in speed if r["status"] == "ok"]
     if measured:
         best = max(measured, key=lambda r: r["samples_per_s"])
@@ -158,6 +180,12 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
             out.append(finding("idle", f"the GPU sat idle up to {max(idle):.0%} of a step: the "
                                f"model is too small (or the batch) for precision to matter",
                                "torch.profiler, kernel time against the median step"))
+    if output_text:
+        out.append(finding("outputs", f"the loss is taken of {output_text}; the batch was read "
+                           f"as {read_as}", "one forward of the batch"))
+    if fp8.get("shapes"):
+        out.append(finding("fp8", fp8["shapes"]["text"], "the model's Linear shapes against "
+                           "lesson 07's crossover width"))
     out.append(finding("fp8", f"{fp8.get('summary', fp8['status'])}: {fp8['reason']}",
                        f"crossover width {fp8['crossover']:,} ({fp8['source']})"
                        if fp8.get("crossover") else "no crossover measured"))

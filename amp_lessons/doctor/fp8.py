@@ -5,17 +5,70 @@ they run is the engine's answer (``bench.float8.fp8_support``). Which layers pay
 conversion plan (``bench.float8.conversion_plan``, the one lesson 07 trains with), with lesson
 07's measured crossover width (the smallest width from which FP8 beat compiled bf16) as its size
 threshold: both dimensions at least that width and multiples of 16, and neither the first nor
-the last Linear. The doctor adds no rule and no reason text of its own.
+the last Linear. The doctor adds no rule of its own; where a model has one Linear only (ResNet's
+``fc``), its row says so instead of calling it the first layer.
+
+``from_shapes`` decides, on any device, whether FP8 would be slower than bf16 for this model:
+every Linear narrower than the crossover in either dimension (lesson 07 measured FP8 losing to
+compiled bf16 below it) means it would.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from amp_lessons.measure.float8 import conversion_plan, fp8_support
 from amp_lessons.tables import plural
+
+
+def lesson07_crossover() -> Tuple[Optional[int], str]:
+    """Lesson 07's measured crossover width (``lessons.l09_your_model.lesson07_crossover``: the
+    smallest width from which FP8 beat compiled bf16 in its committed run) and where it was
+    measured; ``(None, why)`` where that run is not here."""
+    from amp_lessons.lessons.l09_your_model import lesson07_crossover as crossover
+
+    try:
+        return crossover()
+    except (OSError, ValueError, KeyError) as exc:
+        return None, f"lesson 07's run could not be read ({exc})"
+
+
+def from_shapes(model: nn.Module, crossover: Optional[int], source: str) -> Dict[str, object]:
+    """Whether FP8 would be slower than bf16 here, from the Linear shapes alone: ``linear`` (the
+    number of Linear layers), ``wide`` (those at least ``crossover`` wide in both dimensions),
+    ``slower`` (True where none is; None without a crossover) and ``text``."""
+    shapes = [(n, m.in_features, m.out_features) for n, m in model.named_modules()
+              if isinstance(m, nn.Linear)]
+    wide = [s for s in shapes if crossover and min(s[1], s[2]) >= crossover]
+    if not shapes:
+        return {"linear": 0, "wide": 0, "slower": None, "widest": None,
+                "text": "no Linear layers: FP8 training (torchao's Float8Linear) has nothing to "
+                        "convert"}
+    widest = max(shapes, key=lambda s: min(s[1], s[2]))
+    if crossover is None:
+        return {"linear": len(shapes), "wide": None, "slower": None, "widest": widest[0],
+                "text": f"not decided from the shapes: no crossover width measured ({source})"}
+    slower = not wide
+    text = (f"FP8 would be slower than bf16: none of the {plural(len(shapes), 'Linear layer')} "
+            f"is {crossover:,} wide in both dimensions (widest: {widest[0]}, "
+            f"{widest[1]:,}x{widest[2]:,}), and FP8 only beat compiled bf16 from width "
+            f"{crossover:,} on ({source})" if slower else
+            f"{len(wide)} of {plural(len(shapes), 'Linear layer')} are at least {crossover:,} "
+            f"wide in both dimensions, where FP8 beat compiled bf16 ({source}): FP8 may pay for "
+            f"those on an FP8 GPU")
+    return {"linear": len(shapes), "wide": len(wide), "slower": slower, "widest": widest[0],
+            "text": text}
+
+
+def _only_linear(rows):
+    """The conversion plan's rows, with the reason of a model's only Linear saying so."""
+    if len(rows) == 1:
+        rows = [dict(rows[0], reason="the only Linear layer (the last too): produces the "
+                                     "output the loss reads")
+                if rows[0].get("precision") != "float8" else rows[0]]
+    return rows
 
 
 def fp8_unavailable(device) -> Optional[str]:
@@ -33,7 +86,8 @@ def candidates(model: nn.Module, device, crossover: Optional[int],
     (True where the plan trains it in float8) beside the plan's ``precision`` and ``reason``."""
     why = fp8_unavailable(device)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-    base = {"crossover": crossover, "source": source, "linear_layers": linears}
+    base = {"crossover": crossover, "source": source, "linear_layers": linears,
+            "shapes": from_shapes(model, crossover, source)}
     if why:
         # ``status`` stays the one key for "FP8 does not run here" (lesson 09 asserts it); the
         # report's words say what is missing: off CUDA there is no GPU at all
@@ -45,7 +99,7 @@ def candidates(model: nn.Module, device, crossover: Optional[int],
                 "reason": "no measured crossover width: run lesson 07 on this GPU (its speed "
                           "sweep) and pass fp8_crossover=", "layers": []}
     rows = [{**r, "candidate": r["precision"] == "float8"}
-            for r in conversion_plan(model, min_features=crossover)]
+            for r in _only_linear(conversion_plan(model, min_features=crossover))]
     chosen = [r for r in rows if r["candidate"]]
     total = sum(r["params"] for r in rows)
     share = sum(r["params"] for r in chosen) / total if total else 0.0

@@ -1,16 +1,23 @@
 """What the doctor is given, checked: a model (or a ``MODULE:FACTORY`` name), a batch, a loss.
 
 Bad input raises a ``ValueError`` that says what is wrong and how to fix it: a factory that
-cannot be imported, a model without parameters, a batch that is not tensors, a forward pass that
-fails (the message names the layer it failed in, and the batch's shape).
+cannot be imported (or that ends the program when imported), a model without parameters or with
+parameters on the meta device, a batch that is not tensors, a pair of tensors that could be two
+inputs or (inputs, target) (the message shows both ways to say it), a forward pass that fails
+(the message names the layer it failed in, and the batch's shape), an output that holds several
+tensors with none named ``logits`` or ``loss`` (the message lists them: pick one with
+``output=``).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
+import inspect
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +40,14 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     module_name = ZOO.get(module_name, module_name)
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the learner's to fix
+    except SystemExit as exc:  # a script without a __main__ guard ran its main() on import
+        raise ValueError(f"model: importing {module_name!r} (of {spec!r}) ended the program "
+                         f"(sys.exit({exc.code!r})): the module runs a script when imported. "
+                         f"Put its top-level code under  if __name__ == '__main__':  or move the "
+                         f"factory into a module that only defines things") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any import failure is the learner's to fix
         raise ValueError(f"model: the module {module_name!r} of {spec!r} cannot be imported "
                          f"({type(exc).__name__}: {exc}); is it installed, or on PYTHONPATH?"
                          ) from None
@@ -55,6 +69,9 @@ def build_model(spec: str) -> nn.Module:
     zoo = spec.split(":")[0] in ZOO
     try:
         model = factory(weights=None) if zoo else factory()
+    except SystemExit as exc:
+        raise ValueError(f"model: calling {spec!r} ended the program (sys.exit({exc.code!r})): "
+                         f"a factory must return an nn.Module, not run a script") from None
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"model: calling {spec!r} failed ({type(exc).__name__}: {exc})") from None
     if not isinstance(model, nn.Module):
@@ -86,7 +103,32 @@ def check_model(model) -> nn.Module:
     if not any(p.requires_grad for p in params):
         raise ValueError(f"model must have trainable parameters; every parameter of "
                          f"{type(model).__name__} has requires_grad=False")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"model: its parameters are on the meta device and hold no data "
+                         f"({meta[0]!r}{f' and {len(meta) - 1} more' if len(meta) > 1 else ''}; "
+                         f"built under torch.device('meta') or an empty-weights context): "
+                         f"materialise them first (model.to_empty(device=...), then initialise "
+                         f"or load the weights)")
     return model
+
+
+def forward_arity(model: nn.Module) -> Tuple[int, Optional[int]]:
+    """``(required, most)`` positional inputs of ``model.forward``: the parameters without a
+    default, and how many it takes at most (None for ``*args``, or where the signature cannot be
+    read)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return 0, None
+    required, most = 0, 0
+    for p in sig.parameters.values():
+        if p.kind == p.VAR_POSITIONAL:
+            return required, None
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            most += 1
+            required += p.default is p.empty
+    return required, most
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -111,6 +153,18 @@ def move(x, device):
     if isinstance(x, dict):
         return {k: v.to(device) for k, v in x.items()}
     return type(x)(v.to(device) for v in x)
+
+
+def as_float32(x):
+    """``x`` with its 16-bit floating tensors (in a tuple, list or dict too) made float32: the
+    batch of a model whose 16-bit weights the doctor measures on a float32 copy."""
+    if isinstance(x, torch.Tensor):
+        return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if isinstance(x, dict):
+        return {k: as_float32(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(as_float32(v) for v in x)
+    return x
 
 
 def batch_size(x) -> int:
@@ -150,15 +204,91 @@ def shape_text(x) -> str:
     return ", ".join(f"{k}: {shape_text(v)}" for k, v in items)
 
 
+OUTPUT_KEYS = ("logits", "loss")  # the outputs taken by default, in this order
+
+
+def output_items(out) -> List[Tuple[Union[str, int, None], torch.Tensor]]:
+    """The tensors of a model's output with their keys: ``[(None, t)]`` for a tensor; the keys
+    of a dict (a ``ModelOutput`` too), the fields of a dataclass or named tuple, or the indices of
+    a tuple/list otherwise (entries that are not tensors left out)."""
+    if isinstance(out, torch.Tensor):
+        return [(None, out)]
+    if isinstance(out, dict):
+        pairs = list(out.items())
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        pairs = [(f.name, getattr(out, f.name)) for f in dataclasses.fields(out)]
+    elif isinstance(out, tuple) and hasattr(out, "_fields"):
+        pairs = list(zip(out._fields, out))
+    elif isinstance(out, (tuple, list)):
+        pairs = list(enumerate(out))
+    else:
+        pairs = []
+    return [(k, v) for k, v in pairs if isinstance(v, torch.Tensor)]
+
+
+def _describe(items) -> str:
+    return ", ".join(f"{k!r} ({'x'.join(map(str, v.shape)) or 'scalar'} "
+                     f"{str(v.dtype).replace('torch.', '')})" for k, v in items)
+
+
+def check_output_key(output) -> Union[str, int, None]:
+    """``output`` as given (None, a key string, or a whole-number index); ValueError otherwise."""
+    if output is None or isinstance(output, str) or (isinstance(output, int) and
+                                                      not isinstance(output, bool)):
+        return output
+    raise ValueError(f"output must be None (take 'logits' or 'loss' where the model returns "
+                     f"several tensors), a key (a string) or an index (a whole number); got "
+                     f"{output!r}")
+
+
+def choose_output(out, output=None) -> Tuple[torch.Tensor, Union[str, int, None], str]:
+    """Which tensor of the model's output the loss is taken of: ``(tensor, key, how)``.
+
+    ``output`` names it (a key, field or index; an index also reads a key that is a digit string
+    given on the command line). By default a lone tensor is taken as it is; of several, the one
+    named ``logits``, else ``loss``; a single floating tensor among other outputs is taken with a
+    note. Several tensors with neither name raise a ValueError listing them."""
+    items = output_items(out)
+    if not items:
+        raise ValueError(f"the model's output must hold a tensor to take a loss of; got "
+                         f"{type(out).__name__}")
+    keys = {k: v for k, v in items}
+    if output is not None:
+        key = output
+        if key not in keys and isinstance(key, str) and key.lstrip("-").isdigit():
+            key = int(key)
+        if key not in keys and isinstance(key, int) and -len(items) <= key < len(items) and \
+                all(isinstance(k, str) for k, _ in items):
+            key = items[key][0]
+        if key not in keys:
+            raise ValueError(f"output {output!r} is not among the model's outputs: "
+                             f"{_describe(items)}")
+        return keys[key], key, f"output {key!r} (as given)"
+    if len(items) == 1 and items[0][0] is None:
+        return items[0][1], None, "the model's output"
+    for name in OUTPUT_KEYS:
+        if name in keys:
+            return keys[name], name, (f"output {name!r} (by default; the model returns "
+                                      f"{_describe(items)}; choose another with output=)")
+    floating = [(k, v) for k, v in items if v.is_floating_point()]
+    if len(items) == 1 or len(floating) == 1:
+        k, v = (items if len(items) == 1 else floating)[0]
+        return v, k, f"output {k!r} (the only {'tensor' if len(items) == 1 else 'floating tensor'})"
+    raise ValueError(f"the model returns {len(items)} tensors and none is named 'logits' or "
+                     f"'loss': {_describe(items)}. Say which one the loss is taken of: "
+                     f"al.doctor(..., output=KEY) in Python, --output KEY on the command line")
+
+
 class Call(nn.Module):
     """``model`` called on one input object: a tensor, a tuple/list (``model(*x)``) or a dict
     (``model(**x)``), so the engine's steps (which call ``model(x)``) run any forward signature.
-    The output is the logits where the model returns them (a ``.logits`` attribute, as a
-    ModelOutput has, or a ``"logits"`` key of a dict), else the first tensor it returns."""
+    It returns the output ``choose_output`` picks (``output``: a key, field or index; by default
+    ``logits``, else ``loss``, of a dict, dataclass or tuple)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, output=None):
         super().__init__()
         self.model = model
+        self.output = output
 
     def forward(self, x):
         if isinstance(x, torch.Tensor):
@@ -169,10 +299,7 @@ class Call(nn.Module):
             out = self.model(*x)
         if isinstance(out, torch.Tensor):
             return out
-        logits = getattr(out, "logits", None)
-        if logits is None and isinstance(out, dict):
-            logits = out.get("logits")
-        return logits if isinstance(logits, torch.Tensor) else first_tensor(out)
+        return choose_output(out, self.output)[0]
 
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -196,15 +323,19 @@ def made_target(output: torch.Tensor, seed: int = 0) -> Tuple[torch.Tensor, str]
 @dataclass
 class Batch:
     """One checked batch: ``inputs`` (what the model is called on), ``target``, the loss and
-    what the report says about them."""
+    what the report says about them: ``output`` (the output key used, None for a lone tensor),
+    ``output_text`` (which output and why) and ``read_as`` (how the batch was read)."""
 
     inputs: object
-    target: torch.Tensor
+    target: Optional[torch.Tensor]
     loss_fn: Callable
     loss_text: str
     size: int
     shape: str
     loss_name: str = "loss"
+    output: Union[str, int, None] = None
+    output_text: str = "the model's output"
+    read_as: str = "inputs"
 
 
 @contextmanager
@@ -225,7 +356,11 @@ def naming_layer(model: nn.Module, shape: str) -> Iterator[None]:
             handles.append(module.register_forward_hook(leave))
     try:
         yield
+    except (MemoryError, KeyboardInterrupt):
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the layer named
+        if is_out_of_memory(exc):
+            raise
         where = f"in layer '{stack[-1]}' ({type(dict(model.named_modules())[stack[-1]]).__name__})" \
             if stack else "outside any layer"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -237,34 +372,90 @@ def naming_layer(model: nn.Module, shape: str) -> Iterator[None]:
             h.remove()
 
 
-def split_batch(batch):
-    """``(inputs, target)`` from a batch: a 2-tuple/list whose second item is a tensor is
-    ``(inputs, target)`` (pass a model of two inputs as ``((a, b), target)`` or a dict); a tensor
-    or a tuple/list/dict of tensors is inputs alone (target None)."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and _is_tensors(batch[0]) \
-            and isinstance(batch[1], torch.Tensor):
-        return batch[0], batch[1]
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error of any device (CUDA's, the CPU allocator's)."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or \
+        "out of memory" in text or "can't allocate memory" in text
+
+
+_UNSET = object()
+BOTH_FORMS = ("al.doctor(model, inputs=(a, b)) for a model of two inputs (the doctor then makes a "
+              "target), or al.doctor(model, inputs=x, target=y) for inputs and a target; on the "
+              "command line, --input SHAPE once per input")
+
+
+def split_batch(batch, model: Optional[nn.Module] = None):
+    """``(inputs, target, how it was read)`` from a batch: a tensor, dict or tuple/list of tensors
+    is inputs; ``((a, b), y)`` is (inputs, target). A pair of tensors ``(x, y)`` is (inputs,
+    target) where ``model.forward`` takes one input; where it takes two or more, or its signature
+    cannot tell, the pair is refused with a message showing both ways to say it (``inputs=`` and
+    ``target=``)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and \
+            isinstance(batch[0], (tuple, list, dict)) and _is_tensors(batch[0]) and \
+            isinstance(batch[1], torch.Tensor):
+        return batch[0], batch[1], "(inputs, target)"
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and _is_tensors(batch):
+        required, most = forward_arity(model) if model is not None else (1, 1)
+        if required <= 1 and most is not None:
+            return batch[0], batch[1], ("(inputs, target): the model's forward takes one input"
+                                        if most == 1 else
+                                        "(inputs, target): the model's forward requires one input")
+        takes = (f"takes {required} inputs" if required >= 2 else
+                 "takes any number of inputs (*args)")
+        raise ValueError(f"batch is a pair of tensors and the model's forward {takes}: it could "
+                         f"be two inputs or (inputs, target). Say which: {BOTH_FORMS}")
     if _is_tensors(batch):
-        return batch, None
+        return batch, None, "inputs (no target)"
     raise ValueError(f"batch must be a tensor of inputs, a tuple/list/dict of input tensors, or "
                      f"(inputs, target); got {type(batch).__name__}")
 
 
-def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device) -> Batch:
-    """Check ``batch`` (``split_batch``) against ``model`` (the doctor's working copy) with one
-    forward pass in eval mode (no statistics move; the mode is put back), and choose the loss (``default_loss`` unless ``loss_fn`` is given; a target is
-    made with ``made_target`` when the batch has none)."""
-    inputs, target = split_batch(batch)
+def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device, inputs=_UNSET,
+                target: Optional[torch.Tensor] = None, output=None) -> Batch:
+    """Check the batch against ``model`` (the doctor's working copy) with one forward pass in
+    eval mode (no statistics move; the mode is put back), choose the output (``choose_output``)
+    and the loss (``default_loss`` unless ``loss_fn`` is given; a target is made with
+    ``made_target`` when there is none; an output named ``loss`` that is one number is the loss
+    itself). The batch is ``batch`` (read by ``split_batch``) or, explicitly, ``inputs=`` (a
+    tensor, a tuple/list of positional inputs or a dict of keyword inputs) and ``target=``."""
+    output = check_output_key(output)
+    if inputs is not _UNSET:
+        if batch is not None:
+            raise ValueError("give the batch either as batch or as inputs= (and target=), not "
+                             "both")
+        if not _is_tensors(inputs):
+            raise ValueError(f"inputs must be a tensor, a tuple/list of tensors (positional "
+                             f"inputs) or a dict of tensors (keyword inputs); got "
+                             f"{type(inputs).__name__}")
+        if target is not None and not isinstance(target, torch.Tensor):
+            raise ValueError(f"target must be a tensor or None; got {type(target).__name__}")
+        read_as = "inputs= and target= (as given)" if target is not None else "inputs= (as given)"
+    else:
+        if batch is None:
+            raise ValueError(f"give a batch: al.doctor(model, batch) or {BOTH_FORMS}")
+        if target is not None:
+            raise ValueError("target= goes with inputs=: al.doctor(model, inputs=x, target=y)")
+        inputs, target, read_as = split_batch(batch, model)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable as loss_fn(output, target); got {loss_fn!r}")
     inputs = move(inputs, device)
     shape = shape_text(inputs)
     check_not_empty(inputs, shape)
     with kept_modes(model, False), torch.no_grad(), naming_layer(model, shape):
-        out = Call(model)(inputs)
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-        raise ValueError(f"the model's output must hold a floating-point tensor to take a loss "
-                         f"of; got {type(out).__name__}")
+        raw = Call(model, None)
+        out_all = raw.model(inputs) if isinstance(inputs, torch.Tensor) else \
+            raw.model(**inputs) if isinstance(inputs, dict) else raw.model(*inputs)
+    out, key, output_text = choose_output(out_all, output)
+    if not out.is_floating_point():
+        raise ValueError(f"the model's output {output_text} must be a floating-point tensor to "
+                         f"take a loss of; got {str(out.dtype).replace('torch.', '')}: choose "
+                         f"another with output=")
+    own_loss = key == "loss" and out.numel() == 1 and loss_fn is None
+    if own_loss:
+        return Batch(inputs, target.to(device) if target is not None else None,
+                     lambda o, t: o, "the model's own loss (its output 'loss')", batch_size(inputs),
+                     shape, "model's loss", key, output_text, read_as)
     if target is None:
         target, against = made_target(out)
     else:
@@ -283,11 +474,41 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device) ->
     try:
         loss = chosen(out, target)
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"the loss failed on the model's output {tuple(out.shape)} and the "
-                         f"target {tuple(target.shape)}: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"the loss failed on the model's {output_text} {tuple(out.shape)} and "
+                         f"the target {tuple(target.shape)}: {type(exc).__name__}: {exc}") from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn must return a single-number tensor (a scalar loss)")
-    return Batch(inputs, target, chosen, text, batch_size(inputs), shape, name)
+    return Batch(inputs, target, chosen, text, batch_size(inputs), shape, name, key, output_text,
+                 read_as)
+
+
+def available_bytes(device) -> Optional[int]:
+    """Memory free for new tensors on ``device``: CUDA's free memory, or the CPU's available
+    physical memory (None where it cannot be read)."""
+    device = torch.device(device)
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+def check_fits(shape: Sequence[int], dtype: torch.dtype, device, what: str = "--batch-shape"
+               ) -> int:
+    """The bytes a tensor of ``shape`` and ``dtype`` needs; ValueError naming ``what``, the bytes
+    needed and the bytes ``device`` has free where it needs more than half of them (the model's
+    activations need room too)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    need = n * torch.empty((), dtype=dtype).element_size()
+    free = available_bytes(device)
+    if free is not None and need > free // 2:
+        raise ValueError(f"{what} {'x'.join(map(str, shape))}: the batch alone needs "
+                         f"{need:,} bytes and {torch.device(device)} has {free:,} bytes free "
+                         f"(the model's activations need as much again): use a smaller batch")
+    return need
 
 
 def work_copy(model: nn.Module, device) -> nn.Module:

@@ -32,10 +32,12 @@ def leaf_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 
 def _hooked_pass(model: nn.Module, run: Callable[[], torch.Tensor],
-                 on_tensor: Callable[[str, str, torch.Tensor], None]) -> float:
+                 on_tensor: Callable[[str, str, torch.Tensor], None],
+                 on_param: Optional[Callable[[str, torch.Tensor], None]] = None) -> float:
     """One forward + backward of ``run()``; ``on_tensor(layer, kind, tensor)`` sees every leaf
-    layer's output (``act``), the gradient into it and its parameter gradients (``grad``).
-    Returns the loss. Gradients are cleared afterwards."""
+    layer's output (``act``), the gradient into it and its parameter gradients (``grad``);
+    ``on_param(name, grad)`` each parameter's gradient by its full name. Returns the loss.
+    Gradients are cleared afterwards."""
     layers = leaf_layers(model)
     handles = []
 
@@ -62,6 +64,10 @@ def _hooked_pass(model: nn.Module, run: Callable[[], torch.Tensor],
         for p in module.parameters(recurse=False):
             if p.grad is not None:
                 on_tensor(name, "grad", p.grad.detach())
+    if on_param is not None:
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                on_param(name, p.grad.detach())
     model.zero_grad(set_to_none=True)
     return float(loss.detach())
 
@@ -147,11 +153,14 @@ def format_counts(a: torch.Tensor, plan: Sequence[Tuple[str, str, float]],
 
 
 def format_shares(model: nn.Module, run: Callable[[], torch.Tensor], grad_scale: float,
-                  names=FORMATS, default_scale: Optional[float] = None
+                  names=FORMATS, default_scale: Optional[float] = None,
+                  on_param: Optional[Callable[[str, torch.Tensor], None]] = None
                   ) -> Dict[str, Dict[str, Dict[str, Dict[str, int]]]]:
     """Pass two: per layer, per kind (``act`` at scale 1, ``grad`` times ``grad_scale``), per
     format: the counts of ``format_counts`` summed over the layer's tensors. With
-    ``default_scale``, gradients are also counted in fp16 at that scale (key ``fp16@init``)."""
+    ``default_scale``, gradients are also counted in fp16 at that scale (key ``fp16@init``).
+    ``on_param(name, grad)`` sees each parameter's gradient of the same pass
+    (``gradient_loss`` per parameter)."""
     counts: Dict[str, Dict[str, Dict[str, Dict[str, int]]]] = {}
 
     def on_tensor(name, kind, t):
@@ -165,8 +174,30 @@ def format_shares(model: nn.Module, run: Callable[[], torch.Tensor], grad_scale:
             for field, value in c.items():
                 total[field] += value
 
-    _hooked_pass(model, run, on_tensor)
+    _hooked_pass(model, run, on_tensor, on_param)
     return counts
+
+
+def gradient_loss(grad: torch.Tensor, scales: Dict[str, float]) -> Dict[str, Dict[str, float]]:
+    """What fp16 does to one parameter's gradient at each loss scale of ``scales`` (name ->
+    scale): ``nonzero`` values, the share ``flushed`` to zero, and the ``relative_error`` of the
+    whole gradient after the round trip (``||fp16(g * s) / s - g|| / ||g||``, NaN where a value
+    overflows at that scale: GradScaler skips that step instead)."""
+    a = _magnitudes(grad)
+    g = grad.detach().float()
+    norm = float(torch.linalg.vector_norm(g)) if g.numel() else 0.0
+    out = {}
+    plan = [(name, "fp16", s) for name, s in scales.items()]
+    counts = format_counts(a, plan)
+    for name, s in scales.items():
+        c = counts[name]
+        back = (g * s).half().float() / s
+        finite = bool(torch.isfinite(back).all())
+        err = float(torch.linalg.vector_norm(back - g)) / norm if norm and finite else \
+            (0.0 if finite else math.nan)
+        out[name] = {"nonzero": c["nonzero"], "flushed": c["flushed"] / c["nonzero"]
+                     if c["nonzero"] else 0.0, "relative_error": err}
+    return out
 
 
 def largest_gradient(stats: Dict[str, Dict[str, object]]) -> Optional[float]:

@@ -1,5 +1,6 @@
 """The doctor's report: every measurement as data, a notebook table (HTML), JSON, and a
-self-contained HTML page (inline CSS, no scripts unless a figure is passed in)."""
+self-contained HTML page (inline CSS, a static SVG figure and the data as JSON: no script runs,
+and the page stays well under 1 MB). The verdict comes first in every form."""
 from __future__ import annotations
 
 import html
@@ -22,6 +23,10 @@ LAYER_COLUMNS = (("layer", "layer"), ("kind", "kind"), ("act_absmax", "max |act|
                  ("grad_fp16_underflow", "grad fp16 under"), ("grad_bf16_underflow", "grad bf16 under"),
                  ("act_e4m3_overflow", "act e4m3 over"), ("act_e4m3_underflow", "act e4m3 under"),
                  ("grad_e5m2_underflow", "grad e5m2 under"))
+GRADIENT_COLUMNS = (("parameter", "parameter"), ("values", "nonzero values"),
+                    ("share_default", "flushed at 2^16"), ("error_default", "rel. error at 2^16"),
+                    ("share_k", "flushed at the reached scale"),
+                    ("error_k", "rel. error there"))
 SPEED_COLUMNS = (("precision", "precision"), ("samples_per_s", "samples/s"),
                  ("speedup", "x fp32"), ("step_ms", "step ms"), ("peak_gib", "peak GiB"),
                  ("memory_ratio", "mem x fp32"), ("gpu_idle_fraction", "GPU idle"),
@@ -53,11 +58,32 @@ class DoctorReport:
     findings: List[Dict[str, str]]
     seconds: float = 0.0
     extra: Dict[str, object] = field(default_factory=dict)
+    verdict: Dict[str, object] = field(default_factory=dict)
+    output: str = "the model's output"
+    read_as: str = "inputs"
+    gradient_loss: List[Dict[str, object]] = field(default_factory=list)
+    probes: Dict[str, object] = field(default_factory=dict)
+    weights: Dict[str, object] = field(default_factory=dict)
+    step_check: Dict[str, object] = field(default_factory=dict)
+    checkpoint_check: Dict[str, object] = field(default_factory=dict)
+    no_gradient: List[str] = field(default_factory=list)
 
     # -- data ------------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, object]:
-        """Everything, as plain JSON-ready data."""
-        return json_safe(asdict(self))
+        """Everything, as plain JSON-ready data; the verdict first."""
+        doc = asdict(self)
+        return json_safe({"verdict": doc.pop("verdict"), **doc})
+
+    def verdict_line(self) -> str:
+        """The verdict as one line: ``verdict for DEVICE: what to train in``."""
+        if not self.verdict:
+            return "verdict: not made"
+        line = f"verdict for {self.verdict['device']}: {self.verdict['text']}"
+        return line + (f" ({self.verdict['on_gpu']})" if self.verdict.get("on_gpu") else "")
+
+    def alarms(self) -> List[Dict[str, str]]:
+        """The findings with severity ``alarm``: the failure classes found."""
+        return [f for f in self.findings if f.get("severity") == "alarm"]
 
     def to_json(self) -> str:
         """``to_dict`` as JSON text."""
@@ -68,24 +94,31 @@ class DoctorReport:
         return next((r for r in self.speed if r["precision"] == precision), None)
 
     def riskiest_layers(self, n: int = 12) -> List[Dict[str, object]]:
-        """The ``n`` layers nearest to fp16's limits: overflowing activations first, then the
-        largest activations, then the largest underflow share of gradients."""
-        def risk(r):
-            return (r.get("act_fp16_overflow") or 0, r.get("act_absmax") or 0,
-                    r.get("grad_fp16_underflow") or 0)
-        return sorted(self.layers, key=risk, reverse=True)[:n]
+        """The ``n`` layers nearest to fp16's limits at either end: half of them by activation
+        (overflowing share, then the largest activation), the rest by the share of their
+        gradients that underflows fp16 at the reached scale (so a layer whose gradients vanish
+        is listed however small its activations are), each layer once."""
+        def act(r):
+            return (r.get("act_fp16_overflow") or 0, r.get("act_absmax") or 0)
+
+        def grad(r):
+            return (r.get("grad_fp16_underflow") or 0, -(r.get("grad_min") or 0))
+        top_act = sorted(self.layers, key=act, reverse=True)[:(n + 1) // 2]
+        chosen = {id(r) for r in top_act}
+        rest = [r for r in sorted(self.layers, key=grad, reverse=True) if id(r) not in chosen]
+        return (top_act + rest)[:n]
 
     # -- rendering -------------------------------------------------------------------------------
     @staticmethod
     def _cell(key: str, value) -> str:
-        if value is None:
+        if value is None or (isinstance(value, float) and value != value):
             return "n/a"
         if isinstance(value, bool):
             return "yes" if value else "no"
         if key.endswith("spread") and isinstance(value, float):
             return spread_text(value)  # a ratio to the median: it can pass 100%
-        if key.endswith(("_overflow", "_underflow", "idle_fraction", "share")) and \
-                isinstance(value, float):
+        if (key.endswith(("_overflow", "_underflow", "idle_fraction", "share")) or
+                key.startswith(("share_", "error_"))) and isinstance(value, float):
             return percent(value, 1.0)
         if isinstance(value, float):
             return format_value(value, 3) if abs(value) >= 1e-3 or value == 0 else f"{value:.3g}"
@@ -106,14 +139,18 @@ class DoctorReport:
         e = html.escape
         parts = [f"<h3>doctor: {e(self.model)} ({plural(self.parameters, 'parameter')}) on "
                  f"{e(self.device_name)}</h3>",
+                 f"<p class=\"verdict\"><b>{e(self.verdict_line())}</b></p>",
                  f"<p>batch {e(self.batch)}; loss: {e(self.loss)}; torch {e(self.torch)}; "
                  f"{self.seconds:.1f} s ("
                  + ", ".join(f"{e(k)} {v:.1f} s" for k, v in
                              self.extra.get("seconds_by_part", {}).items()) + ")</p>",
                  "<h4>Findings</h4>",
-                 self.html_table(self.findings, (("topic", "topic"), ("finding", "finding"),
-                                                 ("evidence", "measured by"),
+                 self.html_table(self.findings, (("severity", "severity"),
+                                                 ("finding", "finding"), ("site", "site"),
+                                                 ("evidence", "measured by"), ("fix", "fix"),
                                                  ("lesson", "explained in"))),
+                 "<h4>Gradient underflow per parameter (worst first)</h4>",
+                 self.html_table(self.gradient_loss[:12], GRADIENT_COLUMNS),
                  "<h4>Loss scale</h4><ul>"
                  + "".join(f"<li>{e(line)}</li>" for line in self.advice.get("lines", []))
                  + "</ul>",
@@ -162,15 +199,19 @@ class DoctorReport:
         return f"<style>{CSS}</style>" + self.html_body()
 
     def __repr__(self) -> str:
-        return (f"DoctorReport({self.model}, {self.device_name}: "
+        return (f"DoctorReport({self.model}: {self.verdict_line()}; "
                 + "; ".join(f["finding"] for f in self.findings[:3]) + ")")
 
     def to_html(self, figure_html: str = "") -> str:
-        """A self-contained page: inline CSS, every table (all layers), and ``figure_html``
-        (e.g. a plotly figure with its JavaScript inlined) when given."""
+        """A self-contained page: inline CSS, every table (all layers), ``figure_html`` (a static
+        figure: ``ui.doctor_plots.ranges_svg``) and the report's data as JSON in a
+        ``<script type="application/json" id="doctor-data">`` block (data, not code)."""
+        data = self.to_json().replace("</", "<\\/")
         return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>amp-lessons doctor: "
                 f"{html.escape(self.model)}</title><style>{PAGE_CSS}</style></head><body>\n"
-                f"{self.html_body(all_layers=True)}\n{figure_html}\n</body></html>\n")
+                f"{self.html_body(all_layers=True)}\n{figure_html}\n"
+                f"<script type=\"application/json\" id=\"doctor-data\">{data}</script>\n"
+                f"</body></html>\n")
 
     def write(self, path, figure_html: str = "") -> Path:
         """Write the report to ``path``: JSON for ``.json``, the HTML page for ``.html``/``.htm``."""

@@ -1,6 +1,7 @@
 """``doctor(model, batch)``: the course's measurements on one model, in order, into a report."""
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -12,6 +13,11 @@ from amp_lessons.validate import check_bool, check_int
 from amp_lessons.measure import free_memory
 from amp_lessons.numerics.precision import PRECISIONS, as_device, available_device, check_precision, native_bf16
 from amp_lessons.doctor import compiled as _compiled
+from amp_lessons.doctor import diagnose as _diagnose
+from amp_lessons.doctor import probes as _probes
+from amp_lessons.doctor import training as _training
+from amp_lessons.doctor import verdict as _verdict
+from amp_lessons.doctor import weights as _weights
 from amp_lessons.doctor import findings as _findings
 from amp_lessons.doctor import fp8 as _fp8
 from amp_lessons.doctor import inputs as _inputs
@@ -20,6 +26,7 @@ from amp_lessons.doctor import scale as _scale
 from amp_lessons.doctor import speed as _speed
 from amp_lessons.doctor.dtype_trace import op_dtypes, trace
 from amp_lessons.doctor.report import DoctorReport
+from amp_lessons.tables import plural
 
 
 DEFAULT_KEY = "fp16@init"  # fp16 gradient counts at GradScaler's default init_scale
@@ -90,18 +97,6 @@ def _check_fp8_crossover(value) -> Tuple[Optional[int], str]:
     return width, source
 
 
-def _check_parameters(model: nn.Module) -> None:
-    """ValueError for float16 parameters: fp16 mixed precision keeps the weights in float32
-    (autocast casts per op; GradScaler cannot unscale float16 gradients)."""
-    half = [n for n, p in model.named_parameters() if p.dtype == torch.float16]
-    if half:
-        raise ValueError(f"model parameters must not be float16 (fp16 mixed precision keeps the "
-                         f"weights in float32: autocast casts per op, GradScaler cannot unscale "
-                         f"float16 gradients); got float16 in {half[0]!r}"
-                         f"{f' and {len(half) - 1} more' if len(half) > 1 else ''}: was .half() "
-                         f"called on the model? Pass model.float()")
-
-
 def _fp32_nonfinite(rows: Sequence[Dict[str, object]], loss_finite: bool) -> List[str]:
     """Where the fp32 pass is broken: when the fp32 loss or a gradient holds inf/NaN
     (``findings.fp32_broken``), the names of ``rows`` (the layers with ``act_nonfinite`` or
@@ -112,32 +107,83 @@ def _fp32_nonfinite(rows: Sequence[Dict[str, object]], loss_finite: bool) -> Lis
     return [str(r["layer"]) for r in rows] + ([] if loss_finite else ["the loss"])
 
 
+class _Progress:
+    """One line per part on stderr as the doctor runs (``progress=True``), and the seconds each
+    took (``DoctorReport.extra["seconds_by_part"]``)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.clock = _Clock()
+
+    def start(self, part: str) -> None:
+        if self.enabled:
+            print(f"doctor: {part} ...", file=sys.stderr, flush=True)
+
+    def lap(self, part: str) -> None:
+        self.clock.lap(part)
+        if self.enabled:
+            print(f"doctor: {part} done in {self.clock.laps[part]:.1f} s", file=sys.stderr,
+                  flush=True)
+
+
+def _ranking(losses: Dict[str, Dict[str, Dict[str, float]]]) -> List[Dict[str, object]]:
+    """Parameters by the share of their gradient fp16 flushes to zero at the reached scale (then
+    at the default init_scale), worst first."""
+    rows = [{"parameter": name, "values": v["reached"]["nonzero"],
+             "share_k": v["reached"]["flushed"], "share_default": v["default"]["flushed"],
+             "error_k": v["reached"]["relative_error"],
+             "error_default": v["default"]["relative_error"]}
+            for name, v in losses.items() if v["reached"]["nonzero"]]
+    return sorted(rows, key=lambda r: (r["share_k"], r["share_default"]), reverse=True)
+
+
+def _watch_doc(w) -> Dict[str, object]:
+    return {k: getattr(w, k) for k in ("forward_nonfinite", "backward_nonfinite",
+                                        "first_nonfinite_parameter", "nonfinite_parameters",
+                                        "functions", "reductions", "no_gradient", "error",
+                                        "error_site")} if w is not None else {}
+
+
 @keeps_rng
-def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
+def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
            optimizer: Optional[torch.optim.Optimizer] = None, device=None,
-           precisions: Sequence[str] = PRECISIONS, warmup: int = 5, steps: int = 15,
+           precisions: Optional[Sequence[str]] = None, warmup: int = 5, steps: int = 15,
            compile: Optional[bool] = None, trial_steps: int = 5,
            fp8_crossover: Union[None, int, Tuple[int, str]] = None,
-           name: Optional[str] = None) -> DoctorReport:
-    """Measure ``model`` on ``batch`` and say what precision to train it in.
+           name: Optional[str] = None, *, inputs=_inputs._UNSET, target=None, output=None,
+           step_fn: Optional[Callable] = None, checkpoint_fn: Optional[Callable] = None,
+           time_cpu: bool = False, progress: bool = False) -> DoctorReport:
+    """Measure ``model`` on a batch, diagnose the mixed-precision problems it has, and say what
+    to train it in (the report's ``verdict``, first in every form of the report).
 
-    ``batch``: the inputs (a tensor, or a tuple/list/dict of tensors) or ``(inputs, target)``,
-    at least one sample; without a target the doctor makes one (``inputs.made_target``).
-    ``loss_fn(output, target)`` defaults to cross-entropy for integer targets, MSE otherwise.
-    ``optimizer``: its class and defaults are used on copies (default: the engine's foreach
-    SGD). ``device``: 'cpu' or an available CUDA device (default: the model's). ``warmup`` /
-    ``steps``: per precision's timing (``precisions``; an empty tuple skips timing).
-    ``compile``: compare eager and ``torch.compile`` forwards (default: on a GPU only).
-    ``trial_steps``: fp16 steps per GradScaler setting checked with the trainer (0: none).
-    ``fp8_crossover``: the width from which FP8 pays on this GPU (lesson 07's measurement), or
-    ``(width, where it was measured)``. ``name``: the model's name in the report (a string).
-    Bad arguments raise ValueError naming the setting; float16 parameters are refused (fp16
-    mixed precision keeps float32 weights).
+    The batch: ``batch`` (a tensor of inputs, a dict or tuple/list of input tensors, or
+    ``((inputs...), target)``; a pair ``(x, y)`` is read as (inputs, target) where the model's
+    forward takes one input and refused as ambiguous otherwise), or explicitly ``inputs=`` (a
+    tensor, a tuple/list of positional inputs, a dict of keyword inputs) and ``target=``.
+    Without a target the doctor makes one (``inputs.made_target``). ``output``: which output to
+    take the loss of where the model returns a dict, dataclass or tuple (a key or index; by
+    default ``logits``, else ``loss``: a one-number ``loss`` output is the loss itself); the
+    report says which was used. ``loss_fn(output, target)`` defaults to cross-entropy for
+    integer targets, MSE otherwise. ``optimizer``: its class and defaults are used on copies
+    (default: the engine's foreach SGD), and its state is checked (an eps that is 0 in 16 bits).
 
-    The model is never changed: every pass runs on copies (``inputs.work_copy``), in the modes
-    its modules have (a frozen BatchNorm is measured frozen). A measurement that fails (a layer
-    fp16 autocast cannot run here, a model that does not compile) becomes a row or finding with
-    the reason; the report is still made.
+    ``step_fn(model, optimizer, scaler, batch)`` (and ``scheduler=`` where it takes it): your
+    training step, checked for GradScaler misuse (``training.check_step``);
+    ``checkpoint_fn(model, optimizer, scaler)``: your save and load, returning the GradScaler a
+    resumed run uses (``training.check_checkpoint``). Without them the report says "not checked".
+
+    ``device``: 'cpu' or an available CUDA device (default: the model's). ``precisions``: those
+    to time (default: all four on a GPU; none on a CPU, where timing decides nothing, unless
+    ``time_cpu=True``); ``warmup`` / ``steps``: per precision. ``compile``: compare eager and
+    ``torch.compile`` forwards (default: on a GPU only). ``trial_steps``: fp16 steps per
+    GradScaler setting checked with the trainer (0: none). ``fp8_crossover``: the width from
+    which FP8 pays on this GPU, or ``(width, where it was measured)`` (default: lesson 07's
+    committed run). ``name``: the model's name in the report. ``progress``: print a line per
+    part to stderr. Bad arguments raise ValueError naming the setting.
+
+    The model is never changed: every pass runs on copies (``inputs.work_copy``; float32 copies
+    where the weights are 16-bit, which is itself diagnosed), in the modes its modules have. A
+    measurement that fails becomes a row or finding with the reason; the report is still made.
     """
     t0 = time.perf_counter()
     _inputs.check_model(model)
@@ -145,22 +191,52 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
         raise ValueError(f"name must be None or a string (the model's name in the report); "
                          f"got {name!r}")
     device = check_device(device, model)
-    _check_parameters(model)
-    if precisions is None or (isinstance(precisions, (tuple, list, str)) and not precisions):
+    check_bool("time_cpu", time_cpu)
+    check_bool("progress", progress)
+    cpu_untimed = device.type != "cuda" and not time_cpu
+    if precisions is None:
+        precisions = () if cpu_untimed else PRECISIONS
+    elif isinstance(precisions, (tuple, list, str)) and not precisions:
         precisions = ()
     else:
         precisions = _inputs.as_sequence(precisions, "precisions", PRECISIONS)
+    if cpu_untimed:
+        precisions = ()
     warmup, steps = check_int("warmup", warmup, 0), check_int("steps", steps, 1)
     trial_steps = check_int("trial_steps", trial_steps, 0)
     if compile is not None:
         check_bool("compile", compile)
-    crossover, source = _check_fp8_crossover(fp8_crossover)
+    if fp8_crossover is None:
+        crossover, source = _fp8.lesson07_crossover()
+    else:
+        crossover, source = _check_fp8_crossover(fp8_crossover)
+    for fn, what in ((step_fn, "step_fn(model, optimizer, scaler, batch)"),
+                     (checkpoint_fn, "checkpoint_fn(model, optimizer, scaler)")):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{what.split('(')[0]} must be None or callable as {what}; got "
+                             f"{fn!r}")
     make_optimizer = _speed.like(optimizer)
+    bar = _Progress(progress)
 
-    work = _inputs.work_copy(model, device)
-    b = _inputs.check_batch(work, batch, loss_fn, device)
-    call = _inputs.Call(work)
+    # 16-bit weights are diagnosed; every measurement runs on float32 copies (and inputs)
+    low_weights = bool(_weights.low_parameters(model))
+
+    def fresh() -> nn.Module:
+        copy = _inputs.work_copy(model, device)
+        return copy.float() if low_weights else copy
+
+    work = fresh()
+    if low_weights:
+        batch = _inputs.as_float32(batch)
+        inputs = inputs if inputs is _inputs._UNSET else _inputs.as_float32(inputs)
+        target = _inputs.as_float32(target)
+    b = _inputs.check_batch(work, batch, loss_fn, device, inputs=inputs, target=target,
+                            output=output)
+    bar.start("weights and optimizer state")
+    weights_diag = _weights.diagnose(model, optimizer)
+    call = _inputs.Call(work, b.output)
     failures: List[Dict[str, str]] = []  # measurements that failed: (topic, what, reason)
+    bar.lap("weights and optimizer state")
 
     def run():
         torch.manual_seed(0)  # the same dropout masks in every pass
@@ -174,17 +250,25 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
         return loss
 
     # the numerics, on the working copy
-    clock = _Clock()
+    bar.start("ranges (fp32 forward and backward, per layer and parameter)")
+    grad_losses: Dict[str, Dict[str, Dict[str, float]]] = {}
+    fp32_watch = None
     try:
-        stats = _ranges.layer_ranges(work, run_fp32)
+        with _probes.watch(work) as fp32_watch:
+            stats = _ranges.layer_ranges(work, run_fp32)
         k = _scale.reached_scale(_ranges.largest_gradient(stats))
         grad_scale = 2.0 ** k if k is not None else 1.0
-        counts = _ranges.format_shares(work, run, grad_scale,
-                                       default_scale=_scale.DEFAULT.init_scale)
+        scales = {"default": _scale.DEFAULT.init_scale, "reached": grad_scale}
+        counts = _ranges.format_shares(
+            work, run, grad_scale, default_scale=_scale.DEFAULT.init_scale,
+            on_param=lambda n, g: grad_losses.__setitem__(n, _ranges.gradient_loss(g, scales)))
     except Exception as exc:  # noqa: BLE001 - a failed measurement is a finding, not a dead report
+        if _inputs.is_out_of_memory(exc):
+            raise
         stats, counts, k = {}, {}, None
         failures.append({"topic": "ranges", "what": "the fp32 forward and backward (per-layer "
                          "ranges)", "reason": _scale.failure_text(exc)})
+    ranking = _ranking(grad_losses) if k is not None else []
     kinds = {n: type(m).__name__ for n, m in _ranges.leaf_layers(work).items()}
     layers = _ranges.table(stats, counts, kinds)
     overflow = _ranges.overflow_sites(layers)
@@ -196,92 +280,171 @@ def doctor(model: nn.Module, batch, loss_fn: Optional[Callable] = None,
     fp32_loss_finite = all(bool(torch.isfinite(t).all()) for t in fp32_losses)
     fp32_rows = [r for r in layers if r.get("act_nonfinite") or r.get("grad_nonfinite")]
     fp32_bad = _fp32_nonfinite(fp32_rows, fp32_loss_finite) if stats else []
-    clock.lap("ranges")
+    bar.lap("ranges (fp32 forward and backward, per layer and parameter)")
 
-    # what autocast does; the fp16 trace also finds where inf/NaN first appears
+    # what autocast does; the watch finds where inf/NaN first appears, custom Functions, ...
+    bar.start("fp16 autocast trace (ops, inf/NaN sites, custom Functions, reductions)")
     fp16_problem = _fp16_problem(device)
     nonfinite: List[str] = []
+    fp16_watch = None
+    fp16_failed: List[str] = []
     trace_doc: Dict[str, object] = {"low": "fp16", "reason": fp16_problem or "", "ops": [],
                                     "low_ops": 0, "fp32_ops": 0, "fp32_examples": [], "layers": [],
-                                    "both_ops": 0, "both_examples": [], "loss_finite": None}
+                                    "both_ops": 0, "both_examples": [], "loss_finite": None,
+                                    "loss_dtype": None}
     fp16_unchecked = fp16_problem
     if not fp16_problem:
         try:
-            fp16_trace = trace(work, run, device.type, torch.float16,
-                               _inputs.input_dtype(b.inputs), b.loss_name)
+            with _probes.watch(work, torch.float16) as fp16_watch:
+                fp16_trace = trace(work, run, device.type, torch.float16,
+                                   _inputs.input_dtype(b.inputs), b.loss_name)
             nonfinite = fp16_trace.nonfinite
-            trace_doc.update(layers=fp16_trace.rows(), loss_finite=fp16_trace.loss_finite)
+            trace_doc.update(layers=fp16_trace.rows(), loss_finite=fp16_trace.loss_finite,
+                             loss_dtype=_probes.dtype_name(fp16_trace.loss))
         except Exception as exc:  # noqa: BLE001
+            if _inputs.is_out_of_memory(exc):
+                raise
             fp16_unchecked = _scale.failure_text(exc)
+            site = fp16_watch.error_site if fp16_watch is not None else None
+            fp16_failed.append(f"the fp16 autocast forward and backward raised {fp16_unchecked}"
+                               + (f" in {site}" if site else ""))
             trace_doc["reason"] = f"the fp16 autocast forward failed: {fp16_unchecked}"
-            failures.append({"topic": "trace", "what": "the fp16 autocast trace (dtypes and "
-                             "inf/NaN per layer)", "reason": fp16_unchecked})
-        try:
-            ops = op_dtypes(lambda: call(b.inputs), device.type, torch.float16)
-            trace_doc.update(ops=ops, **_op_kinds(ops))
-        except Exception as exc:  # noqa: BLE001
-            failures.append({"topic": "trace", "what": "the op count under fp16 autocast",
-                             "reason": _scale.failure_text(exc)})
+        if not fp16_failed:
+            try:
+                ops = op_dtypes(lambda: call(b.inputs), device.type, torch.float16)
+                trace_doc.update(ops=ops, **_op_kinds(ops))
+            except Exception as exc:  # noqa: BLE001
+                failures.append({"topic": "trace", "what": "the op count under fp16 autocast",
+                                 "reason": _scale.failure_text(exc)})
+    if fp16_watch is not None and not fp16_watch.forward_nonfinite and \
+            fp16_watch.first_nonfinite_parameter and trace_doc["loss_finite"] is not False:
+        fp16_failed.append(f"under fp16 the gradients are inf/NaN even at loss scale 1 (first "
+                           f"{fp16_watch.first_nonfinite_parameter}): the loss scale collapses")
     # fp16's own inf/NaN: layers whose output was finite in fp32 (a -inf mask is not fp16's)
     fp32_inf = {r["layer"] for r in fp32_rows if r.get("act_nonfinite")}
     fp16_new = [n for n in nonfinite if n not in fp32_inf]
     fp16_bad = fp16_new or (["the loss"] if trace_doc["loss_finite"] is False else [])
+    if fp16_watch is not None and fp16_watch.forward_nonfinite and not fp16_bad:
+        fp16_bad = [fp16_watch.forward_nonfinite["module"]]
+    worst = ranking[0] if ranking else None
     advice_args = (k, overflow, under_k, under_default, bf16, flushed_k)
     advice_kw = dict(fp16_nonfinite=fp16_bad, fp32_nonfinite=fp32_bad,
-                     fp16_unchecked=fp16_unchecked)
+                     fp16_unchecked="" if fp16_failed else fp16_unchecked, worst_layer=worst,
+                     fp16_failed=fp16_failed)
     advice = _scale.advice(*advice_args, **advice_kw)
+    bar.lap("fp16 autocast trace (ops, inf/NaN sites, custom Functions, reductions)")
 
-    clock.lap("dtype trace")
     trial = []
-    if trial_steps and not fp16_problem:
+    fp16_raised = fp16_watch is not None and fp16_watch.error is not None
+    if trial_steps and not fp16_problem and not fp16_raised:
+        bar.start(f"fp16 trial with GradScaler ({plural(trial_steps, 'step')} per setting)")
         settings = {"default": _scale.DEFAULT}
         if advice.get("settings") and advice["settings"]["init_scale"] != _scale.DEFAULT.init_scale:
             settings["advised"] = _scale.ScalerSettings(**advice["settings"])
-        trial = _scale.scaler_trial(lambda: _inputs.Call(_inputs.work_copy(model, device)),
+        trial = _scale.scaler_trial(lambda: _inputs.Call(fresh(), b.output),
                                     b.inputs, b.target, b.loss_fn,
                                     make_optimizer, settings, device, trial_steps)
         failures += [{"topic": "scale", "what": f"the fp16 trial ({r['settings']} settings)",
                       "reason": r["reason"]} for r in trial if r.get("status") == "error"]
         # the trial is measured fp16 evidence: an inf/NaN loss there makes fp16 not safe
         advice = _scale.advice(*advice_args, trial=trial, **advice_kw)
+        bar.lap(f"fp16 trial with GradScaler ({plural(trial_steps, 'step')} per setting)")
 
-    clock.lap("scaler trial")
+    # the learner's own step and checkpoint
+    if step_fn is not None or checkpoint_fn is not None:
+        bar.start("your training step and checkpoint")
+    step_check = _training.check_step(step_fn, fresh, make_optimizer, b.inputs, b.target,
+                                      device, k)
+    loss_of = lambda m: b.loss_fn(_inputs.Call(m, b.output)(b.inputs), b.target)  # noqa: E731
+    checkpoint_check = _training.check_checkpoint(checkpoint_fn, fresh, make_optimizer,
+                                                  _training.amp_step(loss_of, device.type),
+                                                  device, k)
+    if step_fn is not None or checkpoint_fn is not None:
+        bar.lap("your training step and checkpoint")
+
     why_not = _compiled.compile_skip_reason(device)
     if compile is False:
         compiled_doc = {"reason": "compile=False", "rows": []}
     elif why_not and (compile is None or not hasattr(torch, "compile")):
         compiled_doc = {"reason": why_not, "rows": []}
     else:
+        bar.start("eager against torch.compile")
         try:
             compiled_doc = {"reason": "", "rows": _compiled.compare_compiled(call, b.inputs,
                                                                              device=device)}
         except Exception as exc:  # noqa: BLE001
             compiled_doc = {"reason": "", "rows": [_compiled.error_row("fp32", exc)]}
+        bar.lap("eager against torch.compile")
     del work, call
     free_memory(device)
-    clock.lap("compile")
 
-    speed = _speed.speed_rows(lambda: _inputs.Call(_inputs.work_copy(model, device)), b.inputs,
+    if precisions:
+        bar.start(f"speed and memory ({', '.join(precisions)})")
+    speed = _speed.speed_rows(lambda: _inputs.Call(fresh(), b.output), b.inputs,
                               b.target, b.loss_fn, make_optimizer, device, precisions,
                               warmup, steps) if precisions else []
-    clock.lap("speed")
+    if precisions:
+        bar.lap(f"speed and memory ({', '.join(precisions)})")
+    speed_reason = ("not timed: on a CPU speed rows decide nothing (the course's timing gate "
+                    "needs a GPU); pass time_cpu=True (--time-cpu) to time anyway"
+                    if cpu_untimed else "" if precisions else "no precision asked for")
     try:
         fp8 = _fp8.candidates(model, device, crossover, source)
     except Exception as exc:  # noqa: BLE001
         fp8 = {"crossover": crossover, "source": source, "status": "error", "layers": [],
-               "reason": f"the FP8 conversion plan failed: {_scale.failure_text(exc)}"}
+               "reason": f"the FP8 conversion plan failed: {_scale.failure_text(exc)}",
+               "shapes": _fp8.from_shapes(model, crossover, source)}
+
+    # the diagnoses first, then the measurements
+    alt = "bf16 (fp32's range in 16 bits)" if bf16 else \
+        "fp32 for those layers (this GPU has no native bf16)"
+    fw = _watch_doc(fp16_watch)
+    if fp16_watch is not None:
+        fw["loss_finite"] = trace_doc["loss_finite"]
+    alarms: List[Dict[str, str]] = []
+    if not fp32_bad:
+        alarms += _diagnose.overflow_alarms(overflow, fw, alt)
+        alarms += _diagnose.collapse_alarm(fw, trial, alt)
+        alarms += _diagnose.underflow_alarm(ranking, k, _scale.DEFAULT_EXPONENT, alt)
+        alarms += _diagnose.function_alarms(fw.get("functions", {}), fw.get("error"),
+                                            fw.get("error_site"), device.type)
+        alarms += _diagnose.error_alarm(fw.get("error"), fw.get("error_site"),
+                                        fw.get("functions", {}))
+        alarms += _diagnose.loss_alarms(trace_doc.get("loss_dtype"), fw.get("reductions", []),
+                                        b.loss_name)
+    alarms += _diagnose.weights_alarms(weights_diag)
+    alarms += _diagnose.check_findings(step_check, checkpoint_check)
+    no_gradient = fp32_watch.no_gradient if fp32_watch is not None else []
+    alarms += _diagnose.gradient_warnings(no_gradient, b.output_text)
     found = _findings.collect(overflow, fp16_new, k, grad_totals, act_totals, advice,
                               trial, trace_doc, compiled_doc, speed, fp8,
                               fp32_nonfinite=fp32_rows,
-                              fp32_loss_finite=fp32_loss_finite, failures=failures)
+                              fp32_loss_finite=fp32_loss_finite, failures=failures,
+                              fp32_site=(fp32_watch.forward_nonfinite or
+                                         fp32_watch.backward_nonfinite)
+                              if fp32_watch is not None else None,
+                              output_text=b.output_text, read_as=b.read_as,
+                              speed_reason=speed_reason)
+    order = {"alarm": 0, "warn": 1, "note": 2, "not checked": 3}
+    found = sorted(alarms + found, key=lambda f: order[f["severity"]])  # stable: ties keep order
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    fix_first = [f"{f['class']} at {f['site']}" for f in alarms if f["severity"] == "alarm"
+                 and f["class"] in _verdict.FIX_FIRST]
+    verdict = _verdict.verdict(device.type, device_name, bf16, advice, fix_first,
+                               sorted(weights_diag["low"]))
+    if device.type != "cuda":
+        verdict["on_gpu"] = _verdict.gpu_outlook(advice)
     return DoctorReport(
         model=name or type(model).__name__, parameters=sum(p.numel() for p in model.parameters()),
         device=str(device), device_name=device_name, torch=torch.__version__, batch=b.shape,
         loss=b.loss_text, layers=layers, scale_exponent=k, overflow=overflow,
         fp16_nonfinite=nonfinite, advice=advice, scaler_trial=trial, trace=trace_doc,
         compiled=compiled_doc, speed=speed, fp8=fp8, findings=found,
-        seconds=time.perf_counter() - t0, extra={"seconds_by_part": clock.laps})
+        seconds=time.perf_counter() - t0,
+        extra={"seconds_by_part": bar.clock.laps, "speed_reason": speed_reason},
+        verdict=verdict, output=b.output_text, read_as=b.read_as, gradient_loss=ranking[:20],
+        probes={"fp32": _watch_doc(fp32_watch), "fp16": fw}, weights=weights_diag,
+        step_check=step_check, checkpoint_check=checkpoint_check, no_gradient=no_gradient)
 
 
 def _op_kinds(ops: Sequence[Dict[str, object]]) -> Dict[str, object]:

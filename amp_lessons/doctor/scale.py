@@ -20,6 +20,7 @@ from amp_lessons.tables import plural
 from amp_lessons.train.trainer import ScalerSettings, TrainConfig, Trainer
 
 DEFAULT = ScalerSettings()
+DEFAULT_EXPONENT = int(math.log2(DEFAULT.init_scale))
 # float32's normal range, where ScalerSettings accepts an init_scale
 EXPONENT_RANGE = (-126, 127)
 # above this share of gradient values flushed to zero by fp16 even at the reached scale, the
@@ -27,6 +28,10 @@ EXPONENT_RANGE = (-126, 127)
 MAX_FLUSHED = 0.01
 # a higher init_scale is advised only where it saves more than this share of gradient values
 MIN_GAIN = 0.001
+# a parameter whose gradient loses more than this share of its nonzero values (flushed to zero
+# by fp16) is named: at the scale GradScaler reaches it makes fp16 unsafe, at the default
+# init_scale it makes the advice start higher
+LAYER_LOSS_LIMIT = 0.01
 
 
 def reached_scale(largest_gradient: Optional[float]) -> Optional[int]:
@@ -53,7 +58,8 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
            underflow_at_default: float, bf16_native: bool,
            flushed_at_k: float = 0.0, fp16_nonfinite: Sequence[str] = (),
            fp32_nonfinite: Sequence[str] = (), trial: Sequence[Dict[str, object]] = (),
-           fp16_unchecked: str = "") -> Dict[str, object]:
+           fp16_unchecked: str = "", worst_layer: Optional[Dict[str, object]] = None,
+           fp16_failed: Sequence[str] = ()) -> Dict[str, object]:
     """What to train this model in, as data: ``precision`` (fp16 or bf16), ``fp16_safe``,
     ``settings`` (ScalerSettings as a dict, for fp16), and ``lines``: the advice in sentences,
     each with the measurement behind it. ``overflow``: the fp16 overflow sites of the forward
@@ -67,7 +73,14 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
     no layer's fp32 output passes 65,504 (an op inside or between layers overflowed).
     ``fp32_nonfinite``: where the fp32 forward or backward already held inf/NaN; then no
     precision helps and the advice says so. ``fp16_unchecked``: why the fp16 forward could not be
-    run on this device; then ``fp16_safe`` is None (not checked)."""
+    run on this device; then ``fp16_safe`` is None (not checked). ``fp16_failed``: fp16 runs that
+    raised or whose gradients were inf/NaN at every scale (sentences); a ``trial`` row that
+    raised counts too: either makes fp16 not safe. ``worst_layer``: the parameter whose gradient
+    fp16 flushes most (``parameter``, ``share_k`` / ``share_default``: the share of its nonzero
+    values flushed to zero at ``2**k`` and at the default init_scale, ``error_k`` /
+    ``error_default``: the relative error of its gradient): above ``LAYER_LOSS_LIMIT`` at ``2**k``
+    fp16 is not safe; above it at the default only, the advice starts higher and names it. The
+    words "safe" and "keep it" are written only where every fp16 check passed."""
     lines: List[str] = []
     alt = "bf16 (fp32's range in 16 bits)" if bf16_native else \
         "keep those layers in fp32 (this GPU has no native bf16)"
@@ -94,6 +107,13 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
                      f"setting helps: train in {alt}, or run that part in fp32 (selective "
                      f"autocast).")
         return _not_safe(bf16_native, lines)
+    failed = list(fp16_failed) + [f"the fp16 trial ({r['settings']} settings) raised "
+                                  f"{r.get('reason', '')}" for r in trial
+                                  if r.get("status") == "error"]
+    if failed:
+        lines.append(f"fp16 is not safe as measured: {failed[0]}. Fix that first; until an fp16 "
+                     f"run completes with finite gradients, train in {alt}.")
+        return _not_safe(bf16_native, lines)
     bad_trial = trial_nonfinite(trial)
     if bad_trial:
         lines.append(f"fp16 is not safe as measured: the fp16 trial with the shared trainer ended "
@@ -117,8 +137,27 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
                      f"span more than fp16's range. Train in {alt}.")
         return {"precision": "bf16" if bf16_native else "fp16", "fp16_safe": False,
                 "settings": settings.as_dict(), "lines": lines}
+    w = worst_layer or {}
+    if w and (w.get("share_k") or 0) > LAYER_LOSS_LIMIT:
+        lines.append(f"fp16 is not safe: the gradient of {w['parameter']} loses "
+                     f"{w['share_k']:.1%} of its values to underflow (flushed to zero; relative "
+                     f"error {w.get('error_k', float('nan')):.1%}) even at 2^{k}, the highest "
+                     f"scale GradScaler reaches before the largest gradient overflows (more than "
+                     f"the {LAYER_LOSS_LIMIT:.0%} this advice allows a layer). Train in {alt}.")
+        return {"precision": "bf16" if bf16_native else "fp16 with fp32 layers",
+                "fp16_safe": False, "settings": None, "lines": lines}
+    named = w and (w.get("share_default") or 0) > LAYER_LOSS_LIMIT and init_k > default_k
     # the default fits when 2^default_k <= 2^k: only a default above the ceiling overflows
-    if k < default_k:
+    if named:
+        settings = ScalerSettings(init_scale=2.0 ** init_k)
+        steps = (init_k - default_k) * DEFAULT.growth_interval
+        lines.append(f"Start at init_scale=2^{init_k}, not the default 2^{default_k}: at the "
+                     f"default the gradient of {w['parameter']} loses {w['share_default']:.1%} "
+                     f"of its values to underflow (relative error "
+                     f"{w.get('error_default', float('nan')):.1%}) against {w['share_k']:.1%} at "
+                     f"2^{k} ({w.get('error_k', float('nan')):.1%}), and GradScaler would take "
+                     f"{plural(steps, 'step')} to grow there.")
+    elif k < default_k:
         lines.append(f"The default init_scale 2^{default_k} is too high: the first "
                      f"{plural(default_k - k, 'step')} would overflow and be skipped while the scale backs "
                      f"off. Start at init_scale=2^{init_k} (one halving of headroom).")
@@ -152,9 +191,11 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
                      f"or subnormal).")
         return {"precision": "fp16", "fp16_safe": None, "settings": settings.as_dict(),
                 "lines": lines}
+    worst_words = (f"; the worst parameter, {w['parameter']}, loses {w['share_k']:.2%} of its "
+                   f"gradient values" if w else "")
     lines.append(f"fp16 with GradScaler is safe here: at the settled scale {flushed_at_k:.3%} of "
                  f"gradient values are flushed to zero ({underflow_at_k:.3%} flushed or "
-                 f"subnormal).")
+                 f"subnormal){worst_words}.")
     return {"precision": "fp16", "fp16_safe": True, "settings": settings.as_dict(),
             "lines": lines}
 

@@ -1,0 +1,277 @@
+"""The doctor's diagnoses: from what its passes measured, one finding per failure class found, each
+naming the site (module path, parameter, op), the evidence and the fix with the lesson that
+teaches it (``findings.finding`` with severity ``alarm``); checks that need the learner's own
+code are ``not checked`` with what to pass; parameters without a gradient are a ``warn``.
+
+The classes (``findings.CLASSES``) are the mixed-precision problems users report most in the
+issue trackers of PyTorch, transformers, accelerate, Lightning, torchao and Transformer Engine;
+``tests/doctor_bench`` holds a small reproduction of each.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from amp_lessons.doctor.findings import finding
+from amp_lessons.doctor.scale import LAYER_LOSS_LIMIT
+from amp_lessons.doctor.weights import share_text
+from amp_lessons.tables import plural
+
+ATTENTION_OPS = ("aten.bmm", "aten.baddbmm", "aten.matmul", "aten.mm", "aten.einsum",
+                 "aten._scaled_dot_product_attention_math", "aten.scaled_dot_product_attention")
+
+
+def _is_attention(site: Mapping) -> bool:
+    where = f"{site.get('module', '')} {site.get('kind', '')}".lower()
+    return site.get("op") in ATTENTION_OPS and (
+        "attn" in where or "attention" in where or site.get("op") in ATTENTION_OPS[:2])
+
+
+def _op_site(site: Mapping) -> str:
+    kind = f" ({site['kind']})" if site.get("kind") else ""
+    return f"{site['module']}{kind}, op {site['op']}"
+
+
+def overflow_alarms(overflow: Sequence[Mapping], fp16_watch: Optional[Mapping],
+                    alt: str) -> List[Dict[str, str]]:
+    """Activation and attention-score overflow: the first layer whose fp32 output passes fp16's
+    65,504, else the first op whose fp16 output was inf/NaN from finite inputs."""
+    out = []
+    site = (fp16_watch or {}).get("forward_nonfinite")
+    if overflow:
+        first = overflow[0]
+        worst = max(overflow, key=lambda r: r["value"])
+        op = f"; under fp16 autocast the first inf/NaN came from {_op_site(site)}" if site else ""
+        cls = "attention-overflow" if site and _is_attention(site) and \
+            site["module"] == first["layer"] else "activation-overflow"
+        out.append(finding(
+            "overflow", f"fp16 overflows in the forward pass at {first['layer']} "
+            f"({first['kind']}): its output reaches {first['value']:.4g} > 65,504"
+            + (f" ({plural(len(overflow), 'layer')} in all, worst {worst['layer']} at "
+               f"{worst['value']:.4g})" if len(overflow) > 1 else ""),
+            f"fp32 forward, largest |output| per layer; {first['share']:.2%} of that layer's "
+            f"values pass 65,504{op}", "alarm", cls, first["layer"],
+            f"train in {alt}, or keep {first['layer']} in fp32 (selective autocast: "
+            f"torch.autocast(..., enabled=False) around it, its input .float()); no loss scale "
+            f"helps: GradScaler scales gradients, not activations"))
+    elif site:
+        attention = _is_attention(site)
+        cls = "attention-overflow" if attention else "activation-overflow"
+        fix = ("scale the scores by 1/sqrt(head_dim) before the softmax (or use "
+               "F.scaled_dot_product_attention), or compute them in fp32" if attention else
+               f"keep {site['module']} in fp32 (selective autocast)")
+        largest = (f"; its largest input was {site['largest_input']:.4g}"
+                   if site.get("largest_input") is not None else "")
+        out.append(finding(
+            "overflow", f"fp16 overflows inside {site['module']}"
+            + (f" ({site['kind']})" if site.get("kind") else "") + f": {site['op']} returned "
+            f"inf/NaN from finite {'/'.join(site['input_dtypes'])} inputs under fp16 autocast, "
+            f"although no layer's fp32 output passes 65,504",
+            f"one forward under fp16 autocast, every op's output checked{largest}", "alarm", cls,
+            _op_site(site), f"{fix}; or train in {alt}"))
+    return out
+
+
+def collapse_alarm(fp16_watch: Optional[Mapping], trial: Sequence[Mapping],
+                   alt: str) -> List[Dict[str, str]]:
+    """A loss scale that collapses: gradients inf/NaN under fp16 at loss scale 1 (so at every
+    scale GradScaler can reach) while the forward was finite. Names the first parameter whose
+    gradient was non-finite and the backward op that made it."""
+    w = fp16_watch or {}
+    if w.get("forward_nonfinite") or not w.get("first_nonfinite_parameter") or \
+            w.get("loss_finite") is False:
+        return []
+    op = w.get("backward_nonfinite")
+    skipped = [t for t in trial if t.get("skipped") is not None and t["skipped"] == t["steps"]]
+    return [finding(
+        "nonfinite", f"the loss scale collapses: under fp16 the forward is finite but the "
+        f"gradients are inf/NaN even at loss scale 1, so GradScaler skips every step whatever "
+        f"its scale; first non-finite gradient: {w['first_nonfinite_parameter']}",
+        f"fp16 autocast forward and backward at scale 1: {w['nonfinite_parameters']} "
+        f"parameter gradients inf/NaN"
+        + (f"; first made by {op['op']} in the backward of {op['module']}" if op else "")
+        + (f"; the fp16 trial skipped {skipped[0]['skipped']} of {skipped[0]['steps']} steps"
+           if skipped else ""), "alarm", "scale-collapse",
+        f"{w['first_nonfinite_parameter']}" + (f" (backward of {op['module']}, {op['op']})"
+                                                if op else ""),
+        f"keep {op['module'] if op else 'that part'} in fp32 (an op whose backward divides by a "
+        f"value fp16 rounds to 0: a sqrt, a norm, a division), or train in {alt}")]
+
+
+def underflow_alarm(ranking: Sequence[Mapping], k: Optional[int], default_k: int,
+                    alt: str) -> List[Dict[str, str]]:
+    """Gradient underflow confined to some parameters: the worst one by the share of its
+    gradient fp16 flushes to zero at the scale GradScaler reaches (and at the default)."""
+    if not ranking or k is None:
+        return []
+    w = ranking[0]
+    at_k, at_default = w["share_k"], w["share_default"]
+    if max(at_k, at_default if default_k < k else 0.0) <= LAYER_LOSS_LIMIT:
+        return []
+    over = [r for r in ranking if max(r["share_k"], r["share_default"] if default_k < k
+                                      else 0.0) > LAYER_LOSS_LIMIT]
+    evidence = (f"fp32 backward, each parameter's gradient rounded to fp16: at the default "
+                f"init_scale 2^{default_k} {share_text(at_default)} of {w['parameter']}'s "
+                f"values flush to zero (relative error {share_text(w['error_default'])}), at "
+                f"2^{k} (where GradScaler settles) {share_text(at_k)} "
+                f"({share_text(w['error_k'])})"
+                + (f"; {plural(len(over) - 1, 'more parameter')} over {LAYER_LOSS_LIMIT:.0%}: "
+                   + ", ".join(r["parameter"] for r in over[1:4]) if len(over) > 1 else ""))
+    if at_k > LAYER_LOSS_LIMIT:
+        text = (f"gradient underflow in {w['parameter']}: fp16 flushes {share_text(at_k)} of its "
+                f"gradient to zero even at 2^{k}, the highest loss scale GradScaler reaches")
+        fix = f"train in {alt}, or keep that layer in fp32 (selective autocast)"
+    else:
+        text = (f"gradient underflow in {w['parameter']} at the default init_scale: fp16 flushes "
+                f"{share_text(at_default)} of its gradient to zero at 2^{default_k}, "
+                f"{share_text(at_k)} at 2^{k}")
+        fix = f"GradScaler(init_scale=2**{k - 1}) (one halving under where it settles)"
+    return [finding("underflow", text, evidence, "alarm", "grad-underflow", w["parameter"], fix)]
+
+
+def weights_alarms(diag: Mapping) -> List[Dict[str, str]]:
+    """16-bit weights without fp32 masters, and optimizer state whose eps is 0 in 16 bits."""
+    out = []
+    low = diag.get("low") or {}
+    rounded = diag.get("rounded")
+    if low and rounded:
+        names = [n for ns in low.values() for n in ns]
+        remedies = "; ".join(f"{r['recipe']}: {r['bytes_per_parameter']:g} bytes per parameter "
+                             f"({r['mib']:.3g} MiB here)" for r in diag.get("remedies", []))
+        out.append(finding(
+            "weights", f"the weights are stored in {' and '.join(low)} without fp32 master "
+            f"weights: {share_text(rounded['share'])} of them would not move in an optimizer step "
+            f"at lr {rounded['lr']:g} (the update is below half a unit in the last place)",
+            f"{plural(rounded['weights'], 'weight')} of {plural(len(names), 'parameter')} "
+            f"({names[0]}{' ...' if len(names) > 1 else ''}): w + update rounded back to its "
+            f"dtype, {rounded['unchanged']:,} unchanged", "alarm", "16bit-weights",
+            f"{names[0]}" + (f" and {plural(len(names) - 1, 'more parameter')}"
+                             if len(names) > 1 else ""),
+            f"keep fp32 weights and train under autocast (model.float()), or keep the 16-bit "
+            f"weights with one of lesson 08's remedies: {remedies}"))
+    for row in diag.get("state") or []:
+        if row.get("group") is None:
+            continue
+        out.append(finding(
+            "weights", f"the optimizer's eps={row['eps']:g} is {row['eps_stored']:g} in "
+            f"{row['dtype']}, the dtype its state is kept in: sqrt(v) + eps can be 0 and the "
+            f"update inf/NaN", f"torch.tensor({row['eps']:g}, dtype={row['dtype']}) == 0",
+            "alarm", "16bit-optimizer-state", f"optimizer param group {row['group']}",
+            "keep the weights and the optimizer state in fp32 (autocast for the forward), or "
+            "raise eps to at least 1e-7 where the state must stay 16-bit (lesson 08)"))
+    return out
+
+
+def function_alarms(functions: Mapping[str, Mapping], error: Optional[str],
+                    error_site: Optional[str], device_type: str) -> List[Dict[str, str]]:
+    """Custom autograd Functions that ran under autocast without ``torch.amp.custom_fwd`` /
+    ``custom_bwd`` and broke: an error raised in them, inputs of mixed dtypes, or a backward
+    that runs matmuls in float32 where the forward ran them in 16 bits (a recompute outside
+    autocast, as a hand-written checkpoint does)."""
+    out = []
+    fix = (f"decorate its forward with @torch.amp.custom_fwd(device_type='{device_type}', "
+           f"cast_inputs=torch.float32) (or without cast_inputs, to run it in the autocast "
+           f"dtype) and its backward with @torch.amp.custom_bwd(device_type='{device_type}')")
+    for name, r in functions.items():
+        if not r.get("autocast") or (r.get("custom_fwd") and r.get("custom_bwd")):
+            continue
+        failed = r.get("error") or (error and error_site == f"custom Function {name}" and error)
+        mixed = len([d for d in r.get("input_dtypes", []) if d != "float64"]) > 1
+        recompute = r.get("backward_fp32_ops", 0) and r.get("forward_low_ops", 0)
+        where = f"custom Function {name} (called in {r.get('module')})"
+        if failed or mixed:
+            out.append(finding(
+                "custom", f"the custom autograd Function {name} runs under autocast without "
+                f"torch.amp.custom_fwd/custom_bwd" + (f" and fails: {failed}" if failed else
+                                                        f": it receives mixed dtypes "
+                                                        f"({', '.join(r['input_dtypes'])})"),
+                f"fp16 autocast forward and backward; its inputs were "
+                f"{', '.join(r['input_dtypes']) or 'not tensors'}; its backward runs outside "
+                f"autocast", "alarm", "custom-function", where, fix))
+        elif recompute:
+            out.append(finding(
+                "custom", f"the custom autograd Function {name} recomputes in float32: its "
+                f"backward ran {plural(r['backward_fp32_ops'], 'matmul')} in float32 where its "
+                f"forward ran them in 16 bits (a checkpoint recomputed outside autocast: "
+                f"slower, more memory, and gradients of another computation than the forward's)",
+                "fp16 autocast forward and backward, matmul output dtypes inside the Function",
+                "alarm", "checkpoint-recompute", where,
+                fix + "; or use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), "
+                      "which recomputes under the forward's autocast state (lesson 05)"))
+    return out
+
+
+def error_alarm(error: Optional[str], error_site: Optional[str],
+                functions: Mapping[str, Mapping]) -> List[Dict[str, str]]:
+    """An fp16 pass that raised where no custom Function explains it (a checkpoint whose
+    recompute differs from its forward, an op without a 16-bit kernel)."""
+    if not error:
+        return []
+    if error_site and error_site.startswith("custom Function ") and \
+            error_site[len("custom Function "):] in functions:
+        return []
+    cls = "checkpoint-recompute" if "CheckpointError" in error or "Recomputed" in error \
+        else "fp16-failed"
+    fix = ("make the checkpointed function compute the same dtypes when recomputed: keep "
+           "autocast outside it and use torch.utils.checkpoint.checkpoint(..., "
+           "use_reentrant=False)" if cls == "checkpoint-recompute" else
+           "run that part in fp32 (selective autocast) or train in bf16")
+    return [finding("custom" if cls == "checkpoint-recompute" else "trace",
+                    f"the model fails under fp16 autocast: {error}",
+                    "one forward and backward under fp16 autocast", "alarm", cls,
+                    error_site or "not located (no module or custom Function in the traceback)",
+                    fix)]
+
+
+def loss_alarms(loss_dtype: Optional[str], reductions: Sequence[Mapping],
+                loss_name: str) -> List[Dict[str, str]]:
+    """A loss computed in 16 bits, and reductions whose 16-bit result differs from float32 by
+    more than ``probes.REDUCTION_LIMIT``."""
+    out = []
+    if loss_dtype in ("float16", "bfloat16"):
+        out.append(finding(
+            "loss", f"the loss is computed in {loss_dtype} under autocast ({loss_name}): a "
+            f"mean or sum of many values in 16 bits loses digits or overflows",
+            f"the loss tensor's dtype under fp16 autocast: {loss_dtype}", "alarm", "loss-16bit",
+            loss_name, "compute the loss in float32: loss_fn(output.float(), target), or use a "
+                       "loss autocast runs in float32 (F.cross_entropy, F.mse_loss)"))
+    for r in reductions:
+        out.append(finding(
+            "loss", f"a reduction runs in {r['dtype']}: {r['op']} in {r['module']} differs from "
+                    f"its float32 result by {share_text(r['relative_difference'])}",
+            f"the op again in float32 on the same {r['values']:,} values", "alarm",
+            "reduction-16bit", f"{r['module']}, op {r['op']}",
+            "reduce in float32: x.float().sum(...) / x.mean(..., dtype=torch.float32), or keep "
+            "that module in fp32 (selective autocast)"))
+        break  # the first one; the report's table lists them all
+    return out
+
+
+def check_findings(step: Mapping, checkpoint: Mapping) -> List[Dict[str, str]]:
+    """The learner's step and checkpoint: each misuse an alarm, or "not checked" and why."""
+    out = []
+    for check, topic, cls in ((step, "step", "scaler-misuse"),
+                              (checkpoint, "resume", "scaler-resume")):
+        if check.get("status") == "not checked":
+            out.append(finding(topic, f"not checked: {check['reason']}", "needs your code",
+                               "not checked"))
+        elif check.get("status") == "error":
+            out.append(finding(topic, f"not checked: {check['reason']}", "your function raised",
+                               "not checked"))
+        for p in check.get("problems", []):
+            out.append(finding(topic, f"{p['misuse']}: {p['what']}", p["evidence"], "alarm",
+                               cls, p["misuse"], p["fix"]))
+    if step.get("status") == "checked" and step.get("scheduler", "").startswith("not checked"):
+        out.append(finding("step", f"scheduler on skipped steps: {step['scheduler']}",
+                           "needs a step_fn that takes scheduler=", "not checked"))
+    return out
+
+
+def gradient_warnings(no_gradient: Sequence[str], output_text: str) -> List[Dict[str, str]]:
+    """Parameters that received no gradient from the loss."""
+    if not no_gradient:
+        return []
+    shown = ", ".join(no_gradient[:6]) + (" ..." if len(no_gradient) > 6 else "")
+    return [finding("outputs", f"{plural(len(no_gradient), 'parameter')} received no gradient: "
+                    f"{shown}", f"fp32 backward of the loss taken of {output_text}", "warn",
+                    "", shown, "if they should train, take the loss of the output they feed "
+                               "(output=KEY, --output KEY) or remove them")]

@@ -616,3 +616,16 @@ def test_time_steps_keeps_every_timed_steps_output_when_asked():
                                         steps=1, device="cpu")
     with pytest.raises(ValueError, match="keep_losses"):
         M.time_steps(lambda x, y: None, torch.zeros(1), None, keep_losses="yes")
+
+
+def test_run_configs_shows_the_course_progress_bar(capsys):
+    """``progress=True`` showed no bar since it was written (an import of a module that did not
+    exist, its ImportError swallowed): the bar is ``amp_lessons.progress``'s."""
+    skipped = [BenchConfig(compile="default", **TINY), BenchConfig(compile="max-autotune", **TINY)]
+    M.run_configs(skipped, "cpu", warmup=0, steps=1, breakdown=False, progress=True)
+    err = capsys.readouterr().err
+    assert "measuring:" in err and "/2 [" in err and "configuration/s" in err
+    M.run_configs(skipped, "cpu", warmup=0, steps=1, breakdown=False, progress=False)
+    assert "measuring" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="progress must be True or False"):
+        M.run_configs(skipped, "cpu", progress="yes")

@@ -11,6 +11,7 @@ from torch import nn
 from amp_lessons.numerics.modes import keeps_rng
 from amp_lessons.validate import check_bool, check_int
 from amp_lessons.measure import free_memory
+from amp_lessons.measure.lineage import traced  # explain names the report's makers
 from amp_lessons.numerics.precision import PRECISIONS, as_device, available_device, check_precision, native_bf16
 from amp_lessons.doctor import compiled as _compiled
 from amp_lessons.doctor import diagnose as _diagnose
@@ -145,6 +146,7 @@ def _watch_doc(w) -> Dict[str, object]:
 
 
 @keeps_rng
+@traced
 def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
            optimizer: Optional[torch.optim.Optimizer] = None, device=None,
            precisions: Optional[Sequence[str]] = None, warmup: int = 5, steps: int = 15,

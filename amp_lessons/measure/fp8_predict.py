@@ -27,6 +27,7 @@ model of FSDP2's FP8 all-gather at several GPUs.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -207,19 +208,39 @@ def layer_cast_ms(shape: LinearShape, recipe: str, calibration: Calibration) -> 
     return total - saved
 
 
-def _device_ms(fn: Callable[[], object], device: torch.device, reps: int, repeats: int = 3) -> float:
-    """Median time (ms) of one call of ``fn``: ``reps`` calls back to back per timed repeat,
-    through the engine's timer (CUDA events on a GPU, ``perf_counter`` on a CPU)."""
-    from amp_lessons.measure.timer import time_steps
+SLEEP_CYCLES = 4_000_000  # about 2 ms of a spinning kernel at 2 GHz
 
-    def many(_x, _y):
+
+def _device_ms(fn: Callable[[], object], device: torch.device, reps: int, repeats: int = 3) -> float:
+    """Median device time (ms) of one call of ``fn``.
+
+    On a GPU each repeat queues a spinning kernel (``torch.cuda._sleep``) first, then ``reps``
+    calls between two CUDA events: while the GPU spins the host queues every call, so the events
+    time the kernels back to back, not the host's launch rate (a 768-wide GEMM runs in less
+    time than Python takes to launch it; in a compiled training step the host is ahead of the
+    GPU, and the kernel's own time is what the step pays). On a CPU: ``time.perf_counter``.
+    """
+    fn()  # warm-up: compile, cuBLAS heuristics, allocations
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times) / reps
+    torch.cuda.synchronize(device)
+    pairs = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
         for _ in range(reps):
             fn()
-
-    dummy = torch.empty(0, device=device)
-    timing = time_steps(many, dummy, dummy, warmup=1, steps=repeats, device=device,
-                        reset_peak=False)
-    return statistics.median(timing["times_ms"]) / reps
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in pairs) / reps
 
 
 def _gemm_fns(rows: int, inner: int, cols: int, role: str, recipe: str, device: torch.device):

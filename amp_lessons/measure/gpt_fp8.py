@@ -98,23 +98,31 @@ def convert_gpt(model: nn.Module, recipe: str, emulate: bool = False,
 
 _ATTENTION = ("flash", "fmha", "sdpa", "attention", "attn")
 _GEMM = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "scaled_mm", "matmul", "wgmma", "splitk")
-_CAST = ("amax", "clamp", "reciprocal", "float8", "fp8")
+_CAST = ("amax", "abs", "clamp", "reciprocal", "float8", "fp8")
 _OPTIMIZER = ("adam", "multi_tensor")
 
 
 def kernel_kind(name: str) -> str:
-    """The kind of a GPU kernel, from its name: ``attention`` (flash / memory-efficient / cuDNN
+    """The kind of a GPU kernel, from its name.
+
+    Compiled kernels first (inductor's ``triton_*``: they are named after every op fused into
+    them, so a pointwise kernel that follows a ``_scaled_mm`` carries its name without being a
+    matrix product): ``gemm`` only for inductor's matmul templates (``triton_tem_*``), ``fp8 cast``
+    where it computes an amax (``abs``/``amax``) or saturates into FP8's range (``clamp``,
+    ``reciprocal``: torchao's casts, with whatever inductor fused into them; the bf16 GPT has no
+    such op), else ``other``. Library kernels: ``attention`` (flash / memory-efficient / cuDNN
     attention), ``gemm`` (cuBLAS, cuBLASLt's nvjet, CUTLASS: every matrix product, FP8 or not),
-    ``fp8 cast`` (a compiled Triton kernel that computes an amax or saturates into FP8's range:
-    torchao's casts, with whatever inductor fused into them), ``optimizer`` (fused AdamW) or
-    ``other`` (norms, activations, the loss, copies)."""
+    ``optimizer`` (fused AdamW), else ``other`` (norms, the loss, copies).
+    """
     n = name.lower()
+    if n.startswith("triton"):
+        if n.startswith("triton_tem"):
+            return "gemm"
+        return "fp8 cast" if any(s in n for s in _CAST) else "other"
     if any(s in n for s in _ATTENTION):
         return "attention"
     if any(s in n for s in _GEMM):
         return "gemm"
-    if "triton" in n and any(s in n for s in _CAST):
-        return "fp8 cast"
     if any(s in n for s in _OPTIMIZER):
         return "optimizer"
     return "other"
@@ -220,7 +228,8 @@ def measure_gpt_step(shape: GPTShape, recipe: str = "bf16", batch_size: int = 8,
            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
            "first_step_s": first_s, "compile_s": max(first_s - step_ms / 1e3, 0.0),
            "loss": timing["loss"], "steps": steps, "warmup": warmup, "timer": timing["timer"],
-           "split": split, "status": "measured", "emulated": bool(emulate and recipe != "bf16"),
+           "split": split, "idle_ms": max(step_ms - split["busy_ms"], 0.0) if split else None,
+           "status": "measured", "emulated": bool(emulate and recipe != "bf16"),
            "shape": dataclasses.asdict(shape), "batch_size": batch_size}
     del model, opt, x, y
     return row
@@ -246,7 +255,7 @@ def gpt_speed_sweep(shapes: Sequence[GPTShape], recipes: Sequence[str] = GPT_REC
             base = {"model": shape.label, "d_model": shape.d_model, "n_layers": shape.n_layers,
                     "params": shape.params(), "recipe": recipe, "step_ms": None,
                     "tokens_per_s": None, "speedup": None, "peak_gib": None, "split": None,
-                    "compile_s": None, "spread": None, "spread_pct": None,
+                    "compile_s": None, "spread": None, "spread_pct": None, "idle_ms": None,
                     "shape": dataclasses.asdict(shape), "batch_size": batch_size}
             if recipe != "bf16" and not support.available:
                 rows.append({**base, "status": f"{NOT_MEASURED}: {support.reason}"})

@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--sizes", default="125m")
     ap.add_argument("--recipes", default=",".join(g.GPT_RECIPES))
+    ap.add_argument("--later-recipes", default="bf16,tensorwise",
+                    help="recipes for every size after the first")
     ap.add_argument("--parity-steps", type=int, default=30)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -72,9 +74,10 @@ def main():
                 for ms, name in top:
                     print(f"     {kind:10s} {ms:8.3f} {name}", flush=True)
 
-    for key in args.sizes.split(","):
+    for i, key in enumerate(args.sizes.split(",")):
         t = time.perf_counter()
-        rows += g.gpt_speed_sweep([SIZES[key]], args.recipes.split(","), device=dev,
+        recipes = args.recipes if i == 0 else args.later_recipes
+        rows += g.gpt_speed_sweep([SIZES[key]], recipes.split(","), device=dev,
                                   progress=progress)
         stages[f"sweep_{key}_s"] = time.perf_counter() - t
         print(stages, flush=True)

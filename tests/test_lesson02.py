@@ -362,7 +362,9 @@ def test_clip_before_unscale_applies_max_norm_over_scale_and_b3_did_not_hold():
 def test_b3_verdict_follows_the_threshold():
     row = {"scale": 1.0, "true_grad_norm": 3.0, "threshold_applied": 1.0, "grad_norm_used": 1.0,
            "accuracy_pct": 90.0}
-    assert L.verdict_b3([row, row], 1.0).held is True  # a scale of 1 clips at the stated norm
+    v = L.verdict_b3([row, row], 1.0)   # a scale of 1 clips at the stated norm, before or after
+    assert [p.held for p in v.parts] == [True, True, None] and v.outcome == "partly held"
+    assert "did not occur on its own" in v.parts[2].why and "not measured" in v.parts[2].why
     with pytest.raises(ValueError, match="two rows of clip_order_experiment"):
         L.verdict_b3([row], 1.0)
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
@@ -400,7 +402,7 @@ def test_own_verdicts_refuses_other_claims_and_repeats():
     mine = [claims.decide(c, "02", "m", False, "w") for c in L.DECIDES]
     assert L.own_verdicts(mine) == mine
     b1 = L.b1_b2_context([_row("fp32", 1.0, None), _row("fp16", 2.0, None)], [], "cpu")[0]
-    with pytest.raises(ValueError, match="lesson 02's own, for claims B3, B5, B6, B7; got B1"):
+    with pytest.raises(ValueError, match="lesson 02's own, for claims B3, B5, B6, B7, B8; got B1"):
         L.own_verdicts(mine + [b1])
     with pytest.raises(ValueError, match=f"each claim once; {mine[0].claim} appears twice"):
         L.own_verdicts(mine + mine[:1])
@@ -448,3 +450,80 @@ def test_loops_agree_notices_a_different_update(monkeypatch):
     monkeypatch.setattr(L.bench, "hand_step", doubled_lr)
     out = L.loops_agree("fp32", steps=2, width=4, image_size=16, device="cpu")
     assert out["equal"] is False and out["max_abs_diff"] > 0
+
+
+# --- sensitivity rows, and claim B8 ----------------------------------------------------------------
+
+def _clip_rows(scale, precision="fp16", top=3.0):
+    wrong = {"scale": scale, "true_grad_norm": 2.0, "max_true_grad_norm": top,
+             "threshold_applied": 1.0 / scale, "grad_norm_used": 1.0 / scale,
+             "accuracy_pct": 10.0, "precision": precision}
+    right = dict(wrong, threshold_applied=1.0, grad_norm_used=1.0, accuracy_pct=90.0)
+    return [wrong, right]
+
+
+def test_b3_parts_and_the_unscaled_row_name_the_condition():
+    nan = L.clip_nan_check(1.0, "cpu")
+    assert nan["clipped_finite"] is False and nan["total_norm"] != nan["total_norm"]  # NaN
+    v = L.verdict_b3(_clip_rows(65536.0), 1.0, nan, unscaled_rows=_clip_rows(1.0, "bf16"))
+    assert [p.held for p in v.parts] == [False, True, None] and v.outcome == "partly held"
+    assert "stays NaN" in v.why and "produced on purpose" in v.why
+    assert v.sensitivity[0].held is True and "bf16" in v.sensitivity[0].setting
+    assert "held with bf16 autocast and no GradScaler" in v.why
+    assert "did not hold with fp16 and a GradScaler (scale 65536)" in v.why
+    # gradients that explode on their own are named; still no unclipped run to compare
+    v = L.verdict_b3(_clip_rows(65536.0, top=50.0), 1.0)
+    assert "exploded on their own" in v.parts[2].why and v.parts[2].held is None
+
+
+def test_b3_unscaled_rows_come_from_a_bf16_run_without_a_scaler():
+    rows = L.clip_order_experiment(1.0, "cpu", "bf16", model="mlp", epochs=1, progress=False)
+    assert all(r["scale"] == 1.0 and r["threshold_applied"] == 1.0 for r in rows)
+
+
+def test_b5_hand_written_loss_row_flips_the_loss_part():
+    torch.manual_seed(0)
+    net, size = L.build_digits_model("mlp")
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    dtype = L.claim_dtype("cpu")
+    ce = L.autocast_report(net, x, y, "cpu", dtype)
+    mae = L.autocast_report(net, x, y, "cpu", dtype, loss_fn=L.absolute_error_loss)
+    assert mae.loss == dtype and ce.loss == torch.float32
+    v = L.verdict_b5(ce, [("with a hand-written loss (mean absolute error)", mae)])
+    if dtype == torch.float16:
+        assert v.sensitivity[0].held is True and v.outcome == "partly held"
+        assert "held with a hand-written loss" in v.why and "cross_entropy as the loss" in v.why
+    else:  # bf16 decides nothing on an FP16 claim, and says so
+        assert v.held is None and v.sensitivity[0].held is None
+
+
+def test_b6_replacement_row_and_b7_plain_layers_row():
+    v = L.verdict_b6(_caught(FutureWarning), replacement=[])
+    assert v.outcome == "held, deprecated" and v.sensitivity[0].held is True
+    assert "without a deprecation warning" in v.sensitivity[0].why
+    failed = {"function": "F", "ran": False, "error": "RuntimeError: x", "output": "-",
+              "grad": "-", "grad_error": None, "dtype": "float16"}
+    fixed = dict(failed, ran=True, error="", grad="float32, float32", grad_error=1e-3)
+    v = L.verdict_b7(failed, fixed, {"model": "SimpleNet", "accuracy": 0.9, "classes": 10})
+    assert v.outcome == "partly held" and v.sensitivity[0].held is True
+    assert "held with a model built only from torch.nn layers (SimpleNet)" in v.why
+    assert "did not hold with a layer written as a custom autograd Function" in v.why
+    # a model near chance decides nothing, so the verdict stays as the custom Function left it
+    v = L.verdict_b7(failed, fixed, {"model": "SimpleNet", "accuracy": 0.12, "classes": 10})
+    assert v.outcome == "did not hold" and v.sensitivity[0].held is None
+
+
+def test_b8_gradscaler_after_backward_shrinks_the_update_by_the_scale():
+    fp16 = L.scale_order_experiment("cpu", torch.float16, 2.0 ** 16)
+    bf16 = L.scale_order_experiment("cpu", torch.bfloat16)
+    assert fp16[0]["ratio"] == 1.0 and fp16[1]["ratio"] < 1e-4
+    assert abs(bf16[1]["ratio"] - 1.0) < 1e-3     # no scaling: the order does not matter
+    v = L.verdict_b8(fp16, bf16)
+    assert v.claim == "B8" and v.outcome == "partly held" and "1/scale" in v.why
+    assert "held with bfloat16 autocast and the GradScaler disabled" in v.why
+    assert L.verdict_b8(fp16).held is False
+    assert L.verdict_b8(bf16).held is None      # the claim's GradScaler is float16's
+    with pytest.raises(ValueError, match="two rows of scale_order_experiment"):
+        L.verdict_b8(fp16[:1])
+    with pytest.raises(ValueError, match="dtype must be"):
+        L.scale_order_experiment("cpu", torch.float32)

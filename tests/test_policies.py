@@ -1,7 +1,6 @@
-"""The trainer's precision policies (GradScaler, skip, raise, ignore), the compatibility module
-that is the only user of GradScaler's private API, the before_step hook and cancelled steps,
-and the no-host-sync promise (issue 22). CPU only; the GPU paths run in
-benchmarks/trainer_overhead.py."""
+"""The trainer's policies: the non-finite rule (GradScaler under fp16; skip, raise, ignore
+otherwise) and what each reads back from the device, the compatibility module that is the only
+user of GradScaler's private API, the before_step hook and cancelled steps."""
 import copy
 import dataclasses
 
@@ -12,8 +11,8 @@ from torch import nn
 
 from amp_lessons import _compat as C
 from amp_lessons.train import policies as _policies
+from amp_lessons.train import records as R
 from amp_lessons.train import trainer as T
-from amp_lessons.train.policies import resolve_nonfused_skip
 from trainer_helpers import (Inject, ScalarReads, assert_same_tensors, batches, fresh,
                              optimizer_tensors)
 
@@ -142,23 +141,19 @@ def _everything(trainer):
 KINDS = ("sgd-foreach", "sgd-fused", "adamw", "adamw-fused")
 
 
-@pytest.mark.parametrize("precision,nonfinite,kind,nonfused_skip", [
-    *[("fp16", "skip", k, "copy") for k in KINDS], *[("bf16", "skip", k, "copy") for k in KINDS],
-    ("fp32", "skip", "adamw-fused", "copy"), ("bf16", "raise", "sgd-foreach", "copy"),
-    ("bf16", "raise", "adamw-fused", "copy"), ("bf16", "skip", "sgd-foreach", "sync"),
-    ("bf16", "skip", "adamw", "sync"), ("fp32", "skip", "adamw", "sync"),
-    ("bf16", "raise", "sgd-foreach", "sync")])
-def test_a_skipped_step_leaves_model_optimizer_and_batchnorm_bitwise(precision, nonfinite, kind,
-                                                                     nonfused_skip):
+@pytest.mark.parametrize("precision,nonfinite,kind", [
+    *[("fp16", "skip", k) for k in KINDS], *[("bf16", "skip", k) for k in KINDS],
+    ("fp32", "skip", "adamw-fused"), ("fp32", "skip", "adamw"), ("bf16", "raise", "sgd-foreach"),
+    ("bf16", "raise", "adamw-fused")])
+def test_a_skipped_step_leaves_model_optimizer_and_batchnorm_bitwise(precision, nonfinite, kind):
     """GradScaler (fp16) and the skip/raise policies: the bad step changes no bit of weights,
-    BatchNorm statistics or optimizer state, whether the optimizer skips in its kernel (fused),
-    the trainer puts a copy back (``nonfused_skip="copy"``) or the host decides ("sync")."""
+    BatchNorm statistics or optimizer state, whether the optimizer skips in its kernel (fused)
+    or is not called (the host read the flag)."""
     data = batches(4)
     model, _ = fresh()
     hook = Inject({2}, float("nan"))
     trainer = T.Trainer(model, _optimizer(kind, model),
-                        T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False,
-                                      nonfused_skip=nonfused_skip),
+                        T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False),
                         hooks=[hook])
     trainer.train_step([data[0]])
     trainer.train_step([data[1]])
@@ -169,7 +164,8 @@ def test_a_skipped_step_leaves_model_optimizer_and_batchnorm_bitwise(precision, 
         assert trainer.step == 2 and len(trainer.history) == 2
     else:
         record = trainer.train_step([data[2]])
-        assert record.skipped and record.skip_reason == trainer._policy.cause
+        cause = R.SKIPPED_BY_SCALER if precision == "fp16" else R.SKIPPED_NONFINITE
+        assert record.skipped and record.skip_reason == cause
     after = _everything(trainer)
     assert_same_tensors(after[0], before[0])  # weights and BatchNorm statistics
     assert_same_tensors(after[1], before[1])
@@ -218,144 +214,12 @@ def test_gradscaler_fallback_when_its_flag_is_unreadable(monkeypatch):
     trainer.train_step([data[0]])
     before = _everything(trainer)
     record = trainer.train_step([data[1]])
-    assert record.skipped and record.skip_reason == T.SKIPPED_BY_SCALER
+    assert record.skipped and record.skip_reason == R.SKIPPED_BY_SCALER
     assert_same_tensors(_everything(trainer)[0], before[0])
     assert not trainer.train_step([data[2]]).skipped
 
 
-# --- raise: no per-step sync, the error arrives when the device is there -------------------------
-
-class _LateFlag:
-    """Stands for a CUDA event not yet reached: ``ready`` decides what ``query`` answers."""
-
-    ready = False
-
-    def query(self):
-        return _LateFlag.ready
-
-    def synchronize(self):
-        _LateFlag.ready = True
-
-
-@pytest.fixture
-def late_flags(monkeypatch):
-    """Flags of finished steps reach the host only when ``_LateFlag.ready`` (or on wait)."""
-    original = _policies.RaisePolicy.watch
-
-    def watch(self, flag, step, epoch, batches_done):
-        original(self, flag, step, epoch, batches_done)
-        s, e, d, host, _ = self.pending[-1]
-        self.pending[-1] = (s, e, d, host.clone(), _LateFlag())
-
-    monkeypatch.setattr(_policies.RaisePolicy, "watch", watch)
-    _LateFlag.ready = False
-    yield
-
-
-@pytest.mark.parametrize("kind", ["sgd-foreach", "adamw-fused"])
-def test_raise_arrives_late_and_leaves_the_model_as_before_the_bad_step(kind, late_flags):
-    """On a GPU the host learns of a non-finite step only once the device got there. Simulated
-    here: the flag stays unread for two more steps. Those steps are skipped on the device too,
-    so the model, optimizer and BatchNorm are as they were before the bad step; the error names
-    it and the counters and history go back to it."""
-    data = batches(5)
-    model, _ = fresh()
-    hook = Inject({1}, float("inf"))
-    trainer = T.Trainer(model, _optimizer(kind, model),
-                        T.TrainConfig(precision="bf16", nonfinite="raise", progress=False),
-                        hooks=[hook])
-    trainer.train_step([data[0]])
-    before = _everything(trainer)
-    for b in data[1:4]:  # step 1 is bad; the host does not know yet
-        assert trainer.train_step([b]).skipped  # steps 1-3: skipped on the device
-    assert trainer.step == 4
-    with pytest.raises(T.NonFiniteError, match=r"^step 1 \(epoch 0\)"):
-        trainer.wait()
-    assert trainer.step == 1 and len(trainer.history) == 1
-    after = _everything(trainer)
-    assert_same_tensors(after[0], before[0])
-    assert_same_tensors(after[1], before[1])
-    _LateFlag.ready, hook.steps = True, set()
-    assert not trainer.train_step([data[4]]).skipped  # the device flag was cleared
-
-
-class _CountedEvent:
-    """A CUDA event's stand-in for HostFlags on a CPU: done ``lag`` queries after its record."""
-
-    made = 0
-    lag = 0
-
-    def __init__(self):
-        _CountedEvent.made += 1
-        self.left = 0
-
-    def record(self):
-        self.left = _CountedEvent.lag
-
-    def query(self):
-        self.left -= 1
-        return self.left < 0
-
-    def synchronize(self):
-        self.left = -1
-
-
-def test_raise_reuses_its_pinned_slots_and_events(monkeypatch):
-    """The CUDA path of nonfinite='raise', run on a CPU with stand-ins (a block of host floats,
-    counted events): over 300 steps one block of slots and a handful of events are made, not a
-    pinned tensor and an event per step; a late flag still names its step."""
-    blocks = []
-
-    def block(n):
-        blocks.append(torch.zeros(n))
-        return blocks[-1]
-
-    data = batches(4)
-    hook = Inject(set(), float("inf"))
-    trainer = T.Trainer(*fresh(), T.TrainConfig(precision="bf16", nonfinite="raise",
-                                                progress=False), hooks=[hook])
-    flags = trainer._policy.host_flags = _policies.HostFlags(torch.device("cuda"), block,
-                                                             _CountedEvent)
-    _CountedEvent.made, _CountedEvent.lag = 0, 2  # the host sees a step two queries late
-    for i in range(300):
-        trainer.train_step([data[i % 4]])
-    assert len(blocks) == 1 and _CountedEvent.made <= 4, (len(blocks), _CountedEvent.made)
-    assert len(trainer._policy.pending) <= 3
-    hook.steps = {300}
-    trainer.train_step([data[0]])  # step 300 is bad; its flag reaches the host a step later
-    with pytest.raises(T.NonFiniteError, match=r"^step 300 "):
-        for _ in range(5):
-            trainer.train_step([data[1]])
-    assert trainer.step == 300 and not trainer._policy.pending
-    assert len(blocks) == 1 and _CountedEvent.made <= 4
-    assert flags.send(torch.ones(()))[0].item() == 1.0  # a reused slot holds the new flag
-
-
-def test_a_pending_bad_step_is_reported_before_a_checkpoint_or_a_policy_change(late_flags,
-                                                                               tmp_path):
-    data = batches(3)
-    hook = Inject({1}, float("nan"))
-    trainer = T.Trainer(*fresh(), T.TrainConfig(nonfinite="raise", progress=False),
-                        hooks=[hook])
-    for b in data[:2]:
-        trainer.train_step([b])
-    with pytest.raises(T.NonFiniteError, match=r"^step 1 "):
-        trainer.save_checkpoint(tmp_path / "c.pt")  # never saves the skipped steps after it
-    assert not (tmp_path / "c.pt").exists() and trainer.step == 1
-    hook.steps = set()
-    trainer.train_step([data[1]])
-    path = trainer.save_checkpoint(tmp_path / "c.pt")
-    hook.steps = {2}
-    _LateFlag.ready = False
-    trainer.train_step([data[2]])  # bad, not yet seen
-    trainer.load_checkpoint(path)  # its flag is forgotten with the steps it belonged to
-    assert trainer.step == 2 and not trainer._policy.pending
-    hook.steps = {2}
-    trainer.train_step([data[2]])
-    with pytest.raises(T.NonFiniteError, match=r"^step 2 "):
-        trainer.config = dataclasses.replace(trainer.config, nonfinite="skip")
-    assert trainer.config.nonfinite == "raise"
-
+# --- raise: the error comes before the optimizer steps --------------------------------------------
 
 def test_raise_in_fit_puts_the_epoch_position_back():
     data = batches(4)
@@ -363,7 +227,10 @@ def test_raise_in_fit_puts_the_epoch_position_back():
                         hooks=[Inject({2}, float("nan"))])
     with pytest.raises(T.NonFiniteError, match=r"^step 2 \(epoch 0\)"):
         trainer.fit(data)
-    assert trainer.step == 2 and trainer._batches_done == 2 and trainer.epoch == 0
+    assert trainer.step == 2 and trainer.epoch == 0
+    trainer.hooks[0].steps.clear()
+    trainer.fit(data)  # the epoch goes on from the bad step: 2 more steps, not 4
+    assert trainer.step == 4 and trainer.history.epochs[0]["steps"] == 2
 
 
 # --- no host sync: no scalar read of a device value, per policy ---------------------------------
@@ -395,28 +262,26 @@ def _hand_reads(precision, kind):
     return reads.count
 
 
-@pytest.mark.parametrize("precision,nonfinite,kind", [
-    ("bf16", "skip", "adamw-fused"), ("bf16", "skip", "sgd-fused"),
-    ("fp32", "skip", "sgd-foreach"), ("bf16", "raise", "adamw-fused"),
-    ("bf16", "raise", "sgd-foreach"), ("bf16", "ignore", "adamw"),
-    ("fp16", "skip", "sgd-fused"), ("fp16", "skip", "adamw-fused"),
-    ("fp16", "skip", "sgd-foreach")])  # GradScaler's own sync for non-fused: the hand loop's
-def test_no_policy_reads_a_device_value_per_step(precision, nonfinite, kind):
-    """After the first step (no optimizer state yet), the trainer reads no more values back
-    than the hand-written loop does (each read of a device value is a host sync on a GPU), with
-    its defaults on (grad norm, memory, BatchNorm guard) and under every policy."""
+@pytest.mark.parametrize("precision,nonfinite,kind,extra", [
+    ("bf16", "skip", "adamw-fused", 0), ("bf16", "skip", "sgd-fused", 0),
+    ("bf16", "ignore", "adamw", 0), ("fp16", "skip", "sgd-fused", 0),
+    ("fp16", "skip", "adamw-fused", 0),
+    ("fp16", "skip", "sgd-foreach", 0),  # GradScaler's own read for non-fused: the hand loop's
+    ("fp32", "skip", "sgd-foreach", 1), ("bf16", "skip", "adamw", 1),  # the flag, read once
+    ("bf16", "raise", "adamw-fused", 1), ("bf16", "raise", "sgd-foreach", 1)])
+def test_what_each_policy_reads_from_the_device_per_step(precision, nonfinite, kind, extra):
+    """After the first step, the trainer reads back (a host sync on a GPU) what the
+    hand-written loop reads, plus one read of the step's flag where the policy says so: a
+    non-fused optimizer under "skip", and "raise"; a fused optimizer skips with no read."""
     data = batches(3)
     model, _ = fresh()
     trainer = T.Trainer(model, _optimizer(kind, model),
-                        T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False,
-                                      nonfused_skip="copy"))  # the GPU's default, no read
+                        T.TrainConfig(precision=precision, nonfinite=nonfinite, progress=False))
     trainer.train_step([data[0]])
     trainer.train_step([data[1]])
     with ScalarReads() as reads:
         trainer.train_step([data[2]])
-    assert reads.count == _hand_reads(precision, kind)
-    if kind.endswith("fused"):
-        assert reads.count == 0
+    assert reads.count == _hand_reads(precision, kind) + extra
 
 
 # --- before_step and cancelling a step -----------------------------------------------------------
@@ -465,168 +330,15 @@ def test_a_hook_cancels_a_step_and_nothing_moves(precision, where):
 
 def test_before_step_sees_true_clipped_gradients_under_fp16():
     """before_step runs after unscale_ and clipping: the gradients it sees are the ones the
-    optimizer uses, even in lean mode where nothing else would unscale first."""
+    optimizer uses."""
     data = batches(2)
     hook = _Cancel(set())
-    cfg = T.TrainConfig(precision="fp16", progress=False, clip_value=1e-3,
-                        track_grad_norm=False, track_memory=False)
+    cfg = T.TrainConfig(precision="fp16", progress=False, clip_value=1e-3)
     trainer = T.Trainer(*fresh(), cfg, hooks=[hook])
     trainer.train_step([data[0]])
-    assert trainer._unscale_first
     assert hook.seen and hook.seen[0].abs().max() <= torch.tensor(1e-3).item()
     with pytest.raises(ValueError, match="reason must be a non-empty string"):
         trainer.cancel_step("")
-
-
-def test_policies_have_one_interface():
-    """Every policy answers the same calls; the trainer's step uses nothing else."""
-    names = ("backward", "unscale_", "check", "step", "update", "forget", "scale_used",
-             "checks_before_step", "unscale_first", "first_bad")
-    for cls in (_policies.ScalerPolicy, _policies.SkipPolicy, _policies.RaisePolicy,
-                _policies.IgnorePolicy):
-        assert all(callable(getattr(cls, n)) for n in names), cls
-        assert cls.name in ("scaler", "skip", "raise", "ignore")
-
-
-# --- nonfused_skip: a device copy or the host's decision -----------------------------------------
-
-def _guard_floats(trainer):
-    """Floats the non-fused skip keeps aside (its flat buffers)."""
-    return sum(t.numel() for group in trainer._policy._update_guard._groups
-               for t in group[1:3])
-
-
-@pytest.mark.parametrize("kind", ["sgd-foreach", "adamw"])
-def test_nonfused_skip_copy_keeps_two_copies_and_sync_one_read_and_none(kind):
-    """``"copy"``: no device value read, two flat buffers of parameters + optimizer state (what
-    TrainConfig's docstring states); ``"sync"``: one read a step (a host sync on a GPU), no
-    buffer at all; both end bitwise where a run without the bad batch ends."""
-    data = batches(4)
-    ends = {}
-    for how in ("copy", "sync"):
-        model, _ = fresh()
-        trainer = T.Trainer(model, _optimizer(kind, model),
-                            T.TrainConfig(precision="bf16", progress=False, seed=None,
-                                          nonfused_skip=how), hooks=[Inject({3})])
-        trainer.train_step([data[0]])
-        trainer.train_step([data[1]])
-        with ScalarReads() as reads:  # a finite step, as the hand loop's
-            trainer.train_step([data[2]])
-        extra = reads.count - _hand_reads("bf16", kind)
-        state = sum(t.numel() for t in optimizer_tensors(trainer.optimizer).values())
-        params = sum(p.numel() for p in model.parameters())
-        if how == "copy":
-            assert extra == 0 and _guard_floats(trainer) == 2 * (params + state)
-        else:
-            assert extra == 1 and _guard_floats(trainer) == 0
-        assert trainer.train_step([data[3]]).skipped
-        ends[how] = _everything(trainer)
-    assert_same_tensors(ends["copy"][0], ends["sync"][0])
-    assert_same_tensors(ends["copy"][1], ends["sync"][1])
-
-
-def test_nonfused_skip_names_its_choices_and_capture_refuses_sync():
-    with pytest.raises(ValueError, match=r"nonfused_skip must be one of 'auto', 'copy', 'sync'; "
-                                         r"got 'host'"):
-        T.TrainConfig(nonfused_skip="host")
-    model, _ = fresh()
-    trainer = T.Trainer(model, _optimizer("sgd-foreach", model),
-                        T.TrainConfig(precision="bf16", progress=False, nonfused_skip="sync"))
-    x, y = batches(1)[0]
-    with pytest.raises(ValueError, match="nonfused_skip 'copy' for a non-fused optimizer"):
-        trainer.capture(x, y)
-    fused = T.Trainer(*[(m, _optimizer("adamw-fused", m)) for m in [fresh()[0]]][0],
-                      T.TrainConfig(precision="bf16", progress=False, nonfused_skip="sync"))
-    with pytest.raises(ValueError) as err:  # a fused optimizer skips in its kernel: no complaint
-        fused.capture(x, y)
-    assert "nonfused_skip" not in str(err.value)
-    assert T.TrainConfig(nonfused_skip="sync").as_dict()["nonfused_skip"] == "sync"
-
-
-def test_nonfused_skip_auto_is_sync_on_a_cpu_and_copy_elsewhere():
-    """A read on a CPU waits for no queued work, and the copies only cost time: "auto" takes the
-    host's decision there (one read a step, no copy) and the device copy on a GPU."""
-    assert T.TrainConfig().nonfused_skip == "auto"
-    assert resolve_nonfused_skip("auto", "cpu") == "sync"
-    assert resolve_nonfused_skip("auto", "cuda") == "copy"
-    assert resolve_nonfused_skip("copy", "cpu") == "copy"
-    assert resolve_nonfused_skip("sync", "cuda:1") == "sync"
-    with pytest.raises(ValueError, match="nonfused_skip must be one of 'auto', 'copy', 'sync'"):
-        resolve_nonfused_skip("fast", "cpu")
-    model, _ = fresh()
-    trainer = T.Trainer(model, _optimizer("sgd-foreach", model),
-                        T.TrainConfig(precision="bf16", progress=False, seed=None))
-    data = batches(3)
-    trainer.train_step([data[0]])
-    with ScalarReads() as reads:
-        trainer.train_step([data[1]])
-    assert reads.count == 1 + _hand_reads("bf16", "sgd-foreach") and _guard_floats(trainer) == 0
-
-
-class _ConvNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)  # where trainer_helpers.Inject writes its inf
-        self.body = nn.Sequential(nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
-
-    def forward(self, x):
-        return self.body(self.conv(x))
-
-
-def _conv_net():
-    torch.manual_seed(0)
-    return _ConvNet().to(memory_format=torch.channels_last)
-
-
-def test_skip_copies_keep_the_layout_of_channels_last_weights():
-    """The device copy of ``nonfused_skip="copy"`` has each tensor's strides: a contiguous copy
-    of a ``channels_last`` weight sends ``torch._foreach_copy_`` off its multi-tensor kernel to
-    one kernel per tensor (measured: 966 copies a step, +5% on ResNet-50 on the H200), which is
-    the case where source and destination strides differ. A skipped step still puts every
-    parameter and momentum buffer back bitwise, and a finite one matches the hand loop."""
-    x = torch.randn(6, 3, 8, 8).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 4, (6,))
-    hand = _conv_net()
-    hand_opt = torch.optim.SGD(hand.parameters(), lr=0.1, momentum=0.9)
-    model = _conv_net()
-    trainer = T.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                        T.TrainConfig(precision="bf16", progress=False, seed=None,
-                                      nonfused_skip="copy"), hooks=[Inject({2})])
-    for _ in range(2):
-        trainer.train_step([(x, y)])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(hand(x), y)
-        loss.backward()
-        hand_opt.step()
-        hand_opt.zero_grad(set_to_none=True)
-    assert_same_tensors(dict(model.state_dict()), dict(hand.state_dict()))
-    guard = trainer._policy._update_guard
-    taken = [t for group in guard._groups for t in group[0]]
-    views = [v for group in guard._groups for v in group[3]] + \
-        [v for group in guard._groups for v in group[4]]
-    assert any(t.dim() == 4 and not t.is_contiguous() for t in taken)  # channels_last weights
-    for t, v in zip(taken + taken, views):
-        assert v.shape == t.shape and v.stride() == t.stride()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    momentum = [trainer.optimizer.state[p]["momentum_buffer"].clone()
-                for p in model.parameters()]
-    assert trainer.train_step([(x, y)]).skipped
-    assert_same_tensors(dict(model.state_dict()), before)
-    for p, m in zip(model.parameters(), momentum):
-        assert torch.equal(trainer.optimizer.state[p]["momentum_buffer"], m)
-
-
-@pytest.mark.parametrize("shape,fmt,dense", [
-    ((2, 3, 4, 5), torch.contiguous_format, True), ((2, 3, 4, 5), torch.channels_last, True),
-    ((8, 1, 3, 3), torch.channels_last, True), ((1, 1, 1, 1), torch.contiguous_format, True),
-    ((0, 3), torch.contiguous_format, False)])
-def test_dense_strides_knows_permuted_layouts(shape, fmt, dense):
-    from amp_lessons.train.skipsafe import dense_strides
-    t = torch.empty(shape).to(memory_format=fmt) if len(shape) == 4 else torch.empty(shape)
-    assert dense_strides(t) is dense
-    assert dense_strides(torch.empty(4, 6)[:, ::2]) is False  # a strided slice has gaps
-    assert dense_strides(torch.empty(4, 6).t()) is True
 
 
 def test_fused_sgd_needs_priming_only_where_steps_can_be_skipped():

@@ -212,3 +212,21 @@ def test_explain_imports_no_engine_and_runs_no_lesson():
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "lesson05.techniques: " in done.stdout
+
+
+def _plain_summary(reports):  # untraced, as a lesson function called inside publish(...)
+    return [{"model": n, "loss scale": r.exponent} for n, r in reports.items()]
+
+
+def test_an_untraced_function_called_in_the_publish_call_keeps_each_row_traced():
+    """``publish(key, lesson.summary(reports))``: the reports were traced; the rows the untraced
+    summary made from them, one per report, lead back to each report's call."""
+    reports = {"a": _examine("a"), "b": _examine("b")}
+    scope = _cell("rec = provenance.record('k.s', _plain_summary(reports), sys._getframe())\n",
+                  "<cell-plain-summary>", {"provenance": provenance, "reports": reports,
+                                           "_plain_summary": _plain_summary, "sys": sys})
+    rec = scope["rec"]
+    assert [r["made by"][-1].rsplit(".", 1)[1] for r in rec["rows"]] == ["_examine", "_examine"]
+    assert [r["configuration"] for r in rec["rows"]] == [{"name": "a"}, {"name": "b"}]
+    assert [f["function"] for f in rec["columns"]["loss scale"]["fields from"]] == \
+        ["amp_lessons.tables.plural"]

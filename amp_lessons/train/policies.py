@@ -18,7 +18,8 @@ from typing import List, Optional
 
 import torch
 
-from amp_lessons._compat import NonFiniteCheck, scale_tensor, step_skipping, supports_found_inf
+from amp_lessons._compat import (FOUND_INF_READABLE, NonFiniteCheck, scale_tensor, step_skipping,
+                                 supports_found_inf)
 from amp_lessons._compat import found_inf as scaler_found_inf
 from amp_lessons.numerics.precision import HALF_DTYPES, precision_settings
 from amp_lessons.train.config import ScalerSettings
@@ -93,8 +94,11 @@ class NonFinite:
         return self._check(tensors, self.device)
 
     def check(self, loss: torch.Tensor) -> Optional[torch.Tensor]:
-        """The flag of the loss and the gradients, where this policy decides before the step."""
-        return self._flag(loss) if self.mode in ("skip", "raise") else None
+        """The flag of the loss and the gradients, where this policy decides before the step
+        (and under GradScaler where this torch hides its flag: checked before any clipping)."""
+        if self.mode in ("skip", "raise"):
+            return self._flag(loss)
+        return self._flag() if self.mode == "scaler" and not FOUND_INF_READABLE else None
 
     def step(self, found_inf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The optimizer step, skipped where the step is non-finite; returns the step's flag."""
@@ -102,7 +106,9 @@ class NonFinite:
         if self.mode == "scaler":
             self.scaler.step(opt)  # unscales if not done yet; skips on inf/NaN
             flag = scaler_found_inf(self.scaler, opt)
-            return flag if flag is not None else self._flag()
+            if flag is None:
+                flag = found_inf if found_inf is not None else self._flag()
+            return flag
         if self.mode != "skip":
             opt.step()  # "ignore"; "raise" has raised before a non-finite step
         elif self.fused:

@@ -140,8 +140,8 @@ class Trainer:
         except TypeError:
             hook_list = None
         if hook_list is None or not all(isinstance(h, Hooks) for h in hook_list):
-            raise ValueError(f"hooks must be a list of Hooks instances; got {hooks!r}"
-                             + (": pass hooks=[it]" if isinstance(hooks, Hooks) else ""))
+            got = "one Hooks instance: pass hooks=[it]" if isinstance(hooks, Hooks) else repr(hooks)
+            raise ValueError(f"hooks must be a list of Hooks instances; got {got}")
         self.device = as_device(device) if device is not None else _model_device(model)
         config = replace(config, precision=check_precision(config.precision, self.device))
         if config.eval_precision != "same":
@@ -304,10 +304,6 @@ class Trainer:
         elif cfg.track_grad_norm:
             grad_norm = _grad_norm(self._params)
         found_inf = self.nonfinite.check(loss_sum)  # before clipping by value could hide an inf
-        if self.nonfinite.mode == "raise" and bool(found_inf):
-            raise NonFiniteError(f"step {self.step} (epoch {self.epoch}): non-finite loss or "
-                                 f"gradient under {cfg.precision} with nonfinite='raise'; the "
-                                 f"model is as it was before this step")
         if cfg.clip_value is not None:
             torch.nn.utils.clip_grad_value_(self._params, cfg.clip_value)
         for h in self.hooks:
@@ -315,6 +311,10 @@ class Trainer:
         if self._cancelled is not None:  # cancel_step: nothing moves
             self._undo_failed_step()
             return loss_sum, grad_norm, True, scale, self._cancelled
+        if self.nonfinite.mode == "raise" and bool(found_inf):
+            raise NonFiniteError(f"step {self.step} (epoch {self.epoch}): non-finite loss or "
+                                 f"gradient under {cfg.precision} with nonfinite='raise'; the "
+                                 f"model is as it was before this step")
         found_inf = self.nonfinite.step(found_inf)
         self._phase = Phase.STEPPED
         if self._guard is not None and found_inf is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +24,10 @@ from amp_lessons.doctor.dtype_trace import AutocastReport, autocast_report, dtyp
 from amp_lessons.models import build_digits_model
 from amp_lessons.numerics.precision import Device, as_device, check_precision, normalize_precision, precision_settings
 from amp_lessons.train.recipes import train_digits
+from amp_lessons.measure.amp_mistakes import (SCALE_ORDERS, ClipBeforeUnscale,  # noqa: F401 (the lesson's API)
+                                             clip_nan_check, clip_order_experiment, cycle,
+                                             custom_function_under_autocast, half_model_errors,
+                                             scale_order_experiment, scheduler_on_skipped_steps)
 from amp_lessons.publish.report import show_table
 from amp_lessons.tables import percent, plural, text_table
 from amp_lessons.train.trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
@@ -181,7 +184,7 @@ def loops_agree(precision: str = "fp16", steps: int = 5, model: str = "cnn", wid
     hand_net, size = _seeded_model(model, width, image_size, seed, dev)
     trained_net = copy.deepcopy(hand_net)
     train, _ = digits_loaders(batch_size, size, dev, seed)
-    batches = [b for _, b in zip(range(steps), _cycle(train))]
+    batches = [b for _, b in zip(range(steps), cycle(train))]
     hand = bench.hand_step(hand_net, torch.optim.SGD(hand_net.parameters(), lr=lr,
                                                        momentum=0.9), p, dev)
     trainer = Trainer(trained_net, torch.optim.SGD(trained_net.parameters(), lr=lr, momentum=0.9),
@@ -354,78 +357,50 @@ def _b5_parts(report: AutocastReport) -> List[Tuple[claims.Part, str]]:
                        f"{lab(report.gradients)}")]
 
 
+def absolute_error_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss written by hand from ops autocast does not list (subtract, abs, mean): the mean
+    absolute error between the logits and the one-hot targets. Under autocast it stays in the
+    logits' 16-bit dtype, where ``cross_entropy`` (on autocast's float32 list) returns float32:
+    claim B5's sensitivity row."""
+    return (logits - F.one_hot(target, logits.shape[-1])).abs().mean()
+
+
 @claims.decides("B5")
-def verdict_b5(report: AutocastReport) -> claims.Verdict:
+def verdict_b5(report: AutocastReport,
+               alternatives: Sequence[Tuple[str, AutocastReport]] = ()) -> claims.Verdict:
     """Claim B5 against an ``autocast_report`` of a float16 run, split into its three parts
     (``claims.Part``): the loss in FP16, backward in FP16 (through the 16-bit ops), gradients
     restored to FP32 (the backward of autocast's weight cast returns float32 gradients). The
-    claim is about FP16: a bf16 report decides nothing."""
+    claim is about FP16: a bf16 report decides nothing. ``alternatives``: ``(setting,
+    report)`` pairs decided the same way (e.g. a loss written by hand,
+    ``absolute_error_loss``), the sensitivity rows."""
     parts = _b5_parts(report)
     measured = "; ".join(m for _, m in parts) + f" (autocast dtype {dtype_label(report.low, None)})"
     cannot = (None if report.low == torch.float16 else
               f"autocast ran in {dtype_label(report.low, None)}; the claim is about FP16, so run "
               f"the report with dtype=torch.float16")
+    alts = [claims.alternative(setting, parts=[p for p, _ in _b5_parts(r)],
+                               cannot_decide=None if r.low == torch.float16 else "not float16")
+            for setting, r in alternatives]
     return claims.decide("B5", LESSON, measured, None, "", parts=[p for p, _ in parts],
                          numbers={"loss": str(report.loss), "parts": b5_parts(report)},
-                         cannot_decide=cannot)
-
-
-# --- custom autograd Functions under autocast (claim B7) ---------------------------------------
-
-def custom_function_under_autocast(function: type, device: Device = None,
-                                   dtype: Optional[torch.dtype] = None, seed: int = 0) -> dict:
-    """Run ``function.apply(x, w)`` (a custom ``torch.autograd.Function`` computing ``x @ w.T``)
-    forward under autocast and backward outside it, as the AMP recipe does, and compare the
-    gradients with a float32 run of the same function.
-
-    Returns: function (its name), ran, error ("" or ``"Type: first line"``), output (dtype
-    label), grad (dtype labels of the input and weight gradients), grad_error (largest
-    relative difference from the float32 gradients; None if it did not run) and dtype (the
-    autocast dtype, e.g. "float16").
-    """
-    dev = as_device(device)
-    low = dtype or (torch.bfloat16 if dev.type == "cpu" else torch.float16)
-    if low not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16; got {dtype!r}")
-    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
-        raise ValueError(f"function must be a torch.autograd.Function subclass; got {function!r}")
-    gen = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(16, 32, generator=gen).to(dev)
-    w0 = torch.randn(8, 32, generator=gen).to(dev)
-
-    def grads(autocast: bool):
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        with torch.autocast(device_type=dev.type, dtype=low, enabled=autocast):
-            out = function.apply(x, w)
-            loss = out.float().square().mean()
-        loss.backward()
-        return out.dtype, x.grad, w.grad
-
-    row = {"function": function.__name__, "ran": False, "error": "", "output": "-",
-           "grad": "-", "grad_error": None, "dtype": str(low).replace("torch.", "")}
-    _, ref_x, ref_w = grads(False)
-    try:
-        out_dtype, gx, gw = grads(True)
-    except RuntimeError as exc:
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-        return row
-    err = max(float(((g.float() - r).norm() / r.norm().clamp_min(1e-30)))
-              for g, r in ((gx, ref_x), (gw, ref_w)))
-    row.update(ran=True, output=dtype_label(out_dtype, low),
-               grad=", ".join(dtype_label(g.dtype, low) for g in (gx, gw)), grad_error=err)
-    return row
+                         cannot_decide=cannot, sensitivity=alts,
+                         condition=f"with {report.loss_name} as the loss")
 
 
 B7_GRAD_TOLERANCE = 0.05  # 16-bit rounding of a 32-wide dot product stays well below this
 
 
 @claims.decides("B7")
-def verdict_b7(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
+def verdict_b7(unchanged: Mapping, with_custom_fwd: Mapping,
+               plain_layers: Optional[Mapping] = None) -> claims.Verdict:
     """Claim B7 ("AMP needs no change to any layer's code") from two
     ``custom_function_under_autocast`` rows: the same custom Function as written for float32,
     and with ``torch.amp.custom_fwd``/``custom_bwd``. Holds if the unchanged one runs under
     autocast with gradients within ``B7_GRAD_TOLERANCE`` of float32's. Decided only on float16
-    rows (the claim is about FP16; ``claim_dtype``)."""
+    rows (the claim is about FP16; ``claim_dtype``). Sensitivity row: ``plain_layers``, a model
+    of torch.nn layers trained under autocast unchanged (``{"model": name, "accuracy":
+    fraction, "classes": n}``): held where it trained above chance (``claims.accuracy_gate``)."""
     for name, row in (("unchanged", unchanged), ("with_custom_fwd", with_custom_fwd)):
         if not isinstance(row, Mapping) or "ran" not in row:
             raise ValueError(f"{name} must be a custom_function_under_autocast row; got {row!r}")
@@ -452,70 +427,65 @@ def verdict_b7(unchanged: Mapping, with_custom_fwd: Mapping) -> claims.Verdict:
     else:  # the control failed too: the experiment, not the claim, is what broke
         why = ("the custom Function did not run correctly under autocast even with custom_fwd, "
                "so this experiment cannot tell whether the unchanged code is at fault")
+    alts = []
+    if plain_layers is not None:
+        gate = claims.accuracy_gate(plain_layers.get("accuracy"), int(plain_layers["classes"]))
+        alts.append(claims.alternative(
+            f"with a model built only from torch.nn layers ({plain_layers['model']})",
+            held=None if gate else True, why=gate or f"it trained under autocast unchanged to "
+                                          f"{plain_layers['accuracy']:.1%} test accuracy"))
     return claims.decide("B7", LESSON, measured + f" (autocast {', '.join(sorted(dtypes))})",
                          held, why, numbers={"unchanged": dict(unchanged),
                                              "with_custom_fwd": dict(with_custom_fwd)},
-                         cannot_decide=cannot)
+                         cannot_decide=cannot, sensitivity=alts,
+                         condition="with a layer written as a custom autograd Function")
 
 
 # --- clipping before unscale_ (claim B3) ---------------------------------------------------------
 
-class ClipBeforeUnscale(Hooks):
-    """Claim B3's order, on purpose: ``clip_grad_norm_`` while the gradients are still SCALED.
-
-    Records ``scaled_norms`` (the norm clip saw) and ``scales`` per step. The true gradient is then
-    clipped to ``max_norm / scale`` instead of ``max_norm``. Use with ``accumulate=1``.
-    """
-
-    def __init__(self, max_norm: float = 1.0):
-        check_positive("max_norm", max_norm)
-        self.max_norm = float(max_norm)
-        self.scaled_norms: List[float] = []
-        self.scales: List[float] = []
-
-    def after_backward(self, trainer: "Trainer", micro_step: int) -> None:
-        norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), self.max_norm)
-        self.scaled_norms.append(float(norm))
-        self.scales.append(float(trainer.scaler.get_scale()))
+EXPLODING = 10.0  # a true gradient norm this many times the run's median counts as exploding
 
 
-def clip_order_experiment(max_norm: float = 1.0, device: Device = None, **train_kwargs) -> List[dict]:
-    """Train twice in fp16 from the same start: clipping before ``unscale_`` (claim B3 as shown)
-    and after it (PyTorch's order). One row each: the scale, the true gradient norm, the
-    threshold really applied to the true gradient, the norm of the gradient the optimizer used,
-    and the final test accuracy (medians over steps)."""
-    check_positive("max_norm", max_norm)
-    rows = []
-    for wrong in (True, False):
-        hook = ClipBeforeUnscale(max_norm) if wrong else None
-        run = train_digits("fp16", device=device, hooks=[hook] if hook else (),
-                           clip_norm=None if wrong else max_norm, **train_kwargs)
-        cols = run.history.columns()
-        ok = [i for i, s in enumerate(cols["skipped"]) if not s]
-        scales = [cols["scale"][i] for i in ok]
-        if wrong:
-            true = [hook.scaled_norms[i] / hook.scales[i] for i in ok]
-            used = [cols["grad_norm"][i] for i in ok]
-            thresholds = [max_norm / s for s in scales]
-        else:
-            true = [cols["grad_norm"][i] for i in ok]
-            used = [min(t, max_norm) for t in true]
-            thresholds = [max_norm for _ in ok]
-        rows.append({
-            "order": "clip, then unscale_ (claim B3 as shown)" if wrong
-            else "unscale_, then clip (PyTorch's order)",
-            "scale": statistics.median(scales), "true_grad_norm": statistics.median(true),
-            "threshold_applied": statistics.median(thresholds),
-            "grad_norm_used": statistics.median(used), "accuracy_pct": 100 * run.accuracy,
-            "skipped_steps": run.skipped_steps})
-    return rows
+def _clip_parts(rows: Sequence[Mapping], max_norm: float,
+                nan_check: Optional[Mapping] = None) -> List[claims.Part]:
+    wrong, right = rows
+    at = lambda r: math.isclose(r["threshold_applied"], max_norm, rel_tol=0.01)  # noqa: E731
+    shown = claims.Part(
+        f"clip_grad_norm_(max_norm={max_norm:g}) as shown (before unscale_) clips at "
+        f"{max_norm:g}", at(wrong),
+        "the article's order clips at the stated norm" if at(wrong) else
+        f"without unscale_ the threshold applies to the scaled gradients, so the true gradients "
+        f"are clipped to max_norm / scale = {wrong['threshold_applied']:.3g}, not {max_norm:g}; "
+        f"call scaler.unscale_(optimizer) before clipping")
+    after = claims.Part(f"the same call after unscale_ clips at {max_norm:g}", at(right),
+                        f"clipped the true gradients at {right['threshold_applied']:.3g}")
+    top, median = right.get("max_true_grad_norm"), right["true_grad_norm"]
+    nan = ("" if not nan_check else
+           f"; produced on purpose, a gradient holding a NaN stays NaN through clip_grad_norm_ "
+           f"(total norm {nan_check['total_norm']}), so GradScaler's skipped step, not "
+           f"clipping, is what guards against NaN")
+    exploded = is_real(top) and top >= EXPLODING * median
+    guards = claims.Part(
+        "clipping guards against exploding gradients or NaN", None,
+        (f"not decided: gradients exploded on their own (largest true norm {top:.3g}, "
+         f"{top / median:.0f}x the median) but no unclipped run was compared" if exploded else
+         f"not decided here: the condition did not occur on its own (largest true gradient norm "
+         f"{'not measured' if top is None else f'{top:.3g}'}, under {EXPLODING:g}x the median "
+         f"{median:.3g})") + nan)
+    return [shown, after, guards]
 
 
 @claims.decides("B3")
-def verdict_b3(rows: Sequence[Mapping], max_norm: float = 1.0) -> claims.Verdict:
+def verdict_b3(rows: Sequence[Mapping], max_norm: float = 1.0,
+               nan_check: Optional[Mapping] = None,
+               unscaled_rows: Optional[Sequence[Mapping]] = None) -> claims.Verdict:
     """Claim B3 from ``clip_order_experiment`` rows (the article's order first, PyTorch's
-    second): it holds if the article's order clips the true gradients at the stated
-    ``max_norm`` (within 1%). Accuracy is reported beside it, not used to rule."""
+    second), in three parts: the call as shown (before ``unscale_``) clips the true gradients
+    at ``max_norm`` (within 1%); after ``unscale_`` it does; clipping guards against exploding
+    gradients or NaN, conditional (decided only where they occurred on their own;
+    ``nan_check``, ``clip_nan_check``, shows on purpose what clipping does to a NaN).
+    Accuracy is reported beside it, not used to rule. Sensitivity row: ``unscaled_rows``, the
+    same two orders in bf16 without a GradScaler (no scale to undo)."""
     check_positive("max_norm", max_norm)
     if len(rows) != 2 or not all("threshold_applied" in r for r in rows):
         raise ValueError("rows must be the two rows of clip_order_experiment")
@@ -529,30 +499,36 @@ def verdict_b3(rows: Sequence[Mapping], max_norm: float = 1.0) -> claims.Verdict
             "B3", LESSON, f"clip_grad_norm_(max_norm={max_norm:g}) before and after unscale_: "
             f"{', '.join(broken)}", f"a measured number is not finite ({', '.join(broken)}): the "
             f"run diverged or skipped every step, so it cannot rule")
-    held = math.isclose(wrong["threshold_applied"], max_norm, rel_tol=0.01)
     measured = (f"clip_grad_norm_(max_norm={max_norm:g}) before unscale_ at scale "
                 f"{wrong['scale']:g}: true gradients clipped to {wrong['threshold_applied']:.3g} "
                 f"(median true norm {wrong['true_grad_norm']:.3g}, norm used "
                 f"{wrong['grad_norm_used']:.3g}); after unscale_: clipped at "
                 f"{right['threshold_applied']:.3g}; test accuracy {wrong['accuracy_pct']:.1f}% "
                 f"vs {right['accuracy_pct']:.1f}%")
-    why = ("the article's order clips at the stated norm" if held else
-           f"without unscale_ the threshold applies to the scaled gradients, so the true "
-           f"gradients are clipped to max_norm / scale = {wrong['threshold_applied']:.3g}, not "
-           f"{max_norm:g}; call scaler.unscale_(optimizer) before clipping")
-    return claims.decide("B3", LESSON, measured, held, why,
-                         numbers={"wrong": dict(wrong), "right": dict(right), "max_norm": max_norm})
+    alts = []
+    if unscaled_rows is not None:
+        alts.append(claims.alternative(
+            f"with {unscaled_rows[0].get('precision', 'bf16')} autocast and no GradScaler (scale "
+            f"{unscaled_rows[0]['scale']:g}: nothing to undo)",
+            parts=_clip_parts(unscaled_rows, max_norm)[:2]))
+    return claims.decide("B3", LESSON, measured, None, "",
+                         parts=_clip_parts(rows, max_norm, nan_check), sensitivity=alts,
+                         numbers={"wrong": dict(wrong), "right": dict(right), "max_norm": max_norm},
+                         condition=f"with {wrong.get('precision', 'fp16')} and a GradScaler "
+                                   f"(scale {wrong['scale']:g})")
 
 
 # --- the deprecated import (claim B6) ------------------------------------------------------------
 
 @claims.decides("B6")
-def verdict_b6(caught: Sequence, import_error: Optional[BaseException] = None) -> claims.Verdict:
+def verdict_b6(caught: Sequence, import_error: Optional[BaseException] = None,
+               replacement: Optional[Sequence] = None) -> claims.Verdict:
     """Claim B6 from what ``from torch.cuda.amp import autocast, GradScaler`` (and using them)
     raised and warned, caught in the notebook's warning cell: ``caught`` is the list from
     ``warnings.catch_warnings(record=True)``. Holds if the import and the calls work; where they
     only warn (FutureWarning since torch 2.4, raised by the calls), "held, deprecated", naming the
-    ``torch.amp`` replacement; does not hold where the import fails."""
+    ``torch.amp`` replacement; does not hold where the import fails. Sensitivity row:
+    ``replacement``, the warnings caught running the ``torch.amp`` replacement the same way."""
     if isinstance(caught, (str, bytes)) or not isinstance(caught, Sequence):
         raise ValueError(f"caught must be the list of warnings.catch_warnings(record=True); "
                          f"got {caught!r}")
@@ -577,8 +553,56 @@ def verdict_b6(caught: Sequence, import_error: Optional[BaseException] = None) -
         if messages:
             deprecated = ("use torch.amp.GradScaler(device_type) and "
                           "torch.autocast(device_type, dtype) (torch.amp)")
+    alts = []
+    if replacement is not None:
+        old = [str(w.message) for w in replacement
+               if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+        alts.append(claims.alternative(
+            "with the torch.amp replacement (torch.amp.GradScaler, torch.autocast)", held=True,
+            why=("runs without a deprecation warning" if not old else
+                 "runs, warning: " + " | ".join(old))))
     return claims.decide("B6", LESSON, measured, held, why, numbers={"warnings": messages},
-                         deprecated=deprecated)
+                         deprecated=deprecated, sensitivity=alts,
+                         condition="with the article's torch.cuda.amp import")
+
+
+# --- GradScaler after backward (claim B8) -----------------------------------------------------------
+
+def _order_rule(rows: Sequence[Mapping]) -> Tuple[Optional[bool], str]:
+    right, diagram = rows
+    ratio = diagram.get("ratio")
+    if not (is_real(ratio) and math.isfinite(ratio)):
+        return None, f"the update's size was not measured (ratio {ratio!r})"
+    same = math.isclose(ratio, 1.0, rel_tol=0.01)
+    return same, (f"{diagram['dtype']}, scale {diagram['scale']:g}: GradScaler after backward "
+                  f"made an update {ratio:.3g} times the right one"
+                  + ("" if same else f" (about 1/scale = {1 / diagram['scale']:.3g}): step() "
+                                     f"divided gradients that were never scaled"))
+
+
+@claims.decides("B8")
+def verdict_b8(rows: Sequence[Mapping],
+               unscaled_rows: Optional[Sequence[Mapping]] = None) -> claims.Verdict:
+    """Claim B8 (article B's diagram puts GradScaler after backward) from
+    ``scale_order_experiment`` rows (PyTorch's order first, the diagram's second), float16 with
+    a GradScaler: held when the diagram's order makes the same update (within 1%). Sensitivity
+    row: ``unscaled_rows``, the same in bf16 with the scaler disabled (no loss scaling)."""
+    if len(rows) != 2 or any("ratio" not in r for r in rows):
+        raise ValueError("rows must be the two rows of scale_order_experiment")
+    held, why = _order_rule(rows)
+    alts = []
+    if unscaled_rows is not None:
+        h, w = _order_rule(unscaled_rows)
+        alts.append(claims.alternative(f"with {unscaled_rows[1]['dtype']} autocast and the "
+                                       f"GradScaler disabled (no loss scaling)", held=h, why=w))
+    measured = (f"one SGD step from the same weights and batch: update norm "
+                f"{rows[0]['update_norm']:.3g} in PyTorch's order, {rows[1]['update_norm']:.3g} "
+                f"with GradScaler after backward")
+    return claims.decide("B8", LESSON, measured, held, why, sensitivity=alts,
+                         numbers={"ratio": rows[1]["ratio"]},
+                         condition=f"with {rows[1]['dtype']} and a GradScaler",
+                         cannot_decide=None if rows[1]["dtype"] == "float16" else
+                         "the claim's GradScaler scales only float16; run it with float16")
 
 
 # --- the published claims table ------------------------------------------------------------------
@@ -600,98 +624,6 @@ def own_verdicts(verdicts: Sequence[claims.Verdict]) -> List[claims.Verdict]:
 
 
 # --- the LR scheduler and .half() mistakes ---------------------------------------------------------
-
-def scheduler_on_skipped_steps(steps: int = 20, warmup: int = 40, init_scale: float = 2.0 ** 24,
-                               model: str = "mlp", batch_size: int = 64, lr: float = 0.05,
-                               device: Device = None, seed: int = 0) -> List[dict]:
-    """A linear warm-up schedule under fp16 with a scale high enough to overflow at first.
-
-    Runs the naive loop (``scheduler.step()`` every iteration) and the trainer (only after real
-    optimizer steps) from the same start. One row each: optimizer steps taken, steps skipped,
-    scheduler steps, the learning rate reached and what it should be after that many real steps,
-    and the warning torch gave (empty if none)."""
-    check_int("steps", steps, 1)
-    check_int("warmup", warmup, 1)
-    dev = as_device(device)
-    check_precision("fp16", dev)
-    schedule = lambda s: min(1.0, (s + 1) / warmup)  # noqa: E731
-    rows = []
-    for naive in (True, False):
-        torch.manual_seed(seed)
-        net, size = build_digits_model(model)
-        net.to(dev)
-        train, _ = digits_loaders(batch_size, size, dev, seed)
-        data = [b for _, b in zip(range(steps), _cycle(train))]
-        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        settings = ScalerSettings(init_scale=init_scale)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if naive:
-                scaler, skipped = settings.make(dev.type), 0
-                for x, y in data:
-                    with torch.autocast(device_type=dev.type, dtype=torch.float16):
-                        loss = F.cross_entropy(net(x), y)
-                    scaler.scale(loss).backward()
-                    before = scaler.get_scale()
-                    scaler.step(opt)
-                    scaler.update()
-                    skipped += scaler.get_scale() < before
-                    sched.step()  # the mistake: also after a skipped step
-                    opt.zero_grad(set_to_none=True)
-            else:
-                trainer = Trainer(net, opt, TrainConfig(precision="fp16", scaler=settings,
-                                                        progress=False, seed=None),
-                                  scheduler=sched)
-                for batch in data:
-                    trainer.train_step([batch])
-                skipped = trainer.history.skipped_steps
-        messages = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
-        real = steps - int(skipped)
-        rows.append({"loop": "naive: scheduler.step() every iteration" if naive
-                     else "trainer: scheduler.step() only after a real step",
-                     "optimizer_steps": real, "skipped_steps": int(skipped),
-                     "scheduler_steps": sched.last_epoch,
-                     "lr": opt.param_groups[0]["lr"], "lr_expected": lr * schedule(real),
-                     "warning": messages[0] if messages else ""})
-    return rows
-
-
-def _cycle(loader):
-    epoch = 0
-    while True:
-        set_loader_epoch(loader, epoch)
-        yield from loader
-        epoch += 1
-
-
-def half_model_errors(device: Device = None, model: str = "mlp") -> Dict[str, str]:
-    """What ``.half()`` on the model leads to under fp16 AMP: ``"torch"``: the error GradScaler
-    raises in ``step`` ("Attempting to unscale FP16 gradients."); ``"trainer"``: the trainer's
-    earlier, explained refusal. Messages as ``"ValueError: ..."``."""
-    dev = as_device(device)
-    check_precision("fp16", dev)
-    net, size = build_digits_model(model)
-    net = net.to(dev).half()  # the mistake
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler(dev.type)
-    x, y = next(iter(digits_loaders(32, size, dev)[0]))
-    with torch.autocast(device_type=dev.type, dtype=torch.float16):
-        loss = F.cross_entropy(net(x), y)
-    scaler.scale(loss).backward()
-    out = {}
-    try:
-        scaler.step(opt)
-        out["torch"] = ""
-    except ValueError as exc:
-        out["torch"] = f"ValueError: {exc}"
-    try:
-        Trainer(net, opt, TrainConfig(precision="fp16", progress=False, seed=None), device=dev)
-        out["trainer"] = ""
-    except ValueError as exc:
-        out["trainer"] = f"ValueError: {exc}"
-    return out
-
 
 #: The claims this lesson decides, derived from its ``claims.decides`` declarations.
 DECIDES = claims.decided_in(__name__)

@@ -52,7 +52,7 @@ from amp_lessons.numerics.fp8 import (SCALINGS, TENSOR_KINDS, amax_scale, error_
                    fake_quantize, from_fp8, fp8_max, quantization_error, to_fp8)
 from amp_lessons.numerics.fp8 import fp8_format_facts as format_facts  # noqa: F401 (the lesson's API)
 from amp_lessons.publish.report import show_table
-from amp_lessons.tables import not_compared, plural, text_table
+from amp_lessons.tables import format_value, not_compared, plural, text_table
 
 LESSON = "07"
 DECIDES = ()  # no article claims FP8 numbers: the lesson states its findings as measurements
@@ -462,21 +462,7 @@ def accuracy_report_rows(runs: Sequence[Mapping], comparison: Mapping,
 # --- tables and figures ---------------------------------------------------------------------------
 
 def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "n/a"
-        if value == 0:
-            return "0"
-        if abs(value) >= 1e5 or abs(value) < 1e-3:
-            return f"{value:.3g}"
-        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
+    return format_value(value, 3, missing="-")  # the course's one cell formatter
 
 
 def format_rows(rows: Sequence[Mapping], columns: Optional[Sequence[str]] = None) -> str:

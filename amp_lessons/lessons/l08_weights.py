@@ -38,7 +38,7 @@ from amp_lessons.numerics import optim
 from amp_lessons.validate import check_int, check_real, is_real
 from amp_lessons.measure.memory import GIB
 from amp_lessons.publish.report import show_table
-from amp_lessons.tables import plural, text_table
+from amp_lessons.tables import format_value, plural, text_table
 from amp_lessons.lessons import l07_fp8
 
 LESSON = "08"
@@ -410,13 +410,7 @@ def _spread_pct(row: Mapping) -> Optional[float]:
 
 
 def _cell(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    return format_value(v, 3, missing="-")  # the course's one cell formatter
 
 
 def format_rows(rows: Sequence[Mapping], columns: Optional[Sequence[str]] = None) -> str:

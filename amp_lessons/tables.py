@@ -26,8 +26,8 @@ def format_value(value, digits: int = 2, missing: str = "n/a") -> str:
     ``None`` -> ``missing`` (``"n/a"``), a flag -> ``"yes"``/``"no"``; a float: thousands
     separated from 100 on, ``digits`` decimals from about 1, ``digits + 1`` significant digits
     below (never rounded to 0 when nonzero), brief (``digits + 1`` significant digits) from
-    ``BRIEF_FROM`` on, NaN and infinities as ``nan``/``inf``; whole numbers and text as they
-    are. NumPy scalars and 0-d tensors read as the numbers they hold.
+    ``BRIEF_FROM`` on, NaN and infinities as ``nan``/``inf``; whole numbers thousands
+    separated, as floats are; text as it is. NumPy scalars and 0-d tensors read as the numbers they hold.
     Example: ``format_value(1234.5) == "1,234"``, ``format_value(0.000123) == "0.000123"``."""
     check_int("digits", digits, 0)
     value = plain_number(value)
@@ -45,6 +45,8 @@ def format_value(value, digits: int = 2, missing: str = "n/a") -> str:
         if value == 0 or abs(value) >= 0.995:
             return f"{value:.{digits}f}"
         return f"{value:.{digits + 1}g}"
+    if isinstance(value, int):
+        return f"{value:,}"
     return str(value)
 
 

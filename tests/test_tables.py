@@ -162,7 +162,7 @@ def test_numpy_scalars_and_0d_tensors_are_numbers_in_tables():
     columns = [("a", "A"), ("b", "B"), ("c", "C")]
     python = [{"a": "x", "b": 1.5, "c": 12345}, {"a": "yy", "b": 2.25, "c": 7}]
     assert tables.text_table(rows, columns) == tables.text_table(python, columns)
-    assert tables.text_table(rows, columns).splitlines()[2:] == ["x   1.50  12345", "yy  2.25      7"]
+    assert tables.text_table(rows, columns).splitlines()[2:] == ["x   1.50  12,345", "yy  2.25       7"]
     assert tables.html_table(rows, columns) == tables.html_table(python, columns)
     assert tables.text_table([{"b": np.float32(1.5)}]).splitlines()[-1] == "1.5"
     assert tables.format_value(np.float64(123456.7)) == "123,457"

@@ -149,7 +149,7 @@ def _called_in(expr, frame) -> List[Dict[str, object]]:
         if target is None:
             continue
         obj = _resolve(target, frame)
-        if callable(obj) and str(getattr(obj, "__module__", "")).startswith("amp_lessons"):
+        if callable(obj) and hasattr(inspect.unwrap(obj), "__code__"):  # Python code, no builtin
             at = lineage.where(obj)
             entry = {"function": at["name"], "file": at["file"], "line": at["line"]}
         elif obj is not None and not callable(obj) and lineage.origin(obj) is not None:
@@ -159,6 +159,29 @@ def _called_in(expr, frame) -> List[Dict[str, object]]:
         if entry not in found:
             found.append(entry)
     return found
+
+
+def _inline_inputs(expr, frame) -> List[tuple]:
+    """``(function, items)`` for each package function called in the publish call's rows
+    expression and each argument it is given: the argument's rows (a list's items, a mapping's
+    values) or the argument itself, as objects."""
+    from amp_lessons.measure import lineage
+
+    out = []
+    for node in ast.walk(expr):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = _resolve(node.func, frame)
+        if not callable(fn):
+            continue
+        name = lineage.where(fn)["name"]
+        for arg in list(node.args) + [k.value for k in node.keywords]:
+            value = _resolve(arg, frame)
+            if value is None or callable(value):
+                continue
+            items = list(value.values()) if isinstance(value, Mapping) else lineage.rows_of(value)
+            out.append((name, items or [value]))
+    return out
 
 
 def _row_trail(row) -> List[lineage.Call]:
@@ -391,21 +414,29 @@ def record(key: str, rows: Sequence[Mapping], caller=None,
     chains: List[Dict[str, object]] = [_chain(made)] if made is not None else []
     call = _publish_call(caller) if caller is not None else None
     expression = _rows_expression(call) if call is not None else None
+    makers: Dict[str, List[str]] = {}
+    paired: List = []  # traced rows that the published rows were made from, one for one
     if expression is not None and caller is not None:
         for entry in _called_in(expression, caller):
             if entry["function"] not in [n for c in chains for n in _names_in(c)]:
                 chains.append(entry)
+        for name, items in _inline_inputs(expression, caller):
+            makers.setdefault(name, []).extend(
+                lineage.origin(i).name for i in items if lineage.origin(i) is not None)
+            if not paired and len(items) == len(rows) and all(lineage.origin(i) for i in items):
+                paired = items
     traced_rows = _all_traced_rows()
     described = []
     for i, row in enumerate(rows[:MAX_ROWS]):
         trail = _row_trail(row)
+        if not trail and paired:
+            trail = _row_trail(paired[i])
         if not trail and isinstance(row, Mapping):
             like = _made_from_content(row, traced_rows)
             if like is not None:
                 trail = _row_trail(like)
         described.append(_row_record(i, row, trail))
     producers = [n for c in chains for n in _names_in(c)]
-    makers: Dict[str, List[str]] = {}
     for c in chains:
         _input_makers(c, makers)
     for trail in (_row_trail(r) for r in rows[:MAX_ROWS]):

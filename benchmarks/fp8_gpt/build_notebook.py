@@ -77,8 +77,8 @@ blocks' Linears, the LM head and attention's two batched products:"""),
                  "backward, halved by the causal mask.")"""),
     ("md", """FLOPs are not time: the LM head and attention run at different efficiencies, and the
 memory-bound kernels (norms, GELU, the loss, AdamW) take time with almost no FLOPs. But the
-smaller the GPT, the larger the share FP8 cannot touch: the LM head alone is a quarter of the
-smallest GPT's arithmetic and a tenth of the largest's."""),
+smaller the GPT, the larger the share FP8 cannot touch: the LM head alone is 29% of the smallest
+GPT's arithmetic and 11% of the largest's (the table above; it depends on the shapes only)."""),
     ("md", """## 2. Calibration: what FP8 gains per GEMM shape, and what its casts cost, on this GPU
 
 Two measurements feed the prediction in section 4, neither of them a GPT:
@@ -104,10 +104,12 @@ if calibrations:
                      "cast of bf16 and 2 for an FP8 copy.")
 else:
     print("Not decided here: needs an FP8 GPU (capability 8.9+) and torchao.")"""),
-    ("md", """Read the gain column by width. The narrowest GEMMs (768 and 1,024 wide, the attention
-output projection) gain little or nothing: at those sizes an FP8 GEMM is bound by its own fixed
-costs, not by tensor-core arithmetic. From 2,048 up the gain approaches 2x. The casts are
-memory-bound: their cost grows with the tensors' sizes, whatever FP8 saves."""),
+    ("md", """Read the gain column by width. Timed on the device alone, even the GPTs' narrowest GEMMs
+gain from FP8, least the square ones (the attention output projection, 768 or 1,024 wide), and
+from 2,048 up the gain approaches 2x (`rowwise_with_gw_hp` keeps the grad-weight GEMM in bf16 and
+gains less on every shape). The GEMMs are not what holds a small GPT back: the casts are
+memory-bound, their cost grows with the tensors' sizes, and a small GPT's GEMMs are a small part
+of its step (sections 4 and 6)."""),
     ("md", """## 3. Whole GPTs: bf16 against each FP8 recipe
 
 Each GPT trains on random tokens with bf16 autocast and fused AdamW, every block compiled on its
@@ -131,7 +133,8 @@ lesson.show(lesson.speed_rows(rows), title="Compiled bf16 against torchao float8
 compiled step keeps FP8 copies of activations for the backward pass; weights, gradients and AdamW
 state stay fp32 in every recipe (16 bytes per parameter). `rowwise` scales every row of every tensor
 and casts each tensor twice (along each axis its two GEMMs need); `rowwise_with_gw_hp` keeps the
-weight-gradient GEMM in bf16, for accuracy, and so gains less."""),
+weight-gradient GEMM in bf16, for accuracy: it gives up that GEMM's gain but also two of rowwise's
+casts."""),
     ("md", """## 4. Where the time goes
 
 The profiler's kernels, added up by kind: `gemm` (cuBLAS and CUTLASS matrix products, FP8 or
@@ -167,11 +170,14 @@ lesson.show(predictions, title="Predicted against measured speed-up",
             note="made by lesson.prediction_rows with measure.fp8_predict.predict_fp8_speedup; "
                  "GEMM share: the converted layers' bf16 GEMMs (calibration) over the bf16 step; "
                  "error %: (predicted - measured) / measured.")"""),
-    ("md", """Where the prediction misses, the two pairs of columns say which term missed: a GEMM
-saving measured smaller than predicted means the GEMMs ran slower inside the model than alone
-(clock and power under a sustained load, other layouts); an added time larger than predicted means
-the casts fused less well than the calibration's kernels, or the FP8 step waited more on the host
-(see `idle` above). The predictor is what the course's doctor uses on your own model."""),
+    ("md", """Where the prediction misses, the two pairs of columns say which term missed. A GEMM saving
+measured larger than predicted means bf16's GEMMs ran slower inside the model than alone (the bf16
+model's Linears carry a bias in their GEMM's epilogue; FP8 adds it in a fused pointwise kernel); an
+added time smaller than predicted means inductor fused the casts into their neighbours (the amax
+into the GELU or the LayerNorm) better than the calibration's stand-alone kernels. The predictor
+counts device time only: where FP8's step waits on the host (the `idle` column of section 4; more
+kernels to launch per layer), it predicts too high. The predictor is what the course's doctor uses
+on your own model."""),
     ("md", """## 6. What stands in the way
 
 Measured, per FP8 row: the bf16 step's GEMM, attention and idle shares, FP8's cast kernels and all
@@ -243,9 +249,10 @@ question to see the answer.
 
 <details><summary><b>Why does lesson 07's 1.45x not carry over to a 400M-parameter GPT?</b></summary>
 
-Its MLP stack was almost all wide GEMMs. A GPT of width 1,024 has narrow GEMMs that FP8 barely
-speeds up (section 2), an LM head and attention that stay in bf16, memory-bound kernels and host
-time that FP8 does not touch, and it adds casts to every converted layer (sections 4 and 6).
+Its MLP stack was almost all wide GEMMs. In a GPT of width 1,024 the converted GEMMs are well
+under half of the bf16 step (the LM head, attention, norms, the loss, AdamW and host time are the
+rest, and FP8 touches none of them), so even a 1.5x faster GEMM saves little, while the casts of
+every converted layer add memory-bound time of the same order (sections 4 and 6).
 
 </details>
 

@@ -23,6 +23,9 @@ compared: the trainer puts them back on a skipped step, the hand loop does not).
 
     python benchmarks/trainer_overhead.py --json benchmarks/results/trainer_overhead_h200.json
 
+``skip_checks``, first: on the same device, a step with an inf gradient leaves weights,
+BatchNorm statistics and optimizer state bitwise unchanged, per precision and optimizer.
+
 On a CPU, ``--quick`` runs tiny sizes (a check of the script; its numbers decide nothing).
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from amp_lessons import models  # noqa: E402
 from amp_lessons.data import synthetic_images  # noqa: E402
 from amp_lessons.measure.timer import time_steps  # noqa: E402
-from amp_lessons.train.trainer import TrainConfig, Trainer  # noqa: E402
+from amp_lessons.train.trainer import Hooks, TrainConfig, Trainer  # noqa: E402
 
 NETWORKS = ("recipe", "transformer", "resnet50")
 PRECISION = {"recipe": "fp16", "transformer": "bf16", "resnet50": "fp16"}
@@ -163,6 +166,50 @@ def measure_network(network: str, device, rounds: int, steps: int, warmup: int, 
     return row
 
 
+class Poison(Hooks):
+    """Writes inf into the first parameter's gradient at step ``at``."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def after_backward(self, trainer, micro_step):
+        if trainer.step == self.at:
+            next(trainer.model.parameters()).grad.view(-1)[0] = float("inf")
+
+
+def skip_checks(device: torch.device) -> list:
+    """On this device: a step with an inf gradient leaves weights, BatchNorm statistics and
+    optimizer state bitwise as they were, per precision and optimizer (GradScaler; the
+    non-finite policy's in-kernel and host-decided skips)."""
+    cases = [("fp16", "sgd-foreach"), ("fp16", "sgd-fused"), ("fp16", "adamw-fused"),
+             ("bf16", "sgd-foreach"), ("bf16", "sgd-fused"), ("bf16", "adamw-fused"),
+             ("bf16", "adamw-foreach"), ("fp32", "sgd-foreach")]
+    out = []
+    for precision, kind in cases:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                              nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).to(device)
+        impl = {"fused": True} if kind.endswith("fused") else {"foreach": True}
+        opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **impl)
+               if kind.startswith("sgd") else torch.optim.AdamW(model.parameters(), lr=1e-3, **impl))
+        trainer = Trainer(model, opt, TrainConfig(precision=precision, progress=False, seed=None),
+                          device=device, hooks=[Poison(2)])
+        x, y = torch.randn(16, 3, 8, 8, device=device), torch.randint(0, 10, (16,), device=device)
+        for _ in range(2):
+            trainer.train_step([(x, y)])
+        before = copy.deepcopy((model.state_dict(), opt.state_dict()["state"]))
+        record = trainer.train_step([(x, y)])
+        after = (model.state_dict(), opt.state_dict()["state"])
+        same = all(torch.equal(before[0][k], after[0][k]) for k in after[0]) and all(
+            torch.equal(torch.as_tensor(v), torch.as_tensor(after[1][i][k]))
+            for i, s in before[1].items() for k, v in s.items())
+        trainer.train_step([(x, y)])
+        out.append({"precision": precision, "optimizer": kind, "skipped": record.skipped,
+                    "unchanged": same, "trains_on": all(
+                        torch.isfinite(p).all().item() for p in model.parameters())})
+    return out
+
+
 def markdown(doc: dict) -> str:
     """The results as the findings file shows them."""
     lines = ["| network | precision | variant | ms/step (median) | cost vs hand loop, median "
@@ -201,6 +248,9 @@ def main(argv=None) -> dict:
            else platform.processor() or "cpu", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "timer": "CUDA events"
            if device.type == "cuda" else "perf_counter", "rows": []}
+    doc["skip_checks"] = skip_checks(device)
+    print("skip checks:", "all pass" if all(c["skipped"] and c["unchanged"] and c["trains_on"]
+                                            for c in doc["skip_checks"]) else doc["skip_checks"])
     for network in args.networks:
         steps = args.steps or {"recipe": 50, "transformer": 20, "resnet50": 10}[network]
         doc["rows"].append(measure_network(network, device, args.rounds, steps, args.warmup,

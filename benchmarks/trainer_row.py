@@ -78,7 +78,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="+", choices=("trainer", "hand"), default=["trainer"])
     p.add_argument("--compile", default="reduce-overhead",
-                   choices=[m for m in al.bench.COMPILE_MODES if m],
+                   choices=[m for m in al.measure.COMPILE_MODES if m],
                    help="torch.compile mode of the rows (default: the lesson's)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--report", type=Path, default=None,

@@ -55,7 +55,7 @@ def test_smoke_run_writes_every_variant(instrument, tmp_path):
 
 def test_report_renders_a_committed_run(instrument, capsys):
     """``--report`` prints the JSON as NOTES.md's table, numbers from the JSON only."""
-    path = BENCHMARKS / "results" / "instrument_h200_checkpoint.json"
+    path = BENCHMARKS / "results" / "instrument_h200_checkpoint_balanced.json"
     doc = json.loads(path.read_text())
     text = instrument.markdown(doc)
     c = doc["configs"][0]

@@ -11,7 +11,12 @@ the learner's device and on copies of the model (the model itself is never chang
 - ``dtype_trace``: the ops and layers autocast runs in 16 bits and in fp32 (lesson 02);
 - ``compiled``: eager against ``torch.compile`` forward (on a GPU, or with ``compile=True``);
 - ``speed``: speed and peak memory per precision through the engine, gated (lesson 04);
-- ``fp8``: the Linear layers where FP8 pays, from lesson 07's crossover width, or why not here.
+- ``fp8``: the Linear layers where FP8 pays, from lesson 07's crossover width, or why not here;
+- ``probes``, ``diagnose``: one forward and backward watched op by op, and the failure classes
+  found (``findings.CLASSES``), each with its site, evidence and fix; ``weights``: 16-bit weights
+  and optimizer state (lesson 08); ``training``: the learner's own step and checkpoint, when
+  given; ``verdict``: the one line per device that says what to train in, first in the report;
+- ``bench``: the doctor bench (the cases live in ``tests/doctor_bench``).
 
 The fp16 evidence (the fp16 forward and the trial) overrides what the ranges predict: an inf/NaN
 there means fp16 is not safe, also when no layer's fp32 output passes 65,504; a model already
@@ -28,12 +33,13 @@ import sys
 import types
 
 __all__ = ["doctor", "DoctorReport"]
-_PARTS = {"compiled", "command", "dtype_trace", "findings", "fp8", "inputs", "ranges", "report",
-          "run", "scale", "speed"}
+_PARTS = {"bench", "compiled", "command", "diagnose", "dtype_trace", "findings", "fp8", "inputs",
+          "probes", "ranges", "report", "run", "scale", "speed", "training", "verdict", "weights"}
 
 
-def doctor(model, batch, loss_fn=None, optimizer=None, **kwargs):
-    """See ``doctor.run.doctor``: measure ``model`` on ``batch``; returns a ``DoctorReport``."""
+def doctor(model, batch=None, loss_fn=None, optimizer=None, **kwargs):
+    """See ``doctor.run.doctor``: measure ``model`` on ``batch`` (or ``inputs=`` and
+    ``target=``); returns a ``DoctorReport`` whose ``verdict`` says what to train in."""
     from amp_lessons.doctor.run import doctor as _doctor
 
     return _doctor(model, batch, loss_fn=loss_fn, optimizer=optimizer, **kwargs)
@@ -53,7 +59,7 @@ class _CallableModule(types.ModuleType):
     """``amp_lessons.doctor(model, batch)`` calls ``doctor``; the package's parts stay reachable
     as attributes (``amp_lessons.doctor.ranges``)."""
 
-    def __call__(self, model, batch, loss_fn=None, optimizer=None, **kwargs):
+    def __call__(self, model, batch=None, loss_fn=None, optimizer=None, **kwargs):
         return doctor(model, batch, loss_fn=loss_fn, optimizer=optimizer, **kwargs)
 
 

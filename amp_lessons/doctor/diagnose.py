@@ -97,32 +97,40 @@ def collapse_alarm(fp16_watch: Optional[Mapping], trial: Sequence[Mapping],
         f"value fp16 rounds to 0: a sqrt, a norm, a division), or train in {alt}")]
 
 
+def _lost(v) -> float:
+    return v if isinstance(v, float) and v == v else 0.0
+
+
 def underflow_alarm(ranking: Sequence[Mapping], k: Optional[int], default_k: int,
                     alt: str) -> List[Dict[str, str]]:
-    """Gradient underflow confined to some parameters: the worst one by the share of its
-    gradient fp16 flushes to zero at the scale GradScaler reaches (and at the default)."""
+    """Gradient underflow confined to some parameters: the worst one by how much of its gradient
+    fp16 loses (relative error after the round trip) at the scale GradScaler reaches, and at the
+    default init_scale where that is lower."""
     if not ranking or k is None:
         return []
-    w = ranking[0]
-    at_k, at_default = w["share_k"], w["share_default"]
-    if max(at_k, at_default if default_k < k else 0.0) <= LAYER_LOSS_LIMIT:
+
+    def bad(r):
+        return max(_lost(r["error_k"]), _lost(r["error_default"]) if default_k < k else 0.0)
+    over = [r for r in ranking if bad(r) > LAYER_LOSS_LIMIT]
+    if not over:
         return []
-    over = [r for r in ranking if max(r["share_k"], r["share_default"] if default_k < k
-                                      else 0.0) > LAYER_LOSS_LIMIT]
+    w = max(over, key=bad)
+    at_k, at_default = _lost(w["error_k"]), _lost(w["error_default"])
     evidence = (f"fp32 backward, each parameter's gradient rounded to fp16: at the default "
-                f"init_scale 2^{default_k} {share_text(at_default)} of {w['parameter']}'s "
-                f"values flush to zero (relative error {share_text(w['error_default'])}), at "
-                f"2^{k} (where GradScaler settles) {share_text(at_k)} "
-                f"({share_text(w['error_k'])})"
+                f"init_scale 2^{default_k} {w['parameter']}'s gradient changes by "
+                f"{share_text(at_default)} (relative error; {share_text(w['share_default'])} of "
+                f"its values flushed to zero), at 2^{k} (where GradScaler settles) by "
+                f"{share_text(at_k)} ({share_text(w['share_k'])})"
                 + (f"; {plural(len(over) - 1, 'more parameter')} over {LAYER_LOSS_LIMIT:.0%}: "
-                   + ", ".join(r["parameter"] for r in over[1:4]) if len(over) > 1 else ""))
+                   + ", ".join(r["parameter"] for r in over if r is not w)[:200]
+                   if len(over) > 1 else ""))
     if at_k > LAYER_LOSS_LIMIT:
-        text = (f"gradient underflow in {w['parameter']}: fp16 flushes {share_text(at_k)} of its "
-                f"gradient to zero even at 2^{k}, the highest loss scale GradScaler reaches")
+        text = (f"gradient underflow in {w['parameter']}: fp16 loses {share_text(at_k)} of its "
+                f"gradient even at 2^{k}, the highest loss scale GradScaler reaches")
         fix = f"train in {alt}, or keep that layer in fp32 (selective autocast)"
     else:
-        text = (f"gradient underflow in {w['parameter']} at the default init_scale: fp16 flushes "
-                f"{share_text(at_default)} of its gradient to zero at 2^{default_k}, "
+        text = (f"gradient underflow in {w['parameter']} at the default init_scale: fp16 loses "
+                f"{share_text(at_default)} of its gradient at 2^{default_k}, "
                 f"{share_text(at_k)} at 2^{k}")
         fix = f"GradScaler(init_scale=2**{k - 1}) (one halving under where it settles)"
     return [finding("underflow", text, evidence, "alarm", "grad-underflow", w["parameter"], fix)]

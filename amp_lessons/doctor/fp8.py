@@ -14,6 +14,7 @@ compiled bf16 below it) means it would.
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -23,6 +24,7 @@ from amp_lessons.measure.float8 import conversion_plan, fp8_support
 from amp_lessons.tables import plural
 
 
+@functools.lru_cache(maxsize=1)
 def lesson07_crossover() -> Tuple[Optional[int], str]:
     """Lesson 07's measured crossover width (``lessons.l09_your_model.lesson07_crossover``: the
     smallest width from which FP8 beat compiled bf16 in its committed run) and where it was

@@ -128,14 +128,19 @@ class _Progress:
 
 
 def _ranking(losses: Dict[str, Dict[str, Dict[str, float]]]) -> List[Dict[str, object]]:
-    """Parameters by the share of their gradient fp16 flushes to zero at the reached scale (then
-    at the default init_scale), worst first."""
+    """Parameters by how much of their gradient fp16 loses at the reached scale (then at the
+    default init_scale): the relative error of the gradient after the fp16 round trip, worst
+    first (a share of values flushed to zero alone would rank the negligible gradients of a
+    saturated softmax first)."""
     rows = [{"parameter": name, "values": v["reached"]["nonzero"],
              "share_k": v["reached"]["flushed"], "share_default": v["default"]["flushed"],
              "error_k": v["reached"]["relative_error"],
              "error_default": v["default"]["relative_error"]}
             for name, v in losses.items() if v["reached"]["nonzero"]]
-    return sorted(rows, key=lambda r: (r["share_k"], r["share_default"]), reverse=True)
+    def lost(v):  # NaN (an overflow: GradScaler skips that step instead) ranks as nothing lost
+        return v if v == v else 0.0
+    return sorted(rows, key=lambda r: (lost(r["error_k"]), lost(r["error_default"])),
+                  reverse=True)
 
 
 def _watch_doc(w) -> Dict[str, object]:
@@ -326,8 +331,9 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     fp32_inf = {r["layer"] for r in fp32_rows if r.get("act_nonfinite")}
     fp16_new = [n for n in nonfinite if n not in fp32_inf]
     fp16_bad = fp16_new or (["the loss"] if trace_doc["loss_finite"] is False else [])
-    if fp16_watch is not None and fp16_watch.forward_nonfinite and not fp16_bad:
-        fp16_bad = [fp16_watch.forward_nonfinite["module"]]
+    if fp16_watch is not None and fp16_watch.forward_nonfinite:  # the op, where the watch saw it
+        site = fp16_watch.forward_nonfinite
+        fp16_bad = [f"{site['module']} ({site['op']})"]
     worst = ranking[0] if ranking else None
     advice_args = (k, overflow, under_k, under_default, bf16, flushed_k)
     advice_kw = dict(fp16_nonfinite=fp16_bad, fp32_nonfinite=fp32_bad,
@@ -378,7 +384,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
             compiled_doc = {"reason": "", "rows": [_compiled.error_row("fp32", exc)]}
         bar.lap("eager against torch.compile")
     del work, call
-    free_memory(device)
+    if device.type == "cuda":  # a CPU gets its memory back as it is; gc.collect costs 0.4 s there
+        free_memory(device)
 
     if precisions:
         bar.start(f"speed and memory ({', '.join(precisions)})")

@@ -28,9 +28,9 @@ EXPONENT_RANGE = (-126, 127)
 MAX_FLUSHED = 0.01
 # a higher init_scale is advised only where it saves more than this share of gradient values
 MIN_GAIN = 0.001
-# a parameter whose gradient loses more than this share of its nonzero values (flushed to zero
-# by fp16) is named: at the scale GradScaler reaches it makes fp16 unsafe, at the default
-# init_scale it makes the advice start higher
+# a parameter whose gradient fp16 changes by more than this share (the relative error of the
+# whole gradient after the round trip: what the update loses) is named: at the scale GradScaler
+# reaches it makes fp16 unsafe, at the default init_scale it makes the advice start higher
 LAYER_LOSS_LIMIT = 0.01
 
 
@@ -138,24 +138,27 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
         return {"precision": "bf16" if bf16_native else "fp16", "fp16_safe": False,
                 "settings": settings.as_dict(), "lines": lines}
     w = worst_layer or {}
-    if w and (w.get("share_k") or 0) > LAYER_LOSS_LIMIT:
+    def lost(key):
+        v = w.get(key)
+        return v if isinstance(v, float) and v == v else 0.0
+    if w and lost("error_k") > LAYER_LOSS_LIMIT:
         lines.append(f"fp16 is not safe: the gradient of {w['parameter']} loses "
-                     f"{w['share_k']:.1%} of its values to underflow (flushed to zero; relative "
-                     f"error {w.get('error_k', float('nan')):.1%}) even at 2^{k}, the highest "
+                     f"{w['error_k']:.1%} of its size to underflow (relative error; "
+                     f"{w['share_k']:.1%} of its values flushed to zero) even at 2^{k}, the highest "
                      f"scale GradScaler reaches before the largest gradient overflows (more than "
                      f"the {LAYER_LOSS_LIMIT:.0%} this advice allows a layer). Train in {alt}.")
         return {"precision": "bf16" if bf16_native else "fp16 with fp32 layers",
                 "fp16_safe": False, "settings": None, "lines": lines}
-    named = w and (w.get("share_default") or 0) > LAYER_LOSS_LIMIT and init_k > default_k
+    named = w and lost("error_default") > LAYER_LOSS_LIMIT and init_k > default_k
     # the default fits when 2^default_k <= 2^k: only a default above the ceiling overflows
     if named:
         settings = ScalerSettings(init_scale=2.0 ** init_k)
         steps = (init_k - default_k) * DEFAULT.growth_interval
         lines.append(f"Start at init_scale=2^{init_k}, not the default 2^{default_k}: at the "
-                     f"default the gradient of {w['parameter']} loses {w['share_default']:.1%} "
-                     f"of its values to underflow (relative error "
-                     f"{w.get('error_default', float('nan')):.1%}) against {w['share_k']:.1%} at "
-                     f"2^{k} ({w.get('error_k', float('nan')):.1%}), and GradScaler would take "
+                     f"default the gradient of {w['parameter']} loses {w['error_default']:.1%} "
+                     f"of its size to underflow (relative error; {w['share_default']:.1%} of its "
+                     f"values flushed to zero) against {w['error_k']:.1%} at 2^{k} "
+                     f"({w['share_k']:.1%}), and GradScaler would take "
                      f"{plural(steps, 'step')} to grow there.")
     elif k < default_k:
         lines.append(f"The default init_scale 2^{default_k} is too high: the first "
@@ -191,8 +194,8 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
                      f"or subnormal).")
         return {"precision": "fp16", "fp16_safe": None, "settings": settings.as_dict(),
                 "lines": lines}
-    worst_words = (f"; the worst parameter, {w['parameter']}, loses {w['share_k']:.2%} of its "
-                   f"gradient values" if w else "")
+    worst_words = (f"; the worst parameter, {w['parameter']}, loses {lost('error_k'):.2%} of its "
+                   f"gradient (relative error)" if w else "")
     lines.append(f"fp16 with GradScaler is safe here: at the settled scale {flushed_at_k:.3%} of "
                  f"gradient values are flushed to zero ({underflow_at_k:.3%} flushed or "
                  f"subnormal){worst_words}.")

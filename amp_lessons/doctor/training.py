@@ -118,16 +118,7 @@ def check_step(step_fn: Optional[Callable], make_model: Callable, make_optimizer
     model = make_model()
     optimizer = make_optimizer(model)
     params = [p for p in model.parameters()]
-    inner_step = optimizer.step
-
-    def optimizer_step(*args, **kwargs):
-        log.add("optimizer.step" if log.in_scaler_step else "optimizer.step (direct)")
-        return inner_step(*args, **kwargs)
-
-    optimizer.step = optimizer_step
-    init = 2.0 ** min((start_exponent + 2) if start_exponent is not None else 24, 120)
-    scaler = _spy_scaler(device.type, init, log)
-    kwargs = {}
+    kwargs = {}  # the scheduler wraps optimizer.step: made before the doctor's spy does
     if _takes(step_fn, "scheduler"):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         inner_sched = scheduler.step
@@ -138,6 +129,15 @@ def check_step(step_fn: Optional[Callable], make_model: Callable, make_optimizer
 
         scheduler.step = scheduler_step
         kwargs["scheduler"] = scheduler
+    inner_step = optimizer.step
+
+    def optimizer_step(*args, **kwargs):
+        log.add("optimizer.step" if log.in_scaler_step else "optimizer.step (direct)")
+        return inner_step(*args, **kwargs)
+
+    optimizer.step = optimizer_step
+    init = 2.0 ** min((start_exponent + 2) if start_exponent is not None else 24, 120)
+    scaler = _spy_scaler(device.type, init, log)
     per_step: List[List[str]] = []
     problems: List[Dict[str, str]] = []
     error = None
@@ -177,7 +177,8 @@ def _misuse(per_step: List[List[str]], error: Optional[BaseException],
     if "step() has already been called since the last update()" in text:
         add("second step", "scaler.step() called twice before update()", text.splitlines()[0],
             "one scaler.step(optimizer) per scaler.update()")
-    if "unscale_() has already been called on this optimizer since the last update()" in text \
+    if "unscale_() is being called after step()" in text or \
+            "unscale_() has already been called on this optimizer since the last update()" in text \
             or "step() has already been called" in text and not any(
                 "update" in s for s in per_step):
         add("missing update", "scaler.update() is not called after scaler.step()",

@@ -47,8 +47,7 @@ def verdict(device_type: str, device_name: str, bf16_native: bool, advice: Mappi
                 "precision helps (see the findings for where)")
     elif device_type != "cuda":
         precision = "fp32"
-        text = (f"stay in fp32: CPU ({device_name}; mixed precision saves memory there but "
-                f"rarely time)")
+        text = "stay in fp32: CPU (mixed precision saves memory there but rarely time)"
     elif bf16_native:
         precision = "bf16"
         text = f"train in bf16 autocast (this GPU has native bf16){masters}"

@@ -177,7 +177,7 @@ def lesson07_crossover(notebook: Optional[Path] = None, recipe: str = "tensorwis
     path = Path(notebook) if notebook is not None else REPO / "notebooks" / "07_fp8_training.ipynb"
     if not path.is_file():
         return None, f"lesson 07's notebook is not here ({path.name}): run lesson 07"
-    found = [r for r in _report.collect([path]) if r["key"] == "lesson07.speed"]
+    found = [r for r in _report.collect([path], validate=False) if r["key"] == "lesson07.speed"]
     if not found:
         return None, "lesson 07's notebook holds no published speed sweep: run lesson 07"
     rows = [{"width": r["width"], "recipe": r["recipe"], "speedup": r["speed-up over bf16"]}

@@ -172,3 +172,24 @@ def test_generated_markdown_keeps_identifiers_in_code_spans():
         for line in block.splitlines():
             if line.startswith("|"):
                 assert not re.search(r"(?<!\\)[_*]", _prose(line)), line
+
+
+def test_each_readme_table_names_its_key_for_explain(tmp_path):
+    nb = _executed(tmp_path)
+    section = report.results_section([nb])
+    key = report.collect([nb])[0]["key"]
+    assert f"key `{key}`: `python -m amp_lessons explain {key}`" in section
+
+
+def test_collect_without_validation_reads_the_same_results(tmp_path):
+    """``explain`` reads the notebooks' JSON as it is (no schema check: ten times faster); it
+    finds the same tables, and a file that is not a notebook is still named."""
+    notebooks = course_notebooks()[:3]
+    assert report.collect(notebooks, validate=False) == report.collect(notebooks)
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.ipynb: not a readable Jupyter notebook"):
+        report.collect([bad], validate=False)
+    bad.write_text("[]")
+    with pytest.raises(ValueError, match="bad.ipynb: not a Jupyter notebook"):
+        report.collect([bad], validate=False)

@@ -29,6 +29,7 @@ from amp_lessons.measure.amp_mistakes import (SCALE_ORDERS, ClipBeforeUnscale,  
                                              custom_function_under_autocast, half_model_errors,
                                              scale_order_experiment, scheduler_on_skipped_steps)
 from amp_lessons.publish.report import show_table
+from amp_lessons.measure.lineage import traced  # explain names what made the published table
 from amp_lessons.tables import percent, plural, text_table
 from amp_lessons.train.trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
 
@@ -38,6 +39,7 @@ OTHERS_SHOWN = ("B1", "B2")  # shown beside this lesson's numbers, decided by le
 
 # --- FP32 against AMP on the digits set -------------------------------------------------------
 
+@traced
 def compare_precisions(precisions: Sequence[str] = ("fp32", "fp16"), device: Device = None,
                        **train_kwargs) -> List[dict]:
     """Run ``recipes.train_digits`` once per precision from the same seed and initial weights.

@@ -345,6 +345,64 @@ def test_the_defaults_match_the_typical_example_and_still_detect_skips():
     assert cols["scale"] == [65536.0, 65536.0, 65536.0, 32768.0]
 
 
+class _Block(nn.Module):
+    """A pre-norm transformer block over 8 tokens of 16 features, then a 10-class head."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
+                                                norm_first=True)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.block(x.reshape(-1, 4, 16)).mean(1))
+
+
+NETWORKS = {"conv + BatchNorm": TinyNet,
+            "MLP": lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.GELU(),
+                                         nn.Linear(32, 10)),
+            "transformer block": _Block}
+OPTIMIZERS = {"SGD momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+              "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2),
+              "fused AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True)}
+
+
+@pytest.mark.parametrize("network", list(NETWORKS))
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("optimizer,clip", [("SGD momentum", None), ("AdamW", 0.5),
+                                            ("fused AdamW", None)])
+def test_each_step_equals_the_amp_examples_on_several_networks(network, precision, optimizer,
+                                                               clip):
+    """Step by step, bitwise: weights, buffers, optimizer state and loss scale after every step
+    equal PyTorch's "Typical Mixed Precision Training" example (with "Gradient clipping" where
+    ``clip`` is set), for three kinds of network, three precisions and three optimizers. The
+    first step overflows fp16's initial scale on some of them: skipped steps must match too."""
+    torch.manual_seed(0)
+    ref = NETWORKS[network]()
+    model = copy.deepcopy(ref)
+    ref_opt, opt = OPTIMIZERS[optimizer](ref.parameters()), OPTIMIZERS[optimizer](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    trainer = T.Trainer(model, opt, T.TrainConfig(precision=precision, clip_norm=clip,
+                                                  skip_safe_batchnorm=False, nonfinite="ignore",
+                                                  progress=False, seed=None))
+    for input, target in batches(4):
+        ref_opt.zero_grad()
+        with torch.autocast(device_type="cpu", dtype=dtype, enabled=precision != "fp32"):
+            loss = F.cross_entropy(ref(input), target)
+        scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(ref_opt)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        scaler.step(ref_opt)
+        scaler.update()
+        record = trainer.train_step([(input, target)])
+        assert record.loss == loss.item()
+        assert_same_tensors(model.state_dict(), ref.state_dict())
+        assert_same_tensors(optimizer_tensors(opt), optimizer_tensors(ref_opt))
+        assert trainer.scaler.get_scale() == scaler.get_scale()
+
+
 def test_clip_by_value_after_unscale():
     data = batches(3)
     model, opt = fresh()

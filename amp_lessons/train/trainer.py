@@ -1,22 +1,13 @@
 """The course's shared training loop (lesson 02 introduces it; lessons 03-05 train through it).
 
-One step, for every precision, in the order of PyTorch's AMP examples page::
-
-    for each micro-batch:
-        with autocast: loss = loss_fn(model(x), y) / accumulate
-        scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)               # only when something reads the true gradients
-    clip by norm or by value                 # always after unscale_
-    scaler.step(optimizer); scaler.update()  # skips a step with inf/NaN gradients
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()                         # only when the optimizer really stepped
-
-``Trainer._step`` is that list in code (docs/trainer_vs_nanogpt.md sets it beside nanoGPT's
-loop). A ``Precision`` gives the autocast context and a ``GradScaler(enabled=...)``, so precision
-is no branch in the step; ``NonFinite`` says what a step with inf/NaN does without a GradScaler
-(``TrainConfig.nonfinite``). Around the step, the trainer adds what a course needs: skip-safe
-BatchNorm, hooks that see the step (and may cancel it), a record per step, epochs, evaluation
-and checkpoints that resume exactly::
+``Trainer._step`` is one step, for every precision, in the order of PyTorch's AMP examples page:
+autocast forward, ``scaler.scale(loss).backward()`` per micro-batch, ``unscale_`` where something
+reads the true gradients, clipping, ``scaler.step``, ``scaler.update()``, ``zero_grad``; the
+scheduler steps only when the optimizer really stepped (docs/trainer_vs_nanogpt.md sets it beside
+nanoGPT's loop). ``Precision`` gives the autocast context and a ``GradScaler(enabled=...)``, so
+precision is no branch in the step; ``NonFinite`` says what a step with inf/NaN does. Around the
+step: skip-safe BatchNorm, hooks that may cancel a step, a record per step, epochs, evaluation and
+checkpoints that resume exactly::
 
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                       TrainConfig(precision="fp16", clip_norm=1.0))
@@ -111,15 +102,11 @@ def _grad_norm(params) -> Optional[torch.Tensor]:
 class Trainer:
     """Train ``model`` with ``optimizer`` under ``config`` (a ``TrainConfig``).
 
-    ``device``: where batches go (the model is moved there); None keeps the model's device.
-    ``scheduler`` steps once per optimizer step that was not skipped. ``loss_fn(output, target)``
-    returns one number per batch. ``hooks``: ``Hooks`` instances. The optimizer must own every
-    trainable parameter; an fp16 model must keep float32 parameters (ValueError otherwise).
-
-    Attributes: model, optimizer, scheduler, scaler (a GradScaler, enabled only for fp16),
-    precision (``Precision``), nonfinite (``NonFinite``), config, history (``History``), step
-    (optimizer steps taken, skipped ones included), epoch (finished epochs). Where steps can be
-    skipped, a fused SGD gets zero momentum buffers first (``prime_momentum_buffers``).
+    ``device``: where batches go (the model is moved there; None keeps the model's device).
+    ``scheduler`` steps once per optimizer step that was not skipped; ``loss_fn(output, target)``
+    returns one number per batch; ``hooks``: ``Hooks`` instances. Attributes: model, optimizer,
+    scheduler, scaler (a GradScaler, enabled for fp16 only), precision, nonfinite, config,
+    history, step (steps taken, skipped ones included), epoch (finished epochs).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -236,11 +223,9 @@ class Trainer:
         """One optimizer step over ``micro_batches``, a list of ``(x, y)`` pairs (normally
         ``config.accumulate`` of them: each loss is divided by their number); returns its record.
 
-        Never waits for the GPU, except where PyTorch's own recipe does (``GradScaler.step``
-        with a non-fused optimizer), where a non-fused optimizer skips a non-finite step, under
-        ``nonfinite="raise"``, and to tell a scheduler whether a skippable step was skipped.
-        A step that raises (a bad micro-batch, a hook, Stop pressed) is undone: no gradients
-        left, BatchNorm statistics and GradScaler's record of the step put back.
+        Waits for the GPU only where PyTorch's recipe does (``GradScaler.step`` with a non-fused
+        optimizer), where a non-fused optimizer skips a non-finite step, under "raise", and to
+        tell a scheduler whether a skippable step was skipped. A step that raises is undone.
         """
         batches = self._pairs(micro_batches)
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
@@ -377,17 +362,16 @@ class Trainer:
 
     def fit(self, loader, epochs: int = 1, max_steps: Optional[int] = None,
             eval_loader=None) -> History:
-        """Train for ``epochs`` more epochs (a resumed, half-done epoch counts as one), grouping
-        ``config.accumulate`` batches per optimizer step (an epoch's last, shorter group is one
-        step, its loss divided by its own size); stop after ``max_steps`` steps of this call.
-        Returns ``self.history``; each finished epoch adds a summary (``epoch_summary``), with
-        the test loss and accuracy when ``eval_loader`` is given.
+        """Train ``epochs`` more epochs (a resumed, half-done epoch counts as one), grouping
+        ``config.accumulate`` batches per step (an epoch's last, shorter group is one step, its
+        loss divided by its own size); stop after ``max_steps`` steps of this call. Each finished
+        epoch adds a summary to ``history.epochs`` (with test loss and accuracy from
+        ``eval_loader``). Returns ``self.history``.
 
-        ``loader`` is iterated once per epoch (a list, ``TensorBatches``, a DataLoader); its
-        ``set_epoch(epoch)`` (or its sampler's) is called, and a resumed epoch skips the batches
-        it already trained. A one-shot iterator (a generator) holds one epoch: ``epochs > 1``
-        without ``max_steps`` is refused, and after a ``max_steps`` stop ``fit`` on it goes on
-        where it stopped. An epoch without any batch raises ValueError and is not counted.
+        ``loader``: a list, ``TensorBatches``, a DataLoader (its ``set_epoch`` is called; a
+        resumed epoch skips the batches already trained) or a one-shot iterator, which holds one
+        epoch and goes on where a ``max_steps`` stop left it. An epoch without any batch raises
+        ValueError.
         """
         epochs = check_int("epochs", epochs, 1)
         if not hasattr(loader, "__iter__"):
@@ -553,13 +537,10 @@ class Trainer:
     def load_checkpoint(self, path: Union[str, Path], load_scaler: bool = True) -> dict:
         """Load a checkpoint written by ``save_checkpoint`` and continue exactly where it stopped
         (model, optimizer, scaler, scheduler, counters, history, random generators);
-        ``load_scaler=False`` keeps this trainer's scaler. Returns the loaded dict.
-
-        All or nothing: every byte is verified (checksum), the file is read with
-        ``weights_only=True``, and every part is checked against this trainer before anything
-        live changes. A problem raises ``CheckpointError`` (a ValueError) naming the file and
-        what is wrong (a missing file is also a ``FileNotFoundError``, a folder an
-        ``IsADirectoryError``; ``CheckpointFromNewerRelease`` names the formats read here).
+        ``load_scaler=False`` keeps this trainer's scaler. All or nothing: the file's checksum and
+        every part are checked against this trainer (``weights_only=True``) before anything
+        changes; a problem raises ``CheckpointError`` (a ValueError) naming the file. Returns the
+        loaded dict.
         """
         check_bool("load_scaler", load_scaler)
         path = Path(path)

@@ -18,7 +18,6 @@ from amp_lessons import models
 from amp_lessons.numerics import optim as O
 from amp_lessons.measure.accumulation import accumulation_equivalence
 from amp_lessons.measure.activation_checkpointing import relative_diff
-from amp_lessons.exercises import ex04
 from amp_lessons.exercises import ex05
 
 TINY = dict(model="resnet18", batch_size=2, image_size=16, num_classes=10)
@@ -164,8 +163,6 @@ def test_measure_counts_optimizer_state_when_no_step_ran(monkeypatch):
     assert row["status"] == "ok" and row["optimizer_state_gib"] > 0
     assert row["optimizer_state_gib"] == pytest.approx(row["params_gib"])  # SGD momentum
     assert "GradScaler skipped every step" in row["reason"]
-    ref = ex04.reference_state_bytes(models.resnet18(num_classes=10))
-    assert ex04.check_state_bytes(ref, row).passed
 
 
 def test_measure_reads_optimizer_state_as_before_when_steps_ran():
@@ -173,12 +170,6 @@ def test_measure_reads_optimizer_state_as_before_when_steps_ran():
                     idle=False)
     assert row["reason"] == ""
     assert row["optimizer_state_gib"] == pytest.approx(row["params_gib"])
-
-
-def test_ex04_never_grades_momentum_against_zero_state():
-    row = {"params_gib": 1e-3, "grads_gib": 1e-3, "optimizer_state_gib": 0.0, "status": "ok"}
-    check = ex04.check_state_bytes({"params": 1, "grads": 1, "momentum": 1}, row)
-    assert check.status == "skipped" and "0 bytes" in repr(check)
 
 
 # --- 7. any valid seed shuffles; the course's seeds draw the same orders ------------------------
@@ -210,7 +201,7 @@ def test_ex05_says_how_much_a_partly_checkpointed_answer_saved():
         return x
     text = repr(ex05.check_checkpointing(every_other, device="cpu"))
     assert "wrong" in text and "nothing was checkpointed" not in text
-    assert "only part of the forward was checkpointed" in text and "% of the plain" in text
+    assert "only part of the forward was checkpointed" in text and "% of what the plain" in text
 
 
 def test_summarize_times_refuses_zero_times_and_batches():

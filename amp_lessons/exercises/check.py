@@ -8,19 +8,36 @@ Hints come in levels (``Hints``): the first is a nudge (where to look, which con
 one says more, and the last may be the answer. A check shows one level; the plain text says how
 to ask for the next (``ex02.hint("loop", 2)``), and in JupyterLab (``_repr_html_``) the later
 levels wait behind a click, one ``<details>`` each.
+
+A wrong answer never shows the expected value in its message: the value (``reveal``) or, where
+there is none, the last hint (the reference solution) appears only from the ``REVEAL_AFTER``-th
+wrong attempt at the same exercise on, and every wrong grade before that says so. Each lesson's
+``check_*`` functions are wrapped in ``graded``, which counts the attempts.
+
+The learner's code is never trusted: graders compute their references first, hand the learner
+copies of the inputs, read what comes back through ``read_number`` and ``tensor_problem`` (a
+tensor on the meta device or another device, or of another dtype, is named, never a crash), and
+end every process they start (``run_bounded``).
 """
 import ast
 import dataclasses
+import functools
 import html
 import inspect
 import math
 import operator
+import os
+import signal
+import subprocess
 import textwrap
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from amp_lessons.validate import check_choice, check_int
 
 STATUSES = ("passed", "wrong", "not answered yet", "skipped")
+REVEAL_AFTER = 3  # the wrong attempt at an exercise from which its answer is shown
+_ATTEMPTS: Dict[str, int] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,15 +115,19 @@ def read_hint(book: Mapping[str, Hints], exercise: str, level: int = 1) -> HintT
 @dataclasses.dataclass(frozen=True)
 class Check:
     """One exercise's grade: ``exercise`` (its title), ``status`` (one of ``STATUSES``),
-    ``message`` (what was found), ``hints`` (the hint levels for this grade: level 1 is shown,
-    the later ones are asked for or unfolded; a single string is one level) and ``more`` (the
-    code that reads a level in plain text, with ``{level}`` in it, or empty)."""
+    ``message`` (what was found, never the expected value), ``hints`` (the hint levels for this
+    grade: level 1 is shown, the later ones are asked for or unfolded; a single string is one
+    level), ``more`` (the code that reads a level in plain text, with ``{level}`` in it, or
+    empty), ``reveal`` (the expected answer, shown only from attempt ``REVEAL_AFTER`` on) and
+    ``attempt`` (which wrong attempt at this exercise this grade is; 0 where not counted)."""
 
     exercise: str
     status: str
     message: str = ""
     hints: Union[str, Tuple[str, ...]] = ()
     more: str = ""
+    reveal: str = ""
+    attempt: int = 0
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -146,15 +167,38 @@ class Check:
         mark = {"passed": "[x]", "wrong": "[ ]", "not answered yet": "[?]", "skipped": "[-]"}
         return f"{mark[self.status]} {self.exercise}: {self.status}"
 
+    @property
+    def revealed(self) -> bool:
+        """True when this grade shows the answer: a wrong attempt numbered ``REVEAL_AFTER`` or
+        later."""
+        return self.status == "wrong" and self.attempt >= REVEAL_AFTER
+
+    def answer_line(self) -> str:
+        """What a wrong grade says about the answer: the answer itself from attempt
+        ``REVEAL_AFTER`` on (``reveal``, else the last hint, the reference solution), before
+        that when and where it will show; "" for other grades."""
+        if self.status != "wrong":
+            return ""
+        if self.revealed:
+            answer = self.reveal or (self.hints[-1] if self.hints else "")
+            return f"the answer (wrong attempt {self.attempt}): {answer}" if answer else ""
+        last = (self.more.format(level=len(self.hints)) if self.more and len(self.hints) > 1
+                else f"check.hint_at({len(self.hints)})" if len(self.hints) > 1 else "")
+        this = f" (this was attempt {self.attempt})" if self.attempt else ""
+        where = f", or read the last hint: {last}" if last else ""
+        return f"the answer shows after {REVEAL_AFTER} wrong attempts{this}{where}"
+
     def text(self) -> str:
-        """The grade as the lines a notebook shows: the first hint only, and how to read the
-        next one."""
+        """The grade as the lines a notebook shows: the first hint only, how to read the next
+        one, and when the answer shows."""
         lines = [self._heading() + (f": {self.message}" if self.message else "")]
         if self._shows_hints():
             lines.append(f"    {self._label(1)}: {self.hints[0]}")
             if len(self.hints) > 1:
                 how = self.more.format(level=2) if self.more else "check.hint_at(2)"
                 lines.append(f"    stuck? the next hint: {how}")
+        if self.answer_line():
+            lines.append(f"    {self.answer_line()}")
         return "\n".join(lines)
 
     __str__ = text
@@ -175,6 +219,8 @@ class Check:
                 last = " (closest to the answer)" if level == len(self.hints) else ""
                 parts.append(f"<details><summary>{esc(self._label(level))}{last}</summary>"
                              f"<div>{esc(text)}</div></details>")
+        if self.answer_line():
+            parts.append(f"<div><i>{esc(self.answer_line())}</i></div>")
         parts.append("</div>")
         return "\n".join(parts)
 
@@ -193,11 +239,42 @@ def _levels(hint: HintsLike) -> Tuple[Tuple[str, ...], str]:
     return ((hint,) if isinstance(hint, str) else tuple(hint)), ""
 
 
-def wrong(exercise: str, message: str, hint: HintsLike) -> Check:
-    """A wrong answer: what is wrong, and the hints for that mistake (a ``Hints``, usually an
-    exercise's own or ``Hints.after(mistake)``; a string is one level)."""
+def wrong(exercise: str, message: str, hint: HintsLike, reveal: str = "") -> Check:
+    """A wrong answer: what is wrong (never the expected value), the hints for that mistake (a
+    ``Hints``, usually an exercise's own or ``Hints.after(mistake)``; a string is one level),
+    and ``reveal``, the expected answer, which the grade shows only from the ``REVEAL_AFTER``-th
+    wrong attempt on (``graded`` counts them)."""
     levels, more = _levels(hint)
-    return Check(exercise, "wrong", message, levels, more)
+    return Check(exercise, "wrong", message, levels, more, reveal)
+
+
+def graded(check: Callable[..., Check]) -> Callable[..., Check]:
+    """Wrap a lesson's ``check_*`` function: each "wrong" grade it returns is numbered, per
+    exercise title, as the learner's next wrong attempt (``Check.attempt``), so that its answer
+    shows from attempt ``REVEAL_AFTER`` on and not before. Use as a decorator."""
+    @functools.wraps(check)
+    def counted(*args, **kwargs) -> Check:
+        result = check(*args, **kwargs)
+        if isinstance(result, Check) and result.status == "wrong":
+            n = _ATTEMPTS[result.exercise] = _ATTEMPTS.get(result.exercise, 0) + 1
+            result = dataclasses.replace(result, attempt=n)
+        return result
+    counted.graded = True
+    return counted
+
+
+def attempts(exercise: str) -> int:
+    """How many wrong attempts at ``exercise`` (its title) this session has graded."""
+    return _ATTEMPTS.get(exercise, 0)
+
+
+def reset_attempts(exercise: Optional[str] = None) -> None:
+    """Forget the wrong attempts at ``exercise`` (a title), or at every exercise (None): the
+    next wrong grade is attempt 1 again."""
+    if exercise is None:
+        _ATTEMPTS.clear()
+    else:
+        _ATTEMPTS.pop(exercise, None)
 
 
 def unanswered(exercise: str, hint: HintsLike) -> Check:
@@ -346,3 +423,132 @@ def matching_mistake(mistakes: Mapping[str, Callable], answers: Iterable[Tuple[A
 def within(value: float, target: float, rel: float) -> bool:
     """True when ``value`` is within ``rel`` (a fraction) of ``target``; never for NaN or inf."""
     return close(value, target, rel)
+
+
+def tensor_problem(value: Any, device: Any = None, dtype: Any = None,
+                   what: str = "the result") -> Optional[str]:
+    """Why ``value``, a tensor the learner's code returned, cannot be graded as it is, in words
+    that name the problem: on the meta device (no values to read), on another device than
+    ``device`` (a ``torch.device`` or its name; None: any), or of another dtype than ``dtype``
+    (None: any); None when it can be graded. Not a tensor: None (the grader says what it
+    expected)."""
+    import torch
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.device.type == "meta":
+        return f"{what} is on the meta device, which holds shapes but no values"
+    if device is not None:
+        want = torch.device(device)
+        if value.device.type != want.type:
+            return (f"{what} is on {value.device}, the input on {want}: return it on the "
+                    f"input's device")
+    if dtype is not None and value.dtype != dtype:
+        return f"{what} is {value.dtype}, expected {dtype}"
+    return None
+
+
+def read_number(value: Any, what: str = "the answer") -> Tuple[Optional[float], Optional[str]]:
+    """(``value`` as a finite float, None), or (None, why not in words): a meta-device tensor
+    holds no value, a tensor of several values is not one number, NaN and inf are not finite,
+    a string or a bool is not a number. Read what a learner's function returned with it before
+    comparing anything."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            return None, f"{what} is a tensor on the meta device, which holds no value"
+        if value.numel() != 1:
+            return None, f"{what} must be one number; got a tensor of shape {tuple(value.shape)}"
+    v = number(value)
+    if v is None:
+        return None, f"{what} must be a number; got {type(value).__name__} {value!r:.60}"
+    if not math.isfinite(v):
+        return None, f"{what} must be a finite number; got {v!r}"
+    return v, None
+
+
+def _descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (children, grandchildren...), read from /proc on Linux or
+    with psutil where it is installed; [] where neither is available."""
+    try:
+        import psutil
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except ImportError:
+        pass
+    except Exception:  # noqa: BLE001 - the process is already gone
+        return []
+    parents = {}
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    parents.setdefault(int(fields[1]), []).append(int(entry))
+                except (OSError, IndexError, ValueError):
+                    continue
+    except OSError:
+        return []
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def end_process_tree(proc: "subprocess.Popen", grace_s: float = 3.0) -> None:
+    """End ``proc`` and every process it started (torchrun puts its workers in sessions of
+    their own, so a process group is not enough): SIGTERM to all, then SIGKILL to any still
+    alive after ``grace_s`` seconds; waits for ``proc``."""
+    tree = [proc.pid] + _descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        tree = list(dict.fromkeys(tree + _descendants(proc.pid)))
+        for pid in tree:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(_alive(p) for p in tree):
+                time.sleep(0.05)
+            if not any(_alive(p) for p in tree):
+                return
+    proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+
+def run_bounded(cmd: Sequence[str], timeout_s: float, **popen) -> Tuple[Optional[int], str, str]:
+    """Run ``cmd`` (``subprocess.Popen`` keyword arguments in ``popen``), capturing its output
+    as text, for at most ``timeout_s`` seconds: (return code, stdout, stderr), the return code
+    None on a time-out. On a time-out, an exception or an interrupt the process and everything
+    it started are ended (``end_process_tree``) before this returns or raises."""
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+        raise ValueError(f"timeout_s must be a number of seconds > 0; got {timeout_s!r}")
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        end_process_tree(proc)
+        out, err = proc.communicate()
+        return None, out or "", err or ""
+    except BaseException:
+        end_process_tree(proc)
+        raise

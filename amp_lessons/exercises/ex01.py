@@ -6,8 +6,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from amp_lessons.numerics import formats
-from amp_lessons.exercises.check import (Check, close, hint_book, hint_reader, is_blank, number, passed, unanswered,
-                    whole_number, wrong)
+from amp_lessons.exercises.check import (Check, close, graded, hint_book, hint_reader, is_blank,
+                                         passed, read_number, skipped, unanswered, whole_number,
+                                         wrong)
 
 PREDICT = "Exercise 1 (predict, then run): fp16 rounding"
 SCALE = "Exercise 3 (find it): the smallest loss scale that flushes nothing"
@@ -60,34 +61,35 @@ def fp16_truths() -> dict:
             "hundredths": float(formats.accumulate(0.01, 1000, "fp16", start=0.0)[-1])}
 
 
+@graded
 def check_fp16_predictions(one_plus, hundredths) -> Check:
     """Grade the two predictions: ``one_plus`` (fp16 ``1 + 1e-4``) exactly, ``hundredths`` (the
-    fp16 sum of 0.01 added 1,000 times) within 0.03 of what fp16 computes."""
+    fp16 sum of 0.01 added 1,000 times) within 0.03 of what fp16 computes. A wrong grade says
+    which prediction is off and which way, never the value (shown from the third attempt)."""
     hint = HINTS["predict"]
     if is_blank(one_plus) or is_blank(hundredths):
         return unanswered(PREDICT, hint)
-    a, b = number(one_plus), number(hundredths)
-    if a is None or b is None:
-        return wrong(PREDICT, f"both answers must be numbers; got {one_plus!r} and {hundredths!r}",
-                     hint)
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return wrong(PREDICT, f"both answers must be finite numbers; got {a!r} and {b!r}", hint)
+    a, bad_a = read_number(one_plus, "one_plus_small")
+    b, bad_b = read_number(hundredths, "sum_of_hundredths")
+    if bad_a or bad_b:
+        return wrong(PREDICT, bad_a or bad_b, hint)
     truth = fp16_truths()
+    reveal = (f"1 + 1e-4 = {truth['one_plus']!r} in fp16, and the sum is "
+              f"{truth['hundredths']:.6g}")
     near = close(b, truth["hundredths"], abs_tol=0.03)
     if a != truth["one_plus"] and not near and a == 1 + 1e-4 \
             and b == 10.0:  # both graded before a hint is chosen: one mistake gives both
-        return wrong(PREDICT, f"fp16 gives 1 + 1e-4 = {truth['one_plus']!r} and a sum of "
-                     f"{truth['hundredths']:.6g}: {a!r} and {b!r} are what exact arithmetic "
-                     f"gives", hint.after(
+        return wrong(PREDICT, f"{a!r} and {b!r} are what exact decimal arithmetic gives; fp16 "
+                     f"gives something else for both", hint.after(
                          "both answers are the exact decimal results: fp16 rounds every addition "
                          "to the nearest value it holds, and that gap grows with the number (next "
                          "to 1 it is 2**-10, above 8 it is 2**-7): work out each sum with the gap "
-                         "where it happens"))
+                         "where it happens"), reveal)
     if a != truth["one_plus"]:
-        return wrong(PREDICT, f"fp16 gives 1 + 1e-4 = {truth['one_plus']!r}, not {a!r}",
-                     hint.after("1e-4 is less than half the gap 2**-10 between 1.0 and the next "
-                                "fp16 value, so the sum rounds back to 1.0: the update is lost "
-                                "(swamping)"))
+        return wrong(PREDICT, f"1 + 1e-4 in fp16 is not {a!r}",
+                     hint.after("compare 1e-4 with half the gap 2**-10 between 1 and the next "
+                                "fp16 value: an addition's result is rounded to the nearest value "
+                                "fp16 holds"), reveal)
     if not near:
         if b == 10.0:
             why = hint.after("10.0 is the exact sum; in fp16 every addition rounds, and above 8 "
@@ -95,8 +97,9 @@ def check_fp16_predictions(one_plus, hundredths) -> Check:
                              "errors add up")
         else:
             why = hint
-        return wrong(PREDICT, f"fp16's sum is {truth['hundredths']:.6g}, your prediction "
-                     f"{b:.6g} is off by {abs(b - truth['hundredths']):.3g}", why)
+        way = "high" if b > truth["hundredths"] else "low"
+        return wrong(PREDICT, f"your sum {b:.6g} is too {way}: more than 0.03 from what fp16 "
+                     f"computes", why, reveal)
     return passed(PREDICT, f"1 + 1e-4 = {truth['one_plus']!r} and the sum is "
                   f"{truth['hundredths']:.6g} in fp16 (exact: 10)")
 
@@ -108,8 +111,32 @@ def smallest_safe_exponent(grads, exponents: Sequence[int] = range(0, 33), fmt: 
     return next((r["k"] for r in rows if r["flushed"] == 0), None)
 
 
+def _nonzero_count(grads) -> int:
+    """How many nonzero finite values ``grads`` (a tensor, array, or a list or dict of them)
+    holds: what the flushed share is a share of."""
+    parts = grads.values() if isinstance(grads, dict) else (
+        [grads] if hasattr(grads, "shape") else grads)
+    total = 0
+    for g in parts:
+        t = torch.as_tensor(g).detach().cpu().flatten()
+        total += int((torch.isfinite(t) & (t != 0)).sum())
+    return total
+
+
+def _share(fraction: float, total: int) -> str:
+    """A share of ``total`` values as a count ("3 of 254,130"), which never reads 0 where some
+    are: a percentage of a few values rounds to 0.000%."""
+    n = int(round(fraction * total))
+    if fraction > 0 and n == 0:
+        n = 1
+    return f"{n:,} of the {total:,}"
+
+
+@graded
 def check_scale_exponent(k, grads) -> Check:
-    """Grade ``k``: the smallest loss-scale exponent at which fp16 flushes none of ``grads``."""
+    """Grade ``k``: the smallest loss-scale exponent at which fp16 flushes none of ``grads``.
+    A wrong grade says what the learner's own ``k`` does (how many gradients it still flushes,
+    as a count), never the smallest one (shown from the third attempt)."""
     hint = HINTS["scale"]
     if is_blank(k):
         return unanswered(SCALE, hint)
@@ -119,22 +146,26 @@ def check_scale_exponent(k, grads) -> Check:
                      f"{given!r}", hint)
     best = smallest_safe_exponent(grads)
     if best is None:
-        return wrong(SCALE, "no scale up to 2**32 keeps every gradient here", hint)
-    if k == 2 ** best and k != best:
-        return wrong(SCALE, f"{given!r} is the scale 2**{best} itself; k is its integer exponent",
-                     hint.after("answer with k, the power of two: the scale is 2**k"))
+        return skipped(SCALE, "no scale up to 2**32 keeps every gradient here")
+    reveal = f"k = {best}: 2**{best} is the smallest scale that flushes no gradient"
+    if k > 32 and k & (k - 1) == 0:  # a power of two this large is a scale, not an exponent
+        return wrong(SCALE, f"{given!r} is a scale, 2**{k.bit_length() - 1}, not an exponent",
+                     hint.after("answer with k, the power of two: the scale is 2**k, so a scale "
+                                "of 65536 is k = 16"), reveal)
     # 2.0 ** k overflows a Python float past k = 1023; past 2**200 everything is inf in fp16
     # and fp32 alike, so the fractions at k are those at the clamped exponent
     at_k = formats.scaled_fractions(grads, 2.0 ** max(-200, min(k, 200)), "fp16")
     if k < best:
-        return wrong(SCALE, f"at 2**{k}, {at_k['flushed']:.3%} of the nonzero gradients are still "
-                     f"flushed to zero", hint.after("a larger scale moves every gradient up by "
-                                                    "the same factor: keep raising k"))
+        return wrong(SCALE, f"at 2**{k}, {_share(at_k['flushed'], _nonzero_count(grads))} "
+                     f"nonzero gradients are still flushed to zero",
+                     hint.after("a larger scale moves every gradient up by the same factor: "
+                                "keep raising k"), reveal)
     if k > best:
-        over = f" and {at_k['overflow']:.3%} overflow" if at_k["overflow"] else ""
+        over = (f" (and {_share(at_k['overflow'], _nonzero_count(grads))} overflow)"
+                if at_k["overflow"] else "")
         return wrong(SCALE, f"2**{k} flushes nothing{over}, but so does a smaller scale",
                      hint.after("the smallest safe scale leaves the most headroom below 65504: "
-                                "lower k until one more step down flushes a gradient"))
+                                "lower k until one more step down flushes a gradient"), reveal)
     return passed(SCALE, f"2**{best} is the smallest scale that flushes none of these "
                   f"gradients ({at_k['overflow']:.3%} overflow at it)")
 
@@ -189,13 +220,13 @@ def _run_train(train: Callable, start: float, update: float, steps: int):
                            f"{type(exc).__name__}: {exc}", hint)
     if is_blank(got):
         return None, unanswered(MASTER, hint)
-    v = number(got)
-    if v is None or not math.isfinite(v):
-        return None, wrong(MASTER, f"train must return the final weight as a finite number; got "
-                           f"{got!r}", hint)
+    v, bad = read_number(got, "the final weight train returns")
+    if bad:
+        return None, wrong(MASTER, bad, hint)
     return v, None
 
 
+@graded
 def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-4,
                         steps: int = 1000) -> Check:
     """Grade ``train(start, update, steps) -> float``: it must keep an fp32 master weight and end
@@ -203,33 +234,35 @@ def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-
     inputs first, then on ``MASTER_INPUTS`` (another start, one step, a few steps: a loop that
     runs one step too few or ignores ``start`` differs there)."""
     hint = HINTS["master"]
+    want = master_truth(start, update, steps)  # the references first: nothing the answer does
+    fp16 = float(formats.accumulate(update, steps, "fp16", start=start)[-1])  # can move them
+    truths = {other: master_truth(*other) for other in MASTER_INPUTS}
     v, bad = _run_train(train, start, update, steps)
     if bad is not None:
         return bad
-    want = master_truth(start, update, steps)
-    fp16 = float(formats.accumulate(update, steps, "fp16", start=start)[-1])
     if v == fp16 and v != want:
         return wrong(MASTER, f"the weight stayed at {v:.6g}: every update was swamped",
                      hint.after("the weight that accumulates the updates is (or becomes again, "
                                 "each step) a 16-bit one, fp16 or bf16, and 1e-4 is below half "
                                 "its gap next to 1 (2**-10 in fp16, 2**-7 in bf16): keep the "
-                                "running weight in torch.float32 from start to end"))
+                                "running weight in torch.float32 from start to end"),
+                     f"an fp32 master ends at {want:.6g}")
     if v != want:
-        return wrong(MASTER, f"the weight ended at {v:.6g}; an fp32 master ends at {want:.6g}",
+        return wrong(MASTER, f"the weight ended at {v:.6g}, not where an fp32 master ends",
                      hint.after("add the fp16 update, cast up, to the fp32 master at every step, "
                                 "and cast to fp16 once, at the end: any other rounding in between "
-                                "moves the result"))
-    for other in MASTER_INPUTS:
+                                "moves the result"), f"an fp32 master ends at {want:.6g}")
+    for other, truth in truths.items():
         got, bad = _run_train(train, *other)
         if bad is not None:
             return bad if bad.status == "wrong" else wrong(
                 MASTER, f"train{other} returned nothing", hint)
-        truth = master_truth(*other)
         if got != truth:
             return wrong(MASTER, f"right at start={start}, update={update}, steps={steps}, but "
-                         f"train{other} ends at {got:.6g}; an fp32 master ends at {truth:.6g}",
+                         f"train{other} ends at {got:.6g}, not where an fp32 master ends",
                          hint.after("use every argument: start from `start`, add the update "
                                     "exactly `steps` times (range(steps)), and return the fp16 "
-                                    "copy of the fp32 master"))
+                                    "copy of the fp32 master"),
+                         f"train{other} should end at {truth:.6g}")
     return passed(MASTER, f"the weight moved from {start} to {v:.6g}; stored in fp16 it "
                   f"would have stayed at {fp16:.6g}")

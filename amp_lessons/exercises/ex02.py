@@ -11,8 +11,9 @@ from torch import nn
 
 from amp_lessons.numerics.precision import as_device, check_precision
 from amp_lessons.train.trainer import ScalerSettings, TrainConfig, Trainer
-from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, keyed, not_a_function, passed,
-                    same_code, skipped, unanswered, wrong)
+from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank, keyed,
+                                         not_a_function, passed, same_code, skipped,
+                                         tensor_problem, unanswered, wrong)
 
 DTYPES = "Exercise 2 (predict, then run): dtypes under autocast"
 LOOP = "Exercise 3 (fix the bug): a loop with three bugs"
@@ -45,9 +46,11 @@ HINTS = hint_book("ex02", {
         "float32 list) but '16-bit' on a CPU (CPU autocast keeps it in its 16-bit type).",
     ),
     "loop": (
-        "Fix one mistake at a time and run this check after each: it says which mistake it still "
-        "finds. Section 4 ran every one of them live and showed what it breaks, and the loop at "
-        "the top of the lesson is the order to come back to.",
+        "Three lines of this loop break mixed-precision training. Go through it asking three "
+        "questions: in which dtype are the weights and their gradients kept, what do the "
+        "gradients hold at the moment clipping measures them, and what should happen to the "
+        "learning rate on a step the scaler skipped? Run the check after each fix: it names the "
+        "mistake it still finds.",
         "The model must stay as it was built (autocast casts per operation; GradScaler needs "
         "float32 gradients). Clipping must see the true gradients, not the ones multiplied by "
         "the scale. And a step the scaler skipped is one where scaler.update() lowered the "
@@ -101,21 +104,25 @@ def autocast_dtypes(device=None) -> Dict[str, torch.dtype]:
 
 WRONG_DTYPES = {"everything 16-bit": dict.fromkeys(LAYERS, "16-bit"),
                 "everything fp32": dict.fromkeys(LAYERS, "fp32")}
-_LAYER_WHY = {"fc1": "a Linear is a matmul: autocast's first list, the 16-bit one",
-              "fc2": "a Linear is a matmul: autocast's first list, the 16-bit one",
-              "loss": "cross_entropy is on autocast's fp32 list: log and sum need range",
-              "norm": "the op lists differ by device: on CUDA layer_norm is on the fp32 list; CPU "
-                      "autocast keeps it in its 16-bit type"}
+_LAYER_WHY = {"fc1": "a Linear is a matrix multiply: look up which of autocast's op lists holds "
+                     "matmuls, and what that list runs them in",
+              "fc2": "a Linear is a matrix multiply: look up which of autocast's op lists holds "
+                     "matmuls, and what that list runs them in",
+              "loss": "cross_entropy takes a log and sums over many values: which of autocast's "
+                      "op lists holds ops that need range more than speed?",
+              "norm": "the op lists differ by device, and layer_norm is one of the ops where they "
+                      "differ: look it up for this device (section 2's last cell printed it)"}
 _UNIFORM_WHY = {
-    "16-bit": "autocast does not turn the whole model to 16 bits: it decides per operation, and "
-              "the ops on its fp32 list (a loss's log and sum, and on some devices a "
-              "normalization) keep float32 inside the context",
-    "fp32": "autocast does change what the layers return: inside the context each op on its "
-            "16-bit list (matrix multiplies, so every Linear) runs and returns 16 bits, though "
-            "the weights stay float32",
+    "16-bit": "autocast does not turn the whole model to 16 bits: it decides per operation, "
+              "from op lists, and some ops are on a list that keeps float32 inside the context: "
+              "ask which of these four ops need range more than speed",
+    "fp32": "autocast does change what some layers return: inside the context the ops on its "
+            "16-bit list run and return 16 bits, though the weights stay float32: ask which of "
+            "these four ops are on that list",
 }
 
 
+@graded
 def check_autocast_dtypes(answer: Dict[str, object], device=None) -> Check:
     """Grade ``answer`` ({"fc1", "norm", "fc2", "loss"} -> "16-bit" | "fp32" or a dtype) against
     ``autocast_dtypes(device)``. Every layer is graded before a hint is chosen: one answer for
@@ -137,11 +144,13 @@ def check_autocast_dtypes(answer: Dict[str, object], device=None) -> Check:
     off = [name for name in LAYERS if said[name] != _kind(real[name])]
     if not off:
         return passed(DTYPES, ", ".join(f"{n}: {real[n]}" for n in LAYERS))
-    message = "; ".join(f"{n} returns {real[n]} here, not {said[n]}" for n in off)
+    message = (f"{len(off)} of {len(LAYERS)} wrong: {', '.join(off)} "
+               f"({'does' if len(off) == 1 else 'do'} not return what you said on this device)")
+    reveal = ", ".join(f"{n}: {real[n]}" for n in LAYERS)
     kinds = set(said.values())
     if len(off) >= 2 and len(kinds) == 1:
-        return wrong(DTYPES, message, hint.after(_UNIFORM_WHY[kinds.pop()]))
-    return wrong(DTYPES, message, hint.after(_LAYER_WHY[off[0]]))
+        return wrong(DTYPES, message, hint.after(_UNIFORM_WHY[kinds.pop()]), reveal)
+    return wrong(DTYPES, message, hint.after(_LAYER_WHY[off[0]]), reveal)
 
 
 def buggy_loop(model, optimizer, scheduler, batches, device_type, init_scale):
@@ -242,6 +251,7 @@ def _same_weights(mine, theirs, device) -> bool:
                for a, b in zip(mine.values(), theirs.values()))
 
 
+@graded
 def check_fixed_loop(loop: Callable, device=None) -> Check:
     """Run ``loop(model, optimizer, scheduler, batches, device_type, init_scale)`` for 20 fp16
     steps and compare the weights bitwise with ``Trainer`` on the same model and data."""
@@ -257,6 +267,8 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
         check_precision("fp16", device)
     except ValueError as exc:
         return skipped(LOOP, f"fp16 AMP cannot run here: {exc}")
+    ref, ref_lr = trainer_result(device)  # the reference first, on its own model and batches
+    unscaled = _unscaled_grad(device)
     model, optimizer, scheduler, batches = _loop_setup(device)
     dtypes, first_grad = set(), []
     hooks = [model[0].register_forward_hook(lambda mod, i, out: dtypes.add(out.dtype)),
@@ -277,7 +289,6 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
     if any(p.dtype != torch.float32 for p in model.parameters()):
         return wrong(LOOP, "the .half() bug is still there: the weights are not float32 after "
                      "the loop", half)
-    ref, ref_lr = trainer_result(device)
     lr = scheduler.get_last_lr()[0]
     mine = model.state_dict()
     if lr == ref_lr and _same_weights(mine, ref, device):
@@ -291,7 +302,7 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
                          "keep torch.autocast(device_type, dtype=torch.float16) around the "
                          "forward and the loss, and the GradScaler that fp16 needs"))
     if first_grad and math.isfinite(first_grad[0]) \
-            and first_grad[0] < 2.0 ** 8 * _unscaled_grad(device):
+            and first_grad[0] < 2.0 ** 8 * unscaled:
         return wrong(LOOP, "the first backward's gradients were not multiplied by a loss scale: "
                      "no GradScaler scaled the loss", hint.after(
                          "fp16 training keeps the GradScaler: scaler.scale(loss).backward(), "
@@ -377,6 +388,7 @@ def _rel_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
     return err == err and err <= tol * float(want.float().norm())
 
 
+@graded
 def check_autograd_function(fn, device=None) -> Check:
     """Grade ``fn`` (a ``torch.autograd.Function`` computing ``a @ b``): under autocast its
     forward and backward must run, and its output and gradients match fp32 autograd's to 16-bit
@@ -389,8 +401,10 @@ def check_autograd_function(fn, device=None) -> Check:
             FUNCTION, f"expected a torch.autograd.Function subclass; got {fn!r}", hint)
     g = torch.Generator().manual_seed(0)
     a0, b0 = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    ra, rb = a0.clone().requires_grad_(), b0.clone().requires_grad_()  # the reference first,
+    ref = ra.mm(rb)                                                    # on copies of the inputs
+    ref.square().sum().backward()
     a, b = a0.to(device).requires_grad_(), b0.to(device).requires_grad_()
-    a0, b0 = a0.detach().clone(), b0.detach().clone()
     try:
         with torch.autocast(device.type, dtype=_low_dtype(device.type)):
             out = fn.apply(a, b)
@@ -398,6 +412,13 @@ def check_autograd_function(fn, device=None) -> Check:
         return wrong(FUNCTION, f"forward raised {type(exc).__name__}: {_first_line(exc)}", hint)
     if out is None:
         return unanswered(FUNCTION, hint)
+    if not isinstance(out, torch.Tensor):
+        return wrong(FUNCTION, f"forward must return a tensor, a @ b; got {type(out).__name__}",
+                     hint)
+    if (problem := tensor_problem(out, device, what="forward's output")) is not None:
+        return wrong(FUNCTION, problem, hint.after(
+            "compute a @ b from the inputs forward receives, on their device: no .to(...) of "
+            "the result"))
     try:
         out.float().square().sum().backward()
     except Exception as exc:  # noqa: BLE001 - the learner's Function: report, do not crash
@@ -409,15 +430,15 @@ def check_autograd_function(fn, device=None) -> Check:
                              "float32 tensors forward saved: the decorator pair of section 1's "
                              "autocast-aware version runs backward under forward's autocast state"))
         return wrong(FUNCTION, f"{type(exc).__name__}: {first}", hint)
-    ra, rb = a0.clone().requires_grad_(), b0.clone().requires_grad_()
-    ref = ra.mm(rb)
-    ref.square().sum().backward()
     tol = 2 * torch.finfo(_low_dtype(device.type)).eps  # 16-bit rounding: 1.6% bf16, 0.2% fp16
     if not isinstance(out, torch.Tensor) or out.shape != ref.shape \
             or not _rel_close(out, ref.detach(), tol):
         return wrong(FUNCTION, "forward does not compute a @ b",
                      hint.after("forward must return a.mm(b) (a @ b), after saving a and b"))
     for name, got, want in (("a", a.grad, ra.grad), ("b", b.grad, rb.grad)):
+        if got is not None and (problem := tensor_problem(
+                got, device, what=f"the gradient of {name}")) is not None:
+            return wrong(FUNCTION, problem, hint)
         if got is None or got.shape != want.shape or not _rel_close(got, want, tol):
             return wrong(FUNCTION, f"the gradient of {name} is wrong",
                          hint.after("d(a@b)/da is grad @ b.T and d(a@b)/db is a.T @ grad, "

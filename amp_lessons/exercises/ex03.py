@@ -6,8 +6,9 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from amp_lessons.tables import plural
 from amp_lessons.train.trainer import ScalerSettings
-from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, keyed, matching_mistake,
-                    not_a_function, number, passed, canonical, unanswered, whole_number, wrong)
+from amp_lessons.exercises.check import (Check, canonical, graded, hint_book, hint_reader,
+                                         is_blank, keyed, matching_mistake, not_a_function,
+                                         number, passed, unanswered, whole_number, wrong)
 
 RULE = "Exercise 1 (implement): GradScaler's update rule"
 CAUSES = "Exercise 3 (match): three scale traces and their causes"
@@ -90,8 +91,10 @@ RULE_MISTAKES = {
         "your count carried on across a skip, so the scale grew before growth_interval clean "
         "steps had followed it",
     "grows one step late":
-        "count the clean step first, then compare the count with growth_interval: your rule "
-        "compares before counting, so it grows one clean step late",
+        "your rule grows after growth_interval + 1 clean steps, one too many: either it compares "
+        "the count before adding this clean step, or it waits for the count to pass "
+        "growth_interval (>) instead of reaching it (==). Count the step first, then grow when "
+        "the count equals growth_interval",
 }
 
 
@@ -148,6 +151,7 @@ def _replayed(update: Callable, scales, skipped, settings, hint, context: str = 
         return None, wrong(RULE, f"{context}update raised {type(exc).__name__}: {exc}", hint)
 
 
+@graded
 def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequence[bool],
                       settings: ScalerSettings) -> Check:
     """Replay the run's ``skipped`` flags through ``update(scale, tracker, found_inf,
@@ -210,13 +214,17 @@ def trace_cause(scales: Sequence[float], skipped: Sequence[bool]) -> str:
     return "init_scale too high" if first >= SETTLING else "healthy"
 
 
+@graded
 def check_trace_causes(answer: Mapping[str, str],
                        traces: Mapping[str, Tuple[Sequence[float], Sequence[bool]]]) -> Check:
     """Grade ``answer`` (trace letter -> one of ``CAUSE_NAMES``) against ``trace_cause`` of each
-    of ``traces`` (letter -> (scales, skipped))."""
+    of ``traces`` (letter -> (scales, skipped)). A wrong grade names the first wrong letter and
+    what to look at in its trace, never its cause (shown from the third attempt)."""
     hint = HINTS["causes"]
     if is_blank(answer):
         return unanswered(CAUSES, hint)
+    truth = {letter: trace_cause(*traces[letter]) for letter in traces}
+    reveal = ", ".join(f"{k}: {truth[k]}" for k in sorted(traces))
     given = keyed(answer, traces)
     if given is None:
         return wrong(CAUSES, f"answer must map each of {', '.join(sorted(traces))} to a cause",
@@ -227,22 +235,19 @@ def check_trace_causes(answer: Mapping[str, str],
         if said not in CAUSE_NAMES:
             return wrong(CAUSES, f"{letter}: the causes are {', '.join(map(repr, CAUSE_NAMES))}; "
                          f"got {said!r}", hint)
-        real = trace_cause(*traces[letter])
+        real = truth[letter]
         if said != real:
-            scales, skipped = traces[letter]
-            n, total = sum(map(bool, skipped)), len(skipped)
-            first = next((i for i, k in enumerate(skipped) if not k), total)
             why = {"inf or NaN every step":
-                   f"all {total} steps of trace {letter} were skipped and its scale only fell, "
-                   f"never recovered: no scale fixes that, something overflows at every step",
+                   f"read trace {letter} to its end: count its skipped steps against all its "
+                   f"steps, and see whether its scale ever rises again after a drop",
                    "init_scale too high":
-                   f"trace {letter} skipped its first {plural(first, 'step')} in a row, then trained: its "
-                   f"scale had to come down from too high a start",
+                   f"look at where trace {letter}'s skipped steps sit: how many in a row at the "
+                   f"very start, and what the run does after them",
                    "healthy":
-                   f"trace {letter} skipped {n} of {total} steps, and not a run of them at the "
-                   f"start: its scale is doing its job"}[real]
-            return wrong(CAUSES, f"trace {letter} is not '{said}': it skipped {n} of {total} "
-                         f"steps and ended at {float(scales[-1]):g}", hint.after(why))
+                   f"look at how few of trace {letter}'s steps were skipped and where they sit: "
+                   f"a scale that probes upward now and then skips a step, and that is its "
+                   f"job"}[real]
+            return wrong(CAUSES, f"trace {letter} is not '{said}'", hint.after(why), reveal)
     return passed(CAUSES, ", ".join(f"{k}: {answer[k]}" for k in sorted(traces)))
 
 
@@ -257,9 +262,11 @@ def overflow_trace(settings: ScalerSettings, steps: int = 40) -> list:
     return replay(reference_update, [settings.init_scale] * steps, [True] * steps, settings)
 
 
+@graded
 def check_steps_below_one(answer, settings: ScalerSettings) -> Check:
     """Grade ``answer``: the first step at which a run with ``settings`` whose every step
-    overflows uses a scale below 1 (``overflow_trace``)."""
+    overflows uses a scale below 1 (``overflow_trace``). A wrong grade says whether the answer is
+    too early or too late, never the step (shown from the third attempt)."""
     k = math.log2(settings.init_scale)
     hint = HINTS["floor"]
     if is_blank(answer):
@@ -272,12 +279,14 @@ def check_steps_below_one(answer, settings: ScalerSettings) -> Check:
     if answer is None:
         return wrong(FLOOR, f"answer must be a step number (a whole number); got {given!r}", hint)
     if answer != truth:
-        off = (hint.after(f"step {truth - 1} uses {scales[truth - 1]:g}, which is not below 1")
-               if answer == truth - 1 else hint.after(
-                   f"step 0 uses init_scale = 2**{k:g}; every skipped step multiplies the scale by "
-                   f"backoff_factor = {settings.backoff_factor:g}, so step i uses init_scale * "
-                   f"{settings.backoff_factor:g}**i"))
-        return wrong(FLOOR, f"the first scale below 1 is used at step {truth}, not {answer}", off)
+        off = (hint.after("'below 1' is strict: a scale of exactly 2**0 = 1 is not below 1; and "
+                          "count the steps from 0, the first step using init_scale")
+               if abs(answer - truth) == 1 else hint.after(
+                   "write the scale each step uses as a power of two: step 0 uses init_scale, "
+                   "and every skipped step multiplies it by backoff_factor"))
+        way = "early" if answer < truth else "late"
+        return wrong(FLOOR, f"step {answer} is too {way}", off,
+                     f"step {truth}, the first to use a scale below 1 ({scales[truth]:g})")
     return passed(FLOOR, f"step {truth} uses {scales[truth]:g}: the scale now shrinks the "
                   f"gradients, and no step of such a run ever updates the weights")
 
@@ -294,3 +303,36 @@ def traces_text(traces: Mapping[str, Tuple[Sequence[float], Sequence[bool]]],
         lines.append(f"{letter}: log2(scale) per step: {steps} ...  skipped {sum(map(bool, skipped))} "
                      f"of {len(skipped)}, last scale {float(scales[-1]):g}")
     return "\n".join(lines)
+
+
+# The fixed order in which ``lettered_traces`` hands out letters: the i-th run given gets letter
+# LETTER_ORDER[i]. Fixed, so that a notebook reads the same everywhere; not the order given, so
+# that the cell that builds the traces does not say which run is which letter.
+LETTER_ORDER = "CAB"
+
+
+def lettered_traces(runs: Sequence) -> dict:
+    """The scale traces of ``runs`` (up to three objects with ``scales`` and ``skipped``, such
+    as lesson 03's ``train_with_scaler`` results) under the letters A, B, C, handed out in the
+    fixed order ``LETTER_ORDER`` rather than the order given: what the trace-matching exercise
+    shows, without its source saying which run became which letter. Raises ValueError for more
+    than three runs."""
+    runs = list(runs)
+    if not 1 <= len(runs) <= len(LETTER_ORDER):
+        raise ValueError(f"runs must hold 1 to {len(LETTER_ORDER)} runs; got {len(runs)}")
+    letters = [c for c in LETTER_ORDER if c < chr(ord("A") + len(runs))]
+    return {letter: (list(run.scales), list(run.skipped))
+            for letter, run in sorted(zip(letters, runs))}
+
+
+def floor_result(prediction, run) -> str:
+    """The line lesson 03 prints after its overflow-on-every-step run: the step at which ``run``
+    (an object with ``scales`` and ``final_scale``) first used a scale below 1, beside the
+    learner's ``prediction``, and only once that prediction is written, so that the notebook's
+    saved output does not answer exercise 2 before it is tried."""
+    if is_blank(prediction):
+        return ("the step at which this run first used a scale below 1 shows here once "
+                "exercise 2 above holds your prediction")
+    below = first_below_one(list(run.scales) + [run.final_scale])
+    return (f"this run first used a scale below 1 at step {below}; you predicted "
+            f"{prediction!r}")

@@ -1,51 +1,64 @@
-"""Lesson 04's exercises: predict the bytes of parameters, gradients and momentum and AMP's
-activation ratio (within 5% of the measured rows); put a model and its input in channels_last."""
-import math
+"""Lesson 04's exercises: predict the bytes of the parameters, gradients and AdamW state of the
+lesson's model under AMP, and the bytes of autocast's 16-bit weight copies that one forward
+saves for backward (both measured by the grader on this device, on a configuration no cell of
+the lesson prints); put a model and its input in channels_last."""
+import functools
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
+from amp_lessons import models
+from amp_lessons.measure.memory import SavedActivations, optimizer_state_tensors, tensor_bytes
 from amp_lessons.models import SmallCNN
 from amp_lessons.numerics.precision import as_device
-from amp_lessons.exercises.check import (Check, close, hint_book, hint_reader, is_blank, keyed, not_a_function, number,
-                    passed, skipped, unanswered, within, wrong)
+from amp_lessons.validate import check_choice
+from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank, keyed,
+                                         not_a_function, passed, read_number, tensor_problem,
+                                         unanswered, within, wrong)
 
-STATE = "Exercise 1 (predict, then run): bytes of weights, gradients and momentum"
-RATIO = "Exercise 2 (predict, then run): AMP's activation memory against fp32's"
+STATE = "Exercise 1 (predict, then run): bytes of weights, gradients and AdamW's state"
+COPIES = "Exercise 2 (predict, then run): autocast's 16-bit copies of the weights"
 LAYOUT = "Exercise 3 (implement): channels_last"
 GIB = 2 ** 30
-KEYS = {"params": "params_gib", "grads": "grads_gib", "momentum": "optimizer_state_gib"}
+KEYS = ("params", "grads", "optimizer state")
+MODELS = ("resnet18", "resnet50")  # the lesson's models (quick and full profile)
+PROBE_IMAGE = 32                   # the grader's own batches: small images, a batch of 2 and 4
+TOLERANCE = 0.05
 
 HINTS = hint_book("ex04", {
     "state": (
-        "Two questions. How many parameters does the model have (sum p.numel() over "
-        "getattr(al.models, MODEL)().parameters())? And what does autocast do to the weights the "
-        "optimizer holds: does it change their dtype, or only make copies for each operation?",
+        "Two questions. How many parameters does the model have? And which of the tensors a "
+        "training step keeps per parameter does autocast touch: does it change the dtype of "
+        "the weights the optimizer holds, or only make copies for each operation? Then count "
+        "what AdamW keeps per parameter.",
         "Autocast never changes the stored parameters: they keep the dtype the model was built "
-        "in. The gradients take their parameter's dtype, and SGD's momentum buffer is one more "
-        "tensor like each parameter.",
-        "n = sum(p.numel() for p in getattr(al.models, MODEL)().parameters()); each of the three "
-        "copies is float32, 4 * n bytes: state_guess = {'params': 4 * n, 'grads': 4 * n, "
-        "'momentum': 4 * n}.",
+        "in, and a gradient takes its parameter's dtype. AdamW keeps two moments per parameter "
+        "(exp_avg and exp_avg_sq), each a tensor like the parameter. Count the parameters with "
+        "sum(p.numel() for p in getattr(al.models, MODEL)().parameters()).",
+        "n = sum(p.numel() for p in getattr(al.models, MODEL)().parameters()); everything is "
+        "float32: state_guess = {'params': 4 * n, 'grads': 4 * n, 'optimizer state': 8 * n}.",
     ),
-    "ratio": (
-        "Think of which tensors autograd saves for backward in a conv net (the inputs of "
-        "convolutions, BatchNorms, ReLUs...) and which dtype each of them has under autocast.",
-        "Convolutions run in 16 bits under autocast, and the layers after them follow their "
-        "input's dtype, so most saved tensors take 2 bytes per value instead of 4; a few stay "
-        "float32 (BatchNorm's statistics, the loss).",
-        "Expect a ratio a little above 0.5. On a tiny model, autocast's 16-bit copies of the "
-        "weights (saved for backward too) can even push it above 1: read the memory table after "
-        "this check, the saved-activations column of the AMP and the fp32 rows, and divide.",
+    "copies": (
+        "A convolution's backward needs its weight. Under autocast the convolution ran on a "
+        "16-bit copy of that weight, not on the float32 parameter: what does autograd keep for "
+        "backward, and how many bytes is that per weight value?",
+        "Autocast casts each convolution's and Linear's weight to 16 bits once per forward (it "
+        "caches the cast) and autograd saves that copy for backward: 2 bytes per value. "
+        "BatchNorm's weights are not cast. Count the values of the 4-D convolution weights and "
+        "the Linear weight.",
+        "copies_guess = 2 * sum(p.numel() for p in getattr(al.models, MODEL)().parameters() "
+        "if p.dim() > 1)  (the BatchNorm parameters are under 1% of the model: 2 * all "
+        "parameters passes too)",
     ),
     "layout": (
         "channels_last changes how a tensor's values sit in memory (NHWC instead of NCHW), not "
-        "its shape or values. Both the model's 4-D weights and the input need it; a module "
-        "converts through the same method that moves it to a device.",
-        "For the model: model.to(memory_format=...). For the input: the tensor method that "
-        "returns a copy laid out in a given memory format (or .to(memory_format=...)). The "
-        "format is torch's name for NHWC.",
+        "its shape or values. Which of the two things the check gives you hold 4-D tensors "
+        "whose memory order matters to a convolution?",
+        "Both the model's 4-D weights and the input need it. For the model: the module method "
+        "that moves it to a device also takes a memory format. For the input: the tensor "
+        "method that returns a copy laid out in a given memory format. The format is torch's "
+        "name for NHWC.",
         "return model.to(memory_format=torch.channels_last), "
         "x.contiguous(memory_format=torch.channels_last)",
     ),
@@ -55,92 +68,188 @@ HINTS = hint_book("ex04", {
 hint = hint_reader(HINTS, __name__)
 
 
+def _probe_model(model: str, device) -> nn.Module:
+    check_choice("model", model, MODELS)
+    torch.manual_seed(0)
+    return getattr(models, model)().to(as_device(device))
+
+
+def _half_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.float16
+    return torch.bfloat16
+
+
+@functools.lru_cache(maxsize=8)
+def _state_bytes(model: str, device: str) -> tuple:
+    return tuple(_measure_state_bytes(model, device).items())
+
+
+def measure_state_bytes(model: str, device=None) -> dict:
+    """The bytes of ``model``'s parameters, gradients and AdamW state after one AMP step
+    (autocast in the device's half type, AdamW, a batch of 2 images of 32x32), counted tensor by
+    tensor with ``measure.memory``: what exercise 1 is graded against. ``model`` is one of
+    ``MODELS``; measured once per model and device."""
+    check_choice("model", model, MODELS)
+    return dict(_state_bytes(model, str(as_device(device))))
+
+
+def _measure_state_bytes(model: str, device=None) -> dict:
+    device = as_device(device)
+    net = _probe_model(model, device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x = torch.randn(2, 3, PROBE_IMAGE, PROBE_IMAGE, device=device)
+    y = torch.randint(0, 1000, (2,), device=device)
+    with torch.autocast(device.type, dtype=_half_dtype(device)):
+        loss = nn.functional.cross_entropy(net(x), y)
+    loss.float().backward()
+    params = list(net.parameters())
+    grads = tensor_bytes(p.grad for p in params if p.grad is not None)
+    opt.step()
+    state = [t for t in optimizer_state_tensors(opt) if t.dim() > 0]  # not the step counters
+    return {"params": tensor_bytes(params), "grads": grads, "optimizer state": tensor_bytes(state)}
+
+
+def measure_weight_copies(model: str, device=None) -> int:
+    """The bytes of 16-bit weight copies that one autocast forward of ``model`` saves for
+    backward (see ``_measure_weight_copies``); measured once per model and device."""
+    check_choice("model", model, MODELS)
+    return _weight_copies(model, str(as_device(device)))
+
+
+@functools.lru_cache(maxsize=8)
+def _weight_copies(model: str, device: str) -> int:
+    return _measure_weight_copies(model, device)
+
+
+def _measure_weight_copies(model: str, device=None) -> int:
+    """The bytes of 16-bit weight copies that one autocast forward of ``model`` saves for
+    backward, measured as the part of the saved tensors that does not grow with the batch: the
+    saved bytes (``SavedActivations``, parameters left out) at a batch of 2 and of 4 images of
+    32x32, ``2 * saved(2) - saved(4)`` (activations double with the batch, the copies do not).
+    ``model`` is one of ``MODELS``."""
+    device = as_device(device)
+    net = _probe_model(model, device)
+    params = list(net.parameters())
+    saved = {}
+    for batch in (2, 4):
+        x = torch.randn(batch, 3, PROBE_IMAGE, PROBE_IMAGE, device=device)
+        with torch.autocast(device.type, dtype=_half_dtype(device)):
+            with SavedActivations(exclude=params) as counter:
+                net(x)
+        saved[batch] = counter.bytes
+    return 2 * saved[2] - saved[4]
+
+
 def reference_state_bytes(model: torch.nn.Module) -> dict:
-    """The reference solution: 4 bytes per parameter, for each of the three fp32 copies."""
+    """The reference solution: 4 bytes per parameter for the weights and the gradients, 8 for
+    AdamW's two moments (all float32 under AMP)."""
     n = sum(p.numel() for p in model.parameters())
-    return {"params": 4 * n, "grads": 4 * n, "momentum": 4 * n}
+    return {"params": 4 * n, "grads": 4 * n, "optimizer state": 8 * n}
 
 
-def check_state_bytes(answer: Mapping[str, float], row: Mapping) -> Check:
-    """Grade ``answer`` ({"params", "grads", "momentum"} -> bytes) against a measured row of
-    ``al.measure`` (its ``params_gib``, ``grads_gib``, ``optimizer_state_gib``), within 5%;
-    skipped, never graded, where the row holds no optimizer state (no step ran)."""
+def reference_weight_copies(model: torch.nn.Module) -> int:
+    """The reference solution: 2 bytes per value of every weight autocast casts (the
+    convolutions' and the Linear's, the parameters of more than one dimension)."""
+    return 2 * sum(p.numel() for p in model.parameters() if p.dim() > 1)
+
+
+def _unit_hint(hints, got: float, measured: float, per_value: str):
+    """The hint for a number of bytes off by a unit or a count, else None."""
+    if within(got * GIB, measured, TOLERANCE):
+        return hints.after("that is GiB: the question asks for bytes, 2**30 to a GiB")
+    if within(got * 2 ** 20, measured, TOLERANCE) or within(got * 1e6, measured, TOLERANCE):
+        return hints.after("that is MiB or MB: the question asks for bytes")
+    if 0 < got < 16:
+        return hints.after(f"that is the size of one value; the question asks for the bytes of "
+                           f"the whole set: multiply {per_value} by the number of values")
+    return None
+
+
+def _bytes(value: float) -> str:
+    """A number of bytes as a message writes it: whole and grouped from 1,000 on, else with
+    its digits (a GiB answer of 0.0437 must not read as 0)."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+@graded
+def check_state_bytes(answer: Mapping[str, float], model: str = "resnet18",
+                      device=None) -> Check:
+    """Grade ``answer`` ({"params", "grads", "optimizer state"} -> bytes) for ``model`` (one of
+    ``MODELS``) trained under AMP with AdamW, within 5% of ``measure_state_bytes`` on
+    ``device``. A wrong grade names the wrong part and the likely mistake, never the bytes
+    (shown from the third attempt)."""
     hint = HINTS["state"]
     if is_blank(answer):
         return unanswered(STATE, hint)
-    if row is None or any(row.get(c) is None for c in KEYS.values()):
-        return skipped(STATE, "the row was not measured here: "
-                       f"{(row or {}).get('status', 'no such row')}")
-    if not row["optimizer_state_gib"]:  # no step ran: nothing to grade the momentum against
-        return skipped(STATE, "the row's optimizer state is 0 bytes: no optimizer step ran "
-                       "(GradScaler skipped every step); measure the row again")
+    measured = measure_state_bytes(model, device)  # the reference first
+    reveal = ", ".join(f"{k}: {measured[k]:,} bytes" for k in KEYS)
     given = keyed(answer, KEYS)
     if given is None:
-        return wrong(STATE, f"answer must be a dict with the keys {', '.join(KEYS)}", hint)
-    answer = given
-    for key, column in KEYS.items():
-        got, measured = number(answer[key]), row[column] * GIB
-        if got is None or not math.isfinite(got):
-            return wrong(STATE, f"{key}: expected a finite number of bytes; got "
-                         f"{answer[key]!r}", hint)
+        return wrong(STATE, f"answer must be a dict with the keys {', '.join(map(repr, KEYS))}",
+                     hint)
+    for key in KEYS:
+        got, bad = read_number(given[key], key)
+        if bad:
+            return wrong(STATE, bad, hint)
+        want = measured[key]
         if got <= 0:
-            return wrong(STATE, f"{key}: you said {got:,.0f} bytes; a tensor of this model "
-                         f"holds more than 0 bytes (measured {measured:,.0f})", hint)
-        if close(got, 4, abs_tol=0.5) or close(got, 2, abs_tol=0.5) or close(got, 8, abs_tol=0.5):
-            return wrong(STATE, f"{key}: you said {got:g} bytes, the size of one parameter's "
-                         f"value; measured {measured:,.0f} for the whole model", hint.after(
-                             "the question asks for the bytes of the whole tensor set: multiply "
-                             "the bytes per value by the model's number of parameters"))
-        if not within(got, measured, 0.05):
-            ratio = got / measured if measured else float("inf")
-            half = {"params": "the weights are not stored in 16 bits, autocast only casts "
-                              "copies per operation",
-                    "grads": "a gradient takes its parameter's dtype: the 16-bit copies' "
-                             "gradients flow back into the float32 weights' .grad",
-                    "momentum": "SGD's momentum buffer takes its parameter's dtype, float32"}
-            why = (hint.after(f"that is 2 bytes per parameter: {half[key]}")
-                   if abs(ratio - 0.5) < 0.05 else
-                   hint.after("SGD keeps one momentum buffer per parameter (Adam keeps two)")
-                   if key == "momentum" and abs(ratio - 2) < 0.1 else
-                   hint.after("that is GiB: the question asks for bytes, 2**30 to a GiB")
-                   if within(got * GIB, measured, 0.05) else
-                   hint.after("that is MiB or MB: the question asks for bytes")
-                   if within(got * 2 ** 20, measured, 0.05) or within(got * 1e6, measured, 0.05)
-                   else hint.after("that is a count of parameters, not bytes: each float32 "
-                                   "value takes 4 bytes") if within(got * 4, measured, 0.05)
-                   else hint)
-            return wrong(STATE, f"{key}: you said {got:,.0f} bytes, measured {measured:,.0f}"
-                         if got >= 1000 else f"{key}: you said {got:.4g} bytes, measured "
-                         f"{measured:,.0f}", why)
-    return passed(STATE, f"each of the three copies holds {row['params_gib'] * GIB:,.0f} bytes, "
-                  f"in every precision")
+            return wrong(STATE, f"{key}: you said {_bytes(got)} bytes; a tensor of this model "
+                         f"holds more than 0", hint, reveal)
+        if within(got, want, TOLERANCE):
+            continue
+        ratio = got / want
+        why = _unit_hint(hint, got, want, "the bytes per value")
+        if why is None:
+            why = (hint.after({
+                "params": "2 bytes per value: autocast does not store the weights in 16 bits, it "
+                          "casts copies per operation",
+                "grads": "2 bytes per value: a gradient takes its parameter's dtype, and the "
+                         "16-bit copies' gradients flow back into the float32 weights' .grad",
+                "optimizer state": "that is half of AdamW's state: one tensor per parameter "
+                                   "(SGD's momentum), or two in 16 bits; count AdamW's tensors "
+                                   "per parameter and their dtype"}[key])
+                if abs(ratio - 0.5) < 0.05 else
+                hint.after("that is a count of values, not bytes: each float32 value takes 4 "
+                           "bytes") if within(got * 4, want, TOLERANCE) else hint)
+        way = "too many" if got > want else "too few"
+        return wrong(STATE, f"{key}: {_bytes(got)} bytes is {way}", why, reveal)
+    return passed(STATE, ", ".join(f"{k} {measured[k]:,} bytes" for k in KEYS)
+                  + f": measured after one AMP step of {model} with AdamW")
 
 
-def check_activation_ratio(answer, amp_row: Mapping, fp32_row: Mapping) -> Check:
-    """Grade ``answer`` (AMP's saved activations over fp32's) against the two measured rows'
-    ``activations_gib``, within 5%."""
-    hint = HINTS["ratio"]
+@graded
+def check_weight_copies(answer, model: str = "resnet18", device=None) -> Check:
+    """Grade ``answer``: the bytes of 16-bit weight copies that one autocast forward of
+    ``model`` (one of ``MODELS``) saves for backward, within 5% of ``measure_weight_copies`` on
+    ``device``. A wrong grade names the likely mistake, never the bytes (shown from the third
+    attempt)."""
+    hint = HINTS["copies"]
     if is_blank(answer):
-        return unanswered(RATIO, hint)
-    got = number(answer)
-    if got is None or not math.isfinite(got):
-        return wrong(RATIO, f"answer must be a finite number; got {answer!r}", hint)
-    if any(r is None or not r.get("activations_gib") for r in (amp_row, fp32_row)):
-        return skipped(RATIO, "the two rows were not both measured here")
-    measured = amp_row["activations_gib"] / fp32_row["activations_gib"]
-    if not within(got, measured, 0.05):
-        why = (hint.after("AMP does not move the activations out of memory: it halves their "
-                          "bytes") if got < 0.4 else
-               hint.after("AMP does save activation memory: most saved tensors are 16-bit "
-                          "under autocast") if got >= 0.9 else hint)
-        if measured > 1:
-            why = hint.after("at this run's tiny sizes the saved tensors are mostly autocast's "
-                             "16-bit copies of the weights (counted with the saved activations), "
-                             "not activations: read the table's saved-activations column for "
-                             "both rows")
-        return wrong(RATIO, f"measured {measured:.3f}, you said {got:.3f}", why)
-    return passed(RATIO, f"measured {measured:.3f}: {amp_row['activations_gib']:.3g} GiB against "
-                  f"{fp32_row['activations_gib']:.3g} GiB")
+        return unanswered(COPIES, hint)
+    measured = measure_weight_copies(model, device)  # the reference first
+    reveal = f"{measured:,} bytes"
+    got, bad = read_number(answer, "copies_guess")
+    if bad:
+        return wrong(COPIES, bad, hint)
+    if within(got, measured, TOLERANCE):
+        return passed(COPIES, f"{measured:,} bytes of 16-bit weight copies, saved for backward "
+                      f"whatever the batch: at this lesson's GPU batch they are a sliver of the "
+                      f"activations; at the quick profile's 4 images of 32x32 they are most of "
+                      f"what autocast saves")
+    ratio = got / measured if measured else float("inf")
+    why = _unit_hint(hint, got, measured, "2 bytes") if got > 0 else None
+    if why is None:
+        why = (hint.after("twice the copies: either 4 bytes per value (the copies are 16-bit, "
+                          "2 bytes each) or two copies per weight (autocast caches its cast: one "
+                          "copy per weight per forward)") if abs(ratio - 2) < 0.1 else
+               hint.after("that is a count of values, not bytes: each 16-bit value takes 2")
+               if abs(ratio - 0.5) < 0.03 else
+               hint.after("autocast does keep copies: a convolution's backward needs the weight "
+                          "it multiplied, and under autocast that is the 16-bit cast, saved for "
+                          "backward like an activation") if got < 0.05 * measured else hint)
+    way = "too many" if got > measured else "too few"
+    return wrong(COPIES, f"{_bytes(got)} bytes is {way}", why, reveal)
 
 
 def reference_channels_last(model: torch.nn.Module, x: torch.Tensor):
@@ -148,18 +257,23 @@ def reference_channels_last(model: torch.nn.Module, x: torch.Tensor):
     return model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
 
 
+@graded
 def check_channels_last(fn: Callable, device=None) -> Check:
     """Grade ``fn(model, x) -> (model, x)``: a conv net's 4-D weights and the input must come
-    back channels_last, the output unchanged."""
+    back channels_last, on the device they came on, the output unchanged. The reference output
+    is computed first; ``fn`` gets copies of the model and the input."""
     hint = HINTS["layout"]
     if (stub := not_a_function(LAYOUT, fn, hint)) is not None:
         return stub
+    import copy
+    device = as_device(device)
     torch.manual_seed(0)
-    model = SmallCNN(in_channels=3, width=8).to(as_device(device)).eval()
-    x = torch.randn(2, 3, 16, 16, device=as_device(device))
-    want = model(x)
+    model = SmallCNN(in_channels=3, width=8).to(device).eval()
+    x = torch.randn(2, 3, 16, 16, device=device)
+    with torch.no_grad():
+        want = model(x)
     try:
-        out = fn(model, x)
+        out = fn(copy.deepcopy(model), x.clone())
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(LAYOUT, f"{type(exc).__name__}: {exc}", hint)
     if is_blank(out):
@@ -171,6 +285,19 @@ def check_channels_last(fn: Callable, device=None) -> Check:
         return wrong(LAYOUT, "the two are swapped: return (model, x), the model first",
                      hint.after("the check unpacks model, x = fn(model, x): return them in "
                                 "that order"))
+    if isinstance(y, torch.Tensor) and (problem := tensor_problem(y, device, want.dtype,
+                                                                  "the input")) is not None:
+        return wrong(LAYOUT, problem, hint.after(
+            "channels_last changes the memory order only: convert with "
+            "memory_format=torch.channels_last and nothing else (no device, no dtype)"))
+    if isinstance(m, nn.Module) and (bad := next((tensor_problem(p, device, want.dtype,
+                                                                 "a weight of the model")
+                                                  for p in m.parameters()
+                                                  if tensor_problem(p, device, want.dtype)),
+                                                 None)) is not None:
+        return wrong(LAYOUT, bad, hint.after(
+            "channels_last changes the memory order only: convert with "
+            "memory_format=torch.channels_last and nothing else (no device, no dtype)"))
     if not isinstance(m, nn.Module) or not isinstance(y, torch.Tensor):
         return wrong(LAYOUT, f"return (model, x), a module and a tensor; got "
                      f"({type(m).__name__}, {type(y).__name__})", hint)
@@ -197,7 +324,8 @@ def check_channels_last(fn: Callable, device=None) -> Check:
                                 "x.contiguous(memory_format=torch.channels_last): same values, "
                                 "NHWC in memory"))
     try:
-        same = torch.allclose(m(y), want, atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            same = torch.allclose(m(y), want, atol=1e-5, rtol=1e-4)
     except Exception as exc:  # noqa: BLE001 - the learner's model: report, do not crash
         return wrong(LAYOUT, f"the returned model failed on the returned input: "
                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", hint)

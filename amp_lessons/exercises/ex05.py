@@ -13,8 +13,10 @@ from amp_lessons.validate import check_int
 from amp_lessons.numerics.precision import as_device, check_precision
 from amp_lessons.tables import plural
 from amp_lessons.train.trainer import ScalerSettings, TrainConfig, Trainer
-from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, matching_mistake, not_a_function,
-                    passed, skipped, unanswered, wrong)
+from amp_lessons.measure.memory import SavedActivations
+from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank,
+                                         matching_mistake, not_a_function, passed, skipped,
+                                         tensor_problem, unanswered, wrong)
 
 ACCUMULATE = "Exercise 2 (implement): gradient accumulation"
 CHECKPOINT = "Exercise 1 (implement): activation checkpointing"
@@ -25,10 +27,13 @@ BATCH = 32  # the accumulation check's batch, rounded up to a multiple of micro_
 
 HINTS = hint_book("ex05", {
     "checkpoint": (
-        "Loop over the blocks as the plain forward does, but instead of calling each block "
-        "yourself, let torch.utils.checkpoint.checkpoint call it with its input. Its docstring "
-        "names one argument that the current API wants you to pass explicitly: read it.",
-        "Pass use_reentrant explicitly (PyTorch warns when you leave it out). The reentrant "
+        "Checkpointing trades compute for memory: a checkpointed region keeps only its input "
+        "for backward and runs again to rebuild the rest. Decide which regions of this forward "
+        "should be such regions (section 1 says which unit is safe, and what happens to a region "
+        "left out), and which PyTorch function makes one.",
+        "Loop over the blocks as the plain forward does, but let "
+        "torch.utils.checkpoint.checkpoint call each block, the last one too, with its input. "
+        "Pass use_reentrant explicitly (PyTorch warns when you leave it out): the reentrant "
         "variant runs the block under no_grad and, when the block's input needs no gradient, "
         "no gradient reaches the block's weights; the non-reentrant one is the current API.",
         "for block in blocks: x = torch.utils.checkpoint.checkpoint(block, x, "
@@ -45,8 +50,9 @@ HINTS = hint_book("ex05", {
         "(F.cross_entropy(model(xs), ys) / micro_batches).backward()",
     ),
     "resume": (
-        "List everything the run carries from one step to the next, not only the weights: which "
-        "objects of the training loop hold state that changes as it trains?",
+        "A resumed run must take its next step exactly as the uninterrupted run would. List "
+        "everything that next step depends on, not only the weights, and ask for each where it "
+        "lives and whether it changed since the run started.",
         "Three objects change as the run trains: the model (weights), the optimizer (SGD's "
         "momentum buffers) and the GradScaler (its scale and its count of clean steps). Each has "
         "state_dict() and load_state_dict().",
@@ -128,6 +134,7 @@ def _batch_size(micro_batches: int) -> int:
     return micro_batches * math.ceil(BATCH / micro_batches)
 
 
+@graded
 def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Check:
     """Grade ``fn(model, x, y, micro_batches)``: the gradients it leaves must equal one backward
     over the whole batch (a model without BatchNorm: to float rounding), and they must have been
@@ -151,13 +158,16 @@ def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Che
                      args[0], "shape") and args[0].dim() else 0)),
              model[-1].weight.register_hook(lambda g: backwards.__setitem__(0, backwards[0] + 1))]
     try:
-        fn(model, x, y, micro_batches)
+        fn(model, x.clone(), y.clone(), micro_batches)  # copies: the grader's x and y stay as
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(ACCUMULATE, f"{type(exc).__name__}: {exc}", hint)
     finally:
         for h in hooks:
             h.remove()
     mine, want = _grads(model), _grads(big)
+    if (bad := next((tensor_problem(g, device, want[0].dtype, "a gradient") for g in mine
+                     if g is not None and tensor_problem(g, device, want[0].dtype)), None)):
+        return wrong(ACCUMULATE, bad, hint)
     if all(g is None for g in mine):
         return unanswered(ACCUMULATE, hint)
     if any(g is None for g in mine):
@@ -216,16 +226,21 @@ def reference_checkpointed_forward(blocks: Sequence[nn.Module], x: torch.Tensor)
     return x
 
 
-def _saved_bytes(forward: Callable) -> tuple:
-    """(output, bytes the autograd graph saved for backward) of ``forward()``."""
-    total = [0]
-
-    def pack(t):
-        total[0] += t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+def _saved_bytes(forward: Callable, params=()) -> tuple:
+    """(output, bytes the autograd graph saved for backward) of ``forward()``: each storage
+    once, ``params`` left out (they are held anyway), as ``measure.memory.SavedActivations``
+    counts them."""
+    with SavedActivations(exclude=params) as saved:
         out = forward()
-    return out, total[0]
+    return out, saved.bytes
+
+
+def _all_but_last(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The mistake the lesson warns about: every block checkpointed but the last, which runs
+    plainly (what ``checkpoint_sequential`` does with its last segment)."""
+    for block in blocks[:-1]:
+        x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    return blocks[-1](x)
 
 
 def _reentrant_symptom(fn: Callable, blocks, x) -> bool:
@@ -241,11 +256,17 @@ def _reentrant_symptom(fn: Callable, blocks, x) -> bool:
         blocks.zero_grad(set_to_none=True)
 
 
+CHECKPOINT_SLACK = 1.25  # at most this times what every block checkpointed saves
+
+
+@graded
 def check_checkpointing(fn: Callable, device=None) -> Check:
     """Grade ``fn(blocks, x) -> output``: it must give the plain forward's output and gradients
-    and save at most half of what the plain forward saves for backward (the graph's saved
-    tensors, counted by a saved-tensors hook); a wrong answer says how much it saved against
-    the plain forward and against every block checkpointed."""
+    and save for backward (each storage once, parameters left out) at most ``CHECKPOINT_SLACK``
+    times what checkpointing every block saves: a forward that runs one block plainly, as
+    ``checkpoint_sequential`` does with its last segment, saves that block's whole activations
+    and fails. The references (the plain forward, every block checkpointed, all but the last)
+    are measured first; ``fn`` gets a copy of the input."""
     hint = HINTS["checkpoint"]
     if (stub := not_a_function(CHECKPOINT, fn, hint)) is not None:
         return stub
@@ -256,6 +277,7 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
                            for _ in range(4)).to(device)
+    params = list(blocks.parameters())
     x = torch.randn(16, 64, device=device)
 
     def plain():
@@ -263,20 +285,27 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
         for b in blocks:
             h = b(h)
         return h
-    out, plain_bytes = _saved_bytes(plain)
+    out, plain_bytes = _saved_bytes(plain, params)
     out.square().mean().backward()
     want = _grads(blocks)
+    blocks.zero_grad(set_to_none=True)
+    _, reference_bytes = _saved_bytes(lambda: reference_checkpointed_forward(blocks, x), params)
+    _, last_plain_bytes = _saved_bytes(lambda: _all_but_last(blocks, x), params)
     blocks.zero_grad(set_to_none=True)
     no_graph = hint.after("the output must carry the autograd graph: run the blocks without "
                           "torch.no_grad() and without .detach(); checkpoint itself frees the "
                           "blocks' inner activations and recomputes them in backward")
     try:
-        mine, mine_bytes = _saved_bytes(lambda: fn(blocks, x))
+        mine, mine_bytes = _saved_bytes(lambda: fn(blocks, x.clone()), params)
         if mine is None or mine is Ellipsis:
             return unanswered(CHECKPOINT, hint)
         if not isinstance(mine, torch.Tensor):
             return wrong(CHECKPOINT, f"expected the last block's output, a tensor; got "
                          f"{type(mine).__name__}", hint)
+        if (problem := tensor_problem(mine, device, out.dtype, "the output")) is not None:
+            return wrong(CHECKPOINT, problem, hint.after(
+                "return the last block's output as it comes: checkpointing changes what is "
+                "saved for backward, not the output's device, dtype or shape"))
         if not mine.requires_grad:
             return wrong(CHECKPOINT, "the output has no autograd graph, so no gradient can "
                          "reach the blocks' weights",
@@ -287,9 +316,9 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
     got = _grads(blocks)
     if any(g is None for g in got):
         return wrong(CHECKPOINT, "the blocks' weights got no gradient", hint)
-    if mine.dtype != out.dtype or mine.shape != out.shape:
-        return wrong(CHECKPOINT, f"the output is {mine.dtype} {tuple(mine.shape)}; the plain "
-                     f"forward's is {out.dtype} {tuple(out.shape)}", hint.after(
+    if mine.shape != out.shape:
+        return wrong(CHECKPOINT, f"the output is {tuple(mine.shape)}; the plain forward's is "
+                     f"{tuple(out.shape)}", hint.after(
                          "return the last block's output as it comes: checkpointing changes "
                          "what is saved for backward, not the output's dtype or shape"))
     if not torch.allclose(mine, out) or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -298,26 +327,28 @@ def check_checkpointing(fn: Callable, device=None) -> Check:
                      hint.after("run every block once, in order, each on the previous block's "
                                 "output: checkpointing recomputes exactly the same blocks on the "
                                 "same input"))
-    if mine_bytes > plain_bytes / 2:
+    if mine_bytes > CHECKPOINT_SLACK * reference_bytes:
+        share = f"{100 * mine_bytes / plain_bytes:.0f}% of what the plain forward saves"
         if mine_bytes >= plain_bytes:
-            return wrong(CHECKPOINT, f"the graph saved {plural(mine_bytes, 'byte')}, the plain "
-                         f"forward {plain_bytes:,}: nothing was checkpointed", hint.after(
+            return wrong(CHECKPOINT, f"the graph saved as much as the plain forward ({share}): "
+                         f"nothing was checkpointed", hint.after(
                              "calling block(x) yourself keeps everything the block computes for "
                              "backward: hand the block and its input to "
                              "torch.utils.checkpoint.checkpoint instead, which keeps only the "
                              "input"))
-        blocks.zero_grad(set_to_none=True)
-        _, reference_bytes = _saved_bytes(lambda: reference_checkpointed_forward(blocks, x))
-        blocks.zero_grad(set_to_none=True)
-        return wrong(CHECKPOINT, f"the graph saved {plural(mine_bytes, 'byte')}, "
-                     f"{100 * mine_bytes / plain_bytes:.0f}% of the plain forward's "
-                     f"{plain_bytes:,}: only part of the forward was checkpointed (with every "
-                     f"block checkpointed it saves {reference_bytes:,}; 50% or less passes)", hint.after(
+        if abs(mine_bytes - last_plain_bytes) <= 0.1 * last_plain_bytes:
+            return wrong(CHECKPOINT, f"the graph saved {share}, what it saves when every block "
+                         f"but the last is checkpointed: the last block ran plainly",
+                         hint.after("checkpoint_sequential runs its last segment plainly (section "
+                                    "1), and so does a loop that calls the last block itself: "
+                                    "checkpoint every block, the last one too"))
+        return wrong(CHECKPOINT, f"the graph saved {share}: only part of the forward was "
+                     f"checkpointed", hint.after(
                          "a block called as block(x), or the last segment of "
                          "checkpoint_sequential, keeps everything it computes: checkpoint every "
                          "block"))
-    return passed(CHECKPOINT, f"same gradients; the graph saved {plural(mine_bytes, 'byte')} instead of "
-                  f"{plain_bytes:,}")
+    return passed(CHECKPOINT, f"same gradients; the graph saved {plural(mine_bytes, 'byte')} "
+                  f"instead of {plain_bytes:,}")
 
 
 def reference_save(model, optimizer, scaler) -> dict:
@@ -409,6 +440,7 @@ def _resume_mistake(missing: Sequence[str]) -> str:
     return f"these did not come back: {', '.join(missing)}; save and load {calls}"
 
 
+@graded
 def check_resume(save: Callable, load: Callable, device=None) -> Check:
     """Grade ``save(model, optimizer, scaler) -> dict`` and ``load(state, model, optimizer,
     scaler)``: a run stopped at step 6 of 12, saved (through ``torch.save`` and

@@ -5,15 +5,16 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from amp_lessons.tables import plural
-from amp_lessons.exercises.check import (Check, close, hint_book, hint_reader, is_blank, keyed, matching_mistake,
-                    not_a_function, number, passed, skipped, unanswered, within, wrong)
+from amp_lessons.exercises.check import (Check, close, graded, hint_book, hint_reader, is_blank,
+                                         keyed, matching_mistake, not_a_function, passed,
+                                         read_number, run_bounded, skipped, unanswered, within,
+                                         wrong)
 
 SCRIPT = "Exercise 1 (implement): DDP and fully_shard, run with torchrun"
 STATE = "Exercise 3 (predict, then look): model state per rank"
@@ -155,14 +156,34 @@ WRONG_SCRIPTS = {
 }
 
 
+# torchrun's own wrappers around a worker's failure: never the cause
+_WRAPPERS = ("ChildFailedError", "torch.distributed.elastic", "SignalException",
+             "FAILED", "Root Cause", "error_file", "traceback :")
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt)|Traceback)\b.*")
+
+
 def _last_error(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if "Error" in ln and ":" in ln]
-    return lines[-1][:300] if lines else (text.strip().splitlines() or ["no output"])[-1][:300]
+    """The cause of a failed torchrun, in one line: a line that names NCCL (the usual reason a
+    script fails on CPU processes) if any, else the first exception a worker raised (``Name:
+    message``), never torchrun's ``ChildFailedError`` wrapper around it; else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if _ERROR_LINE.match(ln) and ":" in ln
+              and not ln.startswith("Traceback") and not any(w in ln for w in _WRAPPERS)]
+    nccl = [ln for ln in errors if "nccl" in ln.lower()] or \
+           [ln for ln in lines if "nccl" in ln.lower() and not any(w in ln for w in _WRAPPERS)]
+    if nccl:
+        return nccl[0][:300]
+    if errors:
+        return errors[0][:300]
+    fallback = [ln for ln in lines if "Error" in ln and ":" in ln]
+    return (fallback or lines or ["no output"])[-1][:300]
 
 
 def run_script(source: str, timeout_s: float = 180.0) -> dict:
     """Write ``source`` to a temporary file and run it with torchrun on two CPU processes (gloo,
-    no GPU visible). Returns ``{"returncode", "reports", "error"}``."""
+    no GPU visible), for at most ``timeout_s`` seconds: on a time-out or an exception torchrun
+    and both workers are ended (``check.run_bounded``). Returns ``{"returncode", "reports",
+    "error"}`` (returncode None on a time-out)."""
     with tempfile.TemporaryDirectory() as tmp:
         path, out = Path(tmp) / "ddp_fsdp.py", Path(tmp) / "out.json"
         path.write_text(source)
@@ -174,21 +195,22 @@ def run_script(source: str, timeout_s: float = 180.0) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={PROCESSES}", str(path), str(out)]
         for attempt in range(2):  # once more if another job took the rendezvous port
-            try:
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                      timeout=timeout_s, cwd=tmp)
-            except subprocess.TimeoutExpired:
+            returncode, stdout, stderr = run_bounded(cmd, timeout_s, env=env, cwd=tmp)
+            if returncode is None:
                 return {"returncode": None, "reports": None,
-                        "error": f"the script did not finish within {timeout_s:.0f} s"}
-            busy = re.search(r"address already in use|EADDRINUSE|rendezvous", done.stderr, re.I)
-            if done.returncode == 0 or not busy:
+                        "error": f"the script did not finish within {timeout_s:.0f} s; torchrun "
+                                 f"and its workers were ended"}
+            busy = re.search(r"address already in use|EADDRINUSE|rendezvous", stderr, re.I)
+            if returncode == 0 or not busy:
                 break
-        reports = json.loads(out.read_text()) if out.exists() else None
-        returncode = done.returncode
-        if returncode and _aborted_at_exit(done.stderr, reports):
+        try:
+            reports = json.loads(out.read_text()) if out.exists() else None
+        except ValueError:
+            reports = None
+        if returncode and _aborted_at_exit(stderr, reports):
             returncode = 0  # the work and its report are complete: see _aborted_at_exit
         return {"returncode": returncode, "reports": reports,
-                "error": _last_error(done.stderr + done.stdout) if returncode else ""}
+                "error": _last_error(stderr + "\n" + stdout) if returncode else ""}
 
 
 def _aborted_at_exit(stderr: str, reports) -> bool:
@@ -228,6 +250,7 @@ def still_template(source: str) -> bool:
     return "..." in lines and "init_process_group" not in source
 
 
+@graded
 def check_script(source: str, timeout_s: float = 180.0) -> Check:
     """Run the learner's script with torchrun on two CPU processes and grade what its report
     says: DDP kept the ranks' weights identical, FSDP2 sharded them (one unit per Linear plus the
@@ -248,12 +271,30 @@ def check_script(source: str, timeout_s: float = 180.0) -> Check:
         return skipped(SCRIPT, f"cannot be run here: {problem}")
     result = run_script(source, timeout_s)
     if result["returncode"] != 0 or not result["reports"]:
-        return wrong(SCRIPT, f"torchrun failed: {result['error']}", hint)
+        error = result["error"]
+        why = hint
+        if "nccl" in error.lower():
+            why = hint.after("NCCL connects GPUs; these are two CPU processes with no GPU "
+                             "visible: join the process group with the CPU backend, 'gloo'")
+        elif result["returncode"] is None:
+            why = hint.after("a script that never ends is usually waiting on a collective that "
+                             "not every rank reaches: every rank must run the same calls, in the "
+                             "same order")
+        return wrong(SCRIPT, f"torchrun failed: {error}", why)
     return grade_reports(result["reports"])
 
 
 def grade_reports(reports: Sequence[Mapping]) -> Check:
-    """Grade the ranks' reports of a finished script run (see ``check_script``)."""
+    """Grade the ranks' reports of a finished script run (see ``check_script``); a report that
+    lacks a field or holds another type is graded wrong, not a crash."""
+    try:
+        return _grade_reports(reports)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return wrong(SCRIPT, f"the ranks' report is incomplete ({type(exc).__name__}: {exc}): "
+                     f"leave the script's report part as it is", HINTS["script"])
+
+
+def _grade_reports(reports: Sequence[Mapping]) -> Check:
     hint = HINTS["script"]
     if len(reports) != PROCESSES or any(r["world_size"] != PROCESSES for r in reports):
         return wrong(SCRIPT, f"expected {PROCESSES} ranks; the report has {len(reports)}", hint)
@@ -314,11 +355,12 @@ def _unit_mistake(factor: float) -> str:
         return "those are bytes: the question asks for MiB, bytes / 2**20"
     if within(factor, 1 / 1024, 0.10):
         return "those are GiB: the question asks for MiB, 1,024 of them to a GiB"
-    return (f"all three are {factor:.3g}x the measured value, so each strategy's split is "
-            f"right: the bytes per parameter are not (in fp32: a weight, a gradient and "
-            f"AdamW's two moments)")
+    return ("all three are off by the same factor, so each strategy's split is right: the "
+            "bytes per parameter are not (count what training keeps per parameter, and each "
+            "one's dtype)")
 
 
+@graded
 def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, float],
                          world_size: int) -> Check:
     """Grade ``answer`` ({"ddp", "zero", "fsdp2"} -> MiB of parameters + gradients + optimizer
@@ -338,21 +380,23 @@ def check_state_per_rank(answer: Mapping[str, float], measured: Mapping[str, flo
         return skipped(STATE, "none of the three strategies ran here")
     said = {}
     for key in why:
-        said[key] = number(answer[key])
-        if said[key] is None or not math.isfinite(said[key]):
-            return wrong(STATE, f"{key}: expected MiB as a finite number; got {answer[key]!r}",
-                         hint)
+        said[key], bad = read_number(answer[key], key)
+        if bad:
+            return wrong(STATE, f"{bad} (MiB)", hint)
     graded = [k for k in why if measured.get(k) is not None]
+    reveal = ", ".join(f"{k} {_mib(measured[k])} MiB" for k in graded) + \
+        f" per rank at {world_size} process(es)"
     off = [k for k in graded if not within(said[k], measured[k], 0.10)]
     if off:
         key = off[0]
-        message = (f"{key} at {world_size} process(es): you said {_mib(said[key])} MiB, "
-                   f"measured {_mib(measured[key])}")
+        way = "too much" if said[key] > measured[key] else "too little"
+        message = (f"{key} at {world_size} process(es): {_mib(said[key])} MiB is {way} "
+                   f"(more than 10% off what the ranks measured)")
         factor = _common_factor({k: said[k] / measured[k] for k in graded if measured[k]})
         if len(off) > 1 and factor is not None:  # every strategy off alike: not a split
-            return wrong(STATE, message + f" (every strategy {factor:.4g}x off)",
-                         hint.after(_unit_mistake(factor)))
-        return wrong(STATE, message, hint.after(why[key]))
+            return wrong(STATE, message + "; every strategy is off by the same factor",
+                         hint.after(_unit_mistake(factor)), reveal)
+        return wrong(STATE, message, hint.after(why[key]), reveal)
     return passed(STATE, ", ".join(f"{k} {_mib(measured[k])} MiB" for k in why
                                    if measured.get(k) is not None) + " per rank")
 
@@ -373,40 +417,83 @@ EFFICIENCY_MISTAKES = {
 
 EFFICIENCY_REL = 1e-5  # float32 arithmetic (a tensor answer) is good to about 1e-7
 
+# Throughputs the grader adds to the sweep's own rows: (processes, the n-process run's throughput
+# over n times one process's). Where the sweep ran on one process only (one GPU, or a CPU whose
+# sweep was cut short), these alone grade the function, through the sweep's own arithmetic.
+PROBES = ((2, 0.93), (4, 1.08), (8, 0.61))
 
+
+def sweep_efficiency(per_s_1: float, per_s_n: float, n: int) -> float:
+    """The scaling efficiency the lesson's sweep reports for a configuration that ran at
+    ``per_s_1`` samples/s on one process and ``per_s_n`` on ``n``: computed by the sweep's own
+    code (``measure.distributed.SweepResult.summary``) on two made-up runs of one sample per
+    step, so that the exercise is graded by the lesson's definition, wherever it runs."""
+    from amp_lessons.measure.distributed import SweepResult
+
+    def rows(world, per_s):
+        step_ms = 1000.0 * world / per_s  # per_s = world * batch / step time, batch 1
+        return [{"label": "probe", "world_size": world, "rank": r, "model": "probe",
+                 "strategy": "ddp", "precision": "fp32", "unit": "samples", "fsdp_wrap": None,
+                 "fsdp_units": None, "batch_size": 1, "step_ms": step_ms, "peak_gib": None,
+                 "param_mib": 0.0, "grad_mib": 0.0, "optimizer_state_mib": 0.0,
+                 "losses": [0.0], "spread": None, "peak_spread": None} for r in range(world)]
+    summary = SweepResult(rows(1, per_s_1) + rows(n, per_s_n), backend="gloo",
+                          launched=n).summary()
+    return next(r["efficiency"] for r in summary if r["world_size"] == n)
+
+
+def _efficiency_inputs(summary: Sequence[Mapping]) -> list:
+    """(label, inputs, the sweep's efficiency) for every multi-process row of ``summary`` with
+    a one-process row of its configuration, then for ``PROBES`` on each one-process row (or on
+    a made-up one where the sweep has none)."""
+    single = {r["label"]: r["per_s"] for r in summary if r["world_size"] == 1 and r.get("per_s")}
+    out = [(f"{r['label']} on {plural(r['world_size'], 'process', 'processes')}",
+            (single[r["label"]], r["per_s"], r["world_size"]), r["efficiency"])
+           for r in summary if r["world_size"] > 1 and r.get("efficiency") is not None
+           and r["label"] in single]
+    for label, per_s_1 in (list(single.items())[:2] or [("a configuration", 250.0)]):
+        for n, e in PROBES:
+            inputs = (per_s_1, n * e * per_s_1, n)
+            out.append((f"{label} if {n} processes had run at {inputs[1]:,.4g}/s", inputs,
+                        sweep_efficiency(*inputs)))
+    return out
+
+
+@graded
 def check_efficiency(fn: Callable, summary: Sequence[Mapping]) -> Check:
     """Grade ``fn(per_s_1, per_s_n, n)`` against the ``efficiency`` of every multi-process row of
-    a sweep's ``summary()`` (its ``label``, ``world_size``, ``per_s``), within a relative
-    ``EFFICIENCY_REL``: a number of any type (a float, a NumPy scalar, a one-value tensor of any
-    float dtype) counts."""
+    a sweep's ``summary()`` (its ``label``, ``world_size``, ``per_s``) and, so that a one-GPU or
+    a one-process run grades it too, against ``sweep_efficiency`` (the sweep's own arithmetic)
+    on ``PROBES``, within a relative ``EFFICIENCY_REL``: a number of any type (a float, a NumPy
+    scalar, a one-value tensor of any float dtype) counts. Only arithmetic: no process runs."""
     hint = HINTS["efficiency"]
     if (stub := not_a_function(EFFICIENCY, fn, hint)) is not None:
         return stub
-    single = {r["label"]: r["per_s"] for r in summary if r["world_size"] == 1}
-    rows = [r for r in summary if r["world_size"] > 1 and r.get("efficiency") is not None
-            and r["label"] in single]
-    if not rows:
-        return skipped(EFFICIENCY, "no configuration ran on one and on more processes here")
+    cases = _efficiency_inputs(summary)  # the references first
     answers = []
-    for r in rows:
-        inputs = (single[r["label"]], r["per_s"], r["world_size"])
+    for label, inputs, want in cases:
         try:
             got = fn(*inputs)
         except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
             return wrong(EFFICIENCY, f"{type(exc).__name__}: {exc}", hint)
         if is_blank(got):
             return unanswered(EFFICIENCY, hint)
-        answers.append((r, inputs, got, number(got)))
-    off = [a for a in answers if not close(a[3], a[0]["efficiency"], EFFICIENCY_REL)]
+        v, bad = read_number(got, "the efficiency")
+        if bad:
+            return wrong(EFFICIENCY, f"{label}: {bad}", hint)
+        answers.append((label, inputs, want, v))
+    off = [a for a in answers if not close(a[3], a[2], EFFICIENCY_REL)]
     if off:
-        r, _, got, v = off[0]
+        label, inputs, want, v = off[0]
         known = matching_mistake(  # on every row: at 2 processes speed-up / (n - 1) is the
             {name: lambda inputs, bad=bad: bad(*inputs)  # speed-up itself
              for name, bad in WRONG_EFFICIENCY.items()},
             [(inputs, v) for _, inputs, _, v in answers],
             lambda a, b: close(b, a, EFFICIENCY_REL))
         why = hint.after(EFFICIENCY_MISTAKES[known]) if known else hint
-        said = f"{v:.6g}" if v is not None else f"{got!r:.80} (not a number)"
-        return wrong(EFFICIENCY, f"{r['label']} on {plural(r['world_size'], 'process', 'processes')}: you give "
-                     f"{said}, the sweep {r['efficiency']:.6g}", why)
-    return passed(EFFICIENCY, f"matches the sweep on {plural(len(rows), 'row')}")
+        return wrong(EFFICIENCY, f"{label}: your function gives {v:.6g}, which is not the "
+                     f"sweep's efficiency", why, f"{want:.6g} for per_s_1={inputs[0]:.6g}, "
+                     f"per_s_n={inputs[1]:.6g}, n={inputs[2]}")
+    ran = sum(1 for label, *_ in answers if " if " not in label)
+    return passed(EFFICIENCY, f"matches the sweep on {plural(ran, 'measured row')} and "
+                  f"{plural(len(answers) - ran, 'made-up one')}")

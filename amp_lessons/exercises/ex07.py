@@ -1,14 +1,17 @@
 """Lesson 07's exercises: per-tensor and per-row amax scaling (graded against the e4m3 format's
 limits in ``amp_lessons.numerics.formats``), and a module filter for ``convert_to_float8_training``
 (graded against a conversion plan: which Linear layers to keep in bf16, and why)."""
-from typing import Callable, Mapping, Sequence
+import re
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from amp_lessons.numerics import formats
-from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, not_a_function, passed, unanswered,
-                    wrong)
+from amp_lessons.tables import plural
+from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank,
+                                         not_a_function, passed, tensor_problem, unanswered,
+                                         wrong)
 
 TENSOR = "Exercise 1 (implement): per-tensor amax scaling"
 ROW = "Exercise 2 (implement): per-row amax scaling"
@@ -129,26 +132,44 @@ def _other_tensor() -> torch.Tensor:
 
 
 def _scale_on(fn, x):
-    """``fn``'s per-tensor scale of ``x`` as a 0-dim float64 tensor, or None."""
+    """``fn``'s per-tensor scale of a copy of ``x`` as a 0-dim float64 tensor, or None."""
     try:
-        return torch.as_tensor(fn(x.clone()), dtype=torch.float64).reshape(())
+        got = fn(x.clone())
+        if tensor_problem(got, x.device, x.dtype) is not None:
+            return None
+        return torch.as_tensor(got, dtype=torch.float64).reshape(())
     except Exception:  # noqa: BLE001 - the learner's code on a second input: no more to learn
         return None
 
 
+_SAME_DEVICE = ("compute the scale from x with torch operations, on x's device, and return it "
+                "in x's dtype (no .to(...), no .double())")
+
+
+@graded
 def check_per_tensor_scale(fn: Callable) -> Check:
-    """Grade ``fn(x) -> scale``: e4m3's max over ``amax(|x|)`` (a 0-dim tensor or a number)."""
+    """Grade ``fn(x) -> scale``: e4m3's max over ``amax(|x|)`` (a 0-dim tensor or a number).
+    The reference is computed first; ``fn`` gets a copy of ``x`` (an answer that changes its
+    input in place changes nothing the grade reads); a tensor must come back on ``x``'s device,
+    in its dtype. A wrong grade never shows the right scale before the third attempt."""
     hint = HINTS["tensor"]
     if (stub := not_a_function(TENSOR, fn, hint)) is not None:
         return stub
     x = test_tensor()
+    want = reference_per_tensor(x)  # the reference first, on the grader's own x
+    given = x.clone()
     try:
-        got = fn(x)
+        got = fn(given)
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(TENSOR, f"{type(exc).__name__}: {exc}", hint)
     if is_blank(got):
         return unanswered(TENSOR, hint)
-    want = reference_per_tensor(x)
+    if not torch.equal(given, x):
+        return wrong(TENSOR, "your function changed x in place", hint.after(
+            "a scale is read from x, never written into it: use out-of-place operations "
+            "(x.abs(), not x.abs_(); no x *= ...)"))
+    if (problem := tensor_problem(got, x.device, x.dtype, "the scale")) is not None:
+        return wrong(TENSOR, problem, hint.after(_SAME_DEVICE))
     try:
         g = torch.as_tensor(got, dtype=torch.float64).reshape(())
     except (RuntimeError, TypeError, ValueError):
@@ -161,25 +182,37 @@ def check_per_tensor_scale(fn: Callable) -> Check:
         g2 = _scale_on(fn, other)
         if g2 is not None:
             pairs.append((g2, reference_per_tensor(other)))
-        return wrong(TENSOR, f"scale {float(g):.4g}; max/amax is {float(want):.4g}",
-                     _scale_hint(pairs, "over the whole tensor", hint, e4m3_max() / x.max()))
+        return wrong(TENSOR, f"your scale, {float(g):.4g}, does not put the tensor's largest "
+                     f"magnitude on e4m3's largest value",
+                     _scale_hint(pairs, "over the whole tensor", hint, e4m3_max() / x.max()),
+                     f"{float(want):.4g} (448 / amax(|x|))")
     return passed(TENSOR, f"scale {float(want):.4g}; median relative error after an e4m3 round "
                   f"trip {_round_trip_error(x, want):.2%}")
 
 
+@graded
 def check_per_row_scale(fn: Callable) -> Check:
-    """Grade ``fn(x) -> scales``: one e4m3 scale per row, shape ``(rows, 1)``."""
+    """Grade ``fn(x) -> scales``: one e4m3 scale per row, shape ``(rows, 1)``. The reference is
+    computed first; ``fn`` gets a copy of ``x``; a tensor must come back on ``x``'s device, in
+    its dtype."""
     hint = HINTS["row"]
     if (stub := not_a_function(ROW, fn, hint)) is not None:
         return stub
     x = test_tensor()
+    want = reference_per_row(x)  # the reference first, on the grader's own x
+    given = x.clone()
     try:
-        got = fn(x)
+        got = fn(given)
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(ROW, f"{type(exc).__name__}: {exc}", hint)
     if is_blank(got):
         return unanswered(ROW, hint)
-    want = reference_per_row(x)
+    if not torch.equal(given, x):
+        return wrong(ROW, "your function changed x in place", hint.after(
+            "a scale is read from x, never written into it: use out-of-place operations "
+            "(x.abs(), not x.abs_(); no x *= ...)"))
+    if (problem := tensor_problem(got, x.device, x.dtype, "the tensor of scales")) is not None:
+        return wrong(ROW, problem, hint.after(_SAME_DEVICE))
     try:
         g = torch.as_tensor(got, dtype=torch.float64)
     except (RuntimeError, TypeError, ValueError):
@@ -202,9 +235,11 @@ def check_per_row_scale(fn: Callable) -> Check:
                 "each row")
         return wrong(ROW, f"expected shape {tuple(want.shape)}; got {what}", why)
     if not torch.allclose(g, want.double(), rtol=1e-4):
-        return wrong(ROW, "the scales differ from max / amax of each row",
+        return wrong(ROW, "your scales do not put each row's largest magnitude on e4m3's "
+                     "largest value",
                      _scale_hint([(g, want)], "of each row", hint,
-                                 e4m3_max() / x.amax(dim=-1, keepdim=True)))
+                                 e4m3_max() / x.amax(dim=-1, keepdim=True)),
+                     "448 / amax(|row|) for each row, shape (rows, 1)")
     tensor_err = _round_trip_error(x, reference_per_tensor(x))
     return passed(ROW, f"median relative error after an e4m3 round trip {_round_trip_error(x, want):.2%} "
                   f"(one scale for the tensor: {tensor_err:.2%})")
@@ -215,17 +250,54 @@ def wrong_filter_all_linear(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear)
 
 
+def plan_threshold(plan: Sequence[Mapping]) -> Optional[int]:
+    """The width under which ``plan`` (``measure.float8.conversion_plan`` rows) calls a layer
+    small, read from its reasons ("large GEMM: both dimensions >= 2,048", "small: 256 < 2,048
+    features"); None where no reason names it."""
+    for r in plan:
+        m = re.search(r">= ([\d,]+)$|< ([\d,]+) features", str(r.get("reason", "")))
+        if m:
+            return int((m.group(1) or m.group(2)).replace(",", ""))
+    return None
+
+
+def held_out_models(min_features: int) -> List[nn.Module]:
+    """Two GPTs the lesson never shows, on the meta device (no memory), planned by the same
+    rules: one with three blocks at ``min_features`` wide (the middle layers go to FP8), one a
+    little wider but with a width that is not a multiple of 16 (every layer stays bf16). A
+    filter that copies the lesson's plan instead of applying its rules fails on them."""
+    from amp_lessons.models import TinyTransformer
+    width = 16 * max(2, -(-min_features // 16))
+    with torch.device("meta"):
+        return [TinyTransformer(vocab_size=1000, d_model=width, n_layers=3, n_heads=8,
+                                seq_len=64),
+                TinyTransformer(vocab_size=1000, d_model=width + 8, n_layers=1, n_heads=8,
+                                seq_len=64)]
+
+
+def _filter_answers(fn: Callable, model: nn.Module) -> dict:
+    return {name: fn(m, name) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+@graded
 def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping]) -> Check:
     """Grade ``fn(module, fqn) -> bool`` (torchao's ``module_filter_fn``: True = convert to FP8)
     on every ``nn.Linear`` of ``model`` against ``plan`` (rows with ``layer``, ``precision``
-    "float8" | "bf16" and ``reason``)."""
+    "float8" | "bf16" and ``reason``), then on ``held_out_models`` planned by the same rules
+    (``measure.float8.conversion_plan`` at the plan's threshold) where ``model`` is a GPT of
+    that family (``models.TinyTransformer``, whose layer names they share): the plan of
+    ``model`` is printed in the lesson, so a filter must apply the rules, not copy the table."""
     hint = HINTS["filter"]
     if (stub := not_a_function(FILTER, fn, hint)) is not None:
         return stub
+    from amp_lessons.measure.float8 import conversion_plan
+    from amp_lessons.models import TinyTransformer
+    threshold = plan_threshold(plan)
+    others = ([(m, conversion_plan(m, threshold)) for m in held_out_models(threshold)]
+              if threshold and isinstance(model, TinyTransformer) else [])
     rows = {r["layer"]: r for r in plan}
     try:
-        answers = {name: fn(m, name) for name, m in model.named_modules()
-                   if isinstance(m, nn.Linear)}
+        answers = _filter_answers(fn, model)
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(FILTER, f"{type(exc).__name__}: {exc}", hint)
     if all(v is None or v is Ellipsis for v in answers.values()):
@@ -236,7 +308,7 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
         (name, said), = off
         verb = "converts" if said else "keeps"
         return wrong(FILTER, f"your filter {verb} {name} ({rows[name]['in']} -> "
-                     f"{rows[name]['out']}); the plan says {rows[name]['precision']}",
+                     f"{rows[name]['out']}), against the plan's rules",
                      hint.after(rows[name]["reason"]))
     if off:  # every layer it gets wrong, with each one's reason: not the first layer's alone
         parts = [f"{verb} {', '.join(n for n, s in off if s == converts)}"
@@ -250,5 +322,25 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
         return wrong(FILTER, f"your filter disagrees with the plan on {len(off)} of "
                      f"{len(answers)} Linear layers: it {' and '.join(parts)}",
                      hint.after("; ".join(f"{name}: {reason}" for name, reason in reasons)))
+    for other, other_plan in others:
+        width = other_plan[0]["in"]
+        try:
+            said = _filter_answers(fn, other)
+        except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+            return wrong(FILTER, f"on another GPT (d_model {width:,}): {type(exc).__name__}: "
+                         f"{exc}", hint)
+        wrong_layers = [r for r in other_plan if bool(said[r["layer"]]) != (
+            r["precision"] == "float8")]
+        if wrong_layers:
+            r = wrong_layers[0]
+            verb = "converts" if said[r["layer"]] else "keeps"
+            return wrong(FILTER, f"right on big_gpt, but on another GPT (d_model {width:,}, "
+                         f"{len(other_plan)} Linear layers) your filter {verb} {r['layer']} "
+                         f"({r['in']:,} -> {r['out']:,}) against the rules: it follows "
+                         f"big_gpt's table, not the rules behind it", hint.after(
+                             "decide from the layer in front of you: its place (first or last "
+                             "Linear of the model it belongs to), its two dimensions against 16 "
+                             "and MIN_FEATURES; not from a list of big_gpt's names"))
     n = sum(r["precision"] == "float8" for r in plan)
-    return passed(FILTER, f"{n} of {len(plan)} Linear layers to FP8, as the plan says")
+    more = f", and on {plural(len(others), 'other GPT')}" if others else ""
+    return passed(FILTER, f"{n} of {len(plan)} Linear layers to FP8, as the plan says{more}")

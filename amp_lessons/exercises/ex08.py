@@ -3,15 +3,15 @@ round-to-nearest and the package's ``optim.stochastic_round_bf16``), a Kahan-com
 update (checked against the exact sum and ``optim.add_rounded``), and the memory of a large
 model's training state per recipe (checked against the bytes per parameter the lesson measured,
 ``optim.memory_rows``)."""
-import math
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from amp_lessons.numerics import formats
 from amp_lessons.numerics import optim
-from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, not_a_function, number, passed,
-                    skipped, canonical, unanswered, within, wrong)
+from amp_lessons.exercises.check import (Check, canonical, graded, hint_book, hint_reader,
+                                         is_blank, not_a_function, passed, read_number, skipped,
+                                         tensor_problem, unanswered, within, wrong)
 
 STOCHASTIC = "Exercise 1 (implement): stochastic rounding to bf16"
 KAHAN = "Exercise 2 (implement): a Kahan-compensated bf16 update"
@@ -106,6 +106,7 @@ def _seeded(fn: Callable, x: torch.Tensor, seed: int):
         return fn(x.clone())
 
 
+@graded
 def check_stochastic_rounding(fn: Callable) -> Check:
     """Grade ``fn(x) -> bf16 tensor`` (``x`` fp32): every value must be one of the two bf16
     neighbours of its input, and the mean over many copies of three values must be the input
@@ -121,6 +122,9 @@ def check_stochastic_rounding(fn: Callable) -> Check:
         return wrong(STOCHASTIC, f"{type(exc).__name__}: {exc}", hints)
     if is_blank(got):
         return unanswered(STOCHASTIC, hints)
+    if (problem := tensor_problem(got, x.device, what="the result")) is not None:
+        return wrong(STOCHASTIC, problem, hints.after(
+            "round x where it is: work on its bits with torch operations on x's device"))
     if not isinstance(got, torch.Tensor) or got.shape != x.shape:
         doubled = isinstance(got, torch.Tensor) and got.numel() == 2 * x.numel()
         return wrong(STOCHASTIC, f"expected a tensor shaped like x {tuple(x.shape)}; got "
@@ -274,6 +278,7 @@ def _kahan_mistake(fn, start, update) -> str:
     return HINTS["kahan"].levels[0]
 
 
+@graded
 def check_kahan_update(fn: Callable) -> Check:
     """Grade ``fn(weight, compensation, update) -> (new_weight, new_compensation)`` (bf16, bf16,
     fp32): 300 small updates to 256 bf16 weights must end within one bf16 ulp of the exact sum,
@@ -290,6 +295,11 @@ def check_kahan_update(fn: Callable) -> Check:
         if first is None or out is None:
             return unanswered(KAHAN, hints)
         w, c = out
+        problem = (tensor_problem(w, start.device, what="the new weight")
+                   or tensor_problem(c, start.device, what="the new compensation"))
+        if problem:
+            return wrong(KAHAN, problem, hints.after(
+                "compute on the device the weight is on, and return the two bf16 tensors there"))
         w, c = torch.as_tensor(w), torch.as_tensor(c)
         again = _run_kahan(fn, start, update, 1)
         same = again is not None and all(_bitwise_same(a, b) for a, b in zip(first, again))
@@ -345,6 +355,7 @@ def _bytes_per_parameter(row: Mapping, *parts: str) -> float:
     return row["bytes per parameter"] * sum(row[p] for p in parts) / total
 
 
+@graded
 def check_state_gib(answers: Mapping, memory: Sequence[Mapping],
                     parameters: float = PARAMETERS) -> Check:
     """Grade ``answers`` ({recipe: GiB} for ``MEMORY_RECIPES``): the model state (weights,
@@ -360,7 +371,10 @@ def check_state_gib(answers: Mapping, memory: Sequence[Mapping],
     by = measured_bytes(memory)
     if "fp32 master" not in by:
         return skipped(MEMORY, "the fp32-master reference was not measured in this run")
-    graded, missing = [], [r for r in MEMORY_RECIPES if r not in by]
+    right, missing = [], [r for r in MEMORY_RECIPES if r not in by]
+    reveal = ", ".join(f"{r}: {by[r]['bytes per parameter'] * parameters / GIB:.1f} GiB "
+                       f"({by[r]['bytes per parameter']:.1f} bytes per parameter)"
+                       for r in MEMORY_RECIPES if r in by)
     for recipe in MEMORY_RECIPES:
         if recipe not in by:
             continue
@@ -370,16 +384,15 @@ def check_state_gib(answers: Mapping, memory: Sequence[Mapping],
             return wrong(MEMORY, f"no answer for {recipe!r}: the dict needs the keys "
                          f"{', '.join(map(repr, MEMORY_RECIPES))}; it has "
                          f"{', '.join(map(repr, answers))}", hints)
-        got = number(answers[recipe])
-        if got is None or not math.isfinite(got):
-            return wrong(MEMORY, f"{recipe}: expected a finite number of GiB; got "
-                         f"{answers[recipe]!r}", hints)
+        got, bad = read_number(answers[recipe], recipe)
+        if bad:
+            return wrong(MEMORY, f"{bad} (GiB)", hints)
         if within(got, want, 0.03):
-            graded.append(f"{recipe} {want:.1f}")
+            right.append(f"{recipe} {want:.1f}")
             continue
         implied = got * GIB / parameters
-        msg = (f"{recipe}: {got:.4g} GiB is {implied:.1f} bytes per parameter; this run "
-               f"measured {row['bytes per parameter']:.1f}")
+        msg = (f"{recipe}: {got:.4g} GiB is {implied:.1f} bytes per parameter, "
+               f"{'more' if got > want else 'less'} than this run measured")
         if within(got, want * GIB / 1e9, 0.03):
             mistake = "that is GB (10**9 bytes): the question asks for GiB, 2**30 bytes"
         elif recipe == "bf16 + Kahan" and "bf16" in by and within(
@@ -398,8 +411,9 @@ def check_state_gib(answers: Mapping, memory: Sequence[Mapping],
                        "(torch keeps the state in the weights' dtype): 2 bytes each, not 4")
         else:
             mistake = hints.levels[0]
-        return wrong(MEMORY, msg, hints.after(mistake) if mistake != hints.levels[0] else hints)
+        return wrong(MEMORY, msg, hints.after(mistake) if mistake != hints.levels[0] else hints,
+                     reveal)
     note = f"; not measured here: {', '.join(missing)}" if missing else ""
     return passed(MEMORY, f"GiB for {parameters / 1e9:g} B parameters, as measured: "
-                  + ", ".join(graded) + note)
+                  + ", ".join(right) + note)
 

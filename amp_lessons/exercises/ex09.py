@@ -1,33 +1,43 @@
-"""Lesson 09's exercises, answered from the doctor's reports (``amp_lessons.doctor``): name the
-layer that overflows fp16 (graded against the report's overflow sites), compute the loss scale
+"""Lesson 09's exercises, around the doctor's reports (``amp_lessons.doctor``): find the layer
+where fp16's inf is born (graded on models the grader builds, each with a hidden overflowing
+layer, so that no report printed in the lesson gives it away), compute the loss scale
 GradScaler settles at from the report's gradient ranges (graded against the report's own
 ``scale_exponent``, from ``doctor.scale.reached_scale``), and answer three questions about the
 report on your own model (graded against that report)."""
 import copy
 import math
 import sys
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
 
 from amp_lessons.numerics import formats
+from amp_lessons.numerics.precision import as_device
 from amp_lessons.tables import plural
-from amp_lessons.exercises.check import (Check, hint_book, hint_reader, is_blank, matching_mistake, not_a_function,
-                    number, passed, skipped, text_key, unanswered, whole_number, wrong)
+from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank,
+                                         matching_mistake, not_a_function, number, passed,
+                                         skipped, text_key, unanswered, whole_number, wrong)
 
-OVERFLOW = "Exercise 2 (read the report): the layer that overflows fp16"
+OVERFLOW = "Exercise 2 (implement): where fp16's inf is born"
 SCALE = "Exercise 1 (implement): the loss scale from the report's ranges"
 YOURS = "Exercise 3 (run it): your model's report"
 QUESTIONS = ("fp16 safe", "scale exponent", "largest activation")
 
 HINTS = hint_book("ex09", {
     "overflow": (
-        "Under fp16 autocast, inf appears in many layers of this model, but it is born in only "
-        "one: look for the layer whose own activations are larger than the biggest finite "
-        "number fp16 holds, not for one that merely receives an inf from upstream.",
-        "The report's 'overflow sites' table (report.overflow) lists each layer whose "
-        "activations pass fp16's 65,504, with the value found; report.fp16_nonfinite lists "
-        "where inf/NaN shows up, in call order, and its first entry is where it starts.",
-        "my_overflow_layer = over.overflow[0]['layer'] (also over.fp16_nonfinite[0]): the MLP "
-        "output Linear of the first block that section 4 scaled.",
+        "inf is born in one layer and only flows through the ones after it. You are looking "
+        "for the first layer, in the order the forward pass calls them, whose own output is "
+        "past fp16's largest finite value: not the layer with the largest output, and not one "
+        "that merely receives an inf from upstream.",
+        "Register a forward hook on every leaf module (a module of model.named_modules() "
+        "without children) that appends (name, the output's largest magnitude) in call order; "
+        "run the forward once in float32 under torch.no_grad(), remove the hooks, and return "
+        "the first name whose value is above ex09.fp16_max() (65,504).",
+        "seen = []; hooks = [m.register_forward_hook(lambda mod, i, out, n=n: "
+        "seen.append((n, float(out.detach().abs().max())))) for n, m in model.named_modules() "
+        "if not list(m.children())]; with torch.no_grad(): model(x); then remove each hook and "
+        "return next(n for n, v in seen if v > ex09.fp16_max()).",
     ),
     "scale": (
         "GradScaler multiplies the loss, and so every gradient, by a power of two, and grows "
@@ -82,44 +92,153 @@ def _absmax(row: Optional[Mapping]) -> str:
     return f"{value:.3g}" if number(value) is not None else "none recorded"
 
 
-# --- exercise 1 ---------------------------------------------------------------------------------
+# --- exercise 2: where inf is born ----------------------------------------------------------------
+
+def _leaf_outputs(model: nn.Module, x) -> List[Tuple[str, float]]:
+    """(name, largest |output|) of every leaf module of ``model``, in call order, from one
+    float32 forward of ``x`` without gradients."""
+    seen: List[Tuple[str, float]] = []
+    hooks = [m.register_forward_hook(
+        lambda mod, i, out, n=n: seen.append((n, float(out.detach().float().abs().max())))
+        if isinstance(out, torch.Tensor) else None)
+        for n, m in model.named_modules() if n and not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def first_overflow(model: nn.Module, x) -> Optional[str]:
+    """The reference: the first leaf module, in call order, whose own float32 output passes
+    fp16's largest finite value (where fp16 autocast's inf is born), or None."""
+    return next((n for n, v in _leaf_outputs(model, x) if v > fp16_max()), None)
+
+
+def reference_first_overflow(model: nn.Module, x) -> Optional[str]:
+    """The reference solution, as a learner writes it: forward hooks on the leaf modules, one
+    float32 forward, the first output past 65,504."""
+    seen = []
+    hooks = [m.register_forward_hook(
+        lambda mod, i, out, n=n: seen.append((n, float(out.detach().abs().max()))))
+        for n, m in model.named_modules() if not list(m.children())]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return next(n for n, v in seen if v > fp16_max())
+
+
+def _scale_to(model: nn.Module, x, name: str, target: float) -> None:
+    """Multiply the Linear ``name`` of ``model`` (weight and bias) by the factor that brings its
+    largest output on ``x`` to ``target``."""
+    layer = dict(model.named_modules())[name]
+    largest = dict(_leaf_outputs(model, x))[name]
+    factor = target / largest
+    with torch.no_grad():
+        layer.weight.mul_(factor)
+        if layer.bias is not None:
+            layer.bias.mul_(factor)
+
+
+def overflow_cases(device=None) -> List[Tuple[str, nn.Module, object]]:
+    """The models exercise 2 is graded on, each with its input: (description, model, x).
+    None of them is the lesson's model, and their overflowing layers sit elsewhere: a small GPT
+    whose second block's attention output passes fp16's range, and an MLP where an early layer
+    comes close (0.9 x 65,504, still finite), a middle one passes it and a later one is the
+    largest of all (8 x): the answer is the middle one, neither the near miss nor the
+    largest."""
+    from amp_lessons.models import TinyTransformer
+    device = as_device(device)
+    torch.manual_seed(3)
+    gpt = TinyTransformer(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16).to(device)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(4)).to(device)
+    _scale_to(gpt, tokens, "blocks.1.proj", 4 * fp16_max())
+    torch.manual_seed(5)
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                        nn.LayerNorm(64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(6)).to(device)
+    for name, target in (("2", 0.9 * fp16_max()), ("5", 2 * fp16_max()), ("7", 8 * fp16_max())):
+        _scale_to(mlp, x, name, target)
+    return [("a small GPT (tokens in, logits out)", gpt, tokens),
+            ("an 8-layer MLP", mlp, x)]
+
+
+WRONG_OVERFLOW = {
+    "the largest output": lambda model, x: max(_leaf_outputs(model, x), key=lambda t: t[1])[0],
+    "the last layer inf reaches": lambda model, x: [n for n, v in _leaf_outputs(model, x)
+                                                    if v > fp16_max()][-1],
+}
+
+
+@graded
+def check_first_overflow(fn: Callable, device=None) -> Check:
+    """Grade ``fn(model, x) -> name``: on each of ``overflow_cases`` (built here, never shown in
+    the lesson), the name of the first leaf module whose own output passes fp16's largest
+    value (``first_overflow``). The references are computed first; ``fn`` gets a copy of each
+    model and input. A wrong grade says on which model and what the named layer is (not the
+    first past 65,504, or not past it at all), never the right name before the third attempt."""
+    hints = HINTS["overflow"]
+    if (stub := not_a_function(OVERFLOW, fn, hints)) is not None:
+        return stub
+    cases = [(what, model, x, first_overflow(model, x), dict(_leaf_outputs(model, x)))
+             for what, model, x in overflow_cases(device)]
+    reveal = "; ".join(f"{what}: {want}" for what, _, _, want, _ in cases)
+    for what, model, x, want, outputs in cases:
+        try:
+            got = fn(copy.deepcopy(model), x.clone())
+        except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+            return wrong(OVERFLOW, f"on {what}: {type(exc).__name__}: {exc}", hints)
+        if is_blank(got):
+            return unanswered(OVERFLOW, hints)
+        if not isinstance(got, str):
+            return wrong(OVERFLOW, f"on {what}: expected a layer name (a string, as "
+                         f"named_modules() gives it); got {type(got).__name__} {got!r:.60}",
+                         hints.after("return the module's name from model.named_modules(), such "
+                                     "as 'blocks.0.mlp.2', not the module or its output"))
+        name = got.strip()
+        if name == want:
+            continue
+        if name not in outputs:
+            return wrong(OVERFLOW, f"on {what}: {name!r} is not one of its leaf modules",
+                         hints.after("name a leaf module (one without children) as "
+                                     "model.named_modules() names it"), reveal)
+        if outputs[name] <= fp16_max():
+            near = outputs[name] > 0.5 * fp16_max()
+            return wrong(OVERFLOW, f"on {what}: {name}'s own output stays within fp16's range",
+                         hints.after("a value close to 65,504 is still finite in fp16: the layer "
+                                     "you want returns more than 65,504, in float32" if near else
+                                     "measure the model you are given, on its input: the check "
+                                     "runs models of its own, not the lesson's"), reveal)
+        order = list(outputs)
+        if order.index(name) > order.index(want):
+            known = next((k for k, bad in WRONG_OVERFLOW.items()
+                          if _safe(bad, model, x) == name), None)
+            why = ("the largest output is not where inf is born: an earlier layer already "
+                   "passed 65,504, and everything after it only carries its inf along"
+                   if known == "the largest output" else
+                   "inf flows downstream from where it is born: every layer after the first "
+                   "overflow receives it. Find the first one, in call order")
+            return wrong(OVERFLOW, f"on {what}: {name} passes 65,504, but an earlier layer "
+                         f"already did", hints.after(why), reveal)
+        return wrong(OVERFLOW, f"on {what}: {name} is not the first to pass 65,504", hints,
+                     reveal)
+    return passed(OVERFLOW, "; ".join(f"{what}: inf is born in {want} ({outputs[want]:,.0f} > "
+                                      f"{fp16_max():,.0f})" for what, _, _, want, outputs in cases))
+
+
+def _safe(fn, model, x):
+    try:
+        return fn(model, x)
+    except Exception:  # noqa: BLE001 - a mistake that cannot be made here is not this one
+        return None
+
 
 def reference_overflow_layer(report) -> str:
-    """The reference answer: the first overflow site in the report."""
+    """The first overflow site in a doctor ``report``: what the lesson's report names."""
     return report.overflow[0]["layer"]
-
-
-WRONG_OVERFLOW = {"a layer inf only reaches": lambda r: r.fp16_nonfinite[-1],
-                  "not a layer of the report": lambda r: "the MLP"}
-
-
-def check_overflow_layer(answer, report) -> Check:
-    """Grade ``answer`` (a layer name): the layer whose activations pass fp16's largest value
-    in ``report`` (its ``overflow`` sites; any of them counts)."""
-    hints = HINTS["overflow"]
-    if is_blank(answer):
-        return unanswered(OVERFLOW, hints)
-    if not report.overflow:
-        return skipped(OVERFLOW, "nothing overflows fp16 in this report")
-    sites = {o["layer"]: o for o in report.overflow}
-    name = _layer_name(report, answer)
-    if name in sites:
-        return passed(OVERFLOW, f"{name} ({sites[name]['kind']}) reaches "
-                      f"{sites[name]['value']:,.0f}, past fp16's {fp16_max():,.0f}")
-    row = _layer(report, name)
-    if row is None:
-        return wrong(OVERFLOW, f"{name!r} is not a layer of the report", hints.after(
-            "answer with a name from the report's layer column (a module's name as "
-            "named_modules() gives it, such as blocks.0.qkv), not a description"))
-    largest = row.get("act_absmax") or 0.0
-    if name in report.fp16_nonfinite:
-        return wrong(OVERFLOW, f"inf reaches {name}, but its own activations stay at "
-                     f"{largest:.3g} in fp32", hints.after(
-                         "inf flows downstream from where it is born: every layer after the "
-                         "first overflow receives it. Find the first one, whose own output is "
-                         "past fp16's largest value"))
-    return wrong(OVERFLOW, f"{name}'s largest activation is {largest:.3g}, under fp16's "
-                 f"{fp16_max():,.0f}", hints)
 
 
 # --- exercise 2 ---------------------------------------------------------------------------------
@@ -197,6 +316,7 @@ def _scale_mistake(report, k, known: Optional[str]) -> str:
     return "GradScaler keeps growing the scale while the largest gradient still fits"
 
 
+@graded
 def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
     """Grade ``fn(report) -> k`` on each of ``reports``: the exponent of the loss scale ``2**k``
     GradScaler settles at, equal to the report's own ``scale_exponent``. ``fn`` is given a copy
@@ -226,9 +346,10 @@ def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
     if off:
         report, k = off[0]
         want = report.scale_exponent
-        return wrong(SCALE, f"{report.model}: k = {k:g}; GradScaler settles at 2^{want}",
+        return wrong(SCALE, f"{report.model}: k = {k:g} is not where GradScaler settles",
                      hints.after(_scale_mistake(report, k,
-                                                  matching_mistake(WRONG_SCALE, answers))))
+                                                  matching_mistake(WRONG_SCALE, answers))),
+                     "; ".join(f"{r.model}: k = {r.scale_exponent}" for r, _ in answers))
     return passed(SCALE, "; ".join(f"{r.model}: 2^{r.scale_exponent}" for r in reports)
                   + ", as the doctor found")
 
@@ -254,6 +375,7 @@ def _is_bool(value) -> bool:
     return isinstance(value, bool) or numpy is not None and isinstance(value, numpy.bool_)
 
 
+@graded
 def check_report_answers(answers, report) -> Check:
     """Grade ``answers`` ({"fp16 safe": bool, "scale exponent": int, "largest activation":
     layer name}) against ``report`` (the doctor's report on your model)."""
@@ -264,6 +386,7 @@ def check_report_answers(answers, report) -> Check:
     if is_blank(answers):
         return unanswered(YOURS, hints)
     want = reference_answers(report)
+    reveal = ", ".join(f"{q}: {want[q]!r}" for q in QUESTIONS)
     names = {text_key(q): q for q in QUESTIONS}
     got = {names[text_key(k)]: v for k, v in answers.items() if text_key(k) in names}
     missing = [q for q in QUESTIONS if q not in got]
@@ -275,29 +398,28 @@ def check_report_answers(answers, report) -> Check:
                      hints.after("answer fp16 safe with the bool True or False (no quotes), "
                                  "as the advice's last line decides it"))
     if bool(got["fp16 safe"]) != want["fp16 safe"]:
-        return wrong(YOURS, f"fp16 safe: {got['fp16 safe']!r}; the report says "
-                     f"{want['fp16 safe']}", hints.after(
+        return wrong(YOURS, f"fp16 safe: the report does not say {got['fp16 safe']!r}",
+                     hints.after(
                          "the advice's last line says whether fp16 with GradScaler is safe "
-                         "here; True or False"))
+                         "here; True or False"), reveal)
     if want["scale exponent"] is not None and whole_number(got["scale exponent"]) \
             != want["scale exponent"]:
-        return wrong(YOURS, f"scale exponent: {got['scale exponent']!r}; the report's is "
-                     f"{want['scale exponent']}", hints.after(
+        return wrong(YOURS, f"scale exponent: {got['scale exponent']!r} is not the report's",
+                     hints.after(
                          "2^16 is GradScaler's default start, not where it settles: the "
                          "advice's first line names the power of two it would settle near"
                          if whole_number(got["scale exponent"]) == 16 else
                          "the advice's first line names the power of two GradScaler would settle "
-                         "near: give its exponent"))
+                         "near: give its exponent"), reveal)
     name = _layer_name(report, got["largest activation"])
     row = _layer(report, name)
     best = _layer(report, want["largest activation"])
     if row is None or (row.get("act_absmax") or 0) < (best.get("act_absmax") or 0):
         said = (f"{name}'s act absmax is {_absmax(row)}" if row
                 else f"{got['largest activation']!r} is not a layer of the report")
-        return wrong(YOURS, f"largest activation: {said}; the largest is {best['layer']}'s "
-                     f"({_absmax(best)})", hints.after(
+        return wrong(YOURS, f"largest activation: {said}, not the largest", hints.after(
                          "the largest output is not always the last layer's: compare the act "
-                         "absmax column over all layers"))
+                         "absmax column over all layers"), reveal)
     return passed(YOURS, f"{report.model}: fp16 {'safe' if want['fp16 safe'] else 'not safe'}, "
                   f"scale 2^{want['scale exponent']}, largest activation in "
                   f"{want['largest activation']} ({_absmax(best)})")

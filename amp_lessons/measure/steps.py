@@ -1,5 +1,6 @@
 """Step builders: the configuration's model and optimizer, and the training step a row times
-(``hand_step``: the canonical AMP step written out; ``trainer_step``; ``cuda_graph_step``)."""
+(``hand_step``: the canonical AMP step written out; ``trainer_step``: the course's trainer), and
+``cuda_graph_step``, the package's one CUDA-graph capture of a whole training step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_lessons.train import trainer as _trainer
+from amp_lessons.train.skipsafe import prime_momentum_buffers
 from amp_lessons.numerics.precision import autocast_for
 from amp_lessons.measure.config import MODELS, BenchConfig
 
@@ -29,7 +31,7 @@ def build_optimizer(config: BenchConfig, params: Iterable[torch.Tensor],
     """SGD (momentum 0.9) or Adam/AdamW with the configuration's kernels, eps and amsgrad.
 
     ``prime_momentum``: give fused SGD zero momentum buffers up front
-    (``trainer.prime_momentum_buffers``), so a first step that GradScaler skips cannot leave
+    (``train.skipsafe.prime_momentum_buffers``), so a first step that GradScaler skips cannot leave
     them uninitialised; the updates are the same as without priming.
     """
     if not isinstance(prime_momentum, bool):
@@ -44,7 +46,7 @@ def build_optimizer(config: BenchConfig, params: Iterable[torch.Tensor],
     if config.optimizer == "sgd":
         sgd = torch.optim.SGD(params, lr=config.lr or 0.1, momentum=0.9, **kwargs)
         if prime_momentum and config.impl == "fused":
-            _trainer.prime_momentum_buffers(sgd)
+            prime_momentum_buffers(sgd)
         return sgd
     if config.cuda_graph:
         kwargs["capturable"] = True

@@ -2,7 +2,8 @@
 ``time.perf_counter`` on a CPU), ``device_busy_ms`` (the union of the device's kernel intervals
 under the profiler), ``idle_fraction`` (the share of a step the device sat idle) and
 ``summarize_times`` (median, quartiles, img/s and the repeat spread, ``repeat_spread``).
-``runner.measure`` builds its rows from these; lesson 02 times its loops with them. A row whose
+``runner.measure`` builds its rows from these; lesson 02 times its loops with them, and the
+trainer keeps no step clock of its own (``time_steps`` times ``train_step`` too). A row whose
 repeats disagree by more than ``NOISY_SPREAD`` (10%) decides nothing (``claims.rows_timing_gate``)."""
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
-"""Training-checkpoint files: written atomically, verified when read, RNG states captured and
-restored. ``Trainer.save_checkpoint``/``load_checkpoint`` build on these (docs/reliability.md).
+"""Training-checkpoint files, for ``Trainer.save_checkpoint``/``load_checkpoint``: written
+atomically, every byte verified when read, random-generator states captured and restored.
 
-File layout: a normal ``torch.save`` archive followed by one trailer line,
-``\\n#amp-lessons sha256=<64 hex digits>\\n``, the SHA-256 of every byte before it. ``torch.load``
-and ``zipfile`` ignore the trailer, so a checkpoint is still a plain PyTorch file; ``read_verified``
-recomputes the digest, so any byte changed since the save (a flipped bit, a truncated copy) is
-found before anything is unpickled.
-
-Saves go through the package's one atomic writer (``files.atomic_file``): a temporary file
-``.<name>.tmp-<host>-<pid>-<random>`` next to the target (the name shortened to fit the folder's
-limit), fsynced, then renamed over it. A save killed with ``kill -9`` cannot remove its own, so
-every later save or load of that path removes the ones left by processes of this host that no
-longer run (never one of a live process).
+A file is a normal ``torch.save`` archive followed by one trailer line,
+``\n#amp-lessons sha256=<64 hex digits>\n``, the SHA-256 of every byte before it: ``torch.load``
+ignores the trailer, and ``read_verified`` finds any byte changed since the save before anything is
+unpickled. Saves go through the package's one atomic writer (``files.atomic_file``: a temporary
+file next to the target, fsynced, renamed over it); temporary files of killed saves are removed
+by the next save or load of that path.
 """
 from __future__ import annotations
 
@@ -29,8 +24,8 @@ import torch
 
 from amp_lessons.validate import is_real
 from amp_lessons.numerics.precision import as_device
-from amp_lessons.files import (DISK_FULL_ERRNOS, DiskFullError, FileTooLargeError, host_tag,  # noqa: F401 - re-exported
-                    pid_alive, atomic_file, remove_stale_temp_files, temp_name, write_error)
+from amp_lessons.files import (DiskFullError, FileTooLargeError, host_tag,  # noqa: F401
+                               atomic_file, remove_stale_temp_files, write_error)
 
 TRAILER_PREFIX = b"\n#amp-lessons sha256="
 TRAILER_SIZE = len(TRAILER_PREFIX) + 64 + 1
@@ -44,18 +39,15 @@ class CheckpointError(ValueError):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No checkpoint file at the path: both ``except CheckpointError`` (a ValueError) and
-    ``except FileNotFoundError`` catch it."""
+    """No checkpoint file at the path (also a FileNotFoundError)."""
 
 
 class CheckpointIsAFolderError(CheckpointError, IsADirectoryError):
-    """The checkpoint path is a folder: both ``except CheckpointError`` and
-    ``except IsADirectoryError`` catch it."""
+    """The checkpoint path is a folder (also an IsADirectoryError)."""
 
 
 class CheckpointFromNewerRelease(CheckpointError):
-    """A checkpoint written in a newer format than this release reads: the message says which
-    format it holds and which ones this release reads."""
+    """A checkpoint in a newer format than this release reads; the message names both."""
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -81,17 +73,10 @@ class _HashingWriter:
 
 
 def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
-    """``torch.save`` + checksum trailer written atomically over ``path`` with the package's
-    writer (``files.atomic_file``: temporary file next to ``path``, fsync, rename). A dict saved
-    with ``obj[CHECKSUM_KEY] = True`` is refused by ``read_verified`` when its trailer is
-    damaged.
-
-    A failure at any point (an exception, a full disk, ``kill -9``) leaves the previous file at
-    ``path`` untouched. An exception removes the temporary file at once; a killed process cannot,
-    so this and every later save or ``read_verified`` of ``path`` remove temporary files left by
-    dead processes (``remove_stale_temp_files``). The file gets the mode ``torch.save`` would give
-    it (0666 less the umask). A full disk raises ``DiskFullError`` and a file-size limit
-    ``FileTooLargeError``, each saying so and naming the file.
+    """``torch.save(obj)`` plus its checksum trailer, written atomically over ``path``: a failure
+    at any point (an exception, a full disk, ``kill -9``) leaves the previous file untouched. A
+    full disk raises ``DiskFullError``, a file-size limit ``FileTooLargeError``, each naming the
+    file. A dict saved with ``obj[CHECKSUM_KEY] = True`` is refused when its trailer is damaged.
     """
     path = checkpoint_path(path)
     if path.is_dir():

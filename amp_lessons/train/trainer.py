@@ -84,9 +84,8 @@ def _overrides(hook: Hooks, name: str) -> bool:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
+    return next((t.device for t in list(model.parameters()) + list(model.buffers())),
+                torch.device("cpu"))
 
 
 def _grad_norm(params) -> Optional[torch.Tensor]:
@@ -140,7 +139,7 @@ class Trainer:
                              "casts per operation, GradScaler cannot unscale float16 "
                              "gradients); got float16 parameters: was .half() called on "
                              "the model?")
-        if device is not None:
+        if device is not None:  # None: the model stays where it is
             model.to(self.device)
         if config.channels_last:
             model.to(memory_format=torch.channels_last)
@@ -152,9 +151,9 @@ class Trainer:
         self._config = config
         self._configure()
         self.history, self.step, self.epoch = History(), 0, 0
-        self._batches_done = 0  # micro-batches of the current epoch already trained (resume)
-        self._fit_batches = 0  # micro-batches of the step fit is running (counted when applied)
-        self._open_iterator = None  # a one-shot iterator a max_steps stop left mid-epoch
+        # micro-batches of the epoch trained (resume) and of the step fit runs; a one-shot
+        # iterator a max_steps stop left mid-epoch
+        self._batches_done, self._fit_batches, self._open_iterator = 0, 0, None
         self._phase, self._cancelled = Phase.IDLE, None
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -385,7 +384,6 @@ class Trainer:
                              f"batches once); got epochs={epochs}: pass a re-iterable loader (a "
                              f"list, TensorBatches, a DataLoader) to train more epochs")
         from amp_lessons.progress import progress_bar  # plain text in a saved notebook
-
         acc, taken = self._config.accumulate, 0
         memory = self._config.track_memory and self.device.type == "cuda"
         for _ in range(epochs):

@@ -32,7 +32,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in text
                                               or "cuda_error_out_of_memory" in text
-                                              or "alloc_failed" in text)
+                                              or "alloc_failed" in text
+                                              or "can't allocate memory" in text)
 
 
 def free_bytes(device=None) -> Optional[int]:

@@ -294,3 +294,164 @@ def test_cli_doctor_errors_are_one_line(argv, message, capsys):
     assert main(["doctor"] + argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+# --- the command line: every error one line (issue 41), several inputs, --output ---------------
+
+CLI_FAST = ["--trial-steps", "0", "--precisions", ""]
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """Modules a user would point --model at: a meta-device model, a script without a __main__
+    guard, a two-input model and a model with a tuple output."""
+    (tmp_path / "meta_models_41.py").write_text(
+        "import torch\n"
+        "def meta_net():\n"
+        "    with torch.device('meta'):\n"
+        "        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n")
+    (tmp_path / "train_script_41.py").write_text(
+        "import sys, torch\n"
+        "def build():\n    return torch.nn.Linear(4, 2)\n"
+        "def main():\n    return 0\n"
+        "sys.exit(main())\n")
+    (tmp_path / "two_inputs_41.py").write_text(
+        "import torch\n"
+        "class Two(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.a = torch.nn.Linear(4, 3); "
+        "self.e = torch.nn.Embedding(10, 3)\n"
+        "    def forward(self, x, ids):\n        return self.a(x) + self.e(ids).mean(1)\n"
+        "class Pair(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.a = torch.nn.Linear(4, 6); "
+        "self.b = torch.nn.Linear(6, 3)\n"
+        "    def forward(self, x):\n        f = self.a(x)\n        return f, self.b(f)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "meta_models_41:meta_net", "--batch-shape", "2,8"],
+     "parameters are on the meta device and hold no data"),
+    (["--model", "train_script_41:build", "--batch-shape", "2,4"], "ended the program"),
+    (["--model", "two_inputs_41:Two", "--batch-shape", "100000,100000,100000"],
+     "the batch alone needs 4,000,000,000,000,000 bytes"),
+    (["--model", "two_inputs_41:Pair", "--batch-shape", "3,4"], "none is named 'logits'"),
+    (["--model", "two_inputs_41:Pair", "--batch-shape", "3,4", "--trial-steps", "-1"],
+     "--trial-steps must be"),
+    (["--model", "two_inputs_41:Two", "--input", "3,4", "--input", "3,5:ids"], "--input"),
+])
+def test_cli_doctor_user_errors_are_one_line(user_modules, argv, message, capsys):
+    assert main(["doctor"] + argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("python -m amp_lessons")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+def test_cli_doctor_takes_several_inputs_and_an_output_key(user_modules, capsys):
+    assert main(["doctor", "--model", "two_inputs_41:Two", "--input", "3,4",
+                 "--input", "3,5:ids=10"] + CLI_FAST) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("verdict for cpu") and "3x4 float32" not in out.splitlines()[0]
+    assert main(["doctor", "--model", "two_inputs_41:Pair", "--batch-shape", "3,4",
+                 "--output", "1"] + CLI_FAST) == 0
+    out = capsys.readouterr().out
+    assert "the loss is taken of output 1 (as given)" in out
+
+
+def test_cli_doctor_ctrl_c_is_one_line_and_exit_130(user_modules, monkeypatch, capsys, tmp_path):
+    import amp_lessons.doctor.run as run_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "doctor", interrupted)
+    out = tmp_path / "r.json"
+    assert main(["doctor", "--model", "two_inputs_41:Pair", "--batch-shape", "3,4",
+                 "--output", "1", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("python -m amp_lessons")]
+    assert len(lines) == 1 and "interrupted (Ctrl-C)" in lines[0]
+    assert "no report was written" in lines[0] and str(out) in lines[0] and not out.exists()
+
+
+def test_cli_doctor_out_of_memory_names_the_batch_and_the_bytes(user_modules, monkeypatch,
+                                                                  capsys):
+    import amp_lessons.doctor.run as run_module
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                           "123456789 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(run_module, "doctor", oom)
+    assert main(["doctor", "--model", "two_inputs_41:Pair", "--batch-shape", "3,4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "out of memory on cpu" in err and "batch of 3,4" in err
+    assert "123456789 bytes" in err and "bytes are free" in err
+
+
+def test_doctor_command_does_not_import_the_cli():
+    import ast
+    import inspect
+
+    from amp_lessons.doctor import command
+
+    tree = ast.parse(inspect.getsource(command))
+    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "amp_lessons.cli" not in names
+
+
+def test_an_ambiguous_pair_is_refused_with_both_forms():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 3)
+
+        def forward(self, a, b):
+            return self.l(a + b)
+
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match=r"could be two inputs or \(inputs, target\).*"
+                                         r"inputs=\(a, b\).*inputs=x, target=y.*--input"):
+        al.doctor(Two(), (a, b), precisions=(), trial_steps=0)
+    r = al.doctor(Two(), inputs=(a, b), precisions=(), trial_steps=0)
+    assert r.read_as == "inputs= (as given)" and "random class ids" in r.loss
+    r = al.doctor(nn.Linear(4, 3), inputs=a, target=torch.randint(0, 3, (5,)), precisions=(),
+                  trial_steps=0)
+    assert r.read_as == "inputs= and target= (as given)"
+    with pytest.raises(ValueError, match="either as batch or as inputs="):
+        al.doctor(Two(), (a, b), inputs=(a, b))
+
+
+@pytest.mark.parametrize("device_type, bf16, advice, words", [
+    ("cuda", True, {"fp16_safe": True, "settings": {"init_scale": 2.0 ** 15}},
+     "train in bf16 autocast (this GPU has native bf16)"),
+    ("cuda", False, {"fp16_safe": True, "settings": {"init_scale": 2.0 ** 15}},
+     "fp16 + GradScaler, init_scale 2^15"),
+    ("cuda", False, {"fp16_safe": False, "lines": ["fp16 is not safe: the forward pass "
+                                                   "overflows fp16 in 1 layer."]},
+     "fp16 is unsafe here because the forward pass overflows fp16 in 1 layer"),
+    ("cpu", False, {"fp16_safe": True}, "stay in fp32: CPU"),
+    ("cuda", True, {"precision": "none (inf/NaN in fp32)"}, "fix the model in fp32 first"),
+])
+def test_the_verdict_speaks_the_cheat_sheet(device_type, bf16, advice, words):
+    from amp_lessons.doctor import verdict
+
+    v = verdict.verdict(device_type, "GPU", bf16, advice)
+    assert v["text"].startswith(words)
+    assert "safe" not in v["text"].replace("unsafe", "") or not advice.get("fp16_safe") is False
+    fixed = verdict.verdict(device_type, "GPU", bf16, advice, ["custom-function at F"])
+    assert fixed["text"].endswith("fix first: custom-function at F")
+
+
+def test_dropout_mask_memory_is_never_an_overflow_site():
+    """Dropout's mask starts as torch.empty_like, whose memory may hold inf/NaN garbage (it did
+    in mobilenet_v3_small's classifier): the watch skips ops that return uninitialised memory,
+    and still records any other op that makes inf/NaN from finite inputs."""
+    from amp_lessons.doctor import probes
+
+    garbage, finite = torch.full((3,), float("nan")), torch.zeros(3)
+    w = probes._Watcher(nn.Linear(2, 2), None)
+    w.on_op(torch.ops.aten.empty_like.default, (finite,), {}, garbage)
+    assert w.result.forward_nonfinite is None
+    w.on_op(torch.ops.aten.add.Tensor, (finite, finite), {}, garbage)
+    assert w.result.forward_nonfinite["op"] == "aten.add"

@@ -65,6 +65,7 @@ def test_agreement_and_summary():
     assert short[0]["within 5%"] is None and "timed steps" in short[0]["why not decided"]
     row = L.summary({"m": _report(mine)})[0]
     assert row["fastest (decided)"] == "fp16" and row["loss scale"] == "2^3"
+    assert row["alarms"] == "none" and "verdict" in row
     mine[1]["decided"] = False
     assert L.summary({"m": _report(mine)})[0]["fastest (decided)"] == "not decided"
 
@@ -92,3 +93,27 @@ def test_cheat_sheet_and_fingerprint(monkeypatch, tmp_path):
     assert L.unchanged(net, before)
     net.eval()
     assert not L.unchanged(net, before)
+
+
+def test_bench_cases_and_summary():
+    cases, why = L.bench_cases()
+    assert why == "" and len(cases) >= 12 and sum(c.healthy for c in cases) >= 3
+    rows = [{"expected": "activation-overflow", "doctor": "diagnosed", "hooks_found": "found",
+             "anomaly_found": "flagged elsewhere"},
+            {"expected": "grad-underflow", "doctor": "diagnosed", "hooks_found": "missed",
+             "anomaly_found": "missed"},
+            {"expected": "no alarm", "doctor": "clean", "hooks_found": "false alarm",
+             "anomaly_found": "clean"}]
+    table = {r["tool"]: r for r in L.bench_summary(rows)}
+    assert table["the doctor"]["problems found at their site"] == 2
+    assert table["forward hooks, abs-min/abs-max"]["problems found at their site"] == 1
+    assert table["forward hooks, abs-min/abs-max"]["false alarms (healthy models)"] == 1
+    assert table["torch.autograd.detect_anomaly"]["flagged elsewhere"] == 1
+    assert all(r["problems"] == 2 and r["healthy models"] == 1 for r in table.values())
+
+
+def test_bench_cases_say_why_without_the_repository(monkeypatch, tmp_path):
+    monkeypatch.setattr(L, "BENCH", tmp_path / "tests" / "doctor_bench")
+    monkeypatch.setattr(L, "REPO", tmp_path)
+    cases, why = L.bench_cases()
+    assert cases is None and "tests/doctor_bench" in why

@@ -40,6 +40,9 @@ REDUCTIONS = {"sum", "mean", "var", "std", "var_mean", "std_mean", "norm", "lina
 # ops autocast runs in 16 bits (a backward that runs them in float32 recomputes outside autocast)
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
            "conv1d", "conv2d", "conv3d", "addbmm"}
+# ops whose output is uninitialised memory (dropout's mask starts as empty_like): never a site
+UNINITIALISED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                 "empty_permuted")
 REDUCTION_LIMIT = 0.01  # a 16-bit reduction off by more than 1% of its float32 value is reported
 ROOT = "the model's own forward"
 
@@ -149,7 +152,7 @@ class _Watcher:
         name = func.overloadpacket.__name__
         backward = torch._C._current_graph_task_id() != -1
         outs = [t for t in _tensors([out]) if t.is_floating_point()]
-        if not outs:
+        if not outs or name in UNINITIALISED:
             return
         r = self.result
         if self.backward_function is not None and backward and name in MATMULS:

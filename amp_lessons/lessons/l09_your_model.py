@@ -194,19 +194,67 @@ def lesson07_crossover(notebook: Optional[Path] = None, recipe: str = "tensorwis
 # --- reading the three reports --------------------------------------------------------------------
 
 def summary(reports: Mapping[str, object]) -> List[Dict[str, object]]:
-    """One row per model: the advice, the fp16 overflow site, the loss scale, the fastest
-    precision (only where every timed row passed the timing gate) and the FP8 status."""
+    """One row per model: the verdict for this device, the alarms raised, the fp16 overflow
+    site, the loss scale, the fastest precision (only where every timed row passed the timing
+    gate) and the FP8 status."""
     out = []
     for name, r in reports.items():
         timed = [s for s in r.speed if s["status"] == "ok"]
         decided = timed and all(s["decided"] for s in timed)  # a ranking needs every row
         best = max(timed, key=lambda s: s["samples_per_s"])["precision"] if decided else \
             "not decided"
-        out.append({"model": name, "train in": r.advice["precision"],
+        out.append({"model": name, "verdict": r.verdict.get("text", ""),
+                    "alarms": ", ".join(f"{a['class']} at {a['site']}" for a in r.alarms())
+                    or "none",
                     "fp16 safe": r.advice["fp16_safe"],
                     "fp16 overflows in": ", ".join(o["layer"] for o in r.overflow[:2]) or "-",
                     "loss scale": "n/a" if r.scale_exponent is None else f"2^{r.scale_exponent}",
                     "fastest (decided)": best, "FP8": r.fp8["status"]})
+    return out
+
+
+# --- the doctor bench beside the tools a user reaches for first ---------------------------------
+
+BENCH = REPO / "tests" / "doctor_bench"
+BENCH_COLUMNS = (("case", "case"), ("problem", "problem"), ("expected", "expected"),
+                 ("doctor", "doctor"), ("alarms", "the doctor's alarms (site)"),
+                 ("hooks_found", "abs-min/max hooks"), ("hooks", "hooks report"),
+                 ("anomaly_found", "detect_anomaly"), ("anomaly", "detect_anomaly reports"),
+                 ("seconds", "doctor s", ".2f"))
+
+
+def bench_cases() -> Tuple[Optional[list], str]:
+    """The doctor bench's cases (``tests/doctor_bench`` in the repository: one reproduction per
+    failure class and healthy models), or ``(None, why)`` where the package was installed
+    without the repository (Colab, Kaggle)."""
+    if not (BENCH / "cases.py").is_file():
+        return None, (f"the bench's cases live in the repository ({BENCH.relative_to(REPO)}); "
+                      f"clone it to run them")
+    import importlib
+    import sys
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    module = importlib.import_module("tests.doctor_bench.cases")
+    return list(module.CASES), ""
+
+
+def bench_summary(rows: Sequence[Mapping]) -> List[Dict[str, object]]:
+    """Per tool: how many problem cases it found at their site, missed or flagged elsewhere,
+    and how many healthy models it raised an alarm on (``doctor.bench.run`` rows)."""
+    problems = [r for r in rows if r["expected"] != "no alarm"]
+    healthy = [r for r in rows if r["expected"] == "no alarm"]
+    out = []
+    for tool, key, hit in (("the doctor", "doctor", "diagnosed"),
+                           ("forward hooks, abs-min/abs-max", "hooks_found", "found"),
+                           ("torch.autograd.detect_anomaly", "anomaly_found", "found")):
+        out.append({"tool": tool, "problems found at their site":
+                    sum(r.get(key) == hit for r in problems),
+                    "problems": len(problems),
+                    "flagged elsewhere": sum(r.get(key) == "flagged elsewhere" for r in problems),
+                    "false alarms (healthy models)": sum(r.get(key) == "false alarm"
+                                                         for r in healthy),
+                    "healthy models": len(healthy)})
     return out
 
 

@@ -230,7 +230,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]  # the step's, before a scheduler changes it
         if isinstance(lr, torch.Tensor):  # a tensor learning rate may change in place later
             lr = lr.detach().clone()
-        self.model.train()
+        if not self.model.training:  # (a submodule frozen with .eval() stays frozen)
+            self.model.train()
         try:
             with self.precision.settings():
                 loss, grad_norm, found_inf, scale, cause = self._step(batches)

@@ -29,7 +29,7 @@ OLDEST_SITE := $(OLDEST_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print(
 # The tests whose subject changes between torch releases: GradScaler's internals and the
 # trainer's policies, autocast, float8 formats, checkpointing (SAC), launching, DDP and FSDP2,
 # checkpoint files. `make test-oldest OLDEST_TESTS=tests` runs every unit test there.
-OLDEST_TESTS ?= tests/test_policies.py tests/test_trainer.py tests/test_trainer_lazy.py \
+OLDEST_TESTS ?= tests/test_policies.py tests/test_trainer.py \
 	tests/test_precision.py tests/test_formats.py tests/test_models_resnet.py \
 	tests/test_distributed.py tests/test_checkpoint.py tests/test_trainer_other_models.py \
 	tests/test_trainer_fit_resume.py

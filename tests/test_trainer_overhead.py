@@ -17,11 +17,11 @@ def script():
 
 def test_a_tiny_run_writes_paired_costs_for_every_variant(script, tmp_path):
     out = tmp_path / "overhead.json"
-    doc = script.main(["--quick", "--networks", "recipe", "--rounds", "3", "--steps", "2",
+    doc = script.main(["--quick", "--networks", "recipe", "--rounds", "2", "--steps", "1",
                        "--warmup", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == doc
     (row,) = doc["rows"]
-    assert row["network"] == "recipe" and row["precision"] == "fp16" and row["rounds"] == 3
+    assert row["network"] == "recipe" and row["precision"] == "fp16" and row["rounds"] == 2
     assert list(row["variants"]) == list(script.VARIANTS)
     hand = row["variants"]["hand"]
     assert hand["cost_pct"] is None and hand["step_ms"]["median"] > 0

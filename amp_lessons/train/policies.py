@@ -1,14 +1,7 @@
-"""The two policies of a training step: ``Precision`` (what a precision name changes: the autocast
-context, the TF32 switches and whether the GradScaler is enabled) and ``NonFinite`` (what a step
-with an inf/NaN loss or gradient does). The trainer's step is written once against them, the way
-nanoGPT writes its loop once against ``ctx`` and ``GradScaler(enabled=...)``::
-
-    with precision.autocast():
-        loss = loss_fn(model(x), y)
-    precision.scaler.scale(loss).backward()      # a no-op wrapper unless fp16
-    found_inf = nonfinite.check(loss)            # 0-dim flag, or None where GradScaler decides
-    found_inf = nonfinite.step(found_inf)        # scaler.step(optimizer), or a skipping step
-    precision.scaler.update()
+"""The two policies of a training step: ``Precision`` (what a precision name changes: autocast,
+the TF32 switches, whether the GradScaler is enabled) and ``NonFinite`` (what a step with an
+inf/NaN loss or gradient does). ``Trainer._step`` is written once against them, as nanoGPT writes
+its loop once against ``ctx`` and ``GradScaler(enabled=...)``.
 """
 from __future__ import annotations
 

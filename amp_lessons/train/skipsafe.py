@@ -1,15 +1,12 @@
-"""Skip safety: a skipped step must leave the model exactly as it was.
-
-``BufferGuard`` keeps the running statistics of BatchNorm (and of the other layers that write
-buffers in training) from moving on a skipped step, on the device and without a host sync::
+"""Skip safety: a skipped step leaves the model exactly as it was. ``BufferGuard`` puts back the
+running statistics of BatchNorm (and of the other layers that write buffers in training) on a
+skipped step, on the device; ``prime_momentum_buffers`` works around fused SGD's uninitialised
+momentum after a skipped first step (lesson 04 shows the bug)::
 
     guard = BufferGuard(model)
     guard.snapshot()              # before the step's first forward
     ...                           # forward, backward, optimizer step
     guard.restore_if(found_inf)   # where the step was skipped, the buffers come back
-
-``prime_momentum_buffers`` works around fused SGD's uninitialised momentum after a skipped first
-step (lesson 04 shows the bug).
 """
 from __future__ import annotations
 

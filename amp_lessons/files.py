@@ -15,6 +15,11 @@ their static images, rehearsal records and training checkpoints are all written 
   processes of this host that no longer run (``remove_stale_temp_files``).
 - A new file gets the mode ``open()`` would give it (0666 less the umask); a replaced file keeps
   its mode.
+- One rule for a file that is there already: it is replaced only where it could be written in
+  place. A read-only file (no write permission for this user, or none for anyone: mode 0444,
+  which root could write through a rename) is refused with ``ReadOnlyFileError`` before anything
+  is written, never replaced by the rename; ``check_writable`` applies the same rule before a
+  command's work starts.
 
 ``read_text``, ``read_json`` and ``read_notebook`` raise a ``ValueError`` that names the file for
 content that cannot be read (not UTF-8, not JSON, not a valid notebook), so every command can
@@ -29,6 +34,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Iterator, List, Union
 
@@ -55,12 +61,24 @@ class FileTooLargeError(OSError):
         return str(self.strerror)
 
 
+class ReadOnlyFileError(PermissionError):
+    """A file that is there already and cannot be written (``read_only_reason``); the message
+    names it, and the file is left as it was."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def write_failure(path: PathLike, exc: OSError) -> str:
-    """One line for a failed write of ``path``: the message of ``DiskFullError`` or
-    ``FileTooLargeError`` (which name the file), else "could not write <path>: <error>"."""
-    if isinstance(exc, (DiskFullError, FileTooLargeError)):
+    """One line for a failed write of ``path`` that says "could not write" once: the message of
+    the package's own errors (``DiskFullError``, ``FileTooLargeError``, ``ReadOnlyFileError``
+    and the writer's other errors, which name the file), else "could not write <path>: <why>"."""
+    if isinstance(exc, (DiskFullError, FileTooLargeError, ReadOnlyFileError)):
         return str(exc)
-    return f"could not write {path}: {exc}"
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if str(path) in why:  # the writer's own message names the file already
+        return why
+    return f"could not write {path}: {why}"
 
 
 class NotANotebookError(ValueError):
@@ -109,6 +127,18 @@ def pid_alive(pid: int) -> bool:
     except (PermissionError, OverflowError):  # exists, owned by someone else / not a pid
         return True
     return True
+
+
+def temp_files_of(path: PathLike, pid: int = None) -> List[Path]:
+    """The temporary files of writes of ``path`` by process ``pid`` (this one by default) on
+    this host that are still there: none once every write has finished or failed."""
+    path = Path(path)
+    pid = os.getpid() if pid is None else pid
+    prefix = f".{_temp_stem(path)}.tmp-{host_tag()}-{pid}-"
+    try:
+        return sorted(Path(e.path) for e in os.scandir(path.parent) if e.name.startswith(prefix))
+    except OSError:
+        return []
 
 
 def remove_stale_temp_files(path: PathLike) -> List[Path]:
@@ -182,15 +212,42 @@ class _KeepingWriter:
         self.f.flush()
 
 
+def read_only_reason(path: PathLike) -> str:
+    """Why the file at ``path`` may not be replaced ("" when it may, or when there is none):
+    this user may not write it, or nobody may (no write bit: mode 0444, which root could still
+    replace by a rename). The package's one rule, in ``atomic_file`` and ``check_writable``."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return ""
+    if not stat.S_ISREG(mode):
+        return ""
+    if not mode & 0o222:
+        return f"read-only: mode {mode & 0o7777:04o}"
+    if not os.access(path, os.W_OK):
+        return f"this user may not write it: mode {mode & 0o7777:04o}"
+    return ""
+
+
+def _read_only_error(path: Path, what: str, reason: str) -> ReadOnlyFileError:
+    return ReadOnlyFileError(errno.EACCES, f"could not write {what} {path}: it exists and "
+                                           f"cannot be written ({reason}); make it writable "
+                                           f"(chmod u+w) or name another file")
+
+
 @contextlib.contextmanager
 def atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
     """Yield a binary file object; on leaving the block its bytes replace ``path`` atomically
     (see the module docstring). ``what`` names the kind of file in errors ("checkpoint",
     "notebook"). The folder must exist. A symbolic link is written through: its target gets the
-    bytes and the link stays a link (as an editor saves it); a folder is refused by name."""
+    bytes and the link stays a link (as an editor saves it); a folder is refused by name, and a
+    read-only file (``read_only_reason``) by ``ReadOnlyFileError``, before anything is written."""
     path = _through_links(path, what)
     if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, f"cannot write {what} {path}: it is a folder")
+        raise IsADirectoryError(errno.EISDIR, f"could not write {what} {path}: it is a folder")
+    reason = read_only_reason(path)
+    if reason:
+        raise _read_only_error(path, what, reason)
     remove_stale_temp_files(path)
     tmp = temp_name(path)
     try:
@@ -203,7 +260,7 @@ def atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
         better = write_error(exc, path, what)
         if better is not None:
             raise better from None
-        raise type(exc)(exc.errno, f"cannot write {what} {path}: {exc.strerror}") from None
+        raise type(exc)(exc.errno, f"could not write {what} {path}: {exc.strerror}") from None
     writer = None
     try:
         with os.fdopen(fd, "wb") as f:
@@ -233,7 +290,8 @@ def _through_links(path: PathLike, what: str = "file") -> Path:
         return path
     target = Path(os.path.realpath(path))
     if target.is_symlink():  # realpath stops inside a loop
-        raise OSError(errno.ELOOP, f"cannot write {what} {path}: its symbolic links form a loop")
+        raise OSError(errno.ELOOP, f"could not write {what} {path}: its symbolic links form a "
+                                   f"loop")
     return target
 
 
@@ -257,16 +315,18 @@ def write_json(path: PathLike, doc, what: str = "JSON file", indent: int = 1) ->
 
 def check_writable(path: PathLike, what: str) -> None:
     """ValueError unless a file can be written at ``path`` (checked before the work starts):
-    not a folder, and its folder exists (or can be made) and is writable; through a symbolic
-    link, its target's."""
+    not a folder, not a read-only file (the writer's rule, ``read_only_reason``), and its folder
+    exists (or can be made) and is writable; through a symbolic link, its target's."""
     try:
         path = _through_links(path, what)
     except OSError as exc:  # a loop of links
         raise ValueError(exc.strerror) from None
     if path.is_dir():
         raise ValueError(f"{what} must name a file, not a folder; got '{path}'")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"{what}: '{path}' exists and cannot be written")
+    reason = read_only_reason(path)
+    if reason:
+        raise ValueError(f"{what}: '{path}' exists and cannot be written ({reason}); make it "
+                         f"writable (chmod u+w) or name another file")
     check_folder_writable(path.parent, what, f"'{path}'")
 
 

@@ -759,3 +759,59 @@ def test_fp32_techniques_fall_back_to_plain_fp32_without_tf32(monkeypatch):
     assert tf32.precision == "tf32"
     (cpu,) = L.technique_configs(["fp32"])  # no device named: the table's own choice, tf32
     assert cpu.precision == "tf32"
+
+
+# --- sensitivity rows ------------------------------------------------------------------------------
+
+def test_claim_r8_decides_the_other_pairs_as_sensitivity_rows():
+    rows = [FP32, _row("AMP", 11.0, 100.0), _row("AMP + checkpointing", 5.0, 130.0),
+            _row("bf16", 11.0, 100.0), _row("bf16 + checkpointing", 5.0, 190.0),
+            _row("fp32 + checkpointing", 8.0, 75.0)]
+    v = L.verdict_r8(rows)
+    assert v.held is False and v.outcome == "partly held"   # bf16 adds 90%: a flip
+    assert "bf16 -> bf16 + checkpointing" in v.row()["sensitivity"]
+    assert "held with the AMP -> AMP + checkpointing pair" in v.why
+    assert "did not hold with the bf16 -> bf16 + checkpointing pair" in v.why
+    # an idle pair decides nothing and flips nothing
+    rows[4] = dict(rows[4], gpu_idle_fraction=0.6)
+    v = L.verdict_r8(rows)
+    assert v.held is True and any(a.held is None for a in v.sensitivity)
+
+
+def _equivalence(model, precision, diff):
+    return {"model": model, "precision": precision, "grad_rel_diff": diff, "micro_batch": 16,
+            "micro_batches": 4}
+
+
+def test_claim_r9_is_partly_held_where_batchnorm_breaks_the_step():
+    rows = [{"effective_batch": 32 * n, "micro_batches": n, "accumulated_peak_gib": 2.0,
+             "one_batch_peak_gib": 2.0 * n, "accumulated_saved_gib": None,
+             "one_batch_saved_gib": None, "one_batch_status": "ok"} for n in (1, 2, 4, 8)]
+    eq = [_equivalence("mlp", "fp32", 3.6e-7), _equivalence("mlp", "fp16", 6.1e-4),
+          _equivalence("cnn", "fp32", 0.42)]
+    v = L.verdict_r9(rows, eq)
+    assert v.outcome == "partly held" and [a.held for a in v.sensitivity] == [True, False]
+    assert "did not hold with the digits SmallCNN (BatchNorm) in fp32" in v.why
+    assert "held with the digits MLP (no BatchNorm) in fp32" in v.why
+    # the fp16 MLP is judged within fp16's rounding, not fp32's 1e-4
+    assert "at most 1e-02" in v.sensitivity[0].why
+    # decided on the BatchNorm model alone: did not hold
+    assert L.verdict_r9(rows, eq[2]).held is False
+    # one dict still decides as before
+    assert L.verdict_r9(rows, eq[0]).held is True
+
+
+def test_claim_r10_text_comes_from_the_device_count():
+    techniques = [_row("fp32", 20.0, 100.0, 1000.0), _row("AMP", 11.0, 40.0, 3000.0),
+                  _row("AMP + checkpointing", 4.5, 55.0, 2300.0), _row("bf16", 11.5, 40.0, 2800.0)]
+    cards = [{"card_gb": c, "technique": t, "largest_batch": b, "status": "ok"}
+             for c, t, b in [(8, "fp32", 90), (8, "AMP", 180), (8, "AMP + checkpointing", 430),
+                             (16, "fp32", 190), (16, "AMP", 370), (16, "AMP + checkpointing", 870)]]
+    for n, text in ((1, "1 GPU in this run"), (8, "8 GPUs in this run"), (0, "no GPU in this run")):
+        out = L.verdict_r10(cards, techniques, devices=n)
+        assert out[2].measured == text and out[3].measured == text
+    out = L.verdict_r10(cards, techniques, devices=2)
+    assert out[1].sensitivity and "bf16" in out[1].sensitivity[0].setting
+    assert out[1].sensitivity[0].held is True      # bf16 saves 42.5% >= 40%
+    with pytest.raises(ValueError, match="devices"):
+        L.verdict_r10(cards, techniques, devices=-1)

@@ -9,29 +9,25 @@ CPU run (the quick profile) reports them as "not decided here", with the reason.
 from __future__ import annotations
 
 import math
-import tempfile
-from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from amp_lessons.publish import claims
-from amp_lessons import models
 from amp_lessons.validate import check_choice, check_int, is_int, is_real
-from amp_lessons.data import digits, digits_loaders
 from amp_lessons.env import allocatable_bytes
-from amp_lessons.measure import (GIB, BenchConfig, free_memory, ratio, run_configs,
+from amp_lessons.measure import (GIB, BenchConfig, ratio, run_configs,
                      settings_caption, standard_settings)
 from amp_lessons.measure.accumulation import (accumulation_equivalence,  # noqa: F401 (lesson API)
                                   accumulation_memory)
 from amp_lessons.measure.activation_checkpointing import (checkpoint_equivalence,  # noqa: F401 (the lesson's API)
-                             checkpoint_sequential_pitfall, deterministic_kernels)
+                             checkpoint_sequential_pitfall)
 from amp_lessons.measure.cards import largest_per_card
 from amp_lessons.measure.counted import counted_memory_model, counted_step_memory  # noqa: F401
-from amp_lessons.numerics.precision import as_device, check_precision, native_tf32
+from amp_lessons.measure.resume import resume_experiment  # noqa: F401 (the lesson's API)
+from amp_lessons.numerics.precision import as_device, native_tf32
 from amp_lessons.tables import (format_value, largest_batch_report_rows,  # noqa: F401 (lesson API)
                       plural, shown_technique, technique_report_rows, technique_with_math)
-from amp_lessons.train.trainer import ScalerSettings, Trainer, TrainConfig
 
 LESSON = "05"
 
@@ -242,6 +238,36 @@ def checkpointing_costs(rows: Sequence[Dict[str, object]]) -> List[Dict[str, obj
     return out
 
 
+def _r8_rule(c: Dict[str, object], by_name: Mapping[str, Dict[str, object]]):
+    """R8's rule on one ``checkpointing_costs`` pair: ``(held, why, understated, reason,
+    measured)``; ``reason`` says why this pair cannot decide (None when it can)."""
+    pair_rows = [by_name[name] for name in c["pair"].split(" -> ")]
+    points, added = c["points_of_fp32"], c["time_added_pct"]
+    pair = " -> ".join(shown_technique(r) for r in pair_rows)  # as the tables name them
+    measured = (f"{pair}: {c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
+                f"({c['memory_saved_pct']:.0f}% of its memory, {points:.0f} points of the "
+                f"{technique_with_math(by_name.get('fp32'))} row's), step time {added:+.0f}%")
+    if c.get("gpu_idle_fraction") is not None:
+        measured += f" (GPU idle at most {c['gpu_idle_fraction']:.0%} of a step)"
+    reason = claims.rows_timing_gate(*pair_rows)
+    if reason and any(r.get("device_type") == "cpu" for r in pair_rows):
+        reason += "; memory on a CPU is counted, not a GPU's peak"
+    if not (is_real(points) and is_real(added) and math.isfinite(points)
+            and math.isfinite(added)):
+        return None, "", None, reason or (
+            f"a measured number is not finite (points_of_fp32={points!r}, time_added_pct="
+            f"{added!r}): no fp32 row, or the run diverged or was not measured, so it cannot "
+            f"rule"), measured
+    mem_ok, mem_more = claims.one_sided(points, *R8_MEMORY_PCT, " points")
+    time_ok, time_less = claims.one_sided(added, *R8_TIME_PCT, "%", larger_is_better=False)
+    why = (f"memory saved {points:.0f} points of fp32's memory "
+           f"({'>=' if mem_ok else '<'} {R8_MEMORY_PCT[0]:g}); time added {added:.0f}% "
+           f"({'<=' if time_ok else '>'} {R8_TIME_PCT[1]:g}%)")
+    understated = "; ".join(filter(None, (mem_more and f"memory: {mem_more}",
+                                          time_less and f"time: {time_less}"))) or None
+    return mem_ok and time_ok, why, understated, reason, measured
+
+
 @claims.decides("R8")
 def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     """Claim R8 ("another 20-30% of memory for about 30% more compute time") against the first
@@ -250,48 +276,30 @@ def verdict_r8(rows: Sequence[Dict[str, object]]) -> claims.Verdict:
     so the step time is the recomputation's compute time the claim is about), else bf16 or fp32.
     One-sided, in points of fp32's memory: held when checkpointing saves at least 20 points of
     the fp32 row's memory and adds at most 40% step time; more than 30 points saved, or under 20%
-    added, is "held, understated" (saying by how much). A CPU run, too
-    few timed steps, or only host-bound pairs cannot decide: the verdict says so."""
+    added, is "held, understated" (saying by how much). The other pairs are its sensitivity
+    rows, each decided by the same rule and gate. A CPU run, too few timed steps, or only
+    host-bound pairs cannot decide: the verdict says so."""
     costs = checkpointing_costs(rows)
     if not costs:
         return claims.not_decided("R8", LESSON, "no technique ran both with and without "
                                   "checkpointing", "nothing to compare")
     by_name = _by_technique(rows)
-
-    def pair_rows(c):
-        return [by_name[name] for name in c["pair"].split(" -> ")]
-
-    busy = [c for c in costs if claims.rows_timing_gate(*pair_rows(c)) is None]
-    c = busy[0] if busy else costs[0]
-    points, added = c["points_of_fp32"], c["time_added_pct"]
-    pair = " -> ".join(shown_technique(r) for r in pair_rows(c))  # as the tables name them
-    measured = (f"{pair}: {c['memory_gib']:.3g} -> {c['memory_gib_checkpointed']:.3g} GiB "
-                f"({c['memory_saved_pct']:.0f}% of AMP's memory, {points:.0f} points of the "
-                f"{technique_with_math(by_name.get('fp32'))} row's), step time {added:+.0f}%")
-    if c.get("gpu_idle_fraction") is not None:
-        measured += f" (GPU idle at most {c['gpu_idle_fraction']:.0%} of a step)"
-    reason = claims.rows_timing_gate(*pair_rows(c))
-    if reason and any(r.get("device_type") == "cpu" for r in pair_rows(c)):
-        reason += "; memory on a CPU is counted, not a GPU's peak"
-    if not (is_real(points) and is_real(added) and math.isfinite(points)
-            and math.isfinite(added)):
-        return claims.not_decided(
-            "R8", LESSON, measured, reason or (
-                f"a measured number is not finite (points_of_fp32={points!r}, "
-                f"time_added_pct={added!r}): no fp32 row, or the run diverged or was not "
-                f"measured, so it cannot rule"),
-            numbers={"points_of_fp32": points, "time_added_pct": added})
-    mem_ok, mem_more = claims.one_sided(points, *R8_MEMORY_PCT, " points")
-    time_ok, time_less = claims.one_sided(added, *R8_TIME_PCT, "%", larger_is_better=False)
-    why = (f"memory saved {points:.0f} points of fp32's memory "
-           f"({'>=' if mem_ok else '<'} {R8_MEMORY_PCT[0]:g}); time added {added:.0f}% "
-           f"({'<=' if time_ok else '>'} {R8_TIME_PCT[1]:g}%)")
-    understated = "; ".join(filter(None, (mem_more and f"memory: {mem_more}",
-                                          time_less and f"time: {time_less}"))) or None
-    return claims.decide("R8", LESSON, measured, mem_ok and time_ok, why,
-                         numbers={"points_of_fp32": points, "time_added_pct": added,
+    ruled = [(c, _r8_rule(c, by_name)) for c in costs]
+    c, (held, why, understated, reason, measured) = next(
+        (x for x in ruled if x[1][3] is None), ruled[0])
+    alts = [claims.alternative(f"with the {o['pair']} pair", held=r[0], why=r[1] or "-",
+                               cannot_decide=r[3]) for o, r in ruled if o is not c]
+    if held is None:
+        return claims.not_decided("R8", LESSON, measured, reason,
+                                  numbers={"points_of_fp32": c["points_of_fp32"],
+                                           "time_added_pct": c["time_added_pct"]},
+                                  sensitivity=alts)
+    return claims.decide("R8", LESSON, measured, held, why,
+                         numbers={"points_of_fp32": c["points_of_fp32"],
+                                  "time_added_pct": c["time_added_pct"],
                                   "memory_saved_pct": c["memory_saved_pct"]},
-                         cannot_decide=reason, understated=understated)
+                         cannot_decide=reason, understated=understated, sensitivity=alts,
+                         condition=f"with the {c['pair']} pair")
 
 
 def pareto_front(rows: Sequence[Dict[str, object]]) -> List[str]:
@@ -441,7 +449,7 @@ def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> D
 @claims.decides("R10a", "R10b")
 def verdict_r10(card_rows: Sequence[Dict[str, object]],
               technique_rows: Sequence[Dict[str, object]],
-              small_card_gb: float = 12.0) -> List[claims.Verdict]:
+              small_card_gb: float = 12.0, devices: Optional[int] = None) -> List[claims.Verdict]:
     """Claim R10's recommendations (R10a-R10d) beside what was measured, as ``claims.Verdict``s.
 
     R10a (a card under ``small_card_gb``: AMP + checkpointing, 50-60% saved) holds when AMP with
@@ -454,6 +462,9 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
     memory: on a CPU (counted memory, simulated cards of a few hundred MB) they are "not decided
     here". R10c and R10d need several GPUs: lesson 06 decides R10c, the course does not measure
     R10d. Where AMP (fp16) did not run but bf16 did, bf16 stands in for it and says so.
+    Sensitivity rows: R10a with bf16 autocast and with the cheaper checkpointing in place of
+    AMP + checkpointing, R10b with bf16 in place of AMP (each on its memory saving).
+    ``devices``: the GPUs this run had (default: counted), named in R10c's and R10d's text.
     """
     if not (is_real(small_card_gb) and small_card_gb > 0):
         raise ValueError(f"small_card_gb must be a number > 0 (GB); got {small_card_gb!r}")
@@ -485,6 +496,15 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
     def describe(card: float) -> str:
         return f"{card:g} GB: " + ", ".join(f"{shown[t]} {b}" for t, b in batches(card).items())
 
+    def saving_rows(names, low):
+        return [claims.alternative(f"with {shown_technique(ok[n])} in place of it", held=(
+            saved(n) >= low), why=_range_verdict(saved(n), low, low + 10, "memory saved"),
+            cannot_decide=on_cpu) for n in names if saved(n) is not None]
+
+    if devices is None:
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_int("devices", devices, 0)
+    here = (f"{plural(devices, 'GPU')} in this run" if devices else "no GPU in this run")
     out = []
     small = [c for c in measured_cards if c < small_card_gb]
     ckpt_saved = saved(amp_ckpt)
@@ -508,7 +528,9 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
             wins == len(per_card) and ckpt_saved >= R10A_SAVED_PCT[0],
             f"{pick}; " + _range_verdict(ckpt_saved, *R10A_SAVED_PCT, "memory saved"),
             numbers={"memory_saved_pct": ckpt_saved, "wins": wins, "cards": len(per_card)},
-            cannot_decide=on_cpu, understated=_more(ckpt_saved, R10A_SAVED_PCT)))
+            cannot_decide=on_cpu, understated=_more(ckpt_saved, R10A_SAVED_PCT),
+            sensitivity=saving_rows(("bf16 + checkpointing", "AMP + checkpointing stem+layer1-2"),
+                                    R10A_SAVED_PCT[0]), condition=f"with {amp_ckpt}"))
     large = [c for c in measured_cards if c >= small_card_gb]
     amp_saved = saved(amp)
     if not large or amp_saved is None:
@@ -540,31 +562,52 @@ def verdict_r10(card_rows: Sequence[Dict[str, object]],
             amp_saved >= R10B_SAVED_PCT[0] and faster,
             _range_verdict(amp_saved, *R10B_SAVED_PCT, "memory saved") + speed,
             numbers={"memory_saved_pct": amp_saved}, cannot_decide=reason,
-            understated=_more(amp_saved, R10B_SAVED_PCT)))
-    out.append(claims.not_decided("R10c", LESSON, "one GPU here",
-                                  "needs several GPUs: lesson 06 measures ZeRO-1's memory per rank"))
-    out.append(claims.not_decided("R10d", LESSON, "one GPU here",
+            understated=_more(amp_saved, R10B_SAVED_PCT),
+            sensitivity=saving_rows(("bf16",) if amp == "AMP" else (), R10B_SAVED_PCT[0]),
+            condition=f"with {amp}"))
+    out.append(claims.not_decided("R10c", LESSON, here,
+                                  "lesson 06 decides it: it measures ZeRO-1's memory per rank on "
+                                  "the ranks it has"))
+    out.append(claims.not_decided("R10d", LESSON, here,
                                   "the course trains no model-parallel setup"))
     return out
 
 
 # --- gradient accumulation: memory per micro-batch count (claim R9) ------------------------------
 
+#: How closely an accumulated step must match the large batch's (relative gradient difference):
+#: 1e-4 in fp32; 10 units of the format's epsilon in 16 bits (their own rounding is that coarse).
+R9_STEP_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-4, "fp16": 10 * 2.0 ** -10, "bf16": 10 * 2.0 ** -7}
+R9_MODELS = {"mlp": "the digits MLP (no BatchNorm)", "cnn": "the digits SmallCNN (BatchNorm)"}
+
+
+def _same_step(e: Mapping[str, object], step_tolerance: Optional[float]) -> claims.Part:
+    tol = step_tolerance if step_tolerance is not None else R9_STEP_TOLERANCE.get(
+        e["precision"], 1e-4)
+    diff = float(e["grad_rel_diff"])
+    return claims.Part("a larger virtual batch (the same step)", bool(diff <= tol), (
+        f"{e['micro_batches']} x {e['micro_batch']} against 1 x "
+        f"{e['micro_batches'] * e['micro_batch']} ({R9_MODELS.get(e['model'], e['model'])}, "
+        f"{e['precision']}): gradients differ by {diff:.1e} (relative; at most {tol:.0e} "
+        f"counts as equal)"))
+
+
 @claims.decides("R9")
-def verdict_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str, object]] = None,
-             tolerance: float = 0.15, step_tolerance: float = 1e-4) -> claims.Verdict:
-    """Claim R9 against ``accumulation_memory`` rows and, if given, an
-    ``accumulation_equivalence`` result (fp32, a model without BatchNorm): held when the
-    accumulated steps' memory varies by at most ``tolerance`` (a fraction) across micro-batch
-    counts and the accumulated gradients equal the big batch's within ``step_tolerance``
-    (relative). Peak allocated memory where measured (a GPU), else the bytes one forward saves
-    for backward, counted tensor by tensor. Both halves are arithmetic, not timing: a CPU run
-    decides too (its memory is counted exactly, and the step comparison is the same math)."""
+def verdict_r9(rows: Sequence[Dict[str, object]], equivalence=None, tolerance: float = 0.15,
+               step_tolerance: Optional[float] = None) -> claims.Verdict:
+    """Claim R9 in two parts: memory (``accumulation_memory`` rows: the accumulated steps'
+    memory varies by at most ``tolerance``, a fraction, across micro-batch counts; peak
+    allocated memory where measured, a GPU, else the bytes one forward saves for backward,
+    counted) and the step (an ``accumulation_equivalence`` result: the accumulated gradients
+    equal the big batch's within ``step_tolerance``, default ``R9_STEP_TOLERANCE`` for its
+    precision). ``equivalence``: one result, or a list whose first decides and whose others
+    (an fp16 model, a model with BatchNorm as the article's ResNet-50 has) are the sensitivity
+    rows. Both parts are arithmetic, not timing: a CPU run decides too."""
     if not rows:
         raise ValueError("rows must hold at least one accumulation_memory row")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1); got {tolerance!r}")
-    if not 0 < step_tolerance < 1:
+    if step_tolerance is not None and not 0 < step_tolerance < 1:
         raise ValueError(f"step_tolerance must be in (0, 1); got {step_tolerance!r}")
     gpu = all(r["accumulated_peak_gib"] is not None for r in rows)
     key = "peak_gib" if gpu else "saved_gib"
@@ -579,7 +622,6 @@ def verdict_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str
     one = [(r["effective_batch"], r[f"one_batch_{key}"]) for r in rows
            if r[f"one_batch_{key}"] is not None]
     spread = max(acc) / min(acc) - 1
-    flat = spread <= tolerance
     measured = (f"{what}: {min(acc):.3g}-{max(acc):.3g} GiB for effective batches "
                 f"{rows[0]['effective_batch']}-{rows[-1]['effective_batch']} by accumulation")
     if len(one) > 1:
@@ -588,112 +630,27 @@ def verdict_r9(rows: Sequence[Dict[str, object]], equivalence: Optional[Dict[str
     oom = [r["effective_batch"] for r in rows if r["one_batch_status"] != "ok"]
     if oom:
         measured += f"; one batch of {', '.join(map(str, oom))} did not fit"
-    why = (f"memory moved {100 * spread:.0f}% across micro-batch counts (at most "
-           f"{100 * tolerance:.0f}% counts as the same)")
-    same_step = True
-    if equivalence is not None:
-        diff = float(equivalence["grad_rel_diff"])
-        same_step = diff <= step_tolerance
-        measured += (f"; {equivalence['micro_batches']} x {equivalence['micro_batch']} against "
-                     f"1 x {equivalence['micro_batches'] * equivalence['micro_batch']} "
-                     f"({equivalence['model']}, {equivalence['precision']}): gradients differ by "
-                     f"{diff:.1e} (relative)")
-        why += (f"; the accumulated step {'equals' if same_step else 'differs from'} the big "
-                f"batch's (at most {step_tolerance:.0e} relative counts as equal)")
-    else:
-        why += "; the step itself was not compared here"
+    memory = claims.Part("at the same memory", bool(spread <= tolerance),
+                         f"memory moved {100 * spread:.0f}% across micro-batch counts (at most "
+                         f"{100 * tolerance:.0f}% counts as the same)")
+    equivalence = ([equivalence] if isinstance(equivalence, Mapping)
+                   else list(equivalence or ()))
+    parts = [memory] + ([_same_step(equivalence[0], step_tolerance)] if equivalence else [
+        claims.Part("a larger virtual batch (the same step)", None,
+                    "the step itself was not compared here")])
+    alts = [claims.alternative(f"with {R9_MODELS.get(e['model'], e['model'])} in "
+                               f"{e['precision']}", parts=[memory, _same_step(e, step_tolerance)])
+            for e in equivalence[1:]]
+    if equivalence:
+        measured += "; " + parts[1].why.split(" (relative")[0]
     numbers = {"spread": spread, "memory": what}
-    if equivalence is not None:
-        numbers["grad_rel_diff"] = diff  # a NaN here leaves R9 undecided (claims.decide)
-    return claims.decide("R9", LESSON, measured, flat and same_step, why, numbers=numbers)
-
-
-# --- training checkpoints: exact resume, and resume without the scaler's state --------------------
-
-def resume_experiment(precision: str = "fp16", model: str = "mlp", total_steps: int = 40,
-                      resume_at: int = 20, batch_size: int = 64, lr: float = 0.05,
-                      init_scale: float = 2.0 ** 24, device=None, seed: int = 0,
-                      directory=None) -> Dict[str, object]:
-    """Train a digits model three ways from the same seed and compare their steps.
-
-    ``uninterrupted``: ``total_steps`` steps in one go. ``resumed with scaler state``:
-    ``resume_at`` steps, ``save_checkpoint``, a fresh Trainer (new model, optimizer, scaler)
-    ``load_checkpoint``, then the rest. ``resumed without scaler state``: the same with
-    ``load_checkpoint(load_scaler=False)``: the new GradScaler starts again at ``init_scale``
-    (set high, as a scale that has not settled yet would be), so the steps after the resume
-    overflow until it has halved back down. Returns ``runs`` (name -> ``History.columns()``),
-    ``resume_step``, ``saved_scale`` (the scale in the checkpoint), ``init_scale`` and
-    ``summary`` (one row per resumed run, compared with the uninterrupted one from the resume
-    step on). cuDNN runs deterministically, so a GPU repeats a step bit for bit, as a CPU does.
-    """
-    check_int("total_steps", total_steps, 2)
-    check_int("resume_at", resume_at, 1)
-    if resume_at >= total_steps:
-        raise ValueError(f"resume_at must be in [1, {total_steps - 1}] (before total_steps); "
-                         f"got {resume_at}")
-    device = as_device(device)
-    precision = check_precision(precision, device)
-    settings = ScalerSettings(init_scale=init_scale)
-
-    def new_trainer() -> "Trainer":
-        torch.manual_seed(seed)
-        net, size = models.build_digits_model(model)
-        trainer_ = Trainer(net, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9),
-                           TrainConfig(precision=precision, scaler=settings, progress=False,
-                                       seed=seed), device=device)
-        trainer_.image_size = size
-        return trainer_
-
-    def loader(trainer_):
-        return digits_loaders(batch_size, trainer_.image_size, device, seed)[0]
-
-    runs: Dict[str, dict] = {}
-    with deterministic_kernels(), tempfile.TemporaryDirectory(dir=directory) as tmp:
-        path = Path(tmp) / "checkpoint.pt"
-        whole = new_trainer()
-        whole.fit(loader(whole), epochs=total_steps, max_steps=total_steps)
-        runs["uninterrupted"] = whole.history.columns()
-        first = new_trainer()
-        first.fit(loader(first), epochs=total_steps, max_steps=resume_at)
-        first.save_checkpoint(path)
-        saved_scale = float(first.scaler.get_scale()) if first.scaler.is_enabled() else 1.0
-        del whole, first
-        for name, load_scaler in (("resumed with scaler state", True),
-                                  ("resumed without scaler state", False)):
-            again = new_trainer()
-            again.load_checkpoint(path, load_scaler=load_scaler)
-            again.fit(loader(again), epochs=total_steps, max_steps=total_steps - resume_at)
-            runs[name] = again.history.columns()
-            del again
-    free_memory(device)
-    ref = runs["uninterrupted"]
-    summary = []
-    for name in ("resumed with scaler state", "resumed without scaler state"):
-        cols = runs[name]
-        after = range(resume_at, total_steps)
-        burst = 0
-        for i in after:
-            if not cols["skipped"][i]:
-                break
-            burst += 1
-        summary.append({
-            "run": name,
-            "steps": len(cols["step"]),
-            "same_history_before_resume": all(cols[k][:resume_at] == ref[k][:resume_at]
-                                              for k in ("loss", "scale", "skipped")),
-            "first_scale_after_resume": cols["scale"][resume_at],
-            "max_loss_diff_after_resume": max(abs(cols["loss"][i] - ref["loss"][i])
-                                              for i in after),
-            "same_scales_after_resume": [cols["scale"][i] for i in after]
-                                        == [ref["scale"][i] for i in after],
-            "skipped_after_resume": sum(1 for i in after if cols["skipped"][i]),
-            "skipped_in_a_row_at_resume": burst,
-            "uninterrupted_skipped_after_resume": sum(1 for i in after if ref["skipped"][i]),
-        })
-    return {"runs": runs, "resume_step": resume_at, "saved_scale": saved_scale,
-            "init_scale": float(init_scale), "precision": precision, "summary": summary,
-            "expected_burst": max(0, round(math.log2(float(init_scale) / saved_scale)))
-            if saved_scale > 0 else None}
+    if equivalence:
+        numbers["grad_rel_diff"] = float(equivalence[0]["grad_rel_diff"])  # NaN: undecided
+    main = equivalence[0] if equivalence else None
+    return claims.decide("R9", LESSON, measured, None, "", numbers=numbers, parts=parts,
+                         sensitivity=alts, condition=(
+                             f"with {R9_MODELS.get(main['model'], main['model'])} in "
+                             f"{main['precision']}" if main else "in the run shown"))
 
 
 #: The claims this lesson decides, derived from its ``claims.decides`` declarations.

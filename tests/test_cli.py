@@ -458,8 +458,8 @@ def test_doctor_help_states_its_defaults_and_claims_check_names_a_missing_file(t
     with pytest.raises(SystemExit):
         main(["doctor", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for said in ("default: all four", "(default 5)", "(default 15)", "default: none, and the "
-                 "FP8 finding reads 'not decided'", "default: a float batch"):
+    for said in ("default: all four", "(default 5)", "(default 15)", "default: lesson 07's "
+                 "committed run", "default: a float batch"):
         assert said in text, said
     from amp_lessons.doctor.inputs import as_sequence
     with pytest.raises(ValueError, match=r"got 'fp64'$"):
@@ -481,3 +481,237 @@ def test_figure_images_says_written_when_forced(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.strip().endswith("5 images added")
     assert main(["figure-images", "--force", str(path)]) == 0
     assert capsys.readouterr().out.strip().endswith("5 images written")
+
+
+# --- issue 41: one rule for read-only files, "could not write" once, Ctrl-C, no traceback -------
+
+def _locked(path, text="the earlier file"):
+    path.write_text(text)
+    path.chmod(0o444)
+    return path
+
+
+def test_readme_refuses_a_read_only_readme_as_claims_does(tmp_path, capsys):
+    """readme --readme README.md at mode 444 said 'README.md: updated', replacing the file by a
+    rename, while claims --out refused the same file."""
+    readme = _readme(tmp_path)
+    before = readme.read_bytes()
+    readme.chmod(0o444)
+    try:
+        for argv in (["readme", "--readme", str(readme)], ["claims", "--out", str(readme)]):
+            assert main(argv) == 2
+            assert_one_line_error(capsys.readouterr().err, argv[0],
+                                  r"README.md' exists and cannot be written \(read-only: mode "
+                                  r"0444\)")
+        assert main(["readme", "--check", "--readme", str(readme)]) in (0, 1)  # reading is fine
+        capsys.readouterr()
+        assert readme.stat().st_mode & 0o777 == 0o444
+    finally:
+        readme.chmod(0o644)
+    assert readme.read_bytes() == before and os.listdir(tmp_path) == ["README.md"]
+
+
+@pytest.mark.parametrize("argv", [["train", "--epochs", "1", "--json", "{p}"] + FAST,
+                                  ["train", "--epochs", "1", "--checkpoint", "{p}"] + FAST,
+                                  ["bench", "--steps", "1", "--json", "{p}"],
+                                  ["claims", "--out", "{p}"]])
+def test_every_command_refuses_a_read_only_output_before_its_work(tmp_path, capsys, argv):
+    path = _locked(tmp_path / "out.file")
+    link = tmp_path / "link.file"
+    link.symlink_to(path.name)
+    try:
+        for target in (path, link):
+            assert main([a.replace("{p}", str(target)) for a in argv]) == 2
+            out = capsys.readouterr()
+            assert_one_line_error(out.err, argv[0], r"out.file' exists and cannot be written")
+            assert "epoch 1" not in out.out and "img/s" not in out.out
+    finally:
+        path.chmod(0o644)
+    assert path.read_text() == "the earlier file"
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    from amp_lessons import files
+
+    def full(self, data):
+        self.error = OSError(errno.ENOSPC, "No space left on device")
+        raise self.error
+
+    monkeypatch.setattr(files._KeepingWriter, "write", full)
+
+
+def test_a_full_disk_says_could_not_write_once_in_every_command(tmp_path, capsys, full_disk):
+    cases = [(["claims", "--out", str(tmp_path / "claims.md")], "claims.md"),
+             (["train", "--epochs", "1", "--json", str(tmp_path / "r.json")] + FAST, "r.json"),
+             (["train", "--epochs", "1", "--checkpoint", str(tmp_path / "c.pt")] + FAST, "c.pt")]
+    for argv, name in cases:
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert_one_line_error(err, argv[0], f"disk full: could not write .*{name}")
+        assert err.count("could not write") == 1 and err.count(name) == 1, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_claims_check_on_a_file_it_cannot_read_is_one_line(tmp_path, capsys):
+    latin = tmp_path / "claims.md"
+    latin.write_bytes(b"\xff\xfe not utf-8")
+    assert main(["claims", "--check", "--out", str(latin)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "claims", r"claims.md' is not UTF-8")
+    assert main(["claims", "--check", "--out", str(tmp_path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "claims", "must name a file, not a folder")
+
+
+@pytest.mark.parametrize("argv", [
+    ["readme", "--readme", ""], ["claims", "--out", ""], ["train", "--json", ""],
+    ["train", "--checkpoint", ""], ["train", "--resume", ""], ["bench", "--json", ""],
+    ["run-notebooks", ""], ["run-notebooks", "--out", ""], ["figure-images", ""],
+    ["rehearse", "--out", ""], ["rehearse", "--out", "x", "--update", ""]])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(argv, capsys):
+    """`--out "$OUT"` with OUT unset gave Path("") = ".": rehearse ran every notebook into
+    the current folder."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "expected a path, got an empty string" in capsys.readouterr().err
+
+
+def test_bench_errors_name_its_flags(capsys):
+    assert main(["bench", "--image-size", "4", "--steps", "1"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "bench", r"^.*error: --image-size must be")
+
+
+def test_a_run_too_large_for_memory_is_one_line_with_the_bytes(capsys):
+    assert main(["train", "--epochs", "1", "--model", "mlp", "--width", "100000000000",
+                 "--no-progress", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert_one_line_error(err, "train", r"out of memory on cpu: one allocation asked for "
+                                        r"[\d,]+ bytes, and this machine has [\d,]+ bytes of "
+                                        r"memory; lower --width \(now 100000000000\)")
+
+
+def _interrupting_train_digits(monkeypatch, after_epochs=0, save_first=None):
+    """train_digits replaced by a run that finishes ``after_epochs`` epochs (saving each, as
+    the real one does), optionally saves once more unreported, then is interrupted."""
+    from amp_lessons.train import checkpoint as C
+    from amp_lessons.train import recipes
+
+    def run(*args, checkpoint=None, on_epoch=None, **kwargs):
+        for e in range(after_epochs):
+            if checkpoint is not None:
+                C.atomic_save({"epoch": e + 1}, checkpoint)
+            on_epoch({"epoch": e, "time_s": 1.0, "peak_memory_bytes": None, "train_loss": 1.0,
+                      "test_accuracy": 0.5, "skipped": 0})
+        if save_first is not None and checkpoint is not None:
+            C.atomic_save({"epoch": save_first}, checkpoint)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipes, "train_digits", run)
+
+
+@pytest.mark.parametrize("after,unreported,existing,expected", [
+    (0, None, False, r"before an epoch of this run finished: checkpoint .*c.pt not written; "
+                     r"--json .*r.json not written; no temporary file left behind$"),
+    (0, None, True, r"before an epoch of this run finished: checkpoint .*c.pt left as it was"),
+    (2, None, False, r"in epoch 3 of 5 \(2 epochs finished in this run\): checkpoint .*c.pt "
+                     r"holds 2 finished epochs \(continue with --resume .*c.pt\); --json "
+                     r".*r.json not written"),
+    (1, 2, True, r"in epoch 2 of 5 \(1 epoch finished in this run\): checkpoint .*c.pt holds 2 "
+                 r"finished epochs"),
+])
+def test_train_interrupted_says_what_it_wrote_in_one_line(tmp_path, capsys, monkeypatch, after,
+                                                         unreported, existing, expected):
+    from amp_lessons.train import checkpoint as C
+
+    ckpt, out = tmp_path / "c.pt", tmp_path / "r.json"
+    if existing:
+        C.atomic_save({"epoch": 7}, ckpt)
+    _interrupting_train_digits(monkeypatch, after, unreported)
+    assert main(["train", "--epochs", "5", "--checkpoint", str(ckpt), "--json", str(out)]
+                + FAST) == 130
+    err = capsys.readouterr().err
+    assert_one_line_error(err, "train", r"interrupted \(Ctrl-C\) " + expected)
+    assert not out.exists() and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == (["c.pt"] if existing or after or unreported else [])
+
+
+def test_train_interrupted_without_outputs_says_nothing_was_written(capsys, monkeypatch):
+    _interrupting_train_digits(monkeypatch)
+    assert main(["train", "--epochs", "2"] + FAST) == 130
+    assert_one_line_error(capsys.readouterr().err, "train",
+                          "nothing written \\(no --checkpoint or --json given\\)")
+
+
+@pytest.mark.parametrize("command", ["claims", "readme"])
+def test_ctrl_c_in_any_command_is_one_line_with_status_130(tmp_path, capsys, monkeypatch,
+                                                           command):
+    from amp_lessons import files
+
+    def interrupt(self, data):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files._KeepingWriter, "write", interrupt)
+    target = _readme(tmp_path) if command == "readme" else tmp_path / "claims.md"
+    before = target.read_bytes() if target.exists() else None
+    flag = "--readme" if command == "readme" else "--out"
+    assert main([command, flag, str(target)]) == 130
+    assert_one_line_error(capsys.readouterr().err, command, r"interrupted \(Ctrl-C\) before it "
+                                                            r"finished: a file it was writing "
+                                                            r"was not written")
+    assert (target.read_bytes() if target.exists() else None) == before
+    assert [p.name for p in tmp_path.iterdir()] == ([target.name] if before else [])
+
+
+def test_an_unexpected_error_is_one_line_and_shown_whole_when_asked(capsys, monkeypatch):
+    from amp_lessons.publish import claims
+
+    def broken():
+        raise RuntimeError("a bug\nsecond line")
+
+    monkeypatch.setattr(claims, "claims_markdown", broken)
+    assert main(["claims"]) == 1
+    assert_one_line_error(capsys.readouterr().err, "claims",
+                          r"unexpected RuntimeError: a bug \(run again with "
+                          r"AMP_LESSONS_TRACEBACK=1 to see where\)$")
+    monkeypatch.setenv("AMP_LESSONS_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["claims"])
+
+
+def test_a_closed_output_pipe_ends_quietly(capsys, monkeypatch):
+    import io
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["claims"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_real_train_run_is_one_line_status_130_and_a_whole_checkpoint(tmp_path):
+    """SIGINT to a real process after its first epoch: the issue's example (a traceback ending
+    KeyboardInterrupt)."""
+    import signal
+    import time
+
+    ckpt, out = tmp_path / "c.pt", tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "amp_lessons", "train", "--epochs", "500",
+                             "--checkpoint", str(ckpt), "--json", str(out)] + FAST,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    first = proc.stdout.readline()  # "epoch 1/500: ..." once the first epoch is saved
+    assert first.startswith("epoch 1/500"), first + proc.stderr.read()
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert_one_line_error(err, "train", r"interrupted \(Ctrl-C\) in epoch \d+ of 500 .*: "
+                                        r"checkpoint .*c.pt holds \d+ finished epochs? .*--json "
+                                        r".*r.json not written; no temporary file left behind")
+    assert os.listdir(tmp_path) == ["c.pt"]
+    from amp_lessons.train.checkpoint import read_verified
+
+    assert read_verified(ckpt)["epoch"] >= 1

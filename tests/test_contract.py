@@ -14,13 +14,14 @@ EXPECTED = ["01_fp16_ranges_and_underflow.ipynb", "02_basic_amp_loop.ipynb",
             "03_grad_scaler_tuning.ipynb", "04_resnet50_memory_and_speed.ipynb",
             "05_checkpointing_and_accumulation.ipynb", "06_multi_gpu.ipynb",
             "07_fp8_training.ipynb", "08_weights_and_optimizer_state.ipynb",
-            "09_your_model.ipynb", "10_fp8_end_to_end.ipynb"]
+            "09_your_model.ipynb", "10_fp8_end_to_end.ipynb", "11_capstone.ipynb"]
 # Lessons whose committed outputs are not a full GPU run of their current sources, and why: their
 # code changed in a session that had spent its GPU time (30 minutes a session), so they keep the
 # outputs they had (a CPU run recorded as such, or the previous GPU run with the new cells not yet
 # executed). The full-GPU-run test is an expected failure for them (strict: once the GPU run is
 # committed it passes, and the entry must go).
-AWAITING_GPU_RUN = {}
+AWAITING_GPU_RUN = {"11_capstone.ipynb": "new in a CPU-only session (issue 42): the lead runs it "
+                                         "on the H200"}
 WARNING_TEXT = re.compile(r"\b\w*Warning\b|\bwarn(ing)?:", re.IGNORECASE)
 
 

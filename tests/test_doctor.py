@@ -455,3 +455,24 @@ def test_dropout_mask_memory_is_never_an_overflow_site():
     assert w.result.forward_nonfinite is None
     w.on_op(torch.ops.aten.add.Tensor, (finite, finite), {}, garbage)
     assert w.result.forward_nonfinite["op"] == "aten.add"
+
+
+def test_fp8_prediction_is_called_where_fp8_runs(monkeypatch):
+    """Where FP8 runs, the doctor asks measure.fp8_predict for the end-to-end speed-up and says
+    slower or faster; elsewhere it says why it was not run (here: no GPU)."""
+    from amp_lessons.measure import fp8_predict
+
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    assert fp8.predicted(net, torch.randn(2, 16), "cpu")["status"] == "not run"
+    seen = {}
+
+    def fake(model, calibration=None, **kw):
+        seen.update(kw)
+        return fp8_predict.Prediction("tensorwise", "predicted", speedup=0.8, bf16_step_ms=2.0)
+
+    monkeypatch.setattr(fp8_predict, "predict_fp8_speedup", fake)
+    monkeypatch.setattr(fp8, "fp8_unavailable", lambda device: None)
+    got = fp8.predicted(net, torch.randn(2, 16), "cpu", bf16_step_ms=2.0)
+    assert got["speedup"] == 0.8 and seen["bf16_step_ms"] == 2.0
+    assert "slower than bf16, 0.80x" in fp8.prediction_text(got)
+    assert "faster" in fp8.prediction_text({"linear_speedup": 1.3})

@@ -64,6 +64,39 @@ def from_shapes(model: nn.Module, crossover: Optional[int], source: str) -> Dict
             "text": text}
 
 
+def predicted(call: nn.Module, inputs, device, bf16_step_ms: Optional[float] = None
+              ) -> Dict[str, object]:
+    """FP8's end-to-end speed-up predicted from this model's Linear shapes, GEMMs and casts
+    measured on this GPU (``measure.fp8_predict.predict_fp8_speedup``: ``call`` is run once on
+    ``inputs`` to read each Linear's rows; ``bf16_step_ms``: the doctor's bf16 step, eager, so
+    the prediction is of the eager step). Where FP8 does not run here, ``status`` is "not run"
+    with the reason and nothing is measured."""
+    why = fp8_unavailable(device)
+    if why:
+        return {"status": "not run", "reason": why, "speedup": None, "linear_speedup": None}
+    from amp_lessons.measure.fp8_predict import predict_fp8_speedup
+
+    p = predict_fp8_speedup(call, example_inputs=(inputs,), bf16_step_ms=bf16_step_ms,
+                            device=device)
+    return {"status": p.status, "reason": p.reason, "speedup": p.speedup,
+            "linear_speedup": p.linear_speedup, "bf16_step_ms": bf16_step_ms,
+            "gemm_share": p.gemm_share}
+
+
+def prediction_text(pred: Dict[str, object]) -> str:
+    """The predictor's answer in one sentence (slower or faster, and by how much)."""
+    if pred.get("speedup") is not None:
+        v = pred["speedup"]
+        return (f"predicted from this GPU's GEMM and cast timings: FP8 would be "
+                f"{'slower' if v < 1 else 'faster'} than bf16, {v:.2f}x the bf16 step")
+    if pred.get("linear_speedup") is not None:
+        v = pred["linear_speedup"]
+        return (f"predicted from this GPU's GEMM and cast timings: the converted layers alone "
+                f"would run {v:.2f}x ({'slower' if v < 1 else 'faster'}); no bf16 step was timed, "
+                f"so the whole step's speed-up lies between 1 and that")
+    return f"FP8 speed-up not predicted: {pred.get('reason', '')}"
+
+
 def _only_linear(rows):
     """The conversion plan's rows, with the reason of a model's only Linear saying so."""
     if len(rows) == 1:

@@ -404,6 +404,17 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
                "reason": f"the FP8 conversion plan failed: {_scale.failure_text(exc)}",
                "shapes": _fp8.from_shapes(model, crossover, source)}
 
+    try:
+        bf16_row = next((r for r in speed if r["precision"] == "bf16" and r["status"] == "ok"),
+                        None)
+        fp8["prediction"] = _fp8.predicted(_inputs.Call(fresh(), b.output), b.inputs, device,
+                                           bf16_row["step_ms"] if bf16_row else None)
+    except Exception as exc:  # noqa: BLE001
+        fp8["prediction"] = {"status": "error", "reason": _scale.failure_text(exc),
+                             "speedup": None, "linear_speedup": None}
+    if fp8["prediction"]["status"] != "not run" and fp8.get("shapes"):
+        fp8["shapes"]["text"] += "; " + _fp8.prediction_text(fp8["prediction"])
+
     # the diagnoses first, then the measurements
     alt = "bf16 (fp32's range in 16 bits)" if bf16 else \
         "fp32 for those layers (this GPU has no native bf16)"

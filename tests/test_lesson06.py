@@ -125,13 +125,17 @@ def test_r10c_from_a_memory_model_validated_at_the_ranks_that_ran():
     assert model["predicted_saved"] == pytest.approx(0.75) and not model["measured_at_ranks"]
     savings = lesson.zero_savings(result, "base", "zero", 2)
     v = lesson.verdict_r10c(savings, model)
+    # predicted to hold at 8 ranks, measured 60% at the 2 that ran: the row agrees
     assert v.outcome == "held, understated" and "predicted for 8 ranks (not run)" in v.why
-    assert "8 ranks did not run here" in v.measured
-    # the model predicts 59% and 61% at 8 ranks on either side of the threshold
-    for rest, held in ((4.1 - 0.5, False), (3.9 - 0.5, True)):
+    assert "8 ranks did not run here" in v.measured and v.sensitivity[0].held is True
+    # the model predicts 59% and 61% at 8 ranks on either side of the threshold; at the 2 ranks
+    # that ran both save less than 60%, so the held one is partly held and names both counts
+    for rest, outcome in ((4.1 - 0.5, "did not hold"), (3.9 - 0.5, "partly held")):
         r = _sweep({1: (rest + 4.0, 4096.0), 2: (rest + 2.0, 2048.0)})
         m = lesson.zero_memory_model(r, "base", "zero", [1, 2])
-        assert lesson.verdict_r10c(lesson.zero_savings(r, "base", "zero", 2), m).held is held
+        v = lesson.verdict_r10c(lesson.zero_savings(r, "base", "zero", 2), m)
+        assert v.outcome == outcome and v.sensitivity[0].held is False
+    assert "held at 8 ranks (predicted)" in v.why and "did not hold at the 2 ranks that ran" in v.why
     # the model must meet the measured peak within 5%: 3.6% off is validated, 11% is not
     near = _sweep({1: (6.0, 4096.0), 2: (4.15, 2048.0)})
     m = lesson.zero_memory_model(near, "base", "zero", [1, 2])
@@ -195,6 +199,20 @@ def test_r10c_is_not_decided_on_one_process_or_a_cpu():
     assert lesson.r10c_rows(v, savings)[0]["verdict"] == "not decided here"
 
 
+def _fake_deepspeed(root, refuse):
+    """A stand-in ``deepspeed`` package whose DeepSpeedConfig refuses or takes the "amp" key."""
+    pkg = root / "deepspeed" / "runtime"
+    pkg.mkdir(parents=True)
+    (root / "deepspeed" / "__init__.py").write_text('__version__ = "9.9.9"\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text(
+        "class DeepSpeedConfigError(Exception):\n    pass\n\n\n"
+        "class DeepSpeedConfig:\n    def __init__(self, cfg):\n"
+        + ('        if "amp" in cfg:\n            raise DeepSpeedConfigError("amp removed")\n'
+           if refuse else "        self.cfg = cfg\n"))
+    return root
+
+
 def test_r11_answer_and_verdict(tmp_path):
     answer = lesson.deepspeed_equivalents()
     assert '"amp": {"enabled": true, "opt_level": "O2"}' in answer and "Apex" in answer
@@ -203,10 +221,21 @@ def test_r11_answer_and_verdict(tmp_path):
     assert support["torch.amp.GradScaler"] and support["ZeroRedundancyOptimizer"]
     assert support["fully_shard + MixedPrecisionPolicy"]
     assert isinstance(support["deepspeed installed"], bool)
-    # no DeepSpeed code to read: not decided, and the reason says so (nothing typed in)
-    absent = lesson.verdict_r11(support, lesson.deepspeed_amp_facts(tmp_path / "none"))
-    assert absent.outcome == "not decided here" and "cannot be read from its code" in absent.why
-    # a DeepSpeed engine that hands the key to Apex and refuses it with ZeRO: partly held
+    # DeepSpeed not installed: not decided, and the reason says why the course does not install it
+    none = {"installed": False, "version": None, "results": {}, "why": "deepspeed is not installed"}
+    absent = lesson.verdict_r11(support, lesson.deepspeed_amp_facts(tmp_path / "none"), none)
+    assert absent.outcome == "not decided here" and "source archive" in absent.why
+    # a DeepSpeed whose config refuses the key, checked in a separate process (a stand-in package)
+    fake = _fake_deepspeed(tmp_path / "refuses", refuse=True)
+    check = lesson.deepspeed_config_check(lesson.R11_CONFIGS, paths=[str(fake)])
+    assert check["installed"] and check["version"] == "9.9.9", check
+    assert check["results"]["article"] == {"accepted": False,
+                                           "error": "DeepSpeedConfigError: amp removed"}
+    v = lesson.verdict_r11(support, {"installed": True, "source": None, "calls_apex": None,
+                                     "refuses_zero": None}, check)
+    assert v.outcome == "did not hold" and "refuses it: DeepSpeedConfigError" in v.why
+    assert v.sensitivity[0].held is False and "9.9.9" in v.measured
+    # a DeepSpeed that takes the key and hands it to Apex, but refuses it with ZeRO: partly held
     engine = tmp_path / "ds" / "runtime" / "engine.py"
     engine.parent.mkdir(parents=True)
     engine.write_text("amp_params = self.amp_params()\nmodel, optimizer = amp.initialize(model, "
@@ -215,12 +244,15 @@ def test_r11_answer_and_verdict(tmp_path):
     facts = lesson.deepspeed_amp_facts(tmp_path / "ds")
     assert facts == {"installed": True, "source": str(engine), "calls_apex": True,
                      "refuses_zero": True}
-    v = lesson.verdict_r11(support, facts)
-    assert v.claim == "R11" and v.lesson == "06" and v.outcome == "partly held"
-    assert [p.held for p in v.parts] == [True, False] and "Apex" in v.why
+    takes = lesson.deepspeed_config_check(lesson.R11_CONFIGS,
+                                          paths=[str(_fake_deepspeed(tmp_path / "takes", False))])
+    v = lesson.verdict_r11(support, facts, takes)
+    assert v.claim == "R11" and v.lesson == "06" and v.outcome == "partly held" and "Apex" in v.why
+    assert "did not hold with ZeRO stage 1 beside it" in v.why
     assert v.numbers["native_equivalents_present"] is True
-    engine.write_text("model, optimizer = amp.initialize(model, optimizer, **amp_params)\n")
-    assert lesson.verdict_r11(support, lesson.deepspeed_amp_facts(tmp_path / "ds")).held is True
+    # an install whose check failed says so instead of ruling
+    broken = lesson.verdict_r11(support, facts, dict(none, installed=True, why="exit 1: boom"))
+    assert broken.held is None and "boom" in broken.why
     both = lesson.verdicts(_savings(10.0, 3.5), support)
     assert [x.claim for x in both] == list(lesson.DECIDES)
 

@@ -31,6 +31,8 @@ from amp_lessons.publish import claims
 from amp_lessons.measure import distributed as multi
 from amp_lessons.validate import is_real
 from amp_lessons.numerics.precision import HALF_DTYPES, as_device, autocast_for
+from amp_lessons.measure.deepspeed_config import deepspeed_config_check  # noqa: F401 (the lesson's API)
+from amp_lessons.tables import plural
 
 LESSON = "06"
 
@@ -309,9 +311,17 @@ def verdict_r10c(savings: Mapping[str, Any],
     where = ("within" if low <= decided_on <= high else "below" if decided_on < low
              else "above") if is_real(decided_on) else "not comparable with"
     what = "measured" if decided_on is s else f"predicted for {R10C_RANKS} ranks (not run)"
+    alts = []
+    if decided_on is not s:  # predicted for R10C_RANKS: the ranks that ran are the row
+        m_held = claims.one_sided(100 * s, 100 * low, 100 * high, "%")[0]
+        alts.append(claims.alternative(
+            f"at the {plural(n, 'rank')} that ran (measured, not predicted)", held=m_held,
+            why=f"{s:.0%} measured is {'at least' if m_held else 'below'} {low:.0%}"))
     return claims.decide("R10c", LESSON, measured, held,
                          f"{decided_on:.0%} {what} is {where} the claimed {low:.0%}-{high:.0%}",
-                         numbers, cannot_decide=cannot, understated=more)
+                         numbers, cannot_decide=cannot, understated=more, sensitivity=alts,
+                         condition=(f"at {R10C_RANKS} ranks (predicted)" if decided_on is not s
+                                    else f"at the {plural(n, 'rank')} that ran"))
 
 
 def r10c_rows(verdict: claims.Verdict, savings: Mapping[str, Any],
@@ -414,53 +424,80 @@ def deepspeed_amp_facts(root: Optional[Path] = None) -> Dict[str, Any]:
             "refuses_zero": DEEPSPEED_AMP_ZERO_REFUSAL in text}
 
 
+#: Claim R11's config as article R writes it, and beside ZeRO stage 1 as the article uses it.
+R11_CONFIGS = {"article": {"train_batch_size": 8, "amp": {"enabled": True, "opt_level": "O2"}},
+               "with ZeRO stage 1": {"train_batch_size": 8, "amp": {"enabled": True,
+                                                                    "opt_level": "O2"},
+                                     "zero_optimization": {"stage": 1}}}
+#: Why the course does not install DeepSpeed (said where it is absent).
+DEEPSPEED_NOT_INSTALLED = (
+    "DeepSpeed is not installed here, and the course does not install it: PyPI publishes its "
+    "current releases only as a source archive (its one wheel is the 2020 0.3.1.dev5), so "
+    "installing it builds a wheel from source, which the course's wheel-only installs (CI, "
+    "offline GPU hosts) do not do, and its import loads its accelerator and op-builder code. "
+    "Installed, this verdict builds DeepSpeed's DeepSpeedConfig from the article's dict on "
+    "the CPU, in a separate process (measure.deepspeed_config), and decides")
+
+
+def _r11_rule(result: Mapping[str, Any], facts: Mapping[str, Any], zero: bool):
+    """R11 on one config's result: ``(held, why)``. Accepted by the config: held unless the
+    engine code read as text refuses it (with ZeRO) or does not hand it to Apex."""
+    if not result.get("accepted"):
+        return False, f"DeepSpeed's config refuses it: {result.get('error')}"
+    if zero and facts.get("refuses_zero"):
+        return False, (f"the config takes it, but DeepSpeed's engine asserts "
+                       f"\"{DEEPSPEED_AMP_ZERO_REFUSAL}\"")
+    if facts.get("calls_apex") is False:
+        return False, "the config takes it, but DeepSpeed's engine does not hand it to Apex"
+    return True, ("the config takes it, and DeepSpeed's engine hands it to NVIDIA Apex's "
+                  "amp.initialize (Apex AMP, deprecated by Apex; Apex must be installed)")
+
+
 @claims.decides("R11")
-def verdict_r11(support: Mapping[str, Any],
-                facts: Optional[Mapping[str, Any]] = None) -> claims.Verdict:
+def verdict_r11(support: Mapping[str, Any], facts: Optional[Mapping[str, Any]] = None,
+                check: Optional[Mapping[str, Any]] = None) -> claims.Verdict:
     """Claim R11 (a DeepSpeed config enables mixed precision with ``"amp": {"enabled": true,
-    "opt_level": "O2"}``), decided from DeepSpeed's own code read as data
-    (``deepspeed_amp_facts``, ``facts``), in two parts: the key enables mixed precision (held
-    where DeepSpeed hands it to Apex's ``amp.initialize``: Apex AMP, deprecated by Apex) and it
-    works with ZeRO, as article R uses it beside ZeRO stage 1 (does not hold where DeepSpeed
-    refuses the two together). Not decided where DeepSpeed is not installed: its code cannot be
-    read here. ``support`` is ``native_support()``: PyTorch's native equivalents, shown."""
+    "opt_level": "O2"}``), decided from the installed DeepSpeed: ``check`` is
+    ``deepspeed_config_check(R11_CONFIGS)`` (its config accepts or refuses the article's dict,
+    run on the CPU in a separate process) and ``facts`` its engine code read as text
+    (``deepspeed_amp_facts``: does it hand the key to Apex, does it refuse it with ZeRO).
+    Sensitivity row: the dict beside ZeRO stage 1, as article R uses it. Not decided where
+    DeepSpeed is not installed (``DEEPSPEED_NOT_INSTALLED`` says why the course does not).
+    ``support`` is ``native_support()``: PyTorch's native equivalents, shown."""
     facts = deepspeed_amp_facts() if facts is None else facts
     native = all(support.get(k) for k in ("torch.amp.GradScaler",
                                           "fully_shard + MixedPrecisionPolicy",
                                           "ZeroRedundancyOptimizer"))
-    measured = (f"installed here: deepspeed {'yes' if facts.get('installed') else 'no'}, apex "
-                f"{'yes' if support.get('apex installed') else 'no'}; PyTorch's native "
+    measured = (f"installed here: deepspeed "
+                f"{(check or {}).get('version') or ('yes' if facts.get('installed') else 'no')}, "
+                f"apex {'yes' if support.get('apex installed') else 'no'}; PyTorch's native "
                 f"equivalents (autocast, GradScaler, FSDP2, ZeroRedundancyOptimizer) "
                 f"{'all present and run in this lesson' if native else 'not all present'}")
     numbers = {"native_equivalents_present": native,
                **{k: facts.get(k) for k in ("installed", "calls_apex", "refuses_zero")}}
-    if not facts.get("source"):
-        missing = ("DeepSpeed is installed but its runtime/engine.py was not found"
-                   if facts.get("installed") else "DeepSpeed is not installed here (the course "
-                                                  "does not depend on it)")
-        return claims.not_decided(
-            "R11", LESSON, measured,
-            f"{missing}, so what the key does cannot be read from its code. Its documentation "
-            f"describes the key as NVIDIA Apex's AMP, not compatible with ZeRO; with deepspeed "
-            f"installed, this verdict reads its code and decides", numbers)
-    measured = f"read {facts['source']}: " + measured
-    parts = [claims.Part("the key enables mixed precision", bool(facts["calls_apex"]),
-                         "DeepSpeed hands the key's settings to NVIDIA Apex's amp.initialize "
-                         "(Apex AMP, which Apex deprecates in favour of torch.amp; Apex must be "
-                         "installed)" if facts["calls_apex"] else
-                         "DeepSpeed's engine does not hand the key to amp.initialize"),
-             claims.Part("together with ZeRO stage 1, as article R uses it",
-                         not facts["refuses_zero"],
-                         f"DeepSpeed asserts \"{DEEPSPEED_AMP_ZERO_REFUSAL}\"; its own mixed "
-                         f"precision is \"fp16\"/\"bf16\"" if facts["refuses_zero"] else
-                         "DeepSpeed's engine does not refuse amp with ZeRO")]
-    return claims.decide("R11", LESSON, measured, None, "", numbers, parts=parts)
+    results = (check or {}).get("results") or {}
+    if "article" not in results:
+        why = (check or {}).get("why") or ""
+        installed = check.get("installed") if check is not None else facts.get("installed")
+        because = (DEEPSPEED_NOT_INSTALLED if not installed else
+                   f"DeepSpeed is installed, but its config could not be checked ({why or 'no check was run'})")
+        return claims.not_decided("R11", LESSON, measured, because, numbers)
+    held, why = _r11_rule(results["article"], facts, zero=False)
+    alts = [claims.alternative("with ZeRO stage 1 beside it, as article R uses it",
+                               held=_r11_rule(results[k], facts, True)[0],
+                               why=_r11_rule(results[k], facts, True)[1])
+            for k in results if k != "article"]
+    return claims.decide("R11", LESSON, f"DeepSpeed {check.get('version')}'s DeepSpeedConfig "
+                         f"on the article's dict; " + measured, held, why, numbers,
+                         sensitivity=alts, condition="with the key alone")
 
 
 def verdicts(savings: Mapping[str, Any], support: Optional[Mapping[str, Any]] = None,
-             model: Optional[Mapping[str, Any]] = None) -> List[claims.Verdict]:
-    """This lesson's verdicts, one per claim of ``DECIDES`` (``model``: ``zero_memory_model``)."""
-    return [verdict_r10c(savings, model), verdict_r11(support or native_support())]
+             model: Optional[Mapping[str, Any]] = None,
+             check: Optional[Mapping[str, Any]] = None) -> List[claims.Verdict]:
+    """This lesson's verdicts, one per claim of ``DECIDES`` (``model``: ``zero_memory_model``;
+    ``check``: ``deepspeed_config_check(R11_CONFIGS)``)."""
+    return [verdict_r10c(savings, model), verdict_r11(support or native_support(), check=check)]
 
 
 #: The claims this lesson decides, derived from its ``claims.decides`` declarations.

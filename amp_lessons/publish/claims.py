@@ -230,8 +230,8 @@ _CLAIMS = (
           "peak memory per rank, AMP + ZeRO-1 against fp32 DDP, from a memory model (peak = the "
           "rest + optimizer state / N) validated at the rank counts that ran; the saving at the "
           "claim's 8 ranks is the model's prediction unless 8 ranks ran, and the verdict says so",
-          alternatives=("judged on model state (parameters, gradients, optimizer state) "
-                        "instead of peak memory",),
+          alternatives=("at the rank count that ran, measured (where 8 ranks did not run and "
+                        "the model predicted them)",),
           depends="the rank count (ZeRO-1 shards only the optimizer state, so the saving grows "
                   "with N) and the optimizer (Adam's state is two copies of the weights)"),
     Claim("R10d", "R", "AMP + model parallelism saves 40-50% of memory", None,
@@ -239,13 +239,10 @@ _CLAIMS = (
           depends="a model-parallel setup, which the course does not train"),
     Claim("R11", "R", "a DeepSpeed config enables mixed precision with `\"amp\": {\"enabled\": "
           "true, \"opt_level\": \"O2\"}`", "06",
-          "from the installed DeepSpeed, run on the CPU in a separate process: does its config "
-          "accept the key (and beside ZeRO stage 1, as article R uses it), and does its engine "
-          "hand it to Apex's amp.initialize; not decided where DeepSpeed is not installed, "
-          "saying why the course does not install it",
-          parts=("the key enables mixed precision", "together with ZeRO stage 1, as article R "
-                 "uses it"),
-          alternatives=("the key beside ZeRO stage 1",),
+          "from the installed DeepSpeed, run on the CPU in a separate process: its config "
+          "accepts the key and its engine hands it to Apex's amp.initialize; not decided where "
+          "DeepSpeed is not installed, saying why the course does not install it",
+          alternatives=("the key beside ZeRO stage 1, as article R uses it",),
           depends="the DeepSpeed release: releases with Apex AMP handed the key to Apex and "
                   "refused it with ZeRO; later releases refuse the key"),
     Claim("R12", "R", "attention is more precision-sensitive than convolutions and may need a "

@@ -77,3 +77,19 @@ def test_show_gradient_summary_shows_an_html_table_per_format(monkeypatch):
     assert rows[0]["values"] == 4 and rows[0]["zeros"] == 1 and rows[0]["max |g|"] == "2"
     with pytest.raises(ValueError, match="fmt must be one of"):
         L.show_gradient_summary(grads, "fp12")
+
+
+def test_verdict_r1_sensitivity_rows_decide_by_the_same_rule():
+    finfo = L.check_r1(finfo=True)
+    assert finfo[0].measured["smallest_positive"] == 2.0 ** -24
+    v = L.verdict_r1(L.check_r1("cpu"), "cpu", [("as torch.finfo states them", finfo)])
+    assert v.held is True and v.sensitivity[0].held is True and "finfo" in v.row()["sensitivity"]
+    # a source that disagreed (a flush-to-zero reading: no subnormals) would make it partly held
+    flushed = [L.check_range(c.fmt, c.claimed_low, c.claimed_high,
+                             measured=dict(c.measured, smallest_positive=c.measured["smallest_normal"]))
+               for c in finfo]
+    v = L.verdict_r1(L.check_r1("cpu"), "cpu", [("with subnormals flushed to zero", flushed)])
+    assert v.outcome == "partly held" and "did not hold with subnormals flushed to zero" in v.why
+    assert "held measured on cpu" in v.why
+    with pytest.raises(ValueError, match="torch has a dtype"):
+        L.finfo_limits("tf32")   # TF32 is a math mode, not a torch dtype

@@ -82,13 +82,25 @@ class RangeCheck:
         return f"{'holds' if self.holds else 'does not hold'}: {low}; {high}."
 
 
+def finfo_limits(fmt: str) -> Dict[str, float]:
+    """``fmt``'s limits as ``torch.finfo`` states them (smallest subnormal = smallest normal x
+    eps), in ``formats.measure_limits``'s keys: claim R1's second source."""
+    name = formats.get_format(fmt).torch_dtype_name
+    if name is None:
+        raise ValueError(f"fmt must be a format torch has a dtype for; {fmt!r} has none")
+    info = torch.finfo(getattr(torch, name))
+    return {"smallest_positive": float(info.smallest_normal) * float(info.eps),
+            "smallest_normal": float(info.smallest_normal), "max": float(info.max)}
+
+
 def check_range(fmt: str, claimed_low: str, claimed_high: str,
-                device: Union[str, torch.device, None] = None) -> RangeCheck:
-    """Measure ``fmt``'s limits on ``device`` (``formats.measure_limits``) and set "``fmt`` spans
-    ``claimed_low`` to ``claimed_high``" beside them. The claimed values are strings so their
-    written precision counts."""
+                device: Union[str, torch.device, None] = None,
+                measured: Union[Mapping[str, float], None] = None) -> RangeCheck:
+    """Measure ``fmt``'s limits on ``device`` (``formats.measure_limits``; or take ``measured``,
+    e.g. ``finfo_limits``) and set "``fmt`` spans ``claimed_low`` to ``claimed_high``" beside
+    them. The claimed values are strings so their written precision counts."""
     info = formats.get_format(fmt)
-    measured = formats.measure_limits(info, device)
+    measured = dict(measured) if measured is not None else formats.measure_limits(info, device)
     if matches_written(claimed_low, measured["smallest_positive"]):
         low_is = "smallest subnormal"
     elif matches_written(claimed_low, measured["smallest_normal"]):
@@ -100,11 +112,13 @@ def check_range(fmt: str, claimed_low: str, claimed_high: str,
 
 
 def check_r1(device: Union[str, torch.device, None] = None,
-             claimed: Mapping[str, tuple] = R1_CLAIMED) -> list:
-    """``check_range`` for every format of claim R1 (or ``claimed``: format -> (low, high))."""
+             claimed: Mapping[str, tuple] = R1_CLAIMED, finfo: bool = False) -> list:
+    """``check_range`` for every format of claim R1 (or ``claimed``: format -> (low, high)),
+    measured on ``device``, or read from ``torch.finfo`` with ``finfo=True``."""
     if not claimed:
         raise ValueError("claimed must name at least one format")
-    return [check_range(fmt, low, high, device) for fmt, (low, high) in claimed.items()]
+    return [check_range(fmt, low, high, device, finfo_limits(fmt) if finfo else None)
+            for fmt, (low, high) in claimed.items()]
 
 
 def range_checks_text(checks: Sequence[RangeCheck]) -> str:
@@ -119,10 +133,20 @@ def range_checks_text(checks: Sequence[RangeCheck]) -> str:
     return "\n".join(lines)
 
 
+def _r1_why(checks: Sequence[RangeCheck]) -> str:
+    return "; ".join(
+        f"{c.fmt}: {c.claimed_low} is {'the ' + c.low_is if c.low_is != 'neither' else 'no limit'}"
+        f", {c.claimed_high} {'is' if c.high_holds else 'is not'} the largest finite value"
+        for c in checks)
+
+
 @claims.decides("R1")
-def verdict_r1(checks: Sequence[RangeCheck], device_type: str = "cpu") -> claims.Verdict:
+def verdict_r1(checks: Sequence[RangeCheck], device_type: str = "cpu",
+               alternatives: Sequence = ()) -> claims.Verdict:
     """Claim R1's verdict: held when every claimed range names real limits of its format, as
-    measured by arithmetic on ``device_type`` (a format fact: any device decides it)."""
+    measured by arithmetic on ``device_type`` (a format fact: any device decides it).
+    ``alternatives``: ``(setting, checks)`` pairs decided the same way, the sensitivity rows
+    (the CPU's arithmetic beside a GPU's, ``torch.finfo``'s constants: ``check_r1(finfo=True)``)."""
     if not checks:
         raise ValueError("checks must hold at least one RangeCheck")
     measured = "; ".join(
@@ -130,14 +154,14 @@ def verdict_r1(checks: Sequence[RangeCheck], device_type: str = "cpu") -> claims
         f"{c.measured['smallest_positive']:.6g}, smallest normal "
         f"{c.measured['smallest_normal']:.6g}, max {c.measured['max']:.6g}" for c in checks)
     held = all(c.holds for c in checks)
-    why = "; ".join(
-        f"{c.fmt}: {c.claimed_low} is {'the ' + c.low_is if c.low_is != 'neither' else 'no limit'}"
-        f", {c.claimed_high} {'is' if c.high_holds else 'is not'} the largest finite value"
-        for c in checks)
+    why = _r1_why(checks)
     if held and any(c.low_is == "smallest subnormal" for c in checks):
         why += " (the low ends are subnormal minima: full precision stops at the smallest normal)"
     numbers = {c.fmt: dict(c.measured) for c in checks}
-    return claims.decide("R1", LESSON, measured, held, why, numbers)
+    alts = [claims.alternative(setting, held=all(c.holds for c in alt), why=_r1_why(alt))
+            for setting, alt in alternatives]
+    return claims.decide("R1", LESSON, measured, held, why, numbers, sensitivity=alts,
+                         condition=f"measured on {device_type}")
 
 
 def dtypes_under_autocast(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,

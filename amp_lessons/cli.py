@@ -1,9 +1,13 @@
 """Command line: ``python -m amp_lessons {run-notebooks,rehearse,readme,claims,figure-images,bench,train,doctor} ...``.
 
-Bad flags end in argparse's usage message and exit status 2. Every other user error (a bad
-setting, a missing or damaged file, a path that cannot be written) prints one line,
+Bad flags (an empty path among them: what ``--out "$OUT"`` gives with ``OUT`` unset) end in
+argparse's usage message and exit status 2. Every other user error (a bad setting, a missing or
+damaged file, a path that cannot be written, a run that does not fit in memory) prints one line,
 ``python -m amp_lessons <command>: error: ...``, and exits with a non-zero status, never a
-traceback. Paths are checked before any training or measuring starts.
+traceback. Paths are checked before any training or measuring starts, with the rule the one
+writer applies (``files.check_writable``: a read-only file is refused, never replaced). Ctrl-C
+prints one line saying what was interrupted and what was or was not written, and exits with
+status 130 (``INTERRUPTED``); files are written whole or not at all, so none is half-written.
 """
 from __future__ import annotations
 
@@ -28,6 +32,23 @@ def fail(command: str, message: str, status: int = 2) -> int:
     text = " ".join(str(message).split())  # one line, whatever the message held
     print(f"{PROG} {command}: error: {text}", file=sys.stderr)
     return status
+
+
+INTERRUPTED = 128 + 2  # the shell's status for a process stopped by SIGINT (Ctrl-C)
+
+
+def interrupted(command: str, message: str) -> int:
+    """Print the one line of a command stopped by Ctrl-C and return ``INTERRUPTED`` (130)."""
+    return fail(command, f"interrupted (Ctrl-C) {message}", INTERRUPTED)
+
+
+def _path(text: str) -> Path:
+    """An argparse type: a file or folder path, never the empty string (what ``"$OUT"`` gives
+    when ``OUT`` is unset, which ``Path`` would read as the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string (an unset "
+                                         "shell variable?)")
+    return Path(text)
 
 
 def as_flag(message: str, dests, renamed: Optional[dict] = None) -> str:
@@ -68,11 +89,11 @@ def _add_run_notebooks(sub) -> None:
                        description="Execute notebooks in order, write the executed copies and "
                                    "record the run (device, torch, profile, date) in their "
                                    "metadata.")
-    p.add_argument("notebooks", nargs="*", type=Path,
+    p.add_argument("notebooks", nargs="*", type=_path,
                    help="notebooks to run (default: every lesson in notebooks/)")
     p.add_argument("--profile", choices=["quick", "full"], default=None,
                    help="sizes to use (default: full with CUDA, quick without)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=_path, default=None,
                    help="folder for the executed copies (default: rewrite in place)")
     p.add_argument("--timeout", type=_positive_int, default=1800,
                    help="seconds one cell may run (default 1800)")
@@ -150,16 +171,16 @@ def _add_rehearse(sub) -> None:
                                    "bf16 and TF32 off, the card's capability) and write "
                                    "rehearsal_<card>.json: time, GPU-busy time, peak GPU memory "
                                    "and the rows not run per lesson.")
-    p.add_argument("notebooks", nargs="*", type=Path,
+    p.add_argument("notebooks", nargs="*", type=_path,
                    help="notebooks to run (default: every lesson in notebooks/)")
     p.add_argument("--card", default="t4", help="the card to simulate (default and only: t4)")
     p.add_argument("--profile", choices=["quick", "full"], default="full",
                    help="sizes to use (default: full)")
-    p.add_argument("--out", type=Path, required=True,
+    p.add_argument("--out", type=_path, required=True,
                    help="folder for the executed copies and rehearsal_<card>.json")
     p.add_argument("--timeout", type=_positive_int, default=1800,
                    help="seconds one cell may run (default 1800)")
-    p.add_argument("--update", type=Path, default=None,
+    p.add_argument("--update", type=_path, default=None,
                    help="a rehearsal record (docs/rehearsal_t4.json) to merge this run into: "
                         "lessons run now replace their earlier records")
     p.set_defaults(func=_cmd_rehearse)
@@ -244,7 +265,7 @@ def _add_readme(sub) -> None:
                                    "their citations in metadata amp_lessons.cited) too.")
     p.add_argument("--check", action="store_true",
                    help="change nothing; exit 1 if the section is out of date")
-    p.add_argument("--readme", type=Path, default=None,
+    p.add_argument("--readme", type=_path, default=None,
                    help="README to update (default: the repo's, and then the lessons' cited "
                         "prose too; another README is written alone)")
     p.set_defaults(func=_cmd_readme)
@@ -260,8 +281,15 @@ def _cmd_readme(args) -> int:
     readme = args.readme or repo_readme
     # another README (a copy): write only it, not the checkout's notebooks
     own = args.readme is None or readme.resolve() == repo_readme.resolve()
+    if readme.is_dir():
+        return fail("readme", f"--readme must name a file, not a folder; got '{readme}'")
     if not readme.is_file():
         return fail("readme", f"no README at '{readme}'")
+    if not args.check:  # the one writer's rule, before the work: a read-only README is refused
+        try:
+            check_writable(readme, "--readme" if args.readme is not None else "README")
+        except ValueError as exc:
+            return fail("readme", str(exc))
     rehearsal_file = NOTEBOOK_DIR.parent / "docs" / "rehearsal_t4.json"
     try:  # every generated block is built before anything is written
         current = read_text(readme, "README")
@@ -347,7 +375,7 @@ def _add_claims(sub) -> None:
                                    "the rule, from amp_lessons/publish/claims.py, as Markdown (what "
                                    "docs/claims.md holds). Writes a file only where --out names "
                                    "one.")
-    p.add_argument("--out", type=Path, default=None, metavar="PATH",
+    p.add_argument("--out", type=_path, default=None, metavar="PATH",
                    help="write the Markdown to PATH instead of printing it "
                         "(the course's own copy: --out docs/claims.md)")
     p.add_argument("--check", action="store_true",
@@ -362,12 +390,19 @@ def _cmd_claims(args) -> int:
 
     text = claims_markdown()
     if args.check:
+        from amp_lessons.files import read_text
+
         path = args.out or NOTEBOOK_DIR.parent / "docs" / "claims.md"
+        if path.is_dir():
+            return fail("claims", f"out must name a file, not a folder; got '{path}'")
         if not path.is_file():
             print(f"{path}: no such file; run `python -m amp_lessons claims --out {path}`",
                   file=sys.stderr)
             return 1
-        current = path.read_text()
+        try:
+            current = read_text(path, "claims page")
+        except (OSError, ValueError) as exc:
+            return fail("claims", str(exc))
         if current != text:
             print(f"{path}: out of date; run `python -m amp_lessons claims --out {path}`",
                   file=sys.stderr)
@@ -378,12 +413,12 @@ def _cmd_claims(args) -> int:
         sys.stdout.write(text)
         return 0
     try:
-        check_writable(args.out, "out")
+        check_writable(args.out, "--out")
         write_atomic(args.out, text, "claims page")
     except ValueError as exc:
         return fail("claims", str(exc))
     except OSError as exc:
-        return fail("claims", write_failure(args.out, exc))
+        return fail("claims", write_failure(args.out, exc), 1)
     print(f"wrote {args.out}")
     return 0
 
@@ -393,7 +428,7 @@ def _add_figure_images(sub) -> None:
                        description="Give every plotly figure in the executed notebooks a static "
                                    "PNG (what GitHub shows), store its data once, and pack long "
                                    "arrays. Needs Chromium (apt-get install chromium).")
-    p.add_argument("notebooks", nargs="*", type=Path,
+    p.add_argument("notebooks", nargs="*", type=_path,
                    help="notebooks to update (default: every lesson in notebooks/)")
     p.add_argument("--force", action="store_true", help="render images that already exist again")
     p.set_defaults(func=_cmd_figure_images)
@@ -457,7 +492,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--steps", type=_positive_int, default=None, help="default: 15 (full), 3 (quick)")
     p.add_argument("--profile", choices=["quick", "full"], default=None,
                    help="default sizes to use (default: full with CUDA, quick without)")
-    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    p.add_argument("--json", type=_path, default=None, help="also write the rows as JSON here")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -485,7 +520,7 @@ def _cmd_bench(args) -> int:
                                loop="trainer" if args.trainer else "hand")
                    for p in precisions]
     except ValueError as exc:
-        return fail("bench", str(exc))
+        return fail("bench", as_flag(str(exc), vars(args)))
     warmup = args.warmup if args.warmup is not None else (1 if quick else 5)
     rows = run_configs(configs, env.device, warmup=warmup,
                        steps=args.steps or (3 if quick else 15), progress=False)
@@ -556,11 +591,11 @@ def _add_train(sub) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="default: the GPU if there is one")
     p.add_argument("--seed", type=_whole, default=0, help="default 0")
-    p.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
+    p.add_argument("--checkpoint", type=_path, default=None, metavar="PATH",
                    help="save a training checkpoint here after every epoch (atomically)")
-    p.add_argument("--resume", type=Path, default=None, metavar="PATH",
+    p.add_argument("--resume", type=_path, default=None, metavar="PATH",
                    help="continue exactly from this checkpoint")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT",
+    p.add_argument("--json", type=_path, default=None, metavar="OUT",
                    help="also write the per-epoch results, summary and step history here")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_cmd_train, parser=p)
@@ -587,13 +622,100 @@ def cpu_half_hint(precision: str, device=None) -> str:
 
 
 def _cmd_train(args) -> int:
-    import json
+    finished: List[dict] = []  # the summaries of the epochs this run finished
+    before = {path: _file_id(path) for path in (args.checkpoint, args.json) if path is not None}
+    try:
+        return _train(args, finished)
+    except KeyboardInterrupt:
+        return interrupted("train", _train_interrupted(args, finished, before))
 
-    from amp_lessons.train.recipes import train_digits
+
+def _file_id(path: Path):
+    """What tells a file written since from the one there now: the atomic writer's rename gives
+    each write a new inode (None where there is no file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _train_interrupted(args, finished: List[dict], before: dict) -> str:
+    """The rest of ``train``'s Ctrl-C line: where it stopped, what the checkpoint holds now,
+    whether ``--json`` was written, and any temporary file left (none: the writer removes its
+    own on Ctrl-C)."""
+    from amp_lessons.files import temp_files_of
+
+    where = (f"in epoch {finished[-1]['epoch'] + 2} of {args.epochs} "
+             f"({plural(len(finished), 'epoch')} finished in this run)" if finished
+             else "before an epoch of this run finished")
+    parts = []
+    if args.checkpoint is not None:
+        path = args.checkpoint
+        if _file_id(path) == before[path]:
+            parts.append(f"checkpoint {path} not written" if before[path] is None else
+                         f"checkpoint {path} left as it was")
+        else:
+            parts.append(f"checkpoint {path} {_checkpoint_holds(path)} (continue with --resume "
+                         f"{path})")
+    if args.json is not None:
+        changed = _file_id(args.json) != before[args.json]
+        parts.append(f"wrote {args.json}" if changed else f"--json {args.json} not written")
+    if not parts:
+        parts.append("nothing written (no --checkpoint or --json given)")
+    left = [str(t) for path in before for t in temp_files_of(path)]
+    parts.append(f"temporary file left: {', '.join(left)}" if left else
+                 "no temporary file left behind")
+    return f"{where}: {'; '.join(parts)}"
+
+
+def _checkpoint_holds(path: Path) -> str:
+    """"holds N finished epochs", read from the checkpoint itself (a save may have finished
+    after the last epoch was printed)."""
+    from amp_lessons.train.checkpoint import read_verified
+
+    try:
+        epochs = read_verified(path)["epoch"]
+    except Exception as exc:  # noqa: BLE001 - the line says what is known
+        return f"was written, but could not be read back ({type(exc).__name__})"
+    return f"holds {plural(int(epochs), 'finished epoch')}"
+
+
+def out_of_memory_text(exc: BaseException, device, lower: str) -> str:
+    """One line for a run that did not fit: the bytes one allocation asked for (as the
+    allocator's message gives them), the bytes the device has, and the settings to ``lower``."""
+    import torch
+
+    from amp_lessons.numerics.precision import as_device
+
+    device = as_device(device)
+    match = re.search(r"tried to allocate (\d+) bytes", str(exc), re.IGNORECASE)
+    unit = re.search(r"tried to allocate ([\d.]+) (KiB|MiB|GiB|TiB)", str(exc), re.IGNORECASE)
+    needed = int(match.group(1)) if match else (
+        int(float(unit.group(1)) * 2 ** (10 * ("KMGT".index(unit.group(2)[0].upper()) + 1)))
+        if unit else None)
+    if device.type == "cuda":
+        has = torch.cuda.get_device_properties(device).total_memory
+    else:
+        try:
+            has = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            has = None
+    asked = f"one allocation asked for {needed:,} bytes" if needed else "an allocation failed"
+    where = "the GPU" if device.type == "cuda" else "this machine"
+    held = f", and {where} has {has:,} bytes of memory" if has else ""
+    return f"out of memory on {device}: {asked}{held}; {lower}"
+
+
+def _train(args, finished: List[dict]) -> int:
+    from amp_lessons.files import DiskFullError, FileTooLargeError, ReadOnlyFileError
+    from amp_lessons.measure.oom import is_out_of_memory
     from amp_lessons.tables import json_safe
+    from amp_lessons.train.recipes import train_digits
     from amp_lessons.train.trainer import ScalerSettings
 
     def on_epoch(e: dict) -> None:
+        finished.append(e)
         part = (f" (resumed after batch {e['resumed_at_batch']}: covers the last "
                 f"{plural(e['steps'], 'step')} only)" if e.get("partial") else "")
         print(f"epoch {e['epoch'] + 1}/{args.epochs}{part}: {e['time_s']:.2f} s, "
@@ -603,6 +725,7 @@ def _cmd_train(args) -> int:
               flush=True)
 
     env_doc = None
+    device = None if args.device == "auto" else args.device
     try:
         check_seed("seed", args.seed)
         if args.json is not None:  # probed before training: a failure costs no training run
@@ -618,20 +741,27 @@ def _cmd_train(args) -> int:
         scaler = ScalerSettings(init_scale=args.init_scale, growth_factor=args.growth_factor,
                                 backoff_factor=args.backoff_factor,
                                 growth_interval=args.growth_interval)
-        hint = cpu_half_hint(args.precision, None if args.device == "auto" else args.device)
+        hint = cpu_half_hint(args.precision, device)
         if hint:
             print(hint, file=sys.stderr, flush=True)
         run = train_digits(args.precision, model=args.model, epochs=args.epochs,
                            batch_size=args.batch_size, lr=args.lr, width=args.width,
                            scaler=scaler, clip_norm=args.clip, accumulate=args.accumulate,
-                           eval_precision=args.eval_precision,
-                           device=None if args.device == "auto" else args.device,
+                           eval_precision=args.eval_precision, device=device,
                            seed=args.seed, progress=not args.no_progress,
                            checkpoint=args.checkpoint, resume=args.resume, on_epoch=on_epoch,
                            nonfinite=args.nonfinite)
+    except (DiskFullError, FileTooLargeError, ReadOnlyFileError) as exc:  # a checkpoint save
+        return fail("train", write_failure(args.checkpoint, exc), 1)
     except (ValueError, OSError, FloatingPointError) as exc:
-        # bad settings, a damaged --resume file (CheckpointError), a full disk (DiskFullError)
+        # bad settings, a damaged --resume file (CheckpointError), a path that cannot be written
         return fail("train", as_flag(str(exc), vars(args), {"clip_norm": "--clip"}))
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc) and "can't allocate memory" not in str(exc):
+            raise
+        return fail("train", out_of_memory_text(
+            exc, device, f"lower --width (now {args.width}) or --batch-size (now "
+                         f"{args.batch_size})"), 1)
     s = run.summary()
     if not run.epochs:
         return fail("train", "resume: the checkpoint holds no finished epoch; nothing to report")
@@ -682,7 +812,12 @@ _COMMANDS = [_add_run_notebooks, _add_rehearse, _add_readme, _add_explain, _add_
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Parse ``argv`` and run the chosen subcommand; returns the exit status."""
+    """Parse ``argv`` and run the chosen subcommand; returns the exit status.
+
+    Whatever a command does not catch itself ends in one line, never a traceback: Ctrl-C
+    (status 130; files are written whole or not at all), a closed output pipe (``| head``:
+    quietly, status 141 as the shell gives), and an unexpected error (its type and first line,
+    status 1; ``AMP_LESSONS_TRACEBACK=1`` shows the traceback instead)."""
     args = build_parser().parse_args(argv)
     from amp_lessons.env import get_profile, simulated_card
 
@@ -691,4 +826,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         simulated_card()
     except ValueError as exc:
         return fail(args.command, str(exc))
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return interrupted(args.command, "before it finished: a file it was writing was not "
+                                         "written (files are replaced whole or not at all)")
+    except BrokenPipeError:  # the reader of stdout went away (| head): nothing more to say
+        try:  # no second error when Python flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 128 + 13
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        if os.environ.get("AMP_LESSONS_TRACEBACK") == "1":
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        return fail(args.command, f"unexpected {type(exc).__name__}: {first} (run again with "
+                                  f"AMP_LESSONS_TRACEBACK=1 to see where)", 1)

@@ -17,6 +17,7 @@ from amp_lessons import cli
 from amp_lessons.cli import main
 
 FAST = ["--model", "cnn", "--width", "4", "--batch-size", "256", "--no-progress"]
+MLP = ["--model", "mlp", "--width", "4", "--batch-size", "256", "--no-progress"]  # 10x faster
 
 
 def test_train_end_to_end_with_json_checkpoint_and_resume(tmp_path, capsys):
@@ -543,8 +544,8 @@ def full_disk(monkeypatch):
 
 def test_a_full_disk_says_could_not_write_once_in_every_command(tmp_path, capsys, full_disk):
     cases = [(["claims", "--out", str(tmp_path / "claims.md")], "claims.md"),
-             (["train", "--epochs", "1", "--json", str(tmp_path / "r.json")] + FAST, "r.json"),
-             (["train", "--epochs", "1", "--checkpoint", str(tmp_path / "c.pt")] + FAST, "c.pt")]
+             (["train", "--epochs", "1", "--json", str(tmp_path / "r.json")] + MLP, "r.json"),
+             (["train", "--epochs", "1", "--checkpoint", str(tmp_path / "c.pt")] + MLP, "c.pt")]
     for argv, name in cases:
         assert main(argv) == 1
         err = capsys.readouterr().err
@@ -699,7 +700,7 @@ def test_ctrl_c_in_a_real_train_run_is_one_line_status_130_and_a_whole_checkpoin
 
     ckpt, out = tmp_path / "c.pt", tmp_path / "r.json"
     proc = subprocess.Popen([sys.executable, "-m", "amp_lessons", "train", "--epochs", "500",
-                             "--checkpoint", str(ckpt), "--json", str(out)] + FAST,
+                             "--checkpoint", str(ckpt), "--json", str(out)] + MLP,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=tmp_path)
     first = proc.stdout.readline()  # "epoch 1/500: ..." once the first epoch is saved

@@ -283,3 +283,96 @@ def test_distributed_cli_refuses_nproc_0(capsys):
     with pytest.raises(SystemExit):
         distributed.main(["--nproc", "0"])
     assert "--nproc must be a whole number >= 1" in capsys.readouterr().err
+
+
+# ---- every command-line path ends in one line, never a traceback (issue 41) -----------------------
+
+@pytest.fixture
+def hostile_files(tmp_path):
+    """Files a hostile but fair user hands the commands: not UTF-8, empty, a folder, read-only,
+    a notebook whose cells are a number, a JSON list, random bytes named .pt."""
+    (tmp_path / "latin.md").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "empty.json").write_bytes(b"")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "cells5.ipynb").write_text('{"cells": 5}')
+    (tmp_path / "list.ipynb").write_text("[]")
+    (tmp_path / "latin.ipynb").write_bytes(b"\xff\xfe{")
+    (tmp_path / "random.pt").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "text.txt").write_text("x")
+    locked = tmp_path / "locked.md"
+    locked.write_text("keep me")
+    locked.chmod(0o444)
+    yield tmp_path
+    locked.chmod(0o644)
+
+
+HOSTILE_ARGV = [
+    # readme
+    ["readme", "--readme", "{d}/missing.md"], ["readme", "--readme", "{d}/folder"],
+    ["readme", "--readme", "{d}/latin.md"], ["readme", "--readme", "{d}/locked.md"],
+    ["readme", "--check", "--readme", "{d}/latin.md"],
+    # claims
+    ["claims", "--out", "{d}/folder"], ["claims", "--out", "{d}/text.txt/sub.md"],
+    ["claims", "--out", "{d}/locked.md"], ["claims", "--check", "--out", "{d}/latin.md"],
+    ["claims", "--check", "--out", "{d}/folder"],
+    # notebooks
+    ["run-notebooks", "{d}/missing.ipynb"], ["run-notebooks", "{d}/folder"],
+    ["run-notebooks", "{d}/cells5.ipynb"], ["run-notebooks", "{d}/list.ipynb"],
+    ["run-notebooks", "{d}/latin.ipynb"], ["run-notebooks", "--timeout", "-5", "{d}/x.ipynb"],
+    ["run-notebooks", "--timeout", "99999999999999999999999", "{d}/latin.ipynb"],
+    ["figure-images", "{d}/missing.ipynb"], ["figure-images", "{d}/text.txt"],
+    ["figure-images", "{d}/latin.ipynb"], ["figure-images", "{d}/folder"],
+    ["rehearse", "--card", "", "--out", "{d}/r", "{d}/latin.ipynb"],
+    ["rehearse", "--card", "h100", "--out", "{d}/r"],
+    ["rehearse", "--out", "{d}/text.txt", "{d}/cells5.ipynb"],
+    ["rehearse", "--out", "{d}/r", "--update", "{d}/empty.json", "{d}/list.ipynb"],
+    # bench: refused before anything is measured
+    ["bench", "--batch-size", "0"], ["bench", "--batch-size", "-3"], ["bench", "--steps", "0"],
+    ["bench", "--warmup", "-1"], ["bench", "--image-size", "4"], ["bench", "--json", "{d}/folder"],
+    ["bench", "--json", "{d}/locked.md"], ["bench", "--image-size", "1e3"],
+    # train: refused before anything is trained
+    ["train", "--epochs", "-1"], ["train", "--epochs", "0"], ["train", "--lr", "-1"],
+    ["train", "--lr", "nan"], ["train", "--lr", "1e400"], ["train", "--lr", ""],
+    ["train", "--seed", str(2 ** 64)], ["train", "--seed", "-1"],
+    ["train", "--growth-interval", str(2 ** 70)], ["train", "--init-scale", "1e-50"],
+    ["train", "--backoff-factor", "1"], ["train", "--growth-factor", "1"],
+    ["train", "--clip", "0"], ["train", "--clip", "inf"], ["train", "--width", "0"],
+    ["train", "--resume", "{d}/folder"], ["train", "--resume", "{d}/random.pt"],
+    ["train", "--resume", "{d}/empty.pt"], ["train", "--resume", "{d}/missing.pt"],
+    ["train", "--json", "{d}/locked.md"], ["train", "--checkpoint", "{d}/folder"],
+    ["train", "--checkpoint", "{d}/text.txt/c.pt"],
+]
+
+
+@pytest.mark.parametrize("argv", HOSTILE_ARGV, ids=lambda a: " ".join(a).replace("{d}/", ""))
+def test_every_command_answers_hostile_input_in_one_line(hostile_files, argv, capsys):
+    from amp_lessons.cli import main
+
+    argv = [a.replace("{d}", str(hostile_files)) for a in argv]
+    try:
+        status = main(argv)
+    except SystemExit as exit_:  # argparse: usage, then one error line
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status in (1, 2), err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"python -m amp_lessons {argv[0]}: error: ") or (
+        argv[0] == "claims" and "--check" in argv and "no such file" in last), err
+    assert (hostile_files / "locked.md").read_text() == "keep me"
+    assert not list(hostile_files.glob(".*.tmp-*"))  # no temporary file left
+
+
+def test_is_out_of_memory_knows_the_cpu_allocators_words():
+    import torch
+
+    from amp_lessons.measure.oom import is_out_of_memory
+
+    try:
+        torch.empty(2 ** 62, dtype=torch.uint8)
+    except RuntimeError as exc:
+        assert is_out_of_memory(exc), str(exc)
+    else:
+        pytest.skip("this machine allocated 4 EiB")
+    assert not is_out_of_memory(RuntimeError("shape '[2, 3]' is invalid"))

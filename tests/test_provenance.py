@@ -230,3 +230,25 @@ def test_an_untraced_function_called_in_the_publish_call_keeps_each_row_traced()
     assert [r["configuration"] for r in rec["rows"]] == [{"name": "a"}, {"name": "b"}]
     assert [f["function"] for f in rec["columns"]["loss scale"]["fields from"]] == \
         ["amp_lessons.tables.plural"]
+
+
+def test_code_version_of_a_copy_holds_only_where_its_files_match(tmp_path, monkeypatch):
+    """A GPU host gets the working tree with a stale .git: the run records the source's commit
+    only if the files there hash to the source's files; an edited file makes it unclean."""
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "x")
+    record = notebooks.copy_code_version(tmp_path)
+    monkeypatch.setenv(notebooks.EXPECT_COMMIT_VARIABLE, record)
+    (tmp_path / "lesson.ipynb").write_text("{}")  # a notebook the run rewrites does not count
+    got = notebooks.code_version(tmp_path)
+    assert got["clean"] is True and len(got["commit"]) == 40
+    (tmp_path / "code.py").write_text("x = 2\n")
+    got = notebooks.code_version(tmp_path)
+    assert got["clean"] is False and "not those of the copy's source" in got["reason"]
+    monkeypatch.setenv(notebooks.EXPECT_COMMIT_VARIABLE, "not json")
+    with pytest.raises(ValueError, match="AMP_LESSONS_EXPECT_COMMIT"):
+        notebooks.code_version(tmp_path)

@@ -60,6 +60,9 @@ def code_version(folder: Path = NOTEBOOK_DIR) -> dict:
         return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True,
                               timeout=30, check=True).stdout.rstrip("\n")
 
+    expected = os.environ.get(EXPECT_COMMIT_VARIABLE, "")
+    if expected:  # a copy whose .git is not its source's: trust the source's record if the files match
+        return _against_expected(folder, expected)
     try:
         commit = git("rev-parse", "HEAD").strip()
         changed = git("status", "--porcelain", "--untracked-files=normal", "--", ":/",
@@ -72,6 +75,54 @@ def code_version(folder: Path = NOTEBOOK_DIR) -> dict:
     if changed:
         out["changed"] = [line[3:] for line in changed[:5]]
     return out
+
+
+EXPECT_COMMIT_VARIABLE = "AMP_LESSONS_EXPECT_COMMIT"
+_NOT_CODE = (":(exclude).whl", ":(exclude,glob)**/*.ipynb")
+
+
+def files_hash(folder: Path = NOTEBOOK_DIR) -> str:
+    """The git tree hash of the files of the checkout holding ``folder`` as they are now
+    (tracked and untracked, ignored files, ``.whl`` and the notebooks aside), from a scratch
+    index: the same files give the same hash on any machine, whatever its ``.git`` holds."""
+    import subprocess
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=folder, text=True,
+                             capture_output=True, check=True, timeout=30).stdout.strip()
+        subprocess.run(["git", "add", "-A", "--", ".", *_NOT_CODE], cwd=top, env=env,
+                       capture_output=True, check=True, timeout=300)
+        return subprocess.run(["git", "write-tree"], cwd=top, env=env, capture_output=True,
+                              text=True, check=True, timeout=60).stdout.strip()
+
+
+def copy_code_version(folder: Path = NOTEBOOK_DIR) -> str:
+    """What to put in ``AMP_LESSONS_EXPECT_COMMIT`` when the checkout is copied to another
+    machine without its history (a GPU host): this checkout's ``code_version`` plus the hash of
+    its files, as JSON. There, ``code_version`` records it only if the files hash the same."""
+    import json
+    return json.dumps(dict(code_version(folder), files=files_hash(folder)))
+
+
+def _against_expected(folder: Path, expected: str) -> dict:
+    import json
+    import subprocess
+    try:
+        claimed = json.loads(expected)
+        want = claimed.pop("files")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{EXPECT_COMMIT_VARIABLE} must be the JSON copy_code_version() "
+                         f"writes, got {expected[:80]!r}") from None
+    try:
+        here = files_hash(folder)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"commit": claimed.get("commit"), "clean": None,
+                "reason": f"could not hash the files here ({' '.join(str(exc).split())[:160]})"}
+    if here == want:
+        return claimed
+    return {"commit": claimed.get("commit"), "clean": False,
+            "reason": f"the files here (tree {here[:12]}) are not those of the copy's source "
+                      f"(tree {want[:12]})"}
 
 
 def run_record(profile: str, code: Optional[dict] = None) -> dict:

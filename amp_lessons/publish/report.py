@@ -110,7 +110,7 @@ def _publisher():
 
 
 VERDICT_PREFIX = "claims."
-VERDICT_COLUMNS = ("claim", "measured", "verdict", "why")
+VERDICT_COLUMNS = ("claim", "measured", "verdict", "why", "sensitivity")
 
 
 def publish_verdicts(lesson: str, verdicts: Sequence, title: str) -> None:
@@ -151,7 +151,8 @@ def claims_table(results: Sequence[dict]) -> List[dict]:
                          "not measured by the course" if claim.lesson is None
                          else f"not published as a verdict by lesson {claim.lesson}'s committed "
                               f"run (see its notebook)"),
-                     "why": got["why"] if got else claim.rule})
+                     "why": got["why"] if got else claim.rule,
+                     "sensitivity": got.get("sensitivity", "-") if got else "-"})
     return rows
 
 
@@ -207,7 +208,8 @@ def results_section(notebooks: Iterable[Path],
         parts.append("\n#### The articles' claims, each decided once\n\n_Each claim beside the "
                      "measurement of the one lesson that decides it (see docs/claims.md)._\n")
         parts.append(markdown_table(claims_table(results),
-                                    ["claim", "says", "decided in", "measured", "verdict", "why"]))
+                                    ["claim", "says", "decided in", "measured", "verdict", "why",
+                                     "sensitivity"]))
     parts.append("\n" + END)
     return "\n".join(parts)
 

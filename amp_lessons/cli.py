@@ -146,6 +146,7 @@ def _cmd_run_notebooks(args) -> int:
     from amp_lessons.publish.rehearsal import busy_gpu_text, wait_for_idle_gpu
 
     written = []
+    path = None
     try:
         for path in paths:
             busy = [] if args.allow_busy_gpu else wait_for_idle_gpu()
@@ -154,6 +155,12 @@ def _cmd_run_notebooks(args) -> int:
                             f"for it or stop it (--allow-busy-gpu runs anyway)", 1)
             written.append(run_notebook(path, profile=args.profile, out=args.out,
                                         timeout=args.timeout, progress=not args.no_progress))
+    except KeyboardInterrupt:
+        later = paths[paths.index(path) + 1:] if path in paths else []
+        return interrupted("run-notebooks", "".join((
+            f"while running {path}: it was not written (left as it was)",
+            f"; wrote {', '.join(map(str, written))}" if written else "",
+            f"; not run: {', '.join(map(str, later))}" if later else "")))
     except NotebookRunError as exc:
         return fail("run-notebooks", exc.summary, 1)
     except (OSError, RuntimeError, ValueError) as exc:  # kernel would not start, disk, ...

@@ -716,3 +716,26 @@ def test_ctrl_c_in_a_real_train_run_is_one_line_status_130_and_a_whole_checkpoin
     from amp_lessons.train.checkpoint import read_verified
 
     assert read_verified(ckpt)["epoch"] >= 1
+
+
+def test_run_notebooks_interrupted_names_what_it_wrote(tmp_path, capsys, monkeypatch):
+    from amp_lessons.publish import notebooks
+
+    first, _ = _marker_notebook(tmp_path, "01_a.ipynb")
+    second, _ = _marker_notebook(tmp_path, "02_b.ipynb")
+    third, _ = _marker_notebook(tmp_path, "03_c.ipynb")
+    calls = []
+
+    def run(path, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(notebooks, "run_notebook", run)
+    assert main(["run-notebooks", "--no-progress", "--allow-busy-gpu", str(first),
+                 str(second), str(third)]) == 130
+    assert_one_line_error(capsys.readouterr().err, "run-notebooks",
+                          r"interrupted \(Ctrl-C\) while running .*02_b.ipynb: it was not "
+                          r"written \(left as it was\); wrote .*01_a.ipynb; not run: "
+                          r".*03_c.ipynb$")

@@ -637,6 +637,15 @@ def _cmd_train(args) -> int:
         return interrupted("train", _train_interrupted(args, finished, before))
 
 
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (through links, ``..`` and hard links), existing or
+    not."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _file_id(path: Path):
     """What tells a file written since from the one there now: the atomic writer's rename gives
     each write a new inode (None where there is no file)."""
@@ -745,6 +754,10 @@ def _train(args, finished: List[dict]) -> int:
             check_writable(args.checkpoint, "checkpoint")
         if args.json is not None:
             check_writable(args.json, "json")
+            for flag, other in (("--checkpoint", args.checkpoint), ("--resume", args.resume)):
+                if other is not None and same_file(args.json, other):
+                    raise ValueError(f"--json and {flag} name the same file ('{args.json}'): "
+                                     f"the results would replace the checkpoint; name two files")
         scaler = ScalerSettings(init_scale=args.init_scale, growth_factor=args.growth_factor,
                                 backoff_factor=args.backoff_factor,
                                 growth_interval=args.growth_interval)

@@ -739,3 +739,18 @@ def test_run_notebooks_interrupted_names_what_it_wrote(tmp_path, capsys, monkeyp
                           r"interrupted \(Ctrl-C\) while running .*02_b.ipynb: it was not "
                           r"written \(left as it was\); wrote .*01_a.ipynb; not run: "
                           r".*03_c.ipynb$")
+
+
+@pytest.mark.parametrize("other", ["--checkpoint", "--resume"])
+def test_train_refuses_json_over_its_own_checkpoint(tmp_path, capsys, other):
+    """--json c.pt --checkpoint c.pt trained, then replaced the checkpoint with the results."""
+    ckpt = tmp_path / "c.pt"
+    ckpt.write_bytes(b"PK\x03\x04 stands in")
+    (tmp_path / "sub").mkdir()
+    for json_path in (ckpt, tmp_path / "sub" / ".." / "c.pt"):
+        assert main(["train", "--epochs", "1", "--json", str(json_path), other, str(ckpt)]
+                    + FAST) == 2
+        out = capsys.readouterr()
+        assert_one_line_error(out.err, "train", f"--json and {other} name the same file")
+        assert "epoch 1" not in out.out
+    assert ckpt.read_bytes() == b"PK\x03\x04 stands in"

@@ -441,8 +441,8 @@ class Verdict:
     def __str__(self) -> str:
         return (f"claim {self.claim} ({CLAIMS[self.claim].says})\n"
                 f"  measured: {self.measured}\n"
-                f"  verdict : {self.outcome.upper()}: {self.why}\n"
-                f"  sensitivity: {self.sensitivity_text()}")
+                f"  verdict : {self.outcome.upper()}: {self.why}"
+                + (f"\n  sensitivity: {self.sensitivity_text()}" if self.sensitivity else ""))
 
 
 def _parts_outcome(parts: Sequence[Part]) -> Tuple[Optional[bool], str]:

@@ -64,6 +64,17 @@ def as_flag(message: str, dests, renamed: Optional[dict] = None) -> str:
     return flag + message[match.end():] if flag else message
 
 
+def _failure_text(exc: BaseException) -> str:
+    """A failed run's line: the package's file errors as they are (they say "could not write"
+    and name the file), others with their type (``OSError: ...``, a kernel that would not
+    start)."""
+    from amp_lessons.files import DiskFullError, FileTooLargeError, ReadOnlyFileError
+
+    if isinstance(exc, (DiskFullError, FileTooLargeError, ReadOnlyFileError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _int_from(low: int):
     """An argparse type: a whole number >= ``low``, else an error that says so."""
     def parse(text: str) -> int:
@@ -164,7 +175,7 @@ def _cmd_run_notebooks(args) -> int:
     except NotebookRunError as exc:
         return fail("run-notebooks", exc.summary, 1)
     except (OSError, RuntimeError, ValueError) as exc:  # kernel would not start, disk, ...
-        return fail("run-notebooks", f"{type(exc).__name__}: {exc}", 1)
+        return fail("run-notebooks", _failure_text(exc), 1)
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -239,7 +250,7 @@ def _cmd_rehearse(args) -> int:
         doc = rehearse(paths, card=args.card, out=args.out, profile=args.profile,
                        timeout=args.timeout)
     except (OSError, ValueError) as exc:
-        return fail("rehearse", f"{type(exc).__name__}: {exc}", 1)
+        return fail("rehearse", _failure_text(exc), 1)
     if args.update is not None:
         from amp_lessons.publish.rehearsal import merge
         from amp_lessons.tables import json_safe
@@ -247,7 +258,9 @@ def _cmd_rehearse(args) -> int:
         try:
             merged = merge([earlier, doc], replace=True) if earlier else doc
             write_json(args.update, json_safe(merged), "rehearsal record")
-        except (KeyError, ValueError, OSError) as exc:
+        except OSError as exc:
+            return fail("rehearse", write_failure(args.update, exc), 1)
+        except (KeyError, ValueError) as exc:
             return fail("rehearse", f"could not merge into {args.update}: {exc}", 1)
         print(f"updated {args.update}")
     for r in doc["lessons"]:

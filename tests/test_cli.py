@@ -542,8 +542,19 @@ def full_disk(monkeypatch):
     monkeypatch.setattr(files._KeepingWriter, "write", full)
 
 
-def test_a_full_disk_says_could_not_write_once_in_every_command(tmp_path, capsys, full_disk):
-    cases = [(["claims", "--out", str(tmp_path / "claims.md")], "claims.md"),
+def test_a_full_disk_says_could_not_write_once_in_every_command(tmp_path, capsys, full_disk,
+                                                                monkeypatch):
+    from amp_lessons.publish import rehearsal
+
+    notebook = tmp_path / "nb" / "01_x.ipynb"
+    notebook.parent.mkdir()
+    _notebook(notebook, "1")
+    record = rehearsal.read_record(Path(cli.__file__).parents[1] / "docs" / "rehearsal_t4.json")
+    monkeypatch.setattr(rehearsal, "rehearse", lambda *a, **k: record)  # the run, not its record
+    monkeypatch.setattr(cli, "update_problem", lambda profile: "")  # as on a GPU
+    cases = [(["rehearse", "--out", str(tmp_path / "nb"), "--update", str(tmp_path / "t4.json"),
+               str(notebook)], "t4.json"),
+             (["claims", "--out", str(tmp_path / "claims.md")], "claims.md"),
              (["train", "--epochs", "1", "--json", str(tmp_path / "r.json")] + MLP, "r.json"),
              (["train", "--epochs", "1", "--checkpoint", str(tmp_path / "c.pt")] + MLP, "c.pt")]
     for argv, name in cases:
@@ -551,7 +562,7 @@ def test_a_full_disk_says_could_not_write_once_in_every_command(tmp_path, capsys
         err = capsys.readouterr().err
         assert_one_line_error(err, argv[0], f"disk full: could not write .*{name}")
         assert err.count("could not write") == 1 and err.count(name) == 1, err
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == ["nb"] and os.listdir(tmp_path / "nb") == ["01_x.ipynb"]
 
 
 def test_claims_check_on_a_file_it_cannot_read_is_one_line(tmp_path, capsys):

@@ -476,3 +476,10 @@ def test_fp8_prediction_is_called_where_fp8_runs(monkeypatch):
     assert got["speedup"] == 0.8 and seen["bf16_step_ms"] == 2.0
     assert "slower than bf16, 0.80x" in fp8.prediction_text(got)
     assert "faster" in fp8.prediction_text({"linear_speedup": 1.3})
+
+
+def test_a_cpu_run_times_nothing_by_default_and_says_why():
+    r = al.doctor(mlp(), torch.randn(6, 8))
+    assert r.speed == [] and "not timed: on a CPU" in r.extra["speed_reason"]
+    assert r.scaler_trial and all(t["steps"] == 2 for t in r.scaler_trial)  # CPU default
+    assert any("--time-cpu" in f["finding"] for f in r.findings if f["topic"] == "speed")

@@ -79,9 +79,9 @@ def add_parser(sub) -> None:
                         "course's timing gate needs a GPU)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per precision (default 5)")
     p.add_argument("--steps", type=int, default=15, help="timed steps per precision (default 15)")
-    p.add_argument("--trial-steps", type=int, default=5,
+    p.add_argument("--trial-steps", type=int, default=None,
                    help="fp16 steps per GradScaler setting checked with the trainer (0: none; "
-                        "default 5)")
+                        "default 5 on a GPU, 2 on a CPU)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="compare eager and torch.compile forward (auto: on a GPU only)")
     p.add_argument("--fp8-crossover", type=int, default=None, metavar="WIDTH",

@@ -30,6 +30,7 @@ from amp_lessons.doctor.report import DoctorReport
 from amp_lessons.tables import plural
 
 
+GPU_TRIAL_STEPS, CPU_TRIAL_STEPS = 5, 2  # the fp16 trial's default steps per setting
 DEFAULT_KEY = "fp16@init"  # fp16 gradient counts at GradScaler's default init_scale
 
 
@@ -155,7 +156,7 @@ def _watch_doc(w) -> Dict[str, object]:
 def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
            optimizer: Optional[torch.optim.Optimizer] = None, device=None,
            precisions: Optional[Sequence[str]] = None, warmup: int = 5, steps: int = 15,
-           compile: Optional[bool] = None, trial_steps: int = 5,
+           compile: Optional[bool] = None, trial_steps: Optional[int] = None,
            fp8_crossover: Union[None, int, Tuple[int, str]] = None,
            name: Optional[str] = None, *, inputs=_inputs._UNSET, target=None, output=None,
            step_fn: Optional[Callable] = None, checkpoint_fn: Optional[Callable] = None,
@@ -183,7 +184,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     to time (default: all four on a GPU; none on a CPU, where timing decides nothing, unless
     ``time_cpu=True``); ``warmup`` / ``steps``: per precision. ``compile``: compare eager and
     ``torch.compile`` forwards (default: on a GPU only). ``trial_steps``: fp16 steps per
-    GradScaler setting checked with the trainer (0: none). ``fp8_crossover``: the width from
+    GradScaler setting checked with the trainer (0: none; default 5 on a GPU, 2 on a CPU, where
+    fp16 kernels are slow). ``fp8_crossover``: the width from
     which FP8 pays on this GPU, or ``(width, where it was measured)`` (default: lesson 07's
     committed run). ``name``: the model's name in the report. ``progress``: print a line per
     part to stderr. Bad arguments raise ValueError naming the setting.
@@ -210,6 +212,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     if cpu_untimed:
         precisions = ()
     warmup, steps = check_int("warmup", warmup, 0), check_int("steps", steps, 1)
+    if trial_steps is None:  # fp16 steps are slow on a CPU: the trial there counts skips only
+        trial_steps = CPU_TRIAL_STEPS if device.type != "cuda" else GPU_TRIAL_STEPS
     trial_steps = check_int("trial_steps", trial_steps, 0)
     if compile is not None:
         check_bool("compile", compile)

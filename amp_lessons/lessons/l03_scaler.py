@@ -488,7 +488,7 @@ def verdict_b4(default_run: ScalerRun, b4_run: ScalerRun, base: ScalerRun, large
                          sensitivity=alts, condition="with the lesson's seed")
 
 
-R13_STREAK = 8  # backoffs in a row that count as "the scale keeps falling"
+R13_BACKOFFS = 8  # backoffs before the scale settled that count as "the scale keeps falling"
 
 
 def _skips(run: ScalerRun, n: int) -> int:
@@ -525,31 +525,33 @@ def _remedies(falling: ScalerRun, lower: ScalerRun, gentler: ScalerRun,
 @claims.decides("R13")
 def verdict_r13(falling: ScalerRun, lower: ScalerRun, gentler: ScalerRun,
                 forced: Optional[Tuple[ScalerRun, ScalerRun, ScalerRun]] = None,
-                streak: int = R13_STREAK) -> claims.Verdict:
+                backoffs: int = R13_BACKOFFS) -> claims.Verdict:
     """Claim R13 ("if the loss scale keeps falling, lower init_scale or raise backoff_factor")
     is conditional: decided only where ``falling`` (a run without injected overflows) backed off
-    at least ``streak`` steps in a row on its own. There each remedy, run from the same seed
+    at least ``backoffs`` times on its own before its scale settled (``early_skips``). There each remedy, run from the same seed
     (``lower``: a lower init_scale; ``gentler``: a larger backoff_factor), holds when it skips
     fewer steps over the same steps. Sensitivity row: ``forced``, the three runs under an
     overflow injected at every step (a scale that never stops falling, produced on purpose):
     a remedy holds there only if the fall stops."""
-    check_int("streak", streak, 2)
-    longest = longest_skip_streak(falling.skipped)
+    check_int("backoffs", backoffs, 2)
+    fell, longest = early_skips(falling), longest_skip_streak(falling.skipped)
     alts = []
     if forced is not None:
         alts.append(claims.alternative(
             "with a scale that never stops falling (an overflow injected at every step, "
             "produced on purpose)", parts=_remedies(*forced, stops=True)))
-    measured = (f"{falling.name}: {plural(longest, 'backoff')} in a row at most, "
-                f"{plural(sum(falling.skipped), 'skipped step')} of {len(falling.steps)}")
-    if any(falling.injected) or longest < streak:
+    measured = (f"{falling.name}: {plural(fell, 'backoff')} before the scale settled "
+                f"({longest} in a row at most), {plural(sum(falling.skipped), 'skipped step')} of "
+                f"{len(falling.steps)}")
+    if any(falling.injected) or fell < backoffs:
         return claims.not_decided(
             "R13", LESSON, measured,
             f"the condition did not occur on its own: no run without injected overflows backed "
-            f"off {streak} or more steps in a row (longest {longest}); it would trigger on a "
-            f"start far above what the gradients allow", sensitivity=alts)
+            f"off {backoffs} or more times before its scale settled ({fell} here); it would "
+            f"trigger on a start far above what the gradients allow", sensitivity=alts)
     return claims.decide("R13", LESSON, measured, None,
-                         f"the scale fell {longest} steps in a row on its own (a start too high)",
+                         f"the scale fell {fell} times before it settled, on its own (a start "
+                         f"too high)",
                          parts=_remedies(falling, lower, gentler, stops=False),
                          sensitivity=alts, condition="when a start too high made the scale fall")
 
@@ -569,8 +571,8 @@ def verdict_r14(trace: Mapping[str, Sequence], backoff_trace: Optional[Mapping] 
         downs = sum(1 for a, b in zip(scale, scale[1:]) if b < a)
         follows = len(set(factor)) > 1
         return follows, (f"get_growth_factor() returned {', '.join(f'{v:g}' for v in sorted(set(factor)))}"
-                         f" at all {len(factor)} steps while get_scale() went {scale[0]:,.0f} -> "
-                         f"{scale[-1]:,.0f} ({plural(ups, 'growth')}, {plural(downs, 'backoff')})"
+                         f" at all {len(factor)} steps while get_scale() went {scale[0]:,.6g} -> "
+                         f"{scale[-1]:,.6g} ({plural(ups, 'growth')}, {plural(downs, 'backoff')})"
                          + ("" if follows else ": it returns the growth_factor setting, not a "
                                                "trend; read get_scale() to see growth"))
     held, why = rule(trace)

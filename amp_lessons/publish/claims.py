@@ -258,9 +258,9 @@ _CLAIMS = (
                   "close to the convolution's"),
     Claim("R13", "R", "if the loss scale keeps falling, lower init_scale or raise backoff_factor",
           "03",
-          "conditional: decided where the scale fell step after step on its own (a start too "
-          "high: 8 or more backoffs in a row); there, from the same seed, a lower init_scale "
-          "and a larger backoff_factor (0.8) each skip fewer steps than the falling run",
+          "conditional: decided where the scale fell on its own (a start too high: 8 or more "
+          "backoffs before it settled); there, from the same seed, a lower init_scale and a "
+          "larger backoff_factor (0.8) each skip fewer steps than the falling run",
           parts=("lower init_scale", "raise backoff_factor"),
           alternatives=("a scale that never stops falling (non-finite gradients at every scale, "
                         "produced on purpose)",),

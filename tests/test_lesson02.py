@@ -518,9 +518,13 @@ def test_b8_gradscaler_after_backward_shrinks_the_update_by_the_scale():
     bf16 = L.scale_order_experiment("cpu", torch.bfloat16)
     assert fp16[0]["ratio"] == 1.0 and fp16[1]["ratio"] < 1e-4
     assert abs(bf16[1]["ratio"] - 1.0) < 1e-3     # no scaling: the order does not matter
-    v = L.verdict_b8(fp16, bf16)
-    assert v.claim == "B8" and v.outcome == "partly held" and "1/scale" in v.why
-    assert "held with bfloat16 autocast and the GradScaler disabled" in v.why
+    v = L.verdict_b8(fp16, bf16)   # without loss scaling the order cannot matter: shown, not ruling
+    assert v.claim == "B8" and v.outcome == "did not hold" and "1/scale" in v.why
+    assert v.sensitivity[0].held is None and "cannot matter" in v.sensitivity[0].why
+    low = L.scale_order_experiment("cpu", torch.float16, 2.0 ** 8)
+    v = L.verdict_b8(fp16, bf16, low)
+    assert v.sensitivity[0].held is False and "init_scale 256" in v.sensitivity[0].setting
+    assert v.outcome == "did not hold"
     assert L.verdict_b8(fp16).held is False
     assert L.verdict_b8(bf16).held is None      # the claim's GradScaler is float16's
     with pytest.raises(ValueError, match="two rows of scale_order_experiment"):

@@ -248,7 +248,8 @@ def verdict_b1(default: Dict[str, object], fp16: Dict[str, object],
     return claims.decide("B1", LESSON, measured, None, "" if reason is None else "-",
                          parts=_b1_parts(default, fp16) if reason is None else (),
                          numbers=_numbers({"speedup": speedup, "memory_saving_pct": saving}),
-                         cannot_decide=reason, sensitivity=alts, condition="on NCHW",
+                         cannot_decide=reason, sensitivity=alts,
+                         condition=f"on NCHW against {default.get('label')}",
                          understated=(f"{speedup:.2f}x is faster than the claimed 1.5-2x"
                                       if speedup is not None and speedup > 2 else None))
 
@@ -281,7 +282,8 @@ def verdict_b2(default: Dict[str, object], fp16: Dict[str, object],
                          parts=_b2_parts(default, fp16) if reason is None else (),
                          numbers=_numbers({"memory_saving_pct": saving,
                                            "step_time_shorter_pct": shorter}),
-                         cannot_decide=reason, sensitivity=alts, condition="on NCHW",
+                         cannot_decide=reason, sensitivity=alts,
+                         condition=f"on NCHW against {default.get('label')}",
                          stand_in=f"ResNet-50 at batch {batch} on this GPU for article B's "
                                   f"train.py on an RTX 3090")
 

@@ -276,7 +276,8 @@ _CLAIMS = (
           "the diagram's order run as code (loss.backward(), then scaler.scale and "
           "scaler.step) against PyTorch's (scaler.scale(loss).backward(), then scaler.step), "
           "same start and batch: the update's size against the right one",
-          alternatives=("bf16 autocast without loss scaling (a disabled GradScaler)",),
+          alternatives=("a low init_scale (2^8)", "bf16 autocast with the GradScaler disabled "
+                        "(shown: without loss scaling the order cannot matter)"),
           depends="whether the loss is scaled: with fp16 and GradScaler the order decides the "
                   "update's size"),
 )

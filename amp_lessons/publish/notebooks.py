@@ -78,7 +78,8 @@ def code_version(folder: Path = NOTEBOOK_DIR) -> dict:
 
 
 EXPECT_COMMIT_VARIABLE = "AMP_LESSONS_EXPECT_COMMIT"
-_NOT_CODE = (":(exclude).whl", ":(exclude,glob)**/*.ipynb")
+_NOT_CODE = (":(exclude,glob)**/*.ipynb",)
+_NOT_CODE_FOLDERS = "/.whl/\n"  # wheels carried to a GPU host, ignored there as here
 
 
 def files_hash(folder: Path = NOTEBOOK_DIR) -> str:
@@ -90,7 +91,10 @@ def files_hash(folder: Path = NOTEBOOK_DIR) -> str:
         env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=folder, text=True,
                              capture_output=True, check=True, timeout=30).stdout.strip()
-        subprocess.run(["git", "add", "-A", "--", ".", *_NOT_CODE], cwd=top, env=env,
+        excludes = Path(tmp) / "exclude"
+        excludes.write_text(_NOT_CODE_FOLDERS)
+        subprocess.run(["git", "-c", f"core.excludesFile={excludes}", "add", "-A", "--", ".",
+                        *_NOT_CODE], cwd=top, env=env,
                        capture_output=True, check=True, timeout=300)
         return subprocess.run(["git", "write-tree"], cwd=top, env=env, capture_output=True,
                               text=True, check=True, timeout=60).stdout.strip()

@@ -550,8 +550,8 @@ def verdict_r13(falling: ScalerRun, lower: ScalerRun, gentler: ScalerRun,
             f"off {backoffs} or more times before its scale settled ({fell} here); it would "
             f"trigger on a start far above what the gradients allow", sensitivity=alts)
     return claims.decide("R13", LESSON, measured, None,
-                         f"the scale fell {fell} times before it settled, on its own (a start "
-                         f"too high)",
+                         f"the scale backed off {plural(fell, 'time')} before it settled, on its "
+                         f"own (a start too high)",
                          parts=_remedies(falling, lower, gentler, stops=False),
                          sensitivity=alts, condition="when a start too high made the scale fall")
 

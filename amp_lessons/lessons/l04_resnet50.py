@@ -510,7 +510,8 @@ def verdict_r7(runs: Sequence[Dict[str, object]], tolerance: float = 0.01) -> cl
         mine = [r for r in half if r["precision"] == p]
         if mine:
             h, w, _ = _r7_rule(mine, full, tolerance)
-            alts.append(claims.alternative(f"with the {p} runs alone", held=h, why=w))
+            alts.append(claims.alternative(f"with {p} alone ({plural(len(mine), 'run')})",
+                                           held=h, why=w))
     if held is None:
         why += (f". It would trigger on a run that evaluates more than {100 * tolerance:.0f} "
                 f"point below fp32; then evaluating that run with autocast disabled tells "

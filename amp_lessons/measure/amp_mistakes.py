@@ -75,7 +75,8 @@ def custom_function_under_autocast(function: type, device: Device = None,
 
 
 class ClipBeforeUnscale(Hooks):
-    """Claim B3's order, on purpose: ``clip_grad_norm_`` while the gradients are still SCALED.
+    """Clipping before ``unscale_``, on purpose: ``clip_grad_norm_`` while the gradients are
+    still SCALED.
 
     Records ``scaled_norms`` (the norm clip saw) and ``scales`` per step. The true gradient is then
     clipped to ``max_norm / scale`` instead of ``max_norm``. Use with ``accumulate=1``.
@@ -118,7 +119,7 @@ def clip_order_experiment(max_norm: float = 1.0, device: Device = None, precisio
             used = [min(t, max_norm) for t in true]
             thresholds = [max_norm for _ in ok]
         rows.append({
-            "order": "clip, then unscale_ (claim B3 as shown)" if wrong
+            "order": "clip, then unscale_ (the article's order)" if wrong
             else "unscale_, then clip (PyTorch's order)", "precision": precision,
             "scale": statistics.median(scales), "true_grad_norm": statistics.median(true),
             "max_true_grad_norm": max(true),

@@ -34,7 +34,7 @@ def digits_accuracy(model: str = "resnet18", precision: str = "fp32", device=Non
 
     Adam (lr 1e-3) by default, with a one-cycle schedule so the last steps are small and the
     BatchNorm running statistics match the final weights. Accuracy is measured twice: under the
-    training precision's autocast and with autocast off (claim R7). ``max_train`` /
+    training precision's autocast and with autocast off. ``max_train`` /
     ``max_test`` keep only the first examples (the quick profile). Returns a row with
     ``accuracy``, ``accuracy_fp32_eval`` (fractions), ``final_loss`` (mean training loss of the
     last epoch), ``skipped_steps``, ``steps``, ``classes``, ``test_examples`` and ``seconds``;

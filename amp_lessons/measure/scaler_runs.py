@@ -239,7 +239,7 @@ class RunSetup:
     ``model``: one of ``trainer.DIGITS_MODELS`` built by ``trainer.build_digits_model(model,
     width)``: ``"mlp"`` (flat 8x8 digits; fast on a CPU) or ``"cnn"`` (``SmallCNN`` on digits
     upsampled to ``image_size``), as in lesson 02, or ``"resnet50"`` (torchvision's ResNet-50,
-    its stem adapted to 1-channel digits at ``image_size``: claim R3's model). SGD with momentum
+    its stem adapted to 1-channel digits at ``image_size``). SGD with momentum
     at ``lr``. Validated when built.
     """
 
@@ -280,7 +280,7 @@ class RunSetup:
         ``(train_batches, test_batches)``: the same weights and batch order for every call."""
         device = self.torch_device
         torch.manual_seed(self.seed)
-        if self.model == "resnet50":  # claim R3's model, its stem adapted to the digits
+        if self.model == "resnet50":  # its stem adapted to the digits
             model, size = resnet50(num_classes=10, in_channels=1, small_input=True), 0
         else:
             model, size = build_digits_model(self.model, self.width)

@@ -194,7 +194,7 @@ _CLAIMS = (
           "conditional: decided only where a half-precision run's accuracy fell more than 1 point "
           "below fp32's on its own; there, held if evaluating with autocast off wins it back; "
           "trained above chance",
-          alternatives=("the fp16 runs alone", "the bf16 runs alone"),
+          alternatives=("fp16 alone", "bf16 alone"),
           depends="whether the condition occurs: a drop on the task the course trains"),
     Claim("R8", "R", "gradient checkpointing saves another 20-30% of memory for about 30% more "
           "compute time", "05",
@@ -805,7 +805,7 @@ def accuracy_effect(says: str, base: Sequence[float], variant: Sequence[float],
     gain = mean_v - mean_b
     held = gain > min_gain and gain > 2 * spread
     return Part(says, bool(held),
-                f"gain {100 * gain:+.2f} points over {seeds} seeds (seed spread "
+                f"gain {100 * gain:+.2f} points over {plural(seeds, 'seed')} (seed spread "
                 f"{100 * spread:.2f} points; needs more than {100 * min_gain:g} and twice the "
                 f"spread); {ceiling}")
 

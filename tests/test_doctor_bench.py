@@ -1,4 +1,4 @@
-"""The doctor bench (tests/doctor_bench): every reproduction diagnosed at its site, no false alarm
+"""The doctor bench (amp_lessons/doctor/bench_cases.py): every reproduction diagnosed at its site, no false alarm
 on the healthy models, every class either diagnosed or reported "not checked" with its reason;
 and the two baseline tools measured on the same cases. CPU, tiny models."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 import amp_lessons as al
 from amp_lessons.doctor import bench
 from amp_lessons.doctor.findings import CLASSES
-from tests.doctor_bench import CASES, HEALTHY, PROBLEMS
+from amp_lessons.doctor.bench_cases import CASES, HEALTHY, PROBLEMS
 
 
 @pytest.fixture(scope="module")

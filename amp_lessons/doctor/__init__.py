@@ -16,7 +16,7 @@ the learner's device and on copies of the model (the model itself is never chang
   found (``findings.CLASSES``), each with its site, evidence and fix; ``weights``: 16-bit weights
   and optimizer state (lesson 08); ``training``: the learner's own step and checkpoint, when
   given; ``verdict``: the one line per device that says what to train in, first in the report;
-- ``bench``: the doctor bench (the cases live in ``tests/doctor_bench``).
+- ``bench``: the doctor bench (its cases: ``bench_cases``).
 
 The fp16 evidence (the fp16 forward and the trial) overrides what the ranges predict: an inf/NaN
 there means fp16 is not safe, also when no layer's fp32 output passes 65,504; a model already

@@ -4,7 +4,7 @@ reach for.
 
 A ``Case`` builds a model and the doctor's arguments, and says what a right diagnosis is: an
 alarm of one of ``classes`` whose site contains ``site`` (a healthy case has no classes: any
-alarm there is a false alarm). The cases live with the tests (``tests/doctor_bench``); lesson 09
+alarm there is a false alarm). The cases are in ``bench_cases``; lesson 09
 runs them from there.
 
 The two baselines, run on the same model and batch under fp16 autocast:

@@ -5,7 +5,7 @@ code are ``not checked`` with what to pass; parameters without a gradient are a 
 
 The classes (``findings.CLASSES``) are the mixed-precision problems users report most in the
 issue trackers of PyTorch, transformers, accelerate, Lightning, torchao and Transformer Engine;
-``tests/doctor_bench`` holds a small reproduction of each.
+``doctor/bench_cases.py`` holds a small reproduction of each.
 """
 from __future__ import annotations
 

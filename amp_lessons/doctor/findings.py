@@ -32,7 +32,7 @@ LESSONS = {"ranges": ("01", "fp16/bf16/fp8 ranges, underflow and overflow"),
            "step": ("02", "the AMP step's order: scale, backward, unscale_, clip, step, update"),
            "resume": ("05", "training checkpoints that resume exactly, scaler state included"),
            "outputs": ("09", "what the doctor measures: the output, the loss, the gradients")}
-# the failure classes an alarm names (the doctor bench scores them: tests/doctor_bench)
+# the failure classes an alarm names (the doctor bench scores them: doctor/bench_cases.py)
 CLASSES = ("fp32-nonfinite", "activation-overflow", "attention-overflow", "grad-underflow",
            "scale-collapse", "16bit-weights", "16bit-optimizer-state", "custom-function",
            "checkpoint-recompute", "loss-16bit", "reduction-16bit", "scaler-misuse",

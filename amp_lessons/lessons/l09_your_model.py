@@ -215,7 +215,6 @@ def summary(reports: Mapping[str, object]) -> List[Dict[str, object]]:
 
 # --- the doctor bench beside the tools a user reaches for first ---------------------------------
 
-BENCH = REPO / "tests" / "doctor_bench"
 BENCH_COLUMNS = (("case", "case"), ("problem", "problem"), ("expected", "expected"),
                  ("doctor", "doctor"), ("alarms", "the doctor's alarms (site)"),
                  ("hooks_found", "abs-min/max hooks"), ("hooks", "hooks report"),
@@ -223,20 +222,11 @@ BENCH_COLUMNS = (("case", "case"), ("problem", "problem"), ("expected", "expecte
                  ("seconds", "doctor s", ".2f"))
 
 
-def bench_cases() -> Tuple[Optional[list], str]:
-    """The doctor bench's cases (``tests/doctor_bench`` in the repository: one reproduction per
-    failure class and healthy models), or ``(None, why)`` where the package was installed
-    without the repository (Colab, Kaggle)."""
-    if not (BENCH / "cases.py").is_file():
-        return None, (f"the bench's cases live in the repository ({BENCH.relative_to(REPO)}); "
-                      f"clone it to run them")
-    import importlib
-    import sys
-
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    module = importlib.import_module("tests.doctor_bench.cases")
-    return list(module.CASES), ""
+def bench_cases() -> list:
+    """The doctor bench's cases (``doctor.bench_cases``): one reproduction per failure class the
+    doctor diagnoses, and healthy models on which it must raise no alarm."""
+    from amp_lessons.doctor.bench_cases import CASES
+    return list(CASES)
 
 
 def bench_summary(rows: Sequence[Mapping]) -> List[Dict[str, object]]:

@@ -19,7 +19,7 @@ _MODULES = {
     "trainer": "train.trainer", "records": "train.records", "checkpoint": "train.checkpoint",
     "recipes": "train.recipes",
     "formats": "numerics.formats", "precision": "numerics.precision", "fp8": "numerics.fp8",
-    "optim": "numerics.optim",
+    "optim": "measure.optim",
     "distributed": "measure.distributed",
     "claims": "publish.claims", "report": "publish.report",
 }

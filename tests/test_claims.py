@@ -186,7 +186,7 @@ def test_one_sided_rejects_bad_numbers():
 # --- one way to declare a decider, one naming scheme, the registry derived ---------------------------
 
 def test_the_registry_is_derived_from_the_decides_declarations():
-    found = claims.deciders()
+    found = lessons_pkg.all_deciders()
     measured = [cid for cid, c in claims.CLAIMS.items() if c.lesson is not None]
     assert list(found) == measured   # every claim a lesson decides has exactly one decider
     for cid, where in found.items():
@@ -224,7 +224,7 @@ def test_a_second_decider_of_a_claim_is_refused():
     exec("def verdict_b1():\n    pass\n", ns)
     fn = ns["verdict_b1"]
     fn.__module__ = "somewhere.else"
-    claims.deciders()
+    lessons_pkg.all_deciders()
     with pytest.raises(ValueError, match="already decided by amp_lessons.lessons.l04"):
         claims.decides("B1")(fn)
 

@@ -13,7 +13,7 @@ from amp_lessons.numerics import formats
 from amp_lessons.measure.float8 import conversion_plan, fp8_support
 from amp_lessons.cli import main
 from amp_lessons.doctor import compiled
-from amp_lessons.doctor import dtype_trace
+from amp_lessons.measure import dtype_trace
 from amp_lessons.doctor import fp8
 from amp_lessons.doctor import inputs
 from amp_lessons.doctor import ranges

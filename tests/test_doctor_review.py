@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_lessons as al
-from amp_lessons.doctor import dtype_trace
+from amp_lessons.measure import dtype_trace
 from amp_lessons.doctor import findings
 from amp_lessons.doctor import fp8
 from amp_lessons.doctor import inputs

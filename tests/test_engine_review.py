@@ -15,7 +15,7 @@ from amp_lessons import measure as B
 from amp_lessons import data
 from amp_lessons.measure import distributed
 from amp_lessons import models
-from amp_lessons.numerics import optim as O
+from amp_lessons.measure import optim as O
 from amp_lessons.measure.accumulation import accumulation_equivalence
 from amp_lessons.measure.activation_checkpointing import relative_diff
 from amp_lessons.exercises import ex05

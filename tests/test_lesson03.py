@@ -605,3 +605,10 @@ def test_verdict_r2_sensitivity_rows_read_the_signature_and_another_device(monke
     monkeypatch.setitem(L.ARTICLE_R_DEFAULTS, "init_scale", 1.0)
     v = L.verdict_r2("cpu")
     assert v.held is False and all(a.held is False for a in v.sensitivity)
+
+
+def test_preset_panel_needs_its_presets():
+    """The ui layer knows no lesson: the presets come from the caller, and none is refused."""
+    for bad in (None, {}, [("a", 1)]):
+        with pytest.raises(ValueError, match="presets must be a non-empty mapping"):
+            U.preset_panel(bad, steps=4, setup=SETUP, figure_mode="output", background=False)

@@ -1,5 +1,5 @@
 """Lesson 08 (weights and optimizer state): the engine's bf16 optimizer, rounding and counters
-(amp_lessons/numerics/optim.py), the lesson's workloads and tables, and its figures; fast, on the CPU."""
+(amp_lessons/measure/optim.py), the lesson's workloads and tables, and its figures; fast, on the CPU."""
 import math
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from amp_lessons.numerics import formats
-from amp_lessons.numerics import optim
+from amp_lessons.measure import optim
 from amp_lessons.lessons import l08_weights as L
 from amp_lessons.ui import weight_plots as WP
 

@@ -14,7 +14,7 @@ from torch import nn
 from amp_lessons.measure import BenchConfig
 from amp_lessons.measure.config import OPTIMIZER_IMPLS, OPTIMIZERS
 from amp_lessons.measure.steps import build_optimizer as bench_optimizer
-from amp_lessons.numerics import optim as O
+from amp_lessons.measure import optim as O
 from amp_lessons.train import checkpoint as C
 from amp_lessons.train import trainer as T
 

@@ -8,7 +8,7 @@ the learner's device and on copies of the model (the model itself is never chang
   (lesson 01); the layers where fp16 overflows, with the value found;
 - ``scale``: that loss scale and the advice (init_scale, growth_interval, or why bf16), checked
   with a few fp16 steps of the shared trainer (lesson 03);
-- ``dtype_trace``: the ops and layers autocast runs in 16 bits and in fp32 (lesson 02);
+- the dtype trace (``measure.dtype_trace``, lesson 02): the ops and layers autocast runs in 16 bits and in fp32;
 - ``compiled``: eager against ``torch.compile`` forward (on a GPU, or with ``compile=True``);
 - ``speed``: speed and peak memory per precision through the engine, gated (lesson 04);
 - ``fp8``: the Linear layers where FP8 pays, from lesson 07's crossover width, or why not here;
@@ -33,7 +33,7 @@ import sys
 import types
 
 __all__ = ["doctor", "DoctorReport"]
-_PARTS = {"bench", "compiled", "command", "diagnose", "dtype_trace", "findings", "fp8", "inputs",
+_PARTS = {"bench", "bench_cases", "compiled", "command", "diagnose", "findings", "fp8", "inputs",
           "probes", "ranges", "report", "run", "scale", "speed", "training", "verdict", "weights"}
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from amp_lessons.doctor.dtype_trace import first_tensor
+from amp_lessons.measure.dtype_trace import first_tensor
 
 QUICK_DOCTOR = dict(precisions=(), trial_steps=1, compile=False)
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_lessons.numerics.modes import kept_modes
-from amp_lessons.doctor.dtype_trace import first_tensor, loss_name
+from amp_lessons.measure.dtype_trace import first_tensor, loss_name
 
 # ``torchvision:resnet50`` means torchvision.models.resnet50, built without downloading weights
 ZOO = {"torchvision": "torchvision.models"}

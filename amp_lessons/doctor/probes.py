@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_lessons.doctor.dtype_trace import first_tensor
+from amp_lessons.measure.dtype_trace import first_tensor
 
 LOW = (torch.float16, torch.bfloat16)
 # ops whose 16-bit result is a sum over many values: checked against float32

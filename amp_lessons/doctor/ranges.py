@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from amp_lessons.numerics import formats
-from amp_lessons.doctor.dtype_trace import first_tensor
+from amp_lessons.measure.dtype_trace import first_tensor
 
 FORMATS = ("fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")
 SHORT = {"fp16": "fp16", "bf16": "bf16", "fp8_e4m3fn": "e4m3", "fp8_e5m2": "e5m2"}

@@ -25,7 +25,7 @@ from amp_lessons.doctor import inputs as _inputs
 from amp_lessons.doctor import ranges as _ranges
 from amp_lessons.doctor import scale as _scale
 from amp_lessons.doctor import speed as _speed
-from amp_lessons.doctor.dtype_trace import op_dtypes, trace
+from amp_lessons.measure.dtype_trace import op_dtypes, trace
 from amp_lessons.doctor.report import DoctorReport
 from amp_lessons.tables import plural
 

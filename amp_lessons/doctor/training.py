@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_lessons.doctor.dtype_trace import first_tensor
+from amp_lessons.measure.dtype_trace import first_tensor
 from amp_lessons.doctor.scale import failure_text
 
 UNSCALE_OP = "_amp_foreach_non_finite_check_and_unscale_"

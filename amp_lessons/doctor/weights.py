@@ -5,7 +5,7 @@
   unchanged, because the update is below half a unit in the last place (ulp) of the weight;
 - the remedies lesson 08 measures (fp32 master weights, stochastic rounding, Kahan-compensated
   updates), each with the bytes it takes for this model's parameters, counted on the optimizers
-  themselves (``numerics.optim``);
+  themselves (``measure.optim``);
 - an optimizer whose ``eps`` is 0 in the dtype its state is kept in (Adam's default 1e-8 is 0 in
   float16, so ``sqrt(v) + eps`` can be 0 and the update inf/NaN).
 """
@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from amp_lessons.numerics import optim
+from amp_lessons.measure import optim
 
 LOW = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 RECIPES = ("fp32 master", "bf16 + stochastic rounding", "bf16 + Kahan")
@@ -35,7 +35,7 @@ def low_parameters(model: nn.Module) -> Dict[str, List[str]]:
 
 def bytes_per_parameter(recipe: str) -> float:
     """Bytes per parameter of weights plus optimizer state under lesson 08's ``recipe``
-    (``numerics.optim.RECIPES``), counted on a small parameter after one step of the recipe's
+    (``measure.optim.RECIPES``), counted on a small parameter after one step of the recipe's
     own optimizer on the CPU (torch's AdamW for fp32 masters, ``BF16AdamW`` otherwise)."""
     r = optim.get_recipe(recipe)
     dtype = torch.bfloat16 if r.weights == "bf16" else torch.float32

@@ -8,7 +8,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from amp_lessons.numerics import formats
-from amp_lessons.numerics import optim
+from amp_lessons.measure import optim
 from amp_lessons.exercises.check import (Check, canonical, graded, hint_book, hint_reader,
                                          is_blank, not_a_function, passed, read_number, skipped,
                                          tensor_problem, unanswered, within, wrong)

@@ -20,7 +20,7 @@ from amp_lessons.publish import claims
 from amp_lessons import measure as bench
 from amp_lessons.validate import check_int, check_positive, is_real
 from amp_lessons.data import digits_loaders
-from amp_lessons.doctor.dtype_trace import AutocastReport, autocast_report, dtype_label  # noqa: F401
+from amp_lessons.measure.dtype_trace import AutocastReport, autocast_report, dtype_label  # noqa: F401
 from amp_lessons.models import build_digits_model
 from amp_lessons.numerics.precision import Device, as_device, check_precision, normalize_precision, precision_settings
 from amp_lessons.train.recipes import train_digits
@@ -319,7 +319,7 @@ def claim_dtype(device: Device = None) -> torch.dtype:
 # --- what autocast does (claim B5) ---------------------------------------------------------------
 
 # The dtype trace (``AutocastReport``, ``autocast_report``, ``dtype_label``) lives in the engine,
-# ``doctor.dtype_trace``, where the doctor reuses it on any model; this lesson introduces it.
+# ``measure.dtype_trace``, where the doctor reuses it on any model; this lesson introduces it.
 
 
 def b5_parts(report: AutocastReport) -> List[dict]:

@@ -32,7 +32,8 @@ from amp_lessons.measure.scaler_runs import (FINAL_LOSS_WINDOW, SETTLE_WINDOW,  
                                              SETTLED_MEANS, GradientCapture, OverflowInjector,
                                              RunSetup, ScalerRun, endless, final_loss, last_skip,
                                              longest_skip_streak, scaler_getter_trace,
-                                             settled_text, steps_to_settle, train_with_scaler)
+                                             settled_text, steps_to_settle, train_with_scaler,
+                                             measured_defaults, preset_note)
 
 
 LESSON = "03"
@@ -46,28 +47,6 @@ NVIDIA_RESNET50 = dict(init_scale=128.0, growth_interval=100)
 #: Claim R2 (article R): PyTorch's GradScaler defaults, as the article states them.
 ARTICLE_R_DEFAULTS = dict(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
                           growth_interval=2000)
-
-
-def measured_defaults(device_type: str = "cpu") -> ScalerSettings:
-    """PyTorch's GradScaler defaults, read from a fresh ``torch.amp.GradScaler(device_type)``.
-
-    Measured, not typed: ``get_scale()``, ``get_growth_factor()``, ``get_backoff_factor()`` and
-    ``get_growth_interval()`` of a scaler built with no arguments (claim R2 compares these).
-    """
-    try:
-        known = isinstance(device_type, str) and torch.device(device_type).type == device_type
-    except RuntimeError:
-        known = False
-    if not known:
-        raise ValueError(f"device_type must be a device type torch knows, such as 'cpu' or "
-                         f"'cuda'; got {device_type!r}")
-    scaler = torch.amp.GradScaler(device_type)
-    if not scaler.is_enabled():
-        raise ValueError(f"GradScaler cannot run on device_type {device_type!r} here")
-    return ScalerSettings(init_scale=float(scaler.get_scale()),
-                          growth_factor=float(scaler.get_growth_factor()),
-                          backoff_factor=float(scaler.get_backoff_factor()),
-                          growth_interval=int(scaler.get_growth_interval()))
 
 
 def scaler_presets(device_type: str = "cpu") -> Dict[str, ScalerSettings]:
@@ -84,17 +63,6 @@ def scaler_presets(device_type: str = "cpu") -> Dict[str, ScalerSettings]:
 PRESET_COLUMNS = ("preset", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
                   "skipped steps", "settled after (steps)", "last skip (step)", "final scale",
                   "final loss", "test accuracy")
-
-
-def preset_note(steps: int = FINAL_LOSS_WINDOW) -> str:
-    """The presets table's note for runs of ``steps`` steps: what "final loss" (the mean of the
-    last ``FINAL_LOSS_WINDOW`` steps, or of all of a shorter run's), "settled" and "last skip"
-    mean. The preset panel says it for the steps it ran (a 4-step run averages 4, not 10)."""
-    check_int("steps", steps, 1)
-    which = (f"the last {FINAL_LOSS_WINDOW} steps" if steps >= FINAL_LOSS_WINDOW else
-             "its one step" if steps == 1 else f"all {steps} steps")
-    return (f"final loss: mean training loss of {which}; {SETTLED_MEANS}; last skip: the step "
-            f"number of the run's last skipped step.")
 
 
 PRESET_NOTE = preset_note()  # runs of FINAL_LOSS_WINDOW steps or more (the lesson's)

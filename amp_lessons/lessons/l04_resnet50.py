@@ -21,7 +21,7 @@ from amp_lessons.measure.adam_eps import half_adam_step  # noqa: F401 (the lesso
 from amp_lessons.measure.captions import LAYOUT_COLUMNS, layout_effects, rows_caption  # noqa: F401
 from amp_lessons.measure.resnet_digits import (ACCURACY_COLUMNS, RESNET_DIGITS_MODELS,  # noqa: F401
                                                digits_accuracy)
-from amp_lessons.numerics.optim import (adam_precision_facts, multi_tensor_status,  # noqa: F401 (the lesson's API)
+from amp_lessons.measure.optim import (adam_precision_facts, multi_tensor_status,  # noqa: F401 (the lesson's API)
                      skipped_step_check)
 from amp_lessons.numerics.precision import (HALF_DTYPES, PRECISIONS, as_device, autocast_error_by_op,  # noqa: F401
                          autocast_op_list_api, native_bf16)

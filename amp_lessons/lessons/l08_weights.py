@@ -17,7 +17,7 @@ parameter with the gradients. This lesson stores them in less, and measures what
 4. **which recipe for which card and model size**, derived from those measurements
    (``choice_table``).
 
-Measuring lives in the engine (``amp_lessons.numerics.optim.train_recipe``: ``timing.time_steps``, the
+Measuring lives in the engine (``amp_lessons.measure.optim.train_recipe``: ``timing.time_steps``, the
 peak-memory reading, the out-of-memory rule); this module defines the workloads and reads the
 rows. torchao is optional: without it the low-bit states are rows saying so.
 """
@@ -34,7 +34,7 @@ from torch import nn
 from amp_lessons.publish import claims
 from amp_lessons.numerics import formats
 from amp_lessons import models as _models
-from amp_lessons.numerics import optim
+from amp_lessons.measure import optim
 from amp_lessons.validate import check_int, check_real, is_real
 from amp_lessons.measure.memory import GIB
 from amp_lessons.publish.report import show_table

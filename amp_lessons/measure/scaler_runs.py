@@ -378,3 +378,36 @@ def scaler_getter_trace(device=None, steps: int = 12, growth_interval: int = 2,
         out["growth_factor"].append(float(scaler.get_growth_factor()))
         out["skipped"].append(out["scale"][-1] < before)
     return out
+
+
+def measured_defaults(device_type: str = "cpu") -> ScalerSettings:
+    """PyTorch's GradScaler defaults, read from a fresh ``torch.amp.GradScaler(device_type)``.
+
+    Measured, not typed: ``get_scale()``, ``get_growth_factor()``, ``get_backoff_factor()`` and
+    ``get_growth_interval()`` of a scaler built with no arguments.
+    """
+    try:
+        known = isinstance(device_type, str) and torch.device(device_type).type == device_type
+    except RuntimeError:
+        known = False
+    if not known:
+        raise ValueError(f"device_type must be a device type torch knows, such as 'cpu' or "
+                         f"'cuda'; got {device_type!r}")
+    scaler = torch.amp.GradScaler(device_type)
+    if not scaler.is_enabled():
+        raise ValueError(f"GradScaler cannot run on device_type {device_type!r} here")
+    return ScalerSettings(init_scale=float(scaler.get_scale()),
+                          growth_factor=float(scaler.get_growth_factor()),
+                          backoff_factor=float(scaler.get_backoff_factor()),
+                          growth_interval=int(scaler.get_growth_interval()))
+
+
+def preset_note(steps: int = FINAL_LOSS_WINDOW) -> str:
+    """The presets table's note for runs of ``steps`` steps: what "final loss" (the mean of the
+    last ``FINAL_LOSS_WINDOW`` steps, or of all of a shorter run's), "settled" and "last skip"
+    mean. The preset panel (lesson 03) says it for the steps it ran (a 4-step run averages 4, not 10)."""
+    check_int("steps", steps, 1)
+    which = (f"the last {FINAL_LOSS_WINDOW} steps" if steps >= FINAL_LOSS_WINDOW else
+             "its one step" if steps == 1 else f"all {steps} steps")
+    return (f"final loss: mean training loss of {which}; {SETTLED_MEANS}; last skip: the step "
+            f"number of the run's last skipped step.")

@@ -650,14 +650,8 @@ def decides(*claim_ids: str):
 
 def deciders() -> Dict[str, str]:
     """Claim id -> the ``module.function`` declared (``decides``) to decide it, in registry
-    order, after importing every lesson module."""
-    import importlib
-    import pkgutil
-
-    from amp_lessons import lessons
-    for m in pkgutil.iter_modules(lessons.__path__):
-        if re.match(r"l\d\d_", m.name):
-            importlib.import_module(f"{lessons.__name__}.{m.name}")
+    order, among the modules imported so far (``lessons.all_deciders()`` imports every lesson
+    first: this layer does not import the lessons above it)."""
     return {cid: _DECIDERS[cid] for cid in CLAIMS if cid in _DECIDERS}
 
 

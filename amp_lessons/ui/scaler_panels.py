@@ -9,8 +9,8 @@ from typing import Callable, List, Mapping, Optional
 
 import numpy as np
 
-from amp_lessons.lessons.l03_scaler import (OverflowInjector, RunSetup, ScalerRun, measured_defaults,
-                                  preset_note, scaler_presets, train_with_scaler)
+from amp_lessons.measure.scaler_runs import (OverflowInjector, RunSetup, ScalerRun, measured_defaults,
+                                             preset_note, train_with_scaler)
 from amp_lessons.validate import is_int
 from amp_lessons.publish.report import show_table
 from amp_lessons.train.trainer import ScalerSettings
@@ -49,12 +49,16 @@ def panel_runner(setup: RunSetup = RunSetup()) -> Callable:
     return run
 
 
-def preset_panel(presets: Optional[Mapping[str, ScalerSettings]] = None, steps: int = 100,
+def preset_panel(presets: Mapping[str, ScalerSettings], steps: int = 100,
                  setup: RunSetup = RunSetup(), injection_rate: float = 0.0,
                  figure_mode: str = "auto", background: bool = True) -> widgets.PresetComparison:
     """The preset comparison panel (``widgets.PresetComparison``): each ticked preset trained
-    by ``train_with_scaler`` on ``setup``'s seed and data (``scaler_presets`` when None)."""
-    presets = dict(presets or scaler_presets(setup.torch_device.type))
+    by ``train_with_scaler`` on ``setup``'s seed and data; ``presets`` maps a name to its
+    settings (lesson 03 passes ``l03_scaler.scaler_presets(...)``)."""
+    if not isinstance(presets, Mapping) or not presets:
+        raise ValueError(f"presets must be a non-empty mapping of name -> ScalerSettings, "
+                         f"got {presets!r}")
+    presets = dict(presets)
 
     def run(name: str, settings: ScalerSettings, n_steps: int, rate: float) -> ScalerRun:
         return train_with_scaler(settings, n_steps, setup, rate, name=name)

@@ -1,6 +1,6 @@
 """Figures of lesson 08 (weights and optimizer state): loss curves per recipe, the share of
 updates rounded away per step, and memory by category. Pure functions: rows in (from
-``amp_lessons.numerics.optim.train_recipe`` and ``optim.memory_rows``), a plotly figure out, with a title
+``amp_lessons.measure.optim.train_recipe`` and ``optim.memory_rows``), a plotly figure out, with a title
 and axis titles with units."""
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ summary and the cheat sheet. Fast, CPU (the doctor itself: test_doctor.py)."""
 import pytest
 import torch
 
+from amp_lessons.doctor import bench_cases as BENCH_CASES
 from amp_lessons.doctor.report import DoctorReport
 from amp_lessons.lessons import l09_your_model as L
 
@@ -96,7 +97,7 @@ def test_cheat_sheet_and_fingerprint(monkeypatch, tmp_path):
 
 
 def test_bench_cases_and_summary():
-    cases = L.bench_cases()
+    cases = list(BENCH_CASES.CASES)
     assert len(cases) >= 12 and sum(c.healthy for c in cases) >= 3
     rows = [{"expected": "activation-overflow", "doctor": "diagnosed", "hooks_found": "found",
              "anomaly_found": "flagged elsewhere"},
@@ -114,7 +115,7 @@ def test_bench_cases_and_summary():
 
 def test_bench_cases_ship_with_the_package():
     """The bench runs wherever the package is installed (Colab, Kaggle), not only in a clone."""
-    cases = L.bench_cases()
+    cases = list(BENCH_CASES.CASES)
     assert len(cases) >= 12
     assert any(c.healthy for c in cases) and any(not c.healthy for c in cases)
     assert all(c.name for c in cases)

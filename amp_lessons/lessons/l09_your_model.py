@@ -222,13 +222,6 @@ BENCH_COLUMNS = (("case", "case"), ("problem", "problem"), ("expected", "expecte
                  ("seconds", "doctor s", ".2f"))
 
 
-def bench_cases() -> list:
-    """The doctor bench's cases (``doctor.bench_cases``): one reproduction per failure class the
-    doctor diagnoses, and healthy models on which it must raise no alarm."""
-    from amp_lessons.doctor.bench_cases import CASES
-    return list(CASES)
-
-
 def bench_summary(rows: Sequence[Mapping]) -> List[Dict[str, object]]:
     """Per tool: how many problem cases it found at their site, missed or flagged elsewhere,
     and how many healthy models it raised an alarm on (``doctor.bench.run`` rows)."""

@@ -730,9 +730,9 @@ def out_of_memory_text(exc: BaseException, device, lower: str) -> str:
             has = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             has = None
-    asked = f"one allocation asked for {needed:,} bytes" if needed else "an allocation failed"
+    asked = f"one allocation asked for {plural(needed, 'byte')}" if needed else "an allocation failed"
     where = "the GPU" if device.type == "cuda" else "this machine"
-    held = f", and {where} has {has:,} bytes of memory" if has else ""
+    held = f", and {where} has {plural(has, 'byte')} of memory" if has else ""
     return f"out of memory on {device}: {asked}{held}; {lower}"
 
 

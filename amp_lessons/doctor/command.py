@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+from amp_lessons.tables import plural
 
 PROG = "python -m amp_lessons"
 INTERRUPTED = 130  # the shell's status for a program ended by Ctrl-C (128 + SIGINT)
@@ -243,7 +244,7 @@ def _one_line(exc: BaseException, args) -> str:
             re.search(r"allocate ([\d.]+ [GMK]iB)", first)
         return (f"out of memory on {device} measuring {args.model} with a batch of {shapes}: "
                 f"{'it asked for ' + need.group(1) + (' bytes' if need.group(1)[-1].isdigit() else '') + ' and ' if need else ''}"
-                f"{f'{free:,} bytes are free' if free is not None else 'free memory unknown'}: "
+                f"{plural(free, 'byte') + ' are free' if free is not None else 'free memory unknown'}: "
                 f"use a smaller batch")
     if "meta" in first.lower() and "tensor" in first.lower():
         return (f"{args.model}: the model's parameters are on the meta device and hold no data: "

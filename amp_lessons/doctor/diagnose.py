@@ -188,7 +188,7 @@ def function_alarms(functions: Mapping[str, Mapping], error: Optional[str],
         where = f"custom Function {name} (called in {r.get('module')})"
         if failed or mixed:
             out.append(finding(
-                "custom", f"the custom autograd Function {name} runs under autocast without "
+                "custom", f"the custom autograd Function {name}: it runs under autocast without "
                 f"torch.amp.custom_fwd/custom_bwd" + (f" and fails: {failed}" if failed else
                                                         f": it receives mixed dtypes "
                                                         f"({', '.join(r['input_dtypes'])})"),
@@ -246,7 +246,7 @@ def loss_alarms(loss_dtype: Optional[str], reductions: Sequence[Mapping],
         out.append(finding(
             "loss", f"a reduction runs in {r['dtype']}: {r['op']} in {r['module']} differs from "
                     f"its float32 result by {share_text(r['relative_difference'])}",
-            f"the op again in float32 on the same {r['values']:,} values", "alarm",
+            f"the op again in float32 on the same {plural(r['values'], 'value')}", "alarm",
             "reduction-16bit", f"{r['module']}, op {r['op']}",
             "reduce in float32: x.float().sum(...) / x.mean(..., dtype=torch.float32), or keep "
             "that module in fp32 (selective autocast)"))

@@ -25,6 +25,7 @@ from torch import nn
 
 from amp_lessons.numerics.modes import kept_modes
 from amp_lessons.measure.dtype_trace import first_tensor, loss_name
+from amp_lessons.tables import plural
 
 # ``torchvision:resnet50`` means torchvision.models.resnet50, built without downloading weights
 ZOO = {"torchvision": "torchvision.models"}
@@ -274,7 +275,7 @@ def choose_output(out, output=None) -> Tuple[torch.Tensor, Union[str, int, None]
     if len(items) == 1 or len(floating) == 1:
         k, v = (items if len(items) == 1 else floating)[0]
         return v, k, f"output {k!r} (the only {'tensor' if len(items) == 1 else 'floating tensor'})"
-    raise ValueError(f"the model returns {len(items)} tensors and none is named 'logits' or "
+    raise ValueError(f"the model returns {plural(len(items), 'tensor')} and none is named 'logits' or "
                      f"'loss': {_describe(items)}. Say which one the loss is taken of: "
                      f"al.doctor(..., output=KEY) in Python, --output KEY on the command line")
 
@@ -506,7 +507,7 @@ def check_fits(shape: Sequence[int], dtype: torch.dtype, device, what: str = "--
     free = available_bytes(device)
     if free is not None and need > free // 2:
         raise ValueError(f"{what} {'x'.join(map(str, shape))}: the batch alone needs "
-                         f"{need:,} bytes and {torch.device(device)} has {free:,} bytes free "
+                         f"{plural(need, 'byte')} and {torch.device(device)} has {plural(free, 'byte')} free "
                          f"(the model's activations need as much again): use a smaller batch")
     return need
 

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_lessons.measure.dtype_trace import first_tensor
 from amp_lessons.doctor.scale import failure_text
+from amp_lessons.tables import plural
 
 UNSCALE_OP = "_amp_foreach_non_finite_check_and_unscale_"
 NOT_MODIFYING = ("zero_", "_foreach_zero_", "detach_", "requires_grad_", UNSCALE_OP)
@@ -160,7 +161,7 @@ def check_step(step_fn: Optional[Callable], make_model: Callable, make_optimizer
                 "reason": f"step_fn raised {failure_text(error)}"}
     return {"status": "checked", "problems": problems, "calls": calls, "steps": len(per_step),
             "init_scale": init, "reason": "" if problems else
-            f"{len(per_step)} steps from init_scale 2^{int(torch.tensor(init).log2())}, the "
+            f"{plural(len(per_step), 'step')} from init_scale 2^{int(torch.tensor(init).log2())}, the "
             f"first ones overflowing: no misuse seen",
             "scheduler": "checked" if "scheduler" in kwargs else
             "not checked: step_fn takes no scheduler keyword"}
@@ -198,7 +199,7 @@ def _misuse(per_step: List[List[str]], error: Optional[BaseException],
                 "call scaler.unscale_(optimizer) before clip_grad_norm_ (lesson 02)")
         if names.count("scaler.step") > 1:
             add("second step", "scaler.step() is called more than once per step",
-                f"step {i}: {names.count('scaler.step')} calls", "one scaler.step per update")
+                f"step {i}: {plural(names.count('scaler.step'), 'call')}", "one scaler.step per update")
         if "optimizer.step (direct)" in names:
             add("direct optimizer step", "optimizer.step() is called outside scaler.step(): "
                 "steps with inf/NaN gradients are not skipped, and the gradients are not "

@@ -319,7 +319,7 @@ def lettered_traces(runs: Sequence) -> dict:
     than three runs."""
     runs = list(runs)
     if not 1 <= len(runs) <= len(LETTER_ORDER):
-        raise ValueError(f"runs must hold 1 to {len(LETTER_ORDER)} runs; got {len(runs)}")
+        raise ValueError(f"runs must hold 1 to {plural(len(LETTER_ORDER), 'run')}; got {len(runs)}")
     letters = [c for c in LETTER_ORDER if c < chr(ord("A") + len(runs))]
     return {letter: (list(run.scales), list(run.skipped))
             for letter, run in sorted(zip(letters, runs))}

@@ -16,6 +16,7 @@ from amp_lessons.validate import check_choice
 from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank, keyed,
                                          not_a_function, passed, read_number, tensor_problem,
                                          unanswered, within, wrong)
+from amp_lessons.tables import plural
 
 STATE = "Exercise 1 (predict, then run): bytes of weights, gradients and AdamW's state"
 COPIES = "Exercise 2 (predict, then run): autocast's 16-bit copies of the weights"
@@ -167,9 +168,10 @@ def _unit_hint(hints, got: float, measured: float, per_value: str):
 
 
 def _bytes(value: float) -> str:
-    """A number of bytes as a message writes it: whole and grouped from 1,000 on, else with
-    its digits (a GiB answer of 0.0437 must not read as 0)."""
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    """A number of bytes as a message writes it, with its unit: whole and grouped from 1,000 on,
+    else with its digits (a GiB answer of 0.0437 must not read as 0)."""
+    number = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return number + (" byte" if value == 1 else " bytes")
 
 
 @graded
@@ -183,7 +185,7 @@ def check_state_bytes(answer: Mapping[str, float], model: str = "resnet18",
     if is_blank(answer):
         return unanswered(STATE, hint)
     measured = measure_state_bytes(model, device)  # the reference first
-    reveal = ", ".join(f"{k}: {measured[k]:,} bytes" for k in KEYS)
+    reveal = ", ".join(f"{k}: {plural(measured[k], 'byte')}" for k in KEYS)
     given = keyed(answer, KEYS)
     if given is None:
         return wrong(STATE, f"answer must be a dict with the keys {', '.join(map(repr, KEYS))}",
@@ -194,7 +196,7 @@ def check_state_bytes(answer: Mapping[str, float], model: str = "resnet18",
             return wrong(STATE, bad, hint)
         want = measured[key]
         if got <= 0:
-            return wrong(STATE, f"{key}: you said {_bytes(got)} bytes; a tensor of this model "
+            return wrong(STATE, f"{key}: you said {_bytes(got)}; a tensor of this model "
                          f"holds more than 0", hint, reveal)
         if within(got, want, TOLERANCE):
             continue
@@ -213,8 +215,8 @@ def check_state_bytes(answer: Mapping[str, float], model: str = "resnet18",
                 hint.after("that is a count of values, not bytes: each float32 value takes 4 "
                            "bytes") if within(got * 4, want, TOLERANCE) else hint)
         way = "too many" if got > want else "too few"
-        return wrong(STATE, f"{key}: {_bytes(got)} bytes is {way}", why, reveal)
-    return passed(STATE, ", ".join(f"{k} {measured[k]:,} bytes" for k in KEYS)
+        return wrong(STATE, f"{key}: {_bytes(got)} is {way}", why, reveal)
+    return passed(STATE, ", ".join(f"{k} {plural(measured[k], 'byte')}" for k in KEYS)
                   + f": measured after one AMP step of {model} with AdamW")
 
 
@@ -228,12 +230,12 @@ def check_weight_copies(answer, model: str = "resnet18", device=None) -> Check:
     if is_blank(answer):
         return unanswered(COPIES, hint)
     measured = measure_weight_copies(model, device)  # the reference first
-    reveal = f"{measured:,} bytes"
+    reveal = plural(measured, "byte")
     got, bad = read_number(answer, "copies_guess")
     if bad:
         return wrong(COPIES, bad, hint)
     if within(got, measured, TOLERANCE):
-        return passed(COPIES, f"{measured:,} bytes of 16-bit weight copies, saved for backward "
+        return passed(COPIES, f"{plural(measured, 'byte')} of 16-bit weight copies, saved for backward "
                       f"whatever the batch: at this lesson's GPU batch they are a sliver of the "
                       f"activations; at the quick profile's 4 images of 32x32 they are most of "
                       f"what autocast saves")
@@ -249,7 +251,7 @@ def check_weight_copies(answer, model: str = "resnet18", device=None) -> Check:
                           "it multiplied, and under autocast that is the 16-bit cast, saved for "
                           "backward like an activation") if got < 0.05 * measured else hint)
     way = "too many" if got > measured else "too few"
-    return wrong(COPIES, f"{_bytes(got)} bytes is {way}", why, reveal)
+    return wrong(COPIES, f"{_bytes(got)} is {way}", why, reveal)
 
 
 def reference_channels_last(model: torch.nn.Module, x: torch.Tensor):

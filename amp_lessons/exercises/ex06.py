@@ -454,7 +454,7 @@ def _efficiency_inputs(summary: Sequence[Mapping]) -> list:
     for label, per_s_1 in (list(single.items())[:2] or [("a configuration", 250.0)]):
         for n, e in PROBES:
             inputs = (per_s_1, n * e * per_s_1, n)
-            out.append((f"{label} if {n} processes had run at {inputs[1]:,.4g}/s", inputs,
+            out.append((f"{label} if {plural(n, 'process', 'processes')} had run at {inputs[1]:,.4g}/s", inputs,
                         sweep_efficiency(*inputs)))
     return out
 

@@ -79,7 +79,7 @@ def code_version(folder: Path = NOTEBOOK_DIR) -> dict:
 
 EXPECT_COMMIT_VARIABLE = "AMP_LESSONS_EXPECT_COMMIT"
 _NOT_CODE = (":(exclude,glob)**/*.ipynb",)
-_NOT_CODE_FOLDERS = "/.whl/\n"  # wheels carried to a GPU host, ignored there as here
+_NOT_CODE_FOLDERS = "/.whl/"  # wheels carried to a GPU host, ignored there as here
 
 
 def files_hash(folder: Path = NOTEBOOK_DIR) -> str:
@@ -91,11 +91,12 @@ def files_hash(folder: Path = NOTEBOOK_DIR) -> str:
         env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=folder, text=True,
                              capture_output=True, check=True, timeout=30).stdout.strip()
-        excludes = Path(tmp) / "exclude"
-        excludes.write_text(_NOT_CODE_FOLDERS)
-        subprocess.run(["git", "-c", f"core.excludesFile={excludes}", "add", "-A", "--", ".",
-                        *_NOT_CODE], cwd=top, env=env,
-                       capture_output=True, check=True, timeout=300)
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard", f"--exclude={_NOT_CODE_FOLDERS}", "--",
+                                 ".", *_NOT_CODE], cwd=top, capture_output=True, check=True,
+                                timeout=120).stdout
+        subprocess.run(["git", "update-index", "--add", "--remove", "-z", "--stdin"], cwd=top,
+                       env=env, input=listed, capture_output=True, check=True, timeout=300)
         return subprocess.run(["git", "write-tree"], cwd=top, env=env, capture_output=True,
                               text=True, check=True, timeout=60).stdout.strip()
 

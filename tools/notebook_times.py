@@ -164,6 +164,10 @@ def main(argv=None) -> int:
         new = with_time_line(title, line)
         nb["cells"][0]["source"] = [s + "\n" for s in new.split("\n")[:-1]] + [new.split("\n")[-1]]
         path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False))
+    notebooks = {name: json.loads((ROOT / "notebooks" / name).read_text())
+                 for name in kept["notebooks"]}
+    readme = ROOT / "README.md"
+    readme.write_text(readme_table(readme.read_text(), times_for(notebooks, kept)))
     return 0
 
 

@@ -18,14 +18,16 @@ NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sani
 COLAB_VENV := $(VENV)-colab
 COLAB_PINS := -r tests/colab_versions.txt
 COLAB_STAMP := $(COLAB_VENV)/.amp-lessons-colab
-COLAB_SITE := $(COLAB_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
+# python3.X: the folder name of a venv's site-packages (asked once: each make reads it)
+PY_XY := python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+COLAB_SITE := $(COLAB_VENV)/lib/$(PY_XY)/site-packages
 
 # The oldest torch the package supports (pyproject.toml: torch>=2.4), pinned in
 # tests/oldest_versions.txt: a third venv with only that torch and torchvision (and what they
 # need); everything else comes from .venv through a .pth file, as for the Colab venv.
 OLDEST_VENV := $(VENV)-oldest
 OLDEST_STAMP := $(OLDEST_VENV)/.amp-lessons-oldest
-OLDEST_SITE := $(OLDEST_VENV)/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
+OLDEST_SITE := $(OLDEST_VENV)/lib/$(PY_XY)/site-packages
 # The tests whose subject changes between torch releases: GradScaler's internals and the
 # trainer's policies, autocast, float8 formats, checkpointing (SAC), launching, DDP and FSDP2,
 # checkpoint files. `make test-oldest OLDEST_TESTS=tests` runs every unit test there.
@@ -34,7 +36,8 @@ OLDEST_TESTS ?= tests/test_policies.py tests/test_trainer.py \
 	tests/test_distributed.py tests/test_checkpoint.py tests/test_trainer_other_models.py \
 	tests/test_trainer_fit_resume.py
 
-.PHONY: lab test test-oldest unit notebooks browser colab figure-images screenshot claims torchao clean
+.PHONY: lab test venvs test-oldest unit notebooks browser colab colab-workers figure-images screenshot claims \
+	torchao clean
 
 # CPU=1 (`make lab CPU=1`, and CPU=1 on every later target: `make test CPU=1`): a machine without
 # an NVIDIA GPU. torch and torchvision at the pinned versions come from PyTorch's CPU-only wheel
@@ -75,16 +78,34 @@ XDIST  := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 NB_XDIST := $(XDIST) $(if $(filter 0,$(JOBS)),,--dist loadscope)
 UNIT   := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests -m "not browser and not serial" $(XDIST)
 SERIAL := $(BIN)/python -m pytest -q tests -m "serial and not browser"
+NOTEBOOKS := AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(NB_XDIST) notebooks
+BROWSER := $(BIN)/python -m pytest -q tests -m browser -rs
 
-test: $(STAMP) $(COLAB_STAMP) $(OLDEST_STAMP)
+# `make test` runs what `make unit`, `make notebooks`, `make browser`, `make colab` and `make
+# test-oldest` run. What times itself runs alone: the tests marked `serial` and the browser tests
+# in one process, one at a time (tests/conftest.py runs the serial ones first; that process
+# collects only the test files that name either mark), then Colab's serial tests. The rest runs
+# in pytest-xdist workers: the unit tests, then the notebooks, Colab's workers and the oldest
+# torch's at once (three sessions side by side fill each other's idle time: a worker waiting on
+# its last notebook or on a launched process; each session's output is shown when it ends). The
+# course's own modules are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set, every
+# process of the run (workers, kernels, launched ranks) would otherwise compile them again.
+OUTPUT_SYNC := $(if $(filter output-sync,$(.FEATURES)),--output-sync=target)
+test: venvs
+	@$(BIN)/python -m compileall -q amp_lessons tests > /dev/null || true
 	$(UNIT)
-	$(SERIAL)
-	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(NB_XDIST) notebooks
-	$(BIN)/python -m pytest -q tests -m browser -rs
-	$(MAKE) --no-print-directory colab
-	$(MAKE) --no-print-directory test-oldest
+	$(BIN)/python -m pytest -q tests -m "serial or browser" -rs
+	$(COLAB_SERIAL)
+	@$(MAKE) --no-print-directory -j3 $(OUTPUT_SYNC) notebooks colab-workers test-oldest
 
-$(COLAB_STAMP): $(STAMP) Makefile tests/colab_versions.txt
+# The three venvs at once, without -j on the command line (a sub-make with -j3): .venv from the
+# local wheels, .venv-oldest's torch 2.4.1 (about 3 GiB from PyPI) meanwhile, and the small
+# .venv-colab; built one after another they took 4.1 minutes of a 2-core machine, at once 2.1.
+venvs:
+	@$(MAKE) --no-print-directory -j3 $(STAMP) $(COLAB_STAMP) $(OLDEST_STAMP)
+
+# (not after $(STAMP): `make test` builds the three venvs at once; the .pth names .venv's path)
+$(COLAB_STAMP): Makefile tests/colab_versions.txt
 	@test -x $(COLAB_VENV)/bin/python || $(PYTHON) -m venv $(COLAB_VENV)
 	$(COLAB_VENV)/bin/python -m pip install -q --no-deps $(COLAB_PINS)
 	@for pkg in anywidget kaleido; do mkdir -p $(COLAB_SITE)/$$pkg; \
@@ -93,18 +114,23 @@ $(COLAB_STAMP): $(STAMP) Makefile tests/colab_versions.txt
 		"$(CURDIR)" > $(COLAB_SITE)/zz_amp_lessons_main_venv.pth
 	@touch $(COLAB_STAMP)
 
-# The widget and figure tests and lesson 03 under Colab's ipywidgets 7 / plotly 5, without anywidget.
+# The widget and figure tests and lessons 01 and 03 under Colab's ipywidgets 7 / plotly 5, without
+# anywidget: the unit tests and the notebooks in one set of workers (--dist loadscope: a test file
+# or a notebook to a worker; on a CPU the unit tests' profile is quick either way), then the
+# serial ones alone.
 COLAB_TESTS := tests/test_controls.py tests/test_widgets.py tests/test_plots.py tests/test_lesson01.py \
 	tests/test_lesson03.py
-colab: $(COLAB_STAMP)
-	OMP_NUM_THREADS=1 $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not browser and not serial" \
-		$(XDIST) $(COLAB_TESTS)
-	$(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "serial and not browser" $(COLAB_TESTS)
-	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-		$(NBVAL) $(NB_XDIST) \
-		notebooks/01_fp16_ranges_and_underflow.ipynb notebooks/03_grad_scaler_tuning.ipynb
+COLAB_NOTEBOOKS := notebooks/01_fp16_ranges_and_underflow.ipynb notebooks/03_grad_scaler_tuning.ipynb
+COLAB_SERIAL = $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "serial and not browser" \
+	$(COLAB_TESTS)
+colab: colab-workers
+	$(COLAB_SERIAL)
 
-# (not after $(STAMP): `make -j2 test` builds the two venvs at once; the .pth names .venv's path)
+colab-workers: $(STAMP) $(COLAB_STAMP)
+	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		-m "not browser and not serial" $(NBVAL) $(NB_XDIST) $(COLAB_NOTEBOOKS) $(COLAB_TESTS)
+
+# (not after $(STAMP): `make test` builds the three venvs at once; the .pth names .venv's path)
 $(OLDEST_STAMP): Makefile tests/oldest_versions.txt
 	@test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install -q $(if $(CPU_ONLY),--index-url $(TORCH_CPU_INDEX)) \
@@ -135,10 +161,10 @@ unit: $(STAMP)
 	$(SERIAL)
 
 notebooks: $(STAMP)
-	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(NB_XDIST) notebooks
+	$(NOTEBOOKS)
 
 browser: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m browser -rs
+	$(BROWSER)
 
 clean:
 	rm -rf $(sort $(VENV) $(COLAB_VENV) $(OLDEST_VENV) .venv .venv-colab .venv-cpu .venv-cpu-colab \

@@ -109,3 +109,76 @@ def test_lab_opens_a_browser_only_where_there_is_a_display():
     assert opens(DISPLAY=":0") == "True" and opens(WAYLAND_DISPLAY="wayland-0") == "True"
     assert opens("OPEN_BROWSER=True") == "True" and opens("OPEN_BROWSER=False", DISPLAY=":0") == "False"
     assert opens(OPEN_BROWSER="True") == "True"  # from the environment too
+
+
+def _pytest_runs(target: str) -> list:
+    return [c for c in dry_run(target=target) if " -m pytest " in c]
+
+
+def test_make_test_runs_every_stage_of_the_targets_it_stands_for():
+    """`make test` runs what `make unit`, `make notebooks`, `make browser`, `make colab` and
+    `make test-oldest` run; the serial and browser tests in one process, `-m "serial or browser"`,
+    in place of unit's serial run and browser's run."""
+    runs = _pytest_runs("test")
+    unit, serial = _pytest_runs("unit")
+    assert unit in runs and '-m "serial and not browser"' in serial and "-n " not in serial
+    (browser,) = _pytest_runs("browser")
+    assert "-m browser" in browser and browser not in runs
+    (alone,) = [c for c in runs if '-m "serial or browser"' in c]
+    assert alone.startswith(".venv/bin/python -m pytest -q tests ") and "-n " not in alone
+    for target in ("notebooks", "colab", "test-oldest"):
+        assert all(c in runs for c in _pytest_runs(target)), target
+    assert len(runs) == 6  # unit, serial and browser, notebooks, colab (2), oldest
+
+
+def test_what_times_itself_runs_alone_and_the_rest_side_by_side():
+    """The tests that assert on wall time (serial, browser) run with nothing beside them; the
+    three sessions `make test` runs at once select none of them."""
+    text = (ROOT / "Makefile").read_text()
+    (block,) = re.findall(r"^\t@\$\(MAKE\) --no-print-directory -j3 \$\(OUTPUT_SYNC\) (.*)$", text,
+                          flags=re.M)
+    assert block.split() == ["notebooks", "colab-workers", "test-oldest"]
+    for target in block.split():
+        for run in _pytest_runs(target):
+            assert '-m "not browser and not serial"' in run or run.endswith(" notebooks"), run
+    runs = _pytest_runs("test")
+    alone = [c for c in runs if "-n " not in c]
+    assert len(alone) == 2 and all('serial' in c for c in alone)
+    assert all(runs.index(c) < runs.index(_pytest_runs("notebooks")[0]) for c in alone)
+
+
+def test_make_test_builds_its_three_venvs_at_once_without_j_on_the_command_line():
+    """A plain `make test` (the README's command, and `.ci/run`'s) builds .venv, .venv-colab and
+    .venv-oldest at once: a sub-make with -j3 for the three, none built after another."""
+    text = (ROOT / "Makefile").read_text()
+    (venvs,) = re.findall(r"^venvs:\n\t(.*)$", text, flags=re.M)
+    assert "-j3" in venvs and all(s in venvs for s in ("$(STAMP)", "$(COLAB_STAMP)", "$(OLDEST_STAMP)"))
+    assert re.search(r"^test: venvs$", text, flags=re.M)
+    for stamp in ("COLAB_STAMP", "OLDEST_STAMP"):  # neither waits for .venv
+        (rule,) = re.findall(rf"^\$\({stamp}\):(.*)$", text, flags=re.M)
+        assert "$(STAMP)" not in rule, rule
+    installs = {c for c in dry_run(target="test") if " -m pip install " in c and "--upgrade pip" not in c}
+    assert len(installs) == 3
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test(\s|$)", ci, flags=re.M) and not re.search(r"make .*-j", ci)
+    assert "apt-get install -y -qq chromium" in ci
+
+
+def test_a_marked_run_collects_only_the_files_that_name_its_marks():
+    """`-m "serial or browser"` imports only the test files that name a mark (tests/conftest.py);
+    every test those marks select is still collected: a file cannot take them from elsewhere."""
+    import conftest as tc
+
+    class Config:
+        def __init__(self, expr):
+            self.expr = expr
+
+        def getoption(self, name, default=None):
+            return self.expr
+
+    serial_file = ROOT / "tests" / "test_lesson03.py"
+    plain_file = ROOT / "tests" / "test_env.py"
+    assert tc.pytest_ignore_collect(plain_file, Config("serial or browser")) is True
+    assert tc.pytest_ignore_collect(serial_file, Config("serial or browser")) is None
+    for expr in ("", "not browser and not serial", "slow or not serial"):
+        assert tc.pytest_ignore_collect(plain_file, Config(expr)) is None, expr

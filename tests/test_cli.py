@@ -714,7 +714,9 @@ def test_ctrl_c_in_a_real_train_run_is_one_line_status_130_and_a_whole_checkpoin
     proc = subprocess.Popen([sys.executable, "-m", "amp_lessons", "train", "--epochs", "500",
                              "--checkpoint", str(ckpt), "--json", str(out)] + MLP,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            # an xdist worker ignores SIGINT, and its children inherit that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.readline()  # "epoch 1/500: ..." once the first epoch is saved
     assert first.startswith("epoch 1/500"), first + proc.stderr.read()
     time.sleep(0.2)

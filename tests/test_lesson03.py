@@ -394,7 +394,7 @@ def test_scaler_panel_reset_during_a_long_run_is_quick():
     assert p.running
     started = time.monotonic()
     p.reset()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # 2-3 s idle; a loaded 2-core CI machine took 5-8 s
     assert not p.running and "Press" in p.summary.value
 
 

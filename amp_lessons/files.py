@@ -33,8 +33,10 @@ import json
 import os
 import re
 import secrets
+import signal
 import socket
 import stat
+import threading
 from pathlib import Path
 from typing import Any, Iterator, List, Union
 
@@ -236,12 +238,42 @@ def _read_only_error(path: Path, what: str, reason: str) -> ReadOnlyFileError:
 
 
 @contextlib.contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) until the block ends, then raise ``KeyboardInterrupt``: a file being
+    written is finished first. Without it, a Ctrl-C inside ``torch.save``'s writer surfaces as
+    torch's ``RuntimeError: ... unexpected pos`` instead of an interrupt. Only the main thread,
+    under Python's own SIGINT handler, is changed; elsewhere (a worker thread, an ignored SIGINT,
+    a kernel's own handler) the block runs as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
     """Yield a binary file object; on leaving the block its bytes replace ``path`` atomically
     (see the module docstring). ``what`` names the kind of file in errors ("checkpoint",
     "notebook"). The folder must exist. A symbolic link is written through: its target gets the
     bytes and the link stays a link (as an editor saves it); a folder is refused by name, and a
-    read-only file (``read_only_reason``) by ``ReadOnlyFileError``, before anything is written."""
+    read-only file (``read_only_reason``) by ``ReadOnlyFileError``, before anything is written.
+    A Ctrl-C waits until the file is written or the write failed (``deferred_interrupt``)."""
+    with deferred_interrupt():
+        with _atomic_file(path, what) as writer:
+            yield writer
+
+
+@contextlib.contextmanager
+def _atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
+    """``atomic_file``'s work, with Ctrl-C as it is."""
     path = _through_links(path, what)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"could not write {what} {path}: it is a folder")

@@ -411,3 +411,44 @@ def test_ctrl_c_during_a_write_keeps_the_earlier_file_and_no_temporary_file(tmp_
     with pytest.raises(KeyboardInterrupt):
         C.atomic_save({"w": torch.zeros(3)}, tmp_path / "c.pt")
     assert path.read_text() == "earlier" and sorted(os.listdir(tmp_path)) == ["results.json"]
+
+
+@pytest.fixture
+def python_sigint(monkeypatch):
+    """SIGINT as a plain ``python`` process has it (an xdist worker ignores it)."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield signal
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_real_ctrl_c_inside_torch_save_finishes_the_checkpoint_then_interrupts(
+        tmp_path, monkeypatch, python_sigint):
+    """A SIGINT that arrives inside torch.save's writer (the CI failure: torch turned it into
+    ``RuntimeError: ... unexpected pos``) waits for the file, then raises KeyboardInterrupt."""
+    path = tmp_path / "c.pt"
+    C.atomic_save({"w": torch.zeros(3)}, path)
+    sent = []
+    write = C._HashingWriter.write
+
+    def write_then_interrupt(self, data):
+        if not sent:
+            sent.append(os.kill(os.getpid(), python_sigint.SIGINT))
+        return write(self, data)
+
+    monkeypatch.setattr(C._HashingWriter, "write", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        C.atomic_save({"w": torch.ones(1000)}, path)
+    assert sent and torch.equal(C.read_verified(path)["w"], torch.ones(1000))
+    assert sorted(os.listdir(tmp_path)) == ["c.pt"]
+    assert python_sigint.getsignal(python_sigint.SIGINT) is python_sigint.default_int_handler
+
+
+def test_deferred_interrupt_leaves_a_block_without_ctrl_c_alone(python_sigint):
+    with F.deferred_interrupt():
+        x = 1
+    assert x == 1 and python_sigint.getsignal(python_sigint.SIGINT) is python_sigint.default_int_handler
+    with pytest.raises(ValueError):  # the block's own error passes through, the handler restored
+        with F.deferred_interrupt():
+            raise ValueError("mine")
+    assert python_sigint.getsignal(python_sigint.SIGINT) is python_sigint.default_int_handler

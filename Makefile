@@ -78,7 +78,9 @@ XDIST  := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 NB_XDIST := $(XDIST) $(if $(filter 0,$(JOBS)),,--dist loadscope)
 UNIT   := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests -m "not browser and not serial" $(XDIST)
 SERIAL := $(BIN)/python -m pytest -q tests -m "serial and not browser"
-NOTEBOOKS := AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(NB_XDIST) notebooks
+# AMP_LESSONS_REQUIRE_PROVENANCE=1: a notebook that publishes a row no traced call made fails
+# (publish.provenance): every published number leads back to the function that produced it.
+NOTEBOOKS := AMP_LESSONS_PROFILE=quick AMP_LESSONS_REQUIRE_PROVENANCE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NBVAL) $(NB_XDIST) notebooks
 BROWSER := $(BIN)/python -m pytest -q tests -m browser -rs
 
 # `make test` runs what `make unit`, `make notebooks`, `make browser`, `make colab` and `make
@@ -127,7 +129,7 @@ colab: colab-workers
 	$(COLAB_SERIAL)
 
 colab-workers: $(STAMP) $(COLAB_STAMP)
-	AMP_LESSONS_PROFILE=quick OMP_NUM_THREADS=1 $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	AMP_LESSONS_PROFILE=quick AMP_LESSONS_REQUIRE_PROVENANCE=1 OMP_NUM_THREADS=1 $(COLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		-m "not browser and not serial" $(NBVAL) $(NB_XDIST) $(COLAB_NOTEBOOKS) $(COLAB_TESTS)
 
 # (not after $(STAMP): `make test` builds the three venvs at once; the .pth names .venv's path)

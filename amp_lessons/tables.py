@@ -12,6 +12,7 @@ import unicodedata
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from amp_lessons.validate import check_int, is_int, is_real, plain_number
+from amp_lessons.lineage import traced  # explain names what made each row
 
 Column = Union[str, Tuple[str, str], Tuple[str, str, Union[str, Callable[[Any], str]]]]
 
@@ -364,6 +365,7 @@ def technique_with_math(row: Optional[Mapping[str, Any]]) -> str:
                                         f"same memory as fp32)")
 
 
+@traced
 def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
     """``technique_table`` rows as a table to show and publish: step time, throughput, memory,
     memory and time against the fp32 row (named TF32 where it ran with TF32 math:
@@ -398,6 +400,7 @@ def technique_report_rows(rows: Sequence[Dict[str, object]]) -> List[Dict[str, o
     return out
 
 
+@traced
 def largest_batch_report_rows(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
     """``largest_batch_table`` rows pivoted to one row per card, one column per technique (the
     largest batch in images; None where skipped). Returns ``rows``, ``columns`` and ``note``

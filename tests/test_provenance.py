@@ -1,4 +1,4 @@
-"""Provenance is recorded from the code that ran: traced calls (``measure.lineage``), the call
+"""Provenance is recorded from the code that ran: traced calls (``amp_lessons.lineage``), the call
 path at publish time, the code that computes each column; ``explain`` prints it back from the
 executed notebooks, fast, and refuses an empty or unknown key in one line."""
 import json
@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from amp_lessons import cli, tables
-from amp_lessons.measure import BenchConfig, lineage, published_rows, run_configs, with_ratios
+from amp_lessons import lineage
+from amp_lessons.measure import BenchConfig, published_rows, run_configs, with_ratios
 from amp_lessons.publish import notebooks, provenance, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,8 +101,8 @@ def test_each_measured_row_names_the_step_it_timed():
 
 
 def test_a_function_called_inside_the_publish_call_is_named_and_its_columns_traced():
-    """``publish(key, technique_report_rows(rows))``: an untraced function called in the publish
-    call itself is recorded from the cell's code; its columns from its own code."""
+    """``publish(key, technique_report_rows(rows))``: a function called in the publish call
+    itself is recorded from the cell's code; its columns from its own code."""
     rows = [{"technique": "fp32", "status": "ok", "step_ms": 2.0, "img_per_s": 1.0,
              "memory_gib": 1.0, "config": {"batch_size": 4}}]
     scope = _cell("rec = provenance.record('k.x', tables.technique_report_rows(rows), "
@@ -113,7 +114,7 @@ def test_a_function_called_inside_the_publish_call_is_named_and_its_columns_trac
     step = rec["columns"]["step ms"]
     assert step["function"] == "amp_lessons.tables.technique_report_rows"
     assert "step_ms" in step["code"] and step["file"] == "amp_lessons/tables.py"
-    assert rec["rows"][0]["made by"] is None  # nothing traced made the rows: said, not guessed
+    assert rec["rows"][0]["made by"] == ["amp_lessons.tables.technique_report_rows"]
 
 
 @lineage.traced
@@ -252,3 +253,36 @@ def test_code_version_of_a_copy_holds_only_where_its_files_match(tmp_path, monke
     monkeypatch.setenv(notebooks.EXPECT_COMMIT_VARIABLE, "not json")
     with pytest.raises(ValueError, match="AMP_LESSONS_EXPECT_COMMIT"):
         notebooks.code_version(tmp_path)
+
+
+def _untraced_rows(rows):
+    return [{"setting": r["name"]} for r in rows]
+
+
+def test_rows_no_traced_call_made_are_said_so_and_refused_where_provenance_is_required(
+        monkeypatch):
+    rows = _untraced_rows([{"name": "a"}, {"name": "b"}])  # "a" is a traced row's too
+    rec = provenance.record("k.untraced", rows)
+    assert [r["made by"] for r in rec["rows"]] == [None, None]  # said, not guessed
+    monkeypatch.setenv(provenance.REQUIRE_ENV, "1")
+    with pytest.raises(provenance.UntracedRowsError, match=r"k.untraced: rows 1 \(a\), 2 \(b\) "
+                                                          r"of 2 came from no traced call"):
+        provenance.record("k.untraced", rows)
+    traced_rows = _shown(_measure_all([{"name": "a", "x": 1}]))
+    rec = provenance.record("k.traced", traced_rows)  # a traced table passes
+    assert rec["rows"][0]["made by"][0].endswith("_shown")
+
+
+def test_each_verdict_row_leads_back_to_the_function_that_decided_it():
+    """``claims.decides`` records every call of a decider, and ``publish_verdicts`` makes row
+    ``i`` from verdict ``i``: explain names the decider and its arguments."""
+    from amp_lessons.lessons import l01_ranges
+    from amp_lessons.publish.claims import deciders
+
+    name = deciders()["R1"]
+    decider = getattr(l01_ranges, name.rsplit(".", 1)[1])
+    assert getattr(decider, "traced", False) and decider.decides == ("R1",)
+    verdict = l01_ranges.verdict_r1(l01_ranges.check_r1())
+    rows = report.verdict_rows([verdict])
+    rec = provenance.record("claims.l01", rows)
+    assert rec["rows"][0]["made by"] == ["amp_lessons.publish.report.verdict_rows", name]

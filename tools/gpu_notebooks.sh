@@ -6,7 +6,7 @@ set -uo pipefail
 out=${OUT:-executed}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 AMP_LESSONS_REQUIRE_PROVENANCE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())'
 status=0

@@ -11,7 +11,7 @@ from torch import nn
 from amp_lessons.numerics.modes import keeps_rng
 from amp_lessons.validate import check_bool, check_int
 from amp_lessons.measure import free_memory
-from amp_lessons.measure.lineage import traced  # explain names the report's makers
+from amp_lessons.lineage import traced  # explain names the report's makers
 from amp_lessons.numerics.precision import PRECISIONS, as_device, available_device, check_precision, native_bf16
 from amp_lessons.doctor import compiled as _compiled
 from amp_lessons.doctor import diagnose as _diagnose

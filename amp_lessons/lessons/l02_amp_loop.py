@@ -29,7 +29,7 @@ from amp_lessons.measure.amp_mistakes import (SCALE_ORDERS, ClipBeforeUnscale,  
                                              custom_function_under_autocast, half_model_errors,
                                              scale_order_experiment, scheduler_on_skipped_steps)
 from amp_lessons.publish.report import show_table
-from amp_lessons.measure.lineage import traced  # explain names what made the published table
+from amp_lessons.lineage import traced  # explain names what made the published table
 from amp_lessons.tables import percent, plural, text_table
 from amp_lessons.train.trainer import Hooks, ScalerSettings, TrainConfig, Trainer, set_loader_epoch
 
@@ -75,6 +75,18 @@ def compare_precisions(precisions: Sequence[str] = ("fp32", "fp16"), device: Dev
 # --- why the small model does not speed up: the GPU's idle share, and the trainer's cost -------
 
 LOOPS = {"hand": "hand-written (recipe order)", "trainer": "Trainer.train_step"}
+
+
+@traced
+def precision_rows(rows: Sequence[Mapping], cuda: bool) -> List[dict]:
+    """The published form of ``compare_precisions``' rows: time per epoch, peak memory, test
+    accuracy, skipped steps and a note (why a precision did not run; on a CPU, that there is no
+    CUDA memory counter). ``cuda``: whether the rows ran on a GPU."""
+    return [{"precision": r["precision"], "time per epoch (s)": r["epoch_time_s"],
+             "peak memory (MiB)": r["peak_memory_mib"], "test accuracy (%)": r["accuracy_pct"],
+             "skipped steps": r["skipped_steps"],
+             "note": r["reason"] or ("" if cuda else "no CUDA memory counter on a CPU")}
+            for r in rows]
 
 
 def gpu_busy(step: Callable, x: torch.Tensor, y: torch.Tensor, device: Device = None,

@@ -34,6 +34,7 @@ from amp_lessons.measure.scaler_runs import (FINAL_LOSS_WINDOW, SETTLE_WINDOW,  
                                              longest_skip_streak, scaler_getter_trace,
                                              settled_text, steps_to_settle, train_with_scaler,
                                              measured_defaults, preset_note)
+from amp_lessons.lineage import traced  # explain names what made each row
 
 
 LESSON = "03"
@@ -106,6 +107,7 @@ def compare_presets(presets: Mapping[str, ScalerSettings], steps: int,
     return runs
 
 
+@traced
 def comparison_rows(runs: Mapping[str, ScalerRun]) -> List[dict]:
     """One summary row per run (``ScalerRun.summary``) with the preset's settings."""
     return [dict(run.row(), preset=name) for name, run in runs.items()]

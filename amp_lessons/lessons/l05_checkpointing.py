@@ -28,6 +28,7 @@ from amp_lessons.measure.resume import resume_experiment  # noqa: F401 (the less
 from amp_lessons.numerics.precision import as_device, native_tf32
 from amp_lessons.tables import (format_value, largest_batch_report_rows,  # noqa: F401 (lesson API)
                       plural, shown_technique, technique_report_rows, technique_with_math)
+from amp_lessons.lineage import traced  # explain names what made each row
 
 LESSON = "05"
 
@@ -314,6 +315,7 @@ def pareto_front(rows: Sequence[Dict[str, object]]) -> List[str]:
     return front
 
 
+@traced
 def frontier_rows(rows: Sequence[Dict[str, object]],
                   reference: str = "AMP", baseline: str = "fp32") -> List[Dict[str, object]]:
     """Every measured technique with its memory as a share of ``baseline``'s (fp32) and its step
@@ -335,6 +337,7 @@ def frontier_rows(rows: Sequence[Dict[str, object]],
     return out
 
 
+@traced
 def card_advice(rows: Sequence[Dict[str, object]], card_gib: float,
                 batches: Sequence[int] = (128, 256, 384, 512, 768, 1024)) -> List[Dict[str, object]]:
     """For a card of ``card_gib`` GiB usable memory, the fastest measured technique that fits
@@ -419,6 +422,7 @@ def largest_batch_table(card_sizes_gb: Sequence[float] = CARD_SIZES_GB,
     return rows
 
 
+@traced
 def accumulation_plan(rows: Sequence[Dict[str, object]], target_batch: int) -> Dict[str, object]:
     """How to reach an effective batch of ``target_batch`` on each card with each technique:
     the fewest micro-batches whose size fits (``largest_batch_table`` rows), as ``"n x m"``

@@ -33,6 +33,7 @@ from amp_lessons.validate import is_real
 from amp_lessons.numerics.precision import HALF_DTYPES, as_device, autocast_for
 from amp_lessons.measure.deepspeed_config import deepspeed_config_check  # noqa: F401 (the lesson's API)
 from amp_lessons.tables import plural
+from amp_lessons.lineage import traced  # explain names what made each row
 
 LESSON = "06"
 
@@ -69,6 +70,7 @@ def _split(label: str) -> Tuple[str, int]:
     return name, int(batch.split("/")[0])
 
 
+@traced
 def wrap_rows(result: multi.SweepResult) -> List[Dict[str, Any]]:
     """The wrapping table: per (processes, batch, wrapping), throughput, its ratio to DDP at the
     same batch and processes, FSDP units and peak memory per rank; sorted for reading."""
@@ -324,6 +326,7 @@ def verdict_r10c(savings: Mapping[str, Any],
                                     else f"at the {plural(n, 'rank')} that ran"))
 
 
+@traced
 def r10c_rows(verdict: claims.Verdict, savings: Mapping[str, Any],
               comparisons: Sequence[Mapping[str, Any]] = ()) -> List[Dict[str, Any]]:
     """Claim R10c's row (with the verdict) and, without a verdict, ``comparisons`` beside it."""

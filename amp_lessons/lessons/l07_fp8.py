@@ -53,6 +53,7 @@ from amp_lessons.numerics.fp8 import (SCALINGS, TENSOR_KINDS, amax_scale, error_
 from amp_lessons.numerics.fp8 import fp8_format_facts as format_facts  # noqa: F401 (the lesson's API)
 from amp_lessons.publish.report import show_table
 from amp_lessons.tables import format_value, not_compared, plural, text_table
+from amp_lessons.lineage import traced  # explain names what made each row
 
 LESSON = "07"
 DECIDES = ()  # no article claims FP8 numbers: the lesson states its findings as measurements
@@ -384,6 +385,7 @@ def _round(value: Optional[float], digits: int) -> Optional[float]:
     return None if value is None else round(float(value), digits)
 
 
+@traced
 def speed_report_rows(rows: Sequence[Mapping]) -> List[dict]:
     """``speed_sweep`` rows as the table the lesson publishes: width, recipe, median step (ms),
     speed-up over compiled bf16 of the same width, peak GiB, the repeat spread of the timed steps
@@ -413,6 +415,7 @@ def speed_report_rows(rows: Sequence[Mapping]) -> List[dict]:
     return out
 
 
+@traced
 def accuracy_report_rows(runs: Sequence[Mapping], comparison: Mapping,
                          support: FP8Support) -> List[dict]:
     """``accuracy_runs`` and their ``loss_comparison`` as the table the lesson publishes: one row

@@ -40,6 +40,7 @@ from amp_lessons.measure.memory import GIB
 from amp_lessons.publish.report import show_table
 from amp_lessons.tables import format_value, plural, text_table
 from amp_lessons.lessons import l07_fp8
+from amp_lessons.lineage import traced  # explain names what made each row
 
 LESSON = "08"
 DECIDES = ()  # R10c is decided by lesson 06's multi-GPU run; this lesson shows related numbers
@@ -334,6 +335,7 @@ def r10c_line(per_rank: Sequence[Mapping]) -> str:
 
 # --- 4. which recipe ------------------------------------------------------------------------------
 
+@traced
 def choice_table(table: Sequence[Mapping], memory: Sequence[Mapping],
                  cards=CARDS, sizes: Sequence[float] = MODEL_SIZES,
                  state_share: float = STATE_SHARE) -> List[dict]:
@@ -384,6 +386,7 @@ RECIPE_REPORT_COLUMNS = ("workload", "recipe", "final loss", "reference", "diffe
                          "compiled step ms", "repeat spread %", "status")
 
 
+@traced
 def report_rows(table: Sequence[Mapping], memory: Sequence[Mapping], rows: Sequence[Mapping],
                 on_gpu: bool) -> List[dict]:
     """``comparison`` rows with each recipe's memory and optimizer step time (times only where

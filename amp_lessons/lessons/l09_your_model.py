@@ -25,6 +25,7 @@ from amp_lessons.validate import check_int
 from amp_lessons.data import synthetic_images
 from amp_lessons.lessons import l04_resnet50 as l04
 from amp_lessons.lessons import l07_fp8 as l07
+from amp_lessons.lineage import traced  # explain names what made each row
 
 LESSON = "09"
 DECIDES = ()  # no article claim is decided here: the doctor's findings are measurements
@@ -83,6 +84,7 @@ def lesson04_rows(model: str, batch_size: int, image_size: int, device, warmup: 
     return bench.run_configs(configs, device, warmup=warmup, steps=steps, progress=False)
 
 
+@traced
 def agreement(report, rows: Sequence[Mapping]) -> List[Dict[str, object]]:
     """Per precision: the doctor's samples/s beside lesson 04's img/s from the same run, the
     difference in percent, the larger repeat spread of the two rows, and whether it is within
@@ -193,6 +195,7 @@ def lesson07_crossover(notebook: Optional[Path] = None, recipe: str = "tensorwis
 
 # --- reading the three reports --------------------------------------------------------------------
 
+@traced
 def summary(reports: Mapping[str, object]) -> List[Dict[str, object]]:
     """One row per model: the verdict for this device, the alarms raised, the fp16 overflow
     site, the loss scale, the fastest precision (only where every timed row passed the timing

@@ -12,8 +12,6 @@
 - ``cards``: the largest batch per simulated card (fit, then verify under each card's cap);
 - ``accumulation``: gradient accumulation's memory and equivalence;
 - ``float8``: FP8 support, float8 conversion, the MLP-stack speed sweep, the small GPT runs;
-- ``lineage``: what produced a result: traced calls and the rows they returned (``publish.provenance``
-  reads them when a table is published).
 
 Everything public is importable from ``amp_lessons.measure`` itself.
 """
@@ -31,4 +29,4 @@ from amp_lessons.measure.timer import (NOISY_SPREAD, device_busy_ms, idle_fracti
                     summarize_times, time_steps, wall_clock)
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in (
-    "config", "memory", "oom", "rows", "runner", "search", "steps", "timer", "lineage")]
+    "config", "memory", "oom", "rows", "runner", "search", "steps", "timer")]

@@ -65,6 +65,7 @@ from amp_lessons.data import synthetic_images
 from amp_lessons.numerics.precision import HALF_DTYPES, PRECISIONS, autocast_for, check_precision, normalize_precision
 from amp_lessons.tables import plural, text_table
 from amp_lessons.train.trainer import ScalerSettings, TrainConfig, Trainer
+from amp_lessons.lineage import traced  # explain names what made each row
 
 __all__ = [  # the launcher's names (from _launch) and this module's own
     "BACKENDS", "WORLD_SIZES", "RankContext", "available_world_sizes", "barrier", "check_backend",
@@ -730,6 +731,7 @@ class SweepResult:
                  for k in self.skipped]
                 + [f"warning raised on the ranks: {w}" for w in self.warnings])
 
+    @traced
     def published_rows(self) -> List[Dict[str, Any]]:
         """The summary with readable column names and units, for ``report.publish``."""
         out = []

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence, TypedDict
 import torch
 
 from amp_lessons.numerics.precision import as_device
-from amp_lessons.measure.lineage import traced
+from amp_lessons.lineage import traced
 from amp_lessons.tables import json_safe, noisy, percent, spread_text
 
 

@@ -19,7 +19,7 @@ from amp_lessons.numerics.precision import precision_settings
 from amp_lessons.tables import plural
 from amp_lessons.progress import progress_bar
 from amp_lessons.measure.config import BenchConfig, skip_reason
-from amp_lessons.measure.lineage import call, traced
+from amp_lessons.lineage import call, traced
 from amp_lessons.measure.memory import GIB, memory_breakdown, optimizer_state_tensors, tensor_bytes
 from amp_lessons.measure.oom import free_memory, is_out_of_memory
 from amp_lessons.measure.rows import noisy

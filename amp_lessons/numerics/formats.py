@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from amp_lessons.tables import percent, text_table
+from amp_lessons.lineage import traced  # explain names what made each row
 
 __all__ = [
     "FormatInfo", "FORMATS", "FORMAT_NAMES", "get_format", "format_facts", "format_facts_text",
@@ -842,6 +843,7 @@ def best_scale_exponent(sweep_rows: Sequence[Mapping]) -> int:
     return min(sweep_rows, key=lambda r: (r["underflow"] + r["overflow"], r["k"]))["k"]
 
 
+@traced
 def scale_report(grads_by_layer: Mapping[str, TensorLike], exponents: Sequence[int],
                  fmt: Union[str, FormatInfo, torch.dtype] = "fp16") -> List[dict]:
     """Per layer (and ``all``): nonzero values, and at each scale ``2**k`` the percent of them

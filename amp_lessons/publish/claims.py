@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+from amp_lessons.lineage import traced
 from amp_lessons.validate import check_int, is_real, plain_number
 from amp_lessons.tables import markdown_text, plural
 
@@ -622,7 +623,8 @@ def decides(*claim_ids: str):
 
     Checked when the lesson module is imported: each id is a registered claim whose deciding
     lesson is the module's ``LESSON``, the function is named ``verdict_name(claim_ids)``, and
-    no other function decides the same claim. ``deciders()`` and ``decided_in()`` are derived
+    no other function decides the same claim. Each call is recorded (``lineage.traced``), so
+    ``explain claims.lNN`` names the decider and its arguments for every verdict row. ``deciders()`` and ``decided_in()`` are derived
     from these declarations (a lesson's ``DECIDES`` is ``decided_in(__name__)``).
     """
     if not claim_ids:
@@ -643,6 +645,7 @@ def decides(*claim_ids: str):
             if _DECIDERS.get(c.id, where) != where:
                 raise ValueError(f"claim {c.id} is already decided by {_DECIDERS[c.id]}")
             _DECIDERS[c.id] = where
+        function = traced(function)  # each verdict leads back to the call that decided it
         function.decides = tuple(claim_ids)
         return function
     return register

@@ -6,7 +6,7 @@ declared by hand: the record is read from the code that ran.
 
 - ``published by``: the call path at publish time (the lesson function or notebook cell that
   published, with the code of the ``publish`` call);
-- ``made by``: the traced calls (``measure.lineage``) that returned the table and the inputs
+- ``made by``: the traced calls (``amp_lessons.lineage``) that returned the table and the inputs
   they were given, down to the measurement; functions called inside the ``publish`` call itself
   are named too (``publish(key, scale_report(grads, ...))``);
 - each row: the chain of calls that made it, the calls made inside the innermost one (the step a
@@ -18,6 +18,10 @@ declared by hand: the record is read from the code that ran.
 
 ``explain`` prints a record from the executed notebooks without importing torch or running a
 lesson; ``close_keys`` suggests keys for a mistyped one.
+
+With ``AMP_LESSONS_REQUIRE_PROVENANCE=1`` (set by ``make test`` for every notebook it runs), a
+table with a row that no traced call made is refused (``UntracedRowsError``) when it is published:
+every published number leads back to the function and configuration that produced it.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import ast
 import difflib
 import inspect
 import linecache
+import os
 import platform
 import sys
 import textwrap
@@ -32,6 +37,26 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 MAX_ROWS = 200  # rows of one table described row by row
+REQUIRE_ENV = "AMP_LESSONS_REQUIRE_PROVENANCE"
+
+
+class UntracedRowsError(ValueError):
+    """A table published under ``AMP_LESSONS_REQUIRE_PROVENANCE=1`` with rows no traced call
+    made; the message names the key and the rows."""
+
+
+def check_traced(key: str, described: Sequence[Mapping[str, object]]) -> None:
+    """``UntracedRowsError`` naming ``key`` and its rows without a recorded maker (``record``'s
+    row descriptions), where ``AMP_LESSONS_REQUIRE_PROVENANCE`` is set to 1; else nothing."""
+    if os.environ.get(REQUIRE_ENV, "") != "1":
+        return
+    missing = [f"{r['row']} ({r.get('first cell')})" for r in described if not r.get("made by")]
+    if missing:
+        raise UntracedRowsError(
+            f"{key}: row{'s' if len(missing) > 1 else ''} {', '.join(missing[:6])}"
+            f"{' ...' if len(missing) > 6 else ''} of {len(described)} came from no traced call: "
+            f"make the rows with a function decorated @traced (amp_lessons.lineage), so explain "
+            f"can name what produced each ({REQUIRE_ENV}=1)")
 _PACKAGE = Path(__file__).resolve().parents[1]
 
 
@@ -130,7 +155,7 @@ def _rows_expression(call: ast.Call) -> Optional[ast.AST]:
 def _chain(made: lineage.Call, depth: int = 8) -> Dict[str, object]:
     """A traced call and the traced calls that made its inputs (not the calls inside it: the
     rows show those), as JSON."""
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
     out: Dict[str, object] = {"function": made.name, "file": made.file, "line": made.line,
                               "arguments": made.arguments}
     if depth and made.inputs:
@@ -141,7 +166,7 @@ def _chain(made: lineage.Call, depth: int = 8) -> Dict[str, object]:
 def _called_in(expr, frame) -> List[Dict[str, object]]:
     """Package functions called inside the ``publish`` call's rows expression, and traced
     results it names, outermost first."""
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
     found: List[Dict[str, object]] = []
     for node in ast.walk(expr):
         target = node.func if isinstance(node, ast.Call) else node if isinstance(
@@ -165,7 +190,7 @@ def _inline_inputs(expr, frame) -> List[tuple]:
     """``(function, items)`` for each package function called in the publish call's rows
     expression and each argument it is given: the argument's rows (a list's items, a mapping's
     values) or the argument itself, as objects."""
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
 
     out = []
     for node in ast.walk(expr):
@@ -184,10 +209,23 @@ def _inline_inputs(expr, frame) -> List[tuple]:
     return out
 
 
+def _named_rows(expr, frame) -> List[object]:
+    """The rows of every object a name in the publish call's rows expression stands for."""
+    from amp_lessons import lineage
+
+    out: List[object] = []
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            value = _resolve(node, frame)
+            if value is not None and not callable(value):
+                out += lineage.rows_of(value)
+    return out
+
+
 def _row_trail(row) -> List[lineage.Call]:
     """The calls that made ``row``, outermost first: the row's own, then those of the rows it
     was made from."""
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
     trail, seen = [], set()
     while row is not None and id(row) not in seen:
         seen.add(id(row))
@@ -213,7 +251,7 @@ def _made_from_content(row: Mapping, candidates: Sequence[Mapping]):
 
 
 def _row_record(i: int, row, trail: List[lineage.Call]) -> Dict[str, object]:
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
     label = next(iter(row.values()), None) if isinstance(row, Mapping) and row else None
     out: Dict[str, object] = {"row": i + 1, "first cell": lineage.short(label)}
     if not trail:
@@ -307,7 +345,7 @@ def _fields_read(expr) -> List[str]:
 def _field_sources(fn, field: str) -> List[Dict[str, object]]:
     """The package functions whose result ``fn`` stores as ``field`` (a keyword or dict key of
     the value it returns), following names back to the calls assigned to them."""
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
     found = _column_code(fn, field)
     if found is None:
         return []
@@ -354,7 +392,7 @@ def _columns(columns: Sequence[str], producers: Sequence[str],
              inputs: Mapping[str, Sequence[str]]) -> Dict[str, Dict[str, object]]:
     """Each column's source: the first producing function (outermost first) whose code computes
     it, the code, and the functions that computed the fields of traced inputs it reads."""
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
     out: Dict[str, Dict[str, object]] = {}
     for column in columns:
         for name in producers:
@@ -399,7 +437,7 @@ def record(key: str, rows: Sequence[Mapping], caller=None,
     """What ``report.publish`` stores beside a table (see the module's docstring). ``caller``:
     the frame that called ``publish`` (its call path and code are recorded); ``columns``: the
     table's columns (default: the first row's keys)."""
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
     if not isinstance(key, str) or not key:
         raise ValueError(f"key must be a non-empty string; got {key!r}")
     made = lineage.origin(rows)  # before the copy below: the object a traced call returned
@@ -425,7 +463,11 @@ def record(key: str, rows: Sequence[Mapping], caller=None,
                 lineage.origin(i).name for i in items if lineage.origin(i) is not None)
             if not paired and len(items) == len(rows) and all(lineage.origin(i) for i in items):
                 paired = items
-    traced_rows = _all_traced_rows()
+    # a row projected in the publish call matches only rows of what that call names or calls
+    called = {n for c in chains for n in _names_in(c)}
+    named = {id(r) for r in _named_rows(expression, caller)} if expression is not None else set()
+    traced_rows = [r for r in _all_traced_rows()
+                   if id(r) in named or lineage.origin(r).name in called]
     described = []
     for i, row in enumerate(rows[:MAX_ROWS]):
         trail = _row_trail(row)
@@ -436,6 +478,7 @@ def record(key: str, rows: Sequence[Mapping], caller=None,
             if like is not None:
                 trail = _row_trail(like)
         described.append(_row_record(i, row, trail))
+    check_traced(key, described)
     producers = [n for c in chains for n in _names_in(c)]
     for c in chains:
         _input_makers(c, makers)
@@ -457,7 +500,7 @@ def record(key: str, rows: Sequence[Mapping], caller=None,
 
 
 def _all_traced_rows() -> List[Mapping]:
-    from amp_lessons.measure import lineage
+    from amp_lessons import lineage
     return [obj for obj, _, _ in reversed(lineage._MADE.values()) if isinstance(obj, Mapping)]
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
+from amp_lessons.lineage import traced
 from amp_lessons.tables import (format_value, html_table, html_text, json_safe, markdown_text, plural,
                                 text_table)
 
@@ -113,12 +114,19 @@ VERDICT_PREFIX = "claims."
 VERDICT_COLUMNS = ("claim", "measured", "verdict", "why", "sensitivity")
 
 
+@traced
+def verdict_rows(verdicts: Sequence) -> List[dict]:
+    """One table row per ``claims.Verdict`` (its ``row()`` and lesson): row ``i`` is recorded as
+    made from verdict ``i``, and so from the call that decided it."""
+    return [dict(v.row(), lesson=v.lesson) for v in verdicts]
+
+
 def publish_verdicts(lesson: str, verdicts: Sequence, title: str) -> None:
     """Show a lesson's ``claims.Verdict`` list as a table and tag it for the README, where every
     claim appears once, beside the measurement of the lesson that decides it."""
     if not verdicts:
         raise ValueError("verdicts must hold at least one claims.Verdict")
-    rows = [dict(v.row(), lesson=v.lesson) for v in verdicts]
+    rows = verdict_rows(verdicts)
     if any(r["lesson"] != lesson for r in rows):
         raise ValueError(f"lesson must be the lesson that measured every verdict; got {lesson!r}")
     publish(f"{VERDICT_PREFIX}l{lesson}", rows, title, columns=list(VERDICT_COLUMNS))

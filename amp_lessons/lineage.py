@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 KEEP = 20_000  # results remembered (the oldest are forgotten first): a long notebook's worth
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[1]
 _ids = itertools.count(1)
 
 

@@ -146,6 +146,26 @@ _SAME_DEVICE = ("compute the scale from x with torch operations, on x's device, 
                 "in x's dtype (no .to(...), no .double())")
 
 
+def _answer(name: str, fn: Callable, x: torch.Tensor, hint, what: str):
+    """``(fn's answer, None)`` for ``fn`` called on a copy of ``x``, or ``(None, the Check to
+    return)`` where it raised, returned nothing, changed ``x`` in place, or returned a tensor
+    on another device or of another dtype (``what`` names the answer in that message)."""
+    given = x.clone()
+    try:
+        got = fn(given)
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        return None, wrong(name, f"{type(exc).__name__}: {exc}", hint)
+    if is_blank(got):
+        return None, unanswered(name, hint)
+    if not torch.equal(given, x):
+        return None, wrong(name, "your function changed x in place", hint.after(
+            "a scale is read from x, never written into it: use out-of-place operations "
+            "(x.abs(), not x.abs_(); no x *= ...)"))
+    if (problem := tensor_problem(got, x.device, x.dtype, what)) is not None:
+        return None, wrong(name, problem, hint.after(_SAME_DEVICE))
+    return got, None
+
+
 @graded
 def check_per_tensor_scale(fn: Callable) -> Check:
     """Grade ``fn(x) -> scale``: e4m3's max over ``amax(|x|)`` (a 0-dim tensor or a number).
@@ -157,19 +177,9 @@ def check_per_tensor_scale(fn: Callable) -> Check:
         return stub
     x = test_tensor()
     want = reference_per_tensor(x)  # the reference first, on the grader's own x
-    given = x.clone()
-    try:
-        got = fn(given)
-    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-        return wrong(TENSOR, f"{type(exc).__name__}: {exc}", hint)
-    if is_blank(got):
-        return unanswered(TENSOR, hint)
-    if not torch.equal(given, x):
-        return wrong(TENSOR, "your function changed x in place", hint.after(
-            "a scale is read from x, never written into it: use out-of-place operations "
-            "(x.abs(), not x.abs_(); no x *= ...)"))
-    if (problem := tensor_problem(got, x.device, x.dtype, "the scale")) is not None:
-        return wrong(TENSOR, problem, hint.after(_SAME_DEVICE))
+    got, failed = _answer(TENSOR, fn, x, hint, "the scale")
+    if failed is not None:
+        return failed
     try:
         g = torch.as_tensor(got, dtype=torch.float64).reshape(())
     except (RuntimeError, TypeError, ValueError):
@@ -200,19 +210,9 @@ def check_per_row_scale(fn: Callable) -> Check:
         return stub
     x = test_tensor()
     want = reference_per_row(x)  # the reference first, on the grader's own x
-    given = x.clone()
-    try:
-        got = fn(given)
-    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
-        return wrong(ROW, f"{type(exc).__name__}: {exc}", hint)
-    if is_blank(got):
-        return unanswered(ROW, hint)
-    if not torch.equal(given, x):
-        return wrong(ROW, "your function changed x in place", hint.after(
-            "a scale is read from x, never written into it: use out-of-place operations "
-            "(x.abs(), not x.abs_(); no x *= ...)"))
-    if (problem := tensor_problem(got, x.device, x.dtype, "the tensor of scales")) is not None:
-        return wrong(ROW, problem, hint.after(_SAME_DEVICE))
+    got, failed = _answer(ROW, fn, x, hint, "the tensor of scales")
+    if failed is not None:
+        return failed
     try:
         g = torch.as_tensor(got, dtype=torch.float64)
     except (RuntimeError, TypeError, ValueError):

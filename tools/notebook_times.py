@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "notebook_times.json"
 BUILD = ROOT / "build" / "notebook-times"
 HOW = ("nbval, profile quick, OMP_NUM_THREADS=1, one notebook at a time, on a 2-core machine "
-       "that other jobs shared: figures from such a machine vary by a factor of two or more")
+       "with nothing else running (inside make test, beside its other jobs, the same notebooks "
+       "take two to four times as long)")
 TIME_LINE = re.compile(r"\*\*Time\*\*: about (?P<cpu>[\d.]+ (?:s|min)) on a CPU .*?"
                        r"(?:about (?P<gpu>[\d.]+ (?:s|min)) on an NVIDIA H200|"
                        r"(?P<nogpu>no H200 run yet))", re.S)
@@ -57,7 +58,7 @@ def time_line(cpu_s: float, h200_s: Optional[float]) -> str:
            f"`amp_lessons.run.seconds` in the notebook's metadata)" if h200_s else
            "no H200 run yet (the full profile's time appears here once it ran)")
     return (f"**Time**: about {duration(cpu_s)} on a CPU (quick profile, as CI runs it: one "
-            f"thread, measured on a shared 2-core machine, so expect it to vary), {gpu}.")
+            f"thread, measured alone on a 2-core machine; longer on a busy one), {gpu}.")
 
 
 def stated(text: str) -> Optional[Dict[str, Optional[float]]]:

@@ -475,6 +475,7 @@ def test_fastest_row_and_the_published_figure():
 
 # --- the quick profile decides nothing --------------------------------------------------------------
 
+@pytest.mark.slow  # about 15 s: the whole quick profile of lesson 04 on a CPU
 def test_quick_profile_decides_no_claim():
     """Issue 15.2: the quick profile's rows (a CPU, 1 warm-up + 2 timed steps) and digits runs
     at chance give "not decided here" with a reason for every claim the lesson decides."""

@@ -117,9 +117,11 @@ def check_model(model) -> nn.Module:
 def forward_arity(model: nn.Module) -> Tuple[int, Optional[int]]:
     """``(required, most)`` positional inputs of ``model.forward``: the parameters without a
     default, and how many it takes at most (None for ``*args``, or where the signature cannot be
-    read)."""
+    read). A ``torch.compile``'d model is read through to the module it compiles."""
+    inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper: forward(*args)
+    forward = inner.forward if isinstance(inner, nn.Module) else model.forward
     try:
-        sig = inspect.signature(model.forward)
+        sig = inspect.signature(forward)
     except (TypeError, ValueError):
         return 0, None
     required, most = 0, 0
@@ -195,6 +197,16 @@ def check_not_empty(x, shape: str) -> None:
     if any(t.dim() and t.shape[0] == 0 for t in tensors):
         raise ValueError(f"batch must hold at least one sample; got a batch of shape {shape} "
                          f"(0 rows): pass a batch from your data loader")
+
+
+def check_has_data(x, name: str) -> None:
+    """ValueError naming ``name`` when a tensor of ``x`` (a tensor, or a tuple/list/dict of
+    them) is on the meta device: it has a shape but no values to measure."""
+    tensors = [x] if isinstance(x, torch.Tensor) else list(x.values()) if isinstance(x, dict) \
+        else list(x)
+    if any(t.is_meta for t in tensors):
+        raise ValueError(f"{name} must hold data: its tensors are on the meta device (a shape, no "
+                         f"values); pass real tensors from your data loader")
 
 
 def shape_text(x) -> str:
@@ -339,10 +351,18 @@ class Batch:
     read_as: str = "inputs"
 
 
+CHECK_BATCH = "Check the batch shape and dtype the model expects"
+CHECK_TRAINS = ("It must train in float32 before precision can be measured: a BatchNorm needs "
+                "more than one sample, the output must carry a gradient (not detached or made "
+                "under torch.no_grad)")
+
+
 @contextmanager
-def naming_layer(model: nn.Module, shape: str) -> Iterator[None]:
-    """Run a forward pass that, if it fails, raises a ValueError naming the innermost layer it
-    failed in and the batch's shape (a wrong batch shape, a dtype the model does not take)."""
+def naming_layer(model: nn.Module, shape: str, what: str = "the model's forward",
+                 hint: str = CHECK_BATCH) -> Iterator[None]:
+    """Run a forward pass that, if it fails, raises a ValueError naming ``what`` failed, the
+    innermost layer it failed in and the batch's shape, then ``hint`` (by default: a wrong batch
+    shape, a dtype the model does not take)."""
     stack: list = []
     handles = []
 
@@ -365,9 +385,8 @@ def naming_layer(model: nn.Module, shape: str) -> Iterator[None]:
         where = f"in layer '{stack[-1]}' ({type(dict(model.named_modules())[stack[-1]]).__name__})" \
             if stack else "outside any layer"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"the model's forward failed {where} on a batch of shape {shape}: "
-                         f"{type(exc).__name__}: {first}. Check the batch shape and dtype the "
-                         f"model expects") from exc
+        raise ValueError(f"{what} failed {where} on a batch of shape {shape}: "
+                         f"{type(exc).__name__}: {first}. {hint}") from exc
     finally:
         for h in handles:
             h.remove()
@@ -418,7 +437,7 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device, in
     eval mode (no statistics move; the mode is put back), choose the output (``choose_output``)
     and the loss (``default_loss`` unless ``loss_fn`` is given; a target is made with
     ``made_target`` when there is none; an output named ``loss`` that is one number is the loss
-    itself). The batch is ``batch`` (read by ``split_batch``) or, explicitly, ``inputs=`` (a
+    itself, as is a lone 0-dim output given without a target or loss_fn). The batch is ``batch`` (read by ``split_batch``) or, explicitly, ``inputs=`` (a
     tensor, a tuple/list of positional inputs or a dict of keyword inputs) and ``target=``."""
     output = check_output_key(output)
     if inputs is not _UNSET:
@@ -440,6 +459,9 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device, in
         inputs, target, read_as = split_batch(batch, model)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable as loss_fn(output, target); got {loss_fn!r}")
+    check_has_data(inputs, "inputs" if read_as.startswith("inputs=") else "batch")
+    if target is not None:
+        check_has_data(target, "target")
     inputs = move(inputs, device)
     shape = shape_text(inputs)
     check_not_empty(inputs, shape)
@@ -449,13 +471,17 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device, in
             raw.model(**inputs) if isinstance(inputs, dict) else raw.model(*inputs)
     out, key, output_text = choose_output(out_all, output)
     if not out.is_floating_point():
-        raise ValueError(f"the model's output {output_text} must be a floating-point tensor to "
+        raise ValueError(f"{output_text} must be a floating-point tensor to "
                          f"take a loss of; got {str(out.dtype).replace('torch.', '')}: choose "
                          f"another with output=")
-    own_loss = key == "loss" and out.numel() == 1 and loss_fn is None
+    # a one-number 'loss' output, or a lone 0-dim output without a target (forward(x, y)
+    # returning its loss): the model's own loss, taken as it is
+    own_loss = loss_fn is None and out.numel() == 1 and (
+        key == "loss" or (key is None and out.dim() == 0 and target is None))
     if own_loss:
+        which = "its output 'loss'" if key == "loss" else "its one-number output"
         return Batch(inputs, target.to(device) if target is not None else None,
-                     lambda o, t: o, "the model's own loss (its output 'loss')", batch_size(inputs),
+                     lambda o, t: o, f"the model's own loss ({which})", batch_size(inputs),
                      shape, "model's loss", key, output_text, read_as)
     if target is None:
         target, against = made_target(out)
@@ -475,12 +501,37 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device, in
     try:
         loss = chosen(out, target)
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"the loss failed on the model's {output_text} {tuple(out.shape)} and "
+        raise ValueError(f"the loss failed on {output_text} {tuple(out.shape)} and "
                          f"the target {tuple(target.shape)}: {type(exc).__name__}: {exc}") from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn must return a single-number tensor (a scalar loss)")
     return Batch(inputs, target, chosen, text, batch_size(inputs), shape, name, key, output_text,
                  read_as)
+
+
+def trainer_target(inputs, target: Optional[torch.Tensor]) -> torch.Tensor:
+    """The target the shared trainer and the engine are given: ``target``, or, for a model that
+    returns its own loss (no target), zeros of one per sample. They take ``(inputs, target)``
+    batches and count samples on the target; the model's own loss ignores it."""
+    if target is not None:
+        return target
+    t = first_tensor(inputs)
+    return torch.zeros(batch_size(inputs), device=t.device if t is not None else None)
+
+
+def check_trains(model: nn.Module, run: Callable[[], torch.Tensor], shape: str) -> None:
+    """One plain float32 forward and backward of ``run()`` (which returns the loss) on ``model``
+    in the modes the doctor trains it in; a ValueError naming the layer where it raises. A model
+    that cannot train on the batch in float32 (a BatchNorm given one sample, an output without a
+    gradient, a forward that fails only in training mode) has no precision to measure, and its
+    failure is not fp16's."""
+    model.zero_grad(set_to_none=True)
+    try:
+        with naming_layer(model, shape, "the model's float32 training step (forward and "
+                          "backward, in training mode)", CHECK_TRAINS):
+            run().backward()
+    finally:
+        model.zero_grad(set_to_none=True)
 
 
 def available_bytes(device) -> Optional[int]:

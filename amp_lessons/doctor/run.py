@@ -170,7 +170,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     tensor, a tuple/list of positional inputs, a dict of keyword inputs) and ``target=``.
     Without a target the doctor makes one (``inputs.made_target``). ``output``: which output to
     take the loss of where the model returns a dict, dataclass or tuple (a key or index; by
-    default ``logits``, else ``loss``: a one-number ``loss`` output is the loss itself); the
+    default ``logits``, else ``loss``: a one-number ``loss`` output is the loss itself, as is a
+    lone 0-dim output without a target); the
     report says which was used. ``loss_fn(output, target)`` defaults to cross-entropy for
     integer targets, MSE otherwise. ``optimizer``: its class and defaults are used on copies
     (default: the engine's foreach SGD), and its state is checked (an eps that is 0 in 16 bits).
@@ -276,6 +277,7 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     except Exception as exc:  # noqa: BLE001 - a failed measurement is a finding, not a dead report
         if _inputs.is_out_of_memory(exc):
             raise
+        _inputs.check_trains(work, run, b.shape)  # the model's own failure: a ValueError
         stats, counts, k = {}, {}, None
         failures.append({"topic": "ranges", "what": "the fp32 forward and backward (per-layer "
                          "ranges)", "reason": _scale.failure_text(exc)})
@@ -353,8 +355,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
         settings = {"default": _scale.DEFAULT}
         if advice.get("settings") and advice["settings"]["init_scale"] != _scale.DEFAULT.init_scale:
             settings["advised"] = _scale.ScalerSettings(**advice["settings"])
-        trial = _scale.scaler_trial(lambda: _inputs.Call(fresh(), b.output),
-                                    b.inputs, b.target, b.loss_fn,
+        trial = _scale.scaler_trial(lambda: _inputs.Call(fresh(), b.output), b.inputs,
+                                    _inputs.trainer_target(b.inputs, b.target), b.loss_fn,
                                     make_optimizer, settings, device, trial_steps)
         failures += [{"topic": "scale", "what": f"the fp16 trial ({r['settings']} settings)",
                       "reason": r["reason"]} for r in trial if r.get("status") == "error"]
@@ -394,7 +396,7 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     if precisions:
         bar.start(f"speed and memory ({', '.join(precisions)})")
     speed = _speed.speed_rows(lambda: _inputs.Call(fresh(), b.output), b.inputs,
-                              b.target, b.loss_fn, make_optimizer, device, precisions,
+                              _inputs.trainer_target(b.inputs, b.target), b.loss_fn, make_optimizer, device, precisions,
                               warmup, steps) if precisions else []
     if precisions:
         bar.lap(f"speed and memory ({', '.join(precisions)})")

@@ -26,16 +26,24 @@ from amp_lessons.doctor.scale import failure_text
 GIB = 2 ** 30
 
 
+def trainable(model: nn.Module) -> List[nn.Parameter]:
+    """The parameters of ``model`` an optimizer steps: those with ``requires_grad`` (a frozen
+    part, 16-bit or not, is not the optimizer's, as in a learner's
+    ``filter(lambda p: p.requires_grad, ...)``)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def standard_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The engine's standard optimizer (``bench.STANDARD``: SGD, momentum 0.9, foreach)."""
+    """The engine's standard optimizer (``bench.STANDARD``: SGD, momentum 0.9, foreach) over the
+    model's trainable parameters."""
     config = bench.BenchConfig(optimizer=bench.STANDARD["optimizer"],
                                  impl=bench.STANDARD["impl"])
-    return bench.build_optimizer(config, model.parameters())
+    return bench.build_optimizer(config, trainable(model))
 
 
 def like(optimizer: Optional[torch.optim.Optimizer]) -> Callable[[nn.Module], torch.optim.Optimizer]:
-    """A factory of optimizers like ``optimizer`` (same class and defaults) for a model copy;
-    the standard one when ``optimizer`` is None."""
+    """A factory of optimizers like ``optimizer`` (same class and defaults) for a model copy's
+    trainable parameters; the standard one when ``optimizer`` is None."""
     if optimizer is None:
         return standard_optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -45,7 +53,7 @@ def like(optimizer: Optional[torch.optim.Optimizer]) -> Callable[[nn.Module], to
     accepted = inspect.signature(cls.__init__).parameters
     # ``defaults`` can hold entries the constructor does not take (AdamW's decoupled_weight_decay)
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return lambda model: cls(model.parameters(), **defaults)
+    return lambda model: cls(trainable(model), **defaults)
 
 
 def skip_reason(precision: str, device) -> Optional[str]:

@@ -373,7 +373,9 @@ def _train_checked(make_state, train_step, precision, steps, device, hints) -> O
         return unanswered(TRAIN, hints)
     optimizer, scaler, scheduler = state
     dtypes: list = []
-    hook = model.down1[0].register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    first_conv = model.down1[0]  # the learner's model's own: the copies _true_norm makes carry
+    hook = first_conv.register_forward_hook(  # this hook too, and run in the reference's dtype
+        lambda m, i, out: dtypes.append(out.dtype) if m is first_conv else None)
     try:
         for i, (x, y) in enumerate(data):
             skip = precision == "fp16" and i == SKIP_AT

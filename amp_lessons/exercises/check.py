@@ -389,14 +389,17 @@ def canonical(value: Any, names: Iterable[str]) -> Any:
 def keyed(answer: Any, names: Iterable[str]) -> Optional[dict]:
     """``answer`` (a mapping) re-keyed by ``names``, each of its keys matched to a name by
     ``text_key`` (so ``"FP16 safe"`` and ``" fp16_safe"`` are ``"fp16 safe"``); None when it is
-    not a mapping or its keys are not exactly the names."""
+    not a mapping, lacks one of the names, or spells one twice. A key that is none of the names
+    (a learner's own note, a total) is left out, not held against the answer."""
     names = list(names)
     if not isinstance(answer, Mapping):
         return None
     out = {}
     for key, value in answer.items():
         name = canonical(key, names)
-        if name not in names or name in out:
+        if name not in names:
+            continue
+        if name in out:
             return None
         out[name] = value
     return out if len(out) == len(names) else None

@@ -419,6 +419,11 @@ def check_autograd_function(fn, device=None) -> Check:
         return wrong(FUNCTION, problem, hint.after(
             "compute a @ b from the inputs forward receives, on their device: no .to(...) of "
             "the result"))
+    if out.dtype not in (_low_dtype(device.type), torch.float32):
+        return wrong(FUNCTION, f"forward's output is {out.dtype}, expected "
+                     f"{_low_dtype(device.type)} (autocast's) or torch.float32", hint.after(
+                         "return a @ b in the dtype autocast gives it: no .double() or other "
+                         "cast of the inputs or the result inside forward"))
     try:
         out.float().square().sum().backward()
     except Exception as exc:  # noqa: BLE001 - the learner's Function: report, do not crash

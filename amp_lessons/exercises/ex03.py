@@ -127,10 +127,14 @@ def replay(update: Callable, scales: Sequence[float], skipped: Sequence[bool],
 
 
 # Settings other than any demo's, with skips at other places: a rule that hard-codes the
-# demo's factors or interval (0.5, 2, 10) instead of using its arguments differs here.
+# demo's factors or interval (0.5, 2, 10) instead of using its arguments differs here. The run
+# ends with 8 skips in a row, which take the scale below 1 (no demo's scale goes there), then
+# clean steps: a rule that puts a floor under the scale (max(scale * backoff_factor, 1)),
+# which GradScaler does not, differs there.
 OTHER_SETTINGS = ScalerSettings(init_scale=2.0 ** 10, growth_factor=4.0, backoff_factor=0.25,
                                 growth_interval=3)
-OTHER_SKIPPED = (False,) * 7 + (True, True) + (False,) * 5 + (True,) + (False,) * 4
+OTHER_SKIPPED = ((False,) * 7 + (True, True) + (False,) * 5 + (True,) + (False,) * 4
+                 + (True,) * 8 + (False,) * 4)
 
 
 def _first_difference(mine: Sequence[float], scales: Sequence[float]) -> Optional[int]:
@@ -190,6 +194,12 @@ def check_update_rule(update: Callable, scales: Sequence[float], skipped: Sequen
     if failed is not None:
         return failed
     i = None if other is None else _first_difference(other, want)
+    if i is not None and want[i] < 1 <= other[i]:
+        return wrong(RULE, f"your rule reproduces the run, but where a run skips step after "
+                     f"step it keeps the scale at {other[i]:g} at step {i}: it does not let the "
+                     f"scale fall below 1", hint.after(
+                         "GradScaler puts no floor under the scale: every skipped step multiplies "
+                         "it by backoff_factor, below 1 too (exercise 2's run goes there)"))
     if other is None or i is not None:
         said = "nothing" if other is None else f"{other[i]:g}"
         return wrong(RULE, f"your rule reproduces the run, but with growth_factor="

@@ -1,6 +1,7 @@
 """Lesson 05's exercises: gradient accumulation (checked against one large batch), activation
 checkpointing (checked against the plain forward: same gradients, fewer saved tensors), and a
 resume that keeps the scaler's state (checked against an uninterrupted ``Trainer`` run)."""
+import dataclasses
 import io
 import math
 from typing import Callable, Optional, Sequence
@@ -148,6 +149,34 @@ def check_accumulation(fn: Callable, micro_batches: int = 4, device=None) -> Che
     if (stub := not_a_function(ACCUMULATE, fn, hint)) is not None:
         return stub
     device = as_device(device)
+    result = _grade_accumulation(fn, micro_batches, device)
+    if not result.passed:
+        return result
+    other = HIDDEN_FACTOR * micro_batches  # a second run the notebook never shows
+    second = _grade_accumulation(fn, other, device)
+    if not second.passed:  # the symptom is the second run's; the likely cause, a fixed count
+        return wrong(ACCUMULATE, f"right with {plural(micro_batches, 'micro-batch', 'micro-batches')}, "
+                     f"but not in the check's second run, with micro_batches={other}: "
+                     f"{second.message or 'no gradients'}", hint.after(HIDDEN_MISTAKE))
+    return dataclasses.replace(result, message=f"{result.message} (and "
+                               f"{plural(other, 'micro-batch', 'micro-batches')} of "
+                               f"{_batch_size(other)})")
+
+
+# The accumulation check's second run uses this many times the micro-batches it is given: an
+# answer that reads the count from the notebook's call (x.chunk(4), / 4) instead of from its
+# argument fails there. More micro-batches, not fewer: a hard-coded 4 then runs a forward over
+# more than one micro-batch of samples, which the check names.
+HIDDEN_FACTOR = 2
+HIDDEN_MISTAKE = ("use the argument micro_batches everywhere (the split and the division), "
+                  "not the number the notebook's check passes: the check runs your function "
+                  "with another count too")
+
+
+def _grade_accumulation(fn: Callable, micro_batches: int, device) -> Check:
+    """``check_accumulation``'s grade of ``fn`` at one number of micro-batches (ungraded: the
+    attempt is counted once, by the caller)."""
+    hint = HINTS["accumulate"]
     x, y = (t.to(device) for t in _data(_batch_size(micro_batches)))
     big = _mlp().to(device)
     F.cross_entropy(big(x), y).backward()

@@ -7,6 +7,7 @@ report on your own model (graded against that report)."""
 import copy
 import math
 import sys
+from types import SimpleNamespace
 from typing import Callable, Iterable, List, Mapping, Optional, Tuple
 
 import torch
@@ -350,8 +351,42 @@ def check_scale_exponent(fn: Callable, reports: Iterable) -> Check:
                      hints.after(_scale_mistake(report, k,
                                                   matching_mistake(WRONG_SCALE, answers))),
                      "; ".join(f"{r.model}: k = {r.scale_exponent}" for r, _ in answers))
+    held = held_out_report(reports[0])
+    try:
+        got = fn(_LayersOnly(held))
+        k = whole_number(got)
+        said = (f"gives k = {k}" if k is not None else f"returns {got!r:.80}") + \
+            ", not where GradScaler settles"
+    except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
+        k, said = None, f"raised {type(exc).__name__}: {exc}"
+    if k != held.scale_exponent:
+        return wrong(SCALE, f"right on {', '.join(r.model for r in reports)}, but on a report "
+                     f"the check made ({held.model}) your function {said}", hints.after(
+                         "compute k from the gradients in report.layers, whatever the report: "
+                         "not from report.model or a number read off the lesson's reports"),
+                     f"{held.model}: k = {held.scale_exponent}")
     return passed(SCALE, "; ".join(f"{r.model}: 2^{r.scale_exponent}" for r in reports)
-                  + ", as the doctor found")
+                  + ", as the doctor found (and on a report the check made)")
+
+
+HELD_OUT_SHIFT = 5  # the held-out report's gradients are 2**-5 of a given report's
+
+
+def held_out_report(report, shift: int = HELD_OUT_SHIFT) -> SimpleNamespace:
+    """A report no lesson prints, for ``check_scale_exponent``: ``report``'s layers with every
+    gradient magnitude (``grad_absmax``, ``grad_min``) times ``2**-shift``, so that GradScaler
+    settles ``shift`` powers of two higher, and its ``scale_exponent`` computed from those
+    layers as the doctor computes it (``doctor.scale.reached_scale``). A function that looks k
+    up by ``report.model``, or returns a number read off the lesson's report, fails on it."""
+    from amp_lessons.doctor.scale import reached_scale
+    layers = copy.deepcopy(report.layers)
+    for row in layers:
+        for key in ("grad_absmax", "grad_min"):
+            if number(row.get(key)) is not None and math.isfinite(row[key]):
+                row[key] = row[key] * 2.0 ** -shift
+    held = SimpleNamespace(model=f"{report.model}, gradients x 2^-{shift}", layers=layers)
+    held.scale_exponent = reached_scale(_finite_max(held, "grad_absmax"))
+    return held
 
 
 # --- exercise 3 ---------------------------------------------------------------------------------

@@ -322,3 +322,43 @@ def test_errors_about_the_output_name_it_once():
         al.doctor(nn.Linear(8, 3), (x, torch.randint(5, 9, (8,))), **QUICK)
     assert "the model's the model's" not in str(info.value)
     assert str(info.value).startswith("the loss failed on the model's output (8, 3)")
+
+
+# --- a layer CPU fp16 autocast cannot run says nothing of a GPU ----------------------------------
+
+class LSTMLM(nn.Module):
+    def __init__(self, vocab=40, d=16):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(vocab, d), nn.LSTM(d, d, batch_first=True), \
+            nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.out(self.rnn(self.emb(ids))[0])
+
+
+class NoFp16Kernel(nn.Module):
+    """Raises under CPU fp16 autocast, as a layer without a CPU fp16 kernel does."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 3)
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16:
+            raise RuntimeError("no fp16 kernel for this layer on the CPU")
+        return self.l(x)
+
+
+@pytest.mark.parametrize("build, batch", [
+    (LSTMLM, lambda: (ids(40, (4, 8)), ids(40, (4, 8), 1))),
+    (NoFp16Kernel, classes),
+], ids=["LSTM language model", "a layer without a CPU fp16 kernel"])
+def test_an_fp16_pass_that_raises_on_a_cpu_leaves_the_gpu_outlook_unchecked(build, batch):
+    """On this CPU the failure stays an alarm (fp16 does not run here), but the line for a GPU
+    does not call fp16 unsafe on the strength of a CPU kernel: it says not checked, and why."""
+    seeded()
+    r = al.doctor(build(), batch(), **QUICK)
+    if r.advice["fp16_safe"] is not False:
+        pytest.skip("this torch runs the layer under CPU fp16 autocast")
+    assert "fp16 is unsafe" not in r.verdict["on_gpu"]
+    assert "fp16 not checked for a GPU (the fp16 pass raised on this CPU" in r.verdict["on_gpu"]

@@ -459,7 +459,7 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     verdict = _verdict.verdict(device.type, device_name, bf16, advice, fix_first,
                                sorted(weights_diag["low"]))
     if device.type != "cuda":
-        verdict["on_gpu"] = _verdict.gpu_outlook(advice)
+        verdict["on_gpu"] = _verdict.gpu_outlook(advice, fp16_unchecked if fp16_raised else "")
     return DoctorReport(
         model=name or type(model).__name__, parameters=sum(p.numel() for p in model.parameters()),
         device=str(device), device_name=device_name, torch=torch.__version__, batch=b.shape,

@@ -76,11 +76,16 @@ def words(v: Mapping) -> str:
     return f"verdict for {v['device']}: {v['text']}"
 
 
-def gpu_outlook(advice: Mapping) -> str:
+def gpu_outlook(advice: Mapping, fp16_raised: str = "") -> str:
     """What the measurements say for a CUDA GPU, for a report made on a CPU: bf16 where the GPU
-    has it, and whether fp16 + GradScaler passed (on a GPU without bf16)."""
+    has it, and whether fp16 + GradScaler passed (on a GPU without bf16). ``fp16_raised``: the
+    error the CPU's fp16 pass raised, if it did; that says nothing of a GPU's fp16 kernels (CPU
+    fp16 autocast has no kernel for some layers: nn.LSTM), so fp16 is then "not checked"."""
     if str(advice.get("precision", "")).startswith("none"):
         return "on a GPU: fix the model in fp32 first"
+    if fp16_raised:
+        return (f"on a GPU: bf16 autocast where it has native bf16; fp16 not checked for a GPU "
+                f"(the fp16 pass raised on this CPU: {fp16_raised}): run the doctor there")
     if advice.get("fp16_safe"):
         k = _exponent(advice.get("settings"))
         return (f"on a GPU: bf16 autocast where it has native bf16; otherwise fp16 + GradScaler"

@@ -6,6 +6,8 @@ must pass. Each test fails without the grader change it names."""
 import math
 from types import SimpleNamespace
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -163,3 +165,72 @@ def test_a_dict_answer_with_an_extra_key_is_graded_on_its_named_keys():
     assert ex03.check_trace_causes({"A": "healthy", "a": "healthy", "B": "healthy"},
                                    traces).status == "wrong"
     assert ex03.check_trace_causes({"A": "healthy", "C": "healthy"}, traces).status == "wrong"
+
+
+# --- a learner's code that never returns ----------------------------------------------------------
+
+def _sleeps(x):
+    import time
+    time.sleep(60)
+
+
+def _spins_and_swallows(x):
+    while True:
+        try:
+            sum(range(1000))
+        except Exception:  # a learner's catch-all must not swallow the grade's time limit
+            pass
+
+
+@pytest.mark.parametrize("answer", [_sleeps, _spins_and_swallows])
+def test_a_grade_ends_after_its_time_limit_and_says_why(monkeypatch, answer):
+    import signal
+    import time
+
+    from amp_lessons.exercises import check, ex07
+
+    monkeypatch.setenv(check.GRADE_LIMIT_ENV, "1")
+    check.reset_attempts()
+    start = time.monotonic()
+    grade = ex07.check_per_tensor_scale(answer)
+    assert time.monotonic() - start < 10
+    assert grade.status == "wrong" and "stopped after 1 s" in grade.message
+    assert grade.attempt == 0  # not counted: nothing was learned about the answer
+    assert signal.getitimer(signal.ITIMER_REAL)[0] < 600  # pytest-timeout's timer set again
+    assert ex07.check_per_tensor_scale(ex07.reference_per_tensor).passed  # and grading goes on
+
+
+def test_the_grade_limit_setting_is_checked(monkeypatch):
+    from amp_lessons.exercises import check
+
+    for bad in ("0", "-3", "soon", "inf"):
+        monkeypatch.setenv(check.GRADE_LIMIT_ENV, bad)
+        with pytest.raises(ValueError, match="AMP_LESSONS_GRADE_LIMIT_S must be a number of "
+                                             "seconds > 0"):
+            check.grade_limit_s()
+    monkeypatch.setenv(check.GRADE_LIMIT_ENV, "2.5")
+    assert check.grade_limit_s() == 2.5
+
+
+def test_a_timer_already_running_keeps_its_deadline():
+    import signal
+    import time
+
+    from amp_lessons.exercises import check
+
+    rang = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: rang.append(time.monotonic()))
+    try:
+        start = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.5)  # due before the grade's limit
+        with check.time_bound(5):
+            time.sleep(1)
+        assert rang and rang[0] - start < 0.9  # the outer timer's own handler ran on time
+        signal.setitimer(signal.ITIMER_REAL, 3)  # due after the grade's limit
+        with pytest.raises(check.GradeTimeout):
+            with check.time_bound(0.2):
+                time.sleep(2)
+        assert 2 < signal.getitimer(signal.ITIMER_REAL)[0] < 3  # set again for what is left
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -17,9 +17,12 @@ wrong attempt at the same exercise on, and every wrong grade before that says so
 The learner's code is never trusted: graders compute their references first, hand the learner
 copies of the inputs, read what comes back through ``read_number`` and ``tensor_problem`` (a
 tensor on the meta device or another device, or of another dtype, is named, never a crash), and
-end every process they start (``run_bounded``).
+end every process they start (``run_bounded``). A grade runs for at most ``grade_limit_s()``
+seconds (300, or ``AMP_LESSONS_GRADE_LIMIT_S``): a learner's endless loop or long sleep ends as a
+"wrong" grade that says so, not a cell that never returns.
 """
 import ast
+import contextlib
 import dataclasses
 import functools
 import html
@@ -30,6 +33,7 @@ import os
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -248,13 +252,78 @@ def wrong(exercise: str, message: str, hint: HintsLike, reveal: str = "") -> Che
     return Check(exercise, "wrong", message, levels, more, reveal)
 
 
+GRADE_LIMIT_S = 300.0  # seconds one grade may run (the learner's code included)
+GRADE_LIMIT_ENV = "AMP_LESSONS_GRADE_LIMIT_S"
+
+
+class GradeTimeout(BaseException):
+    """A grade ran past its time limit (raised inside the learner's code: a ``BaseException``, so
+    the learner's own ``except Exception`` does not swallow it)."""
+
+
+def grade_limit_s() -> float:
+    """The seconds one grade may run: ``AMP_LESSONS_GRADE_LIMIT_S`` where set (a number > 0),
+    else ``GRADE_LIMIT_S``. ValueError naming the setting for anything else."""
+    text = os.environ.get(GRADE_LIMIT_ENV, "").strip()
+    if not text:
+        return GRADE_LIMIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{GRADE_LIMIT_ENV} must be a number of seconds > 0; got {text!r}")
+    return value
+
+
+@contextlib.contextmanager
+def time_bound(seconds: float):
+    """Raise ``GradeTimeout`` in the block once ``seconds`` of wall time have passed (a SIGALRM
+    timer). A timer already running (pytest-timeout's, say) keeps its deadline: where it is due
+    first its own handler runs then, and it is set again for what is left on leaving the block.
+    Where no timer can be set (not the main thread, no SIGALRM) the block runs unbounded."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]  # seconds left on a timer already set
+    outer_first = 0 < outer <= seconds
+    start, rang = time.monotonic(), []
+
+    def ring(signum, frame):
+        if outer_first and callable(previous):
+            rang.append(True)
+            previous(signum, frame)
+            return
+        raise GradeTimeout(seconds)
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, outer if outer_first else seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer > 0 and not rang:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
+
+
 def graded(check: Callable[..., Check]) -> Callable[..., Check]:
     """Wrap a lesson's ``check_*`` function: each "wrong" grade it returns is numbered, per
     exercise title, as the learner's next wrong attempt (``Check.attempt``), so that its answer
-    shows from attempt ``REVEAL_AFTER`` on and not before. Use as a decorator."""
+    shows from attempt ``REVEAL_AFTER`` on and not before; a grade that runs past
+    ``grade_limit_s()`` stops there and says so (not counted as an attempt). Use as a
+    decorator."""
     @functools.wraps(check)
     def counted(*args, **kwargs) -> Check:
-        result = check(*args, **kwargs)
+        limit = grade_limit_s()
+        try:
+            with time_bound(limit):
+                result = check(*args, **kwargs)
+        except GradeTimeout:
+            return Check(check.__name__, "wrong",
+                         f"the grade stopped after {limit:g} s with your code still running: an "
+                         f"endless loop, a sleep, or far more work than the exercise needs",
+                         "look for a loop whose condition never changes, or a call that waits")
         if isinstance(result, Check) and result.status == "wrong":
             n = _ATTEMPTS[result.exercise] = _ATTEMPTS.get(result.exercise, 0) + 1
             result = dataclasses.replace(result, attempt=n)

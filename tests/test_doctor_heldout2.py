@@ -362,3 +362,50 @@ def test_an_fp16_pass_that_raises_on_a_cpu_leaves_the_gpu_outlook_unchecked(buil
         pytest.skip("this torch runs the layer under CPU fp16 autocast")
     assert "fp16 is unsafe" not in r.verdict["on_gpu"]
     assert "fp16 not checked for a GPU (the fp16 pass raised on this CPU" in r.verdict["on_gpu"]
+
+
+# --- an op CUDA autocast runs in float32 and CPU autocast in fp16 ------------------------------
+
+class HandSoftmaxNet(nn.Module):
+    """A softmax by hand, exp(s) / sum(exp(s)), on scores near 20: exp(20) ~ 4.9e8 passes fp16's
+    65,504 where exp runs in fp16 (CPU autocast) and stays finite where it runs in float32 (CUDA
+    autocast's list); the layer's own output is a probability."""
+
+    def __init__(self):
+        super().__init__()
+        self.score, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        with torch.no_grad():
+            self.score.weight.zero_()
+            self.score.bias.fill_(20.0)
+
+    def forward(self, x):
+        e = torch.exp(self.score(x))
+        return self.head(e / e.sum(-1, keepdim=True))
+
+
+def test_an_overflow_at_an_op_cuda_runs_in_float32_is_said_to_be_this_cpus():
+    seeded()
+    r = al.doctor(HandSoftmaxNet(), classes(), **QUICK)
+    hits = [a for a in r.alarms() if a["class"] == "activation-overflow"]
+    assert hits and "aten.exp" in hits[0]["site"], r.alarms()
+    assert "on this CPU only: CPU autocast runs aten.exp in fp16, CUDA autocast runs it in " \
+           "float32" in hits[0]["finding"]
+    assert "fp16 is unsafe" not in r.verdict["on_gpu"]
+    assert "fp16 not decided by this CPU run" in r.verdict["on_gpu"]
+
+
+def test_an_overflow_a_gpu_shares_still_calls_fp16_unsafe_on_a_gpu():
+    seeded()
+    r = al.doctor(HandNormNet(), classes(k=4), **QUICK)  # a mul: 16 bits under CUDA autocast too
+    hits = [a for a in r.alarms() if a["class"] == "activation-overflow"]
+    assert hits and "on this CPU only" not in hits[0]["finding"]
+    assert "fp16 not decided" not in r.verdict["on_gpu"]
+
+
+def test_cpu_only_names_the_ops_cuda_autocast_runs_in_float32():
+    from amp_lessons.doctor.diagnose import cpu_only
+
+    assert cpu_only("aten.exp", "cpu") and cpu_only("aten.sum.dim_IntList", "cpu")
+    assert cpu_only("aten._softmax", "cpu") and cpu_only("aten.native_layer_norm", "cpu")
+    assert not cpu_only("aten.exp", "cuda") and not cpu_only("aten.mul", "cpu")
+    assert not cpu_only("aten.mm", "cpu") and not cpu_only("aten.mean", "cpu")

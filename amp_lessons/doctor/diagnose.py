@@ -20,6 +20,28 @@ ATTENTION_OPS = ("aten.bmm", "aten.baddbmm", "aten.matmul", "aten.mm", "aten.ein
                  "aten._scaled_dot_product_attention_math", "aten.scaled_dot_product_attention")
 
 
+# aten ops that CUDA's fp16 autocast runs in float32 (its "ops that can autocast to float32":
+# torch's AMP docs) and CPU autocast runs in fp16 (measured on torch 2.14): an inf/NaN or a
+# reduction error a CPU sees at one of them does not happen on a CUDA GPU
+CUDA_FLOAT32_OPS = frozenset((
+    "exp", "expm1", "log", "log10", "log1p", "log2", "pow", "reciprocal", "rsqrt", "acos", "asin",
+    "cosh", "sinh", "tan", "erfinv", "softmax", "_softmax", "log_softmax", "_log_softmax", "sum",
+    "cumsum", "cumprod", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+    "norm", "linalg_vector_norm", "softplus", "cdist", "dist", "renorm", "logsumexp"))
+
+
+def cpu_only(op: str, device_type: str) -> bool:
+    """Whether ``op`` (``aten.exp``, ``aten.sum.dim_IntList``) misbehaved in fp16 only because
+    the doctor ran on a CPU: CPU autocast runs it in fp16, CUDA autocast in float32."""
+    name = str(op).split(".")[1] if str(op).startswith("aten.") else str(op)
+    return device_type == "cpu" and name in CUDA_FLOAT32_OPS
+
+
+def _cpu_only_text(op: str) -> str:
+    return (f" (on this CPU only: CPU autocast runs {op} in fp16, CUDA autocast runs it in "
+            f"float32, so a CUDA GPU does not see this)")
+
+
 def _is_attention(site: Mapping) -> bool:
     where = f"{site.get('module', '')} {site.get('kind', '')}".lower()
     return site.get("op") in ATTENTION_OPS and (
@@ -32,9 +54,10 @@ def _op_site(site: Mapping) -> str:
 
 
 def overflow_alarms(overflow: Sequence[Mapping], fp16_watch: Optional[Mapping],
-                    alt: str) -> List[Dict[str, str]]:
+                    alt: str, device_type: str = "cuda") -> List[Dict[str, str]]:
     """Activation and attention-score overflow: the first layer whose fp32 output passes fp16's
-    65,504, else the first op whose fp16 output was inf/NaN from finite inputs."""
+    65,504, else the first op whose fp16 output was inf/NaN from finite inputs (said to be this
+    CPU's alone where CUDA autocast runs that op in float32: ``cpu_only``)."""
     out = []
     site = (fp16_watch or {}).get("forward_nonfinite")
     if overflow:
@@ -65,7 +88,8 @@ def overflow_alarms(overflow: Sequence[Mapping], fp16_watch: Optional[Mapping],
             "overflow", f"fp16 overflows inside {site['module']}"
             + (f" ({site['kind']})" if site.get("kind") else "") + f": {site['op']} returned "
             f"inf/NaN from finite {'/'.join(site['input_dtypes'])} inputs under fp16 autocast, "
-            f"although no layer's fp32 output passes 65,504",
+            f"although no layer's fp32 output passes 65,504"
+            + (_cpu_only_text(site["op"]) if cpu_only(site["op"], device_type) else ""),
             f"one forward under fp16 autocast, every op's output checked{largest}", "alarm", cls,
             _op_site(site), f"{fix}; or train in {alt}"))
     return out
@@ -231,9 +255,10 @@ def error_alarm(error: Optional[str], error_site: Optional[str],
 
 
 def loss_alarms(loss_dtype: Optional[str], reductions: Sequence[Mapping],
-                loss_name: str) -> List[Dict[str, str]]:
+                loss_name: str, device_type: str = "cuda") -> List[Dict[str, str]]:
     """A loss computed in 16 bits, and reductions whose 16-bit result differs from float32 by
-    more than ``probes.REDUCTION_LIMIT``."""
+    more than ``probes.REDUCTION_LIMIT`` (said to be this CPU's alone where CUDA autocast runs
+    that reduction in float32: ``cpu_only``)."""
     out = []
     if loss_dtype in ("float16", "bfloat16"):
         out.append(finding(
@@ -245,7 +270,8 @@ def loss_alarms(loss_dtype: Optional[str], reductions: Sequence[Mapping],
     for r in reductions:
         out.append(finding(
             "loss", f"a reduction runs in {r['dtype']}: {r['op']} in {r['module']} differs from "
-                    f"its float32 result by {share_text(r['relative_difference'])}",
+                    f"its float32 result by {share_text(r['relative_difference'])}"
+                    + (_cpu_only_text(r["op"]) if cpu_only(r["op"], device_type) else ""),
             f"the op again in float32 on the same {plural(r['values'], 'value')}", "alarm",
             "reduction-16bit", f"{r['module']}, op {r['op']}",
             "reduce in float32: x.float().sum(...) / x.mean(..., dtype=torch.float32), or keep "

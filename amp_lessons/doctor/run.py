@@ -429,7 +429,7 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
         fw["loss_finite"] = trace_doc["loss_finite"]
     alarms: List[Dict[str, str]] = []
     if not fp32_bad:
-        alarms += _diagnose.overflow_alarms(overflow, fw, alt)
+        alarms += _diagnose.overflow_alarms(overflow, fw, alt, device.type)
         alarms += _diagnose.collapse_alarm(fw, trial, alt)
         alarms += _diagnose.underflow_alarm(ranking, k, _scale.DEFAULT_EXPONENT, alt)
         alarms += _diagnose.function_alarms(fw.get("functions", {}), fw.get("error"),
@@ -437,7 +437,7 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
         alarms += _diagnose.error_alarm(fw.get("error"), fw.get("error_site"),
                                         fw.get("functions", {}))
         alarms += _diagnose.loss_alarms(trace_doc.get("loss_dtype"), fw.get("reductions", []),
-                                        b.loss_name)
+                                        b.loss_name, device.type)
     alarms += _diagnose.weights_alarms(weights_diag)
     alarms += _diagnose.check_findings(step_check, checkpoint_check)
     no_gradient = fp32_watch.no_gradient if fp32_watch is not None else []
@@ -459,7 +459,11 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     verdict = _verdict.verdict(device.type, device_name, bf16, advice, fix_first,
                                sorted(weights_diag["low"]))
     if device.type != "cuda":
-        verdict["on_gpu"] = _verdict.gpu_outlook(advice, fp16_unchecked if fp16_raised else "")
+        site = fw.get("forward_nonfinite") or {}
+        cpu_op = site.get("op") if not overflow and _diagnose.cpu_only(site.get("op", ""),
+                                                                        device.type) else ""
+        verdict["on_gpu"] = _verdict.gpu_outlook(advice, fp16_unchecked if fp16_raised else "",
+                                                 cpu_op)
     return DoctorReport(
         model=name or type(model).__name__, parameters=sum(p.numel() for p in model.parameters()),
         device=str(device), device_name=device_name, torch=torch.__version__, batch=b.shape,

@@ -76,13 +76,19 @@ def words(v: Mapping) -> str:
     return f"verdict for {v['device']}: {v['text']}"
 
 
-def gpu_outlook(advice: Mapping, fp16_raised: str = "") -> str:
+def gpu_outlook(advice: Mapping, fp16_raised: str = "", cpu_op: str = "") -> str:
     """What the measurements say for a CUDA GPU, for a report made on a CPU: bf16 where the GPU
     has it, and whether fp16 + GradScaler passed (on a GPU without bf16). ``fp16_raised``: the
     error the CPU's fp16 pass raised, if it did; that says nothing of a GPU's fp16 kernels (CPU
-    fp16 autocast has no kernel for some layers: nn.LSTM), so fp16 is then "not checked"."""
+    fp16 autocast has no kernel for some layers: nn.LSTM), so fp16 is then "not checked".
+    ``cpu_op``: the op whose inf/NaN made fp16 fail here, where CUDA autocast runs it in float32
+    (``diagnose.cpu_only``): fp16 is then "not decided" for a GPU either."""
     if str(advice.get("precision", "")).startswith("none"):
         return "on a GPU: fix the model in fp32 first"
+    if cpu_op and not advice.get("fp16_safe"):
+        return (f"on a GPU: bf16 autocast where it has native bf16; fp16 not decided by this CPU "
+                f"run (its inf/NaN came from {cpu_op}, which CUDA autocast runs in float32 and "
+                f"this CPU's autocast in fp16): run the doctor there")
     if fp16_raised:
         return (f"on a GPU: bf16 autocast where it has native bf16; fp16 not checked for a GPU "
                 f"(the fp16 pass raised on this CPU: {fp16_raised}): run the doctor there")

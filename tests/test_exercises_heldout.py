@@ -234,3 +234,28 @@ def test_a_timer_already_running_keeps_its_deadline():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# --- ex02's loop without zero_grad: named as such, not as the scheduler bug -------------------------
+
+def _loop_without_zero_grad(model, optimizer, scheduler, batches, device_type, init_scale):
+    scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
+    for x, y in batches:
+        with torch.autocast(device_type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if scaler.get_scale() >= scale:
+            scheduler.step()
+
+
+@pytest.mark.slow  # two graded loops of 20 fp16 steps each, with their references
+def test_a_loop_that_never_clears_its_gradients_is_told_so():
+    grade = ex02.check_fixed_loop(_loop_without_zero_grad)
+    assert_wrong(grade, "nothing cleared them", hints=ex02.HINTS["loop"])
+    assert "scheduler" not in grade.message
+    assert ex02.check_fixed_loop(ex02.reference_loop).passed

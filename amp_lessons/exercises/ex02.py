@@ -270,11 +270,17 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
     ref, ref_lr = trainer_result(device)  # the reference first, on its own model and batches
     unscaled = _unscaled_grad(device)
     model, optimizer, scheduler, batches = _loop_setup(device)
-    dtypes, first_grad = set(), []
+    dtypes, first_grad, stale = set(), [], []
+    last = model[-1].weight
+
+    def on_grad(g):  # runs before the new gradient is added to last.grad
+        if not first_grad:
+            first_grad.append(float(g.detach().abs().max()))
+        elif last.grad is not None and bool(last.grad.any()):
+            stale.append(True)  # last step's gradient is still there: nothing cleared it
+
     hooks = [model[0].register_forward_hook(lambda mod, i, out: dtypes.add(out.dtype)),
-             model[-1].weight.register_hook(
-                 lambda g: first_grad.append(float(g.detach().abs().max())) if not first_grad
-                 else None)]
+             last.register_hook(on_grad)]
     try:
         loop(model, optimizer, scheduler, batches, device.type, LOOP_INIT_SCALE)
     except Exception as exc:  # noqa: BLE001 - the learner's loop: report, do not crash
@@ -308,6 +314,12 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
                          "fp16 training keeps the GradScaler: scaler.scale(loss).backward(), "
                          "scaler.unscale_(optimizer) before clipping, scaler.step(optimizer), "
                          "scaler.update()"))
+    if stale:
+        return wrong(LOOP, "each backward added its gradients to those of the step before: "
+                     "nothing cleared them between steps, so every update used the sum of all "
+                     "the gradients so far", hint.after(
+                         "gradients accumulate in .grad until something clears them: what does "
+                         "every training step need after the optimizer step?"))
     fixed = (f"the weights stay float32 and the learning rate matches (the .half() and "
              f"scheduler bugs are fixed), but the weights after {LOOP_STEPS} steps differ "
              f"from the trainer's")

@@ -259,3 +259,14 @@ def test_a_loop_that_never_clears_its_gradients_is_told_so():
     assert_wrong(grade, "nothing cleared them", hints=ex02.HINTS["loop"])
     assert "scheduler" not in grade.message
     assert ex02.check_fixed_loop(ex02.reference_loop).passed
+
+
+def test_same_values_compares_nested_states_bit_for_bit():
+    from amp_lessons.exercises.check import same_values
+
+    a = {"w": torch.ones(2), "groups": [{"lr": 0.1, "params": (0, 1)}]}
+    assert same_values(a, {"w": torch.ones(2), "groups": [{"lr": 0.1, "params": (0, 1)}]})
+    assert not same_values(a, {"w": torch.ones(2) + 1e-7, "groups": a["groups"]})
+    assert not same_values(a, {"w": torch.ones(1, 2), "groups": a["groups"]})
+    assert not same_values(a, {"w": 1.0, "groups": a["groups"]})
+    assert not same_values(a, {"w": torch.ones(2)})

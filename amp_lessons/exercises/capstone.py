@@ -29,7 +29,7 @@ from torch import nn
 
 from amp_lessons.numerics.precision import as_device
 from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank,
-                                         not_a_function, passed, read_number, skipped,
+                                         not_a_function, passed, read_number, same_values, skipped,
                                          tensor_problem, unanswered, wrong)
 
 CHOOSE = "Part 1: the precision, from the doctor's advice"
@@ -450,17 +450,6 @@ def _states(model, optimizer, scaler, scheduler) -> Dict[str, object]:
             "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict()}
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
-            and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @graded
 def check_resume(make_state: Callable, train_step: Callable, save: Callable, load: Callable,
                  device=None) -> Check:
@@ -508,13 +497,13 @@ def check_resume(make_state: Callable, train_step: Callable, save: Callable, loa
         second_objs = _make(make_state, second, "fp16")[0]
         load(state, second, *second_objs)
         saved, loaded = _states(first, *first_objs), _states(second, *second_objs)
-        not_back = [k for k in saved if not _same(saved[k], loaded[k])]
+        not_back = [k for k in saved if not same_values(saved[k], loaded[k])]
         for x, y in data[RESUME_AT:]:
             train_step(second, *second_objs, x.clone(), y.clone(), "fp16")
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(RESUME, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", hints)
     got = _states(second, *second_objs)
-    off = [k for k in want if not _same(want[k], got[k])]
+    off = [k for k in want if not same_values(want[k], got[k])]
     off = [k for k in not_back if k in off] + [k for k in off if k not in not_back]
     if off:
         why = {"scaler": "the scaler's state did not come back: after the skipped step its "

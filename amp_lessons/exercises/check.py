@@ -519,6 +519,21 @@ def tensor_problem(value: Any, device: Any = None, dtype: Any = None,
     return None
 
 
+def same_values(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` (state dicts, lists or values, nested) hold the same values, bit for bit,
+    wherever their tensors live."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def read_number(value: Any, what: str = "the answer") -> Tuple[Optional[float], Optional[str]]:
     """(``value`` as a finite float, None), or (None, why not in words): a meta-device tensor
     holds no value, a tensor of several values is not one number, NaN and inf are not finite,

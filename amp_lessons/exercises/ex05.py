@@ -16,8 +16,8 @@ from amp_lessons.tables import plural
 from amp_lessons.train.trainer import ScalerSettings, TrainConfig, Trainer
 from amp_lessons.measure.memory import SavedActivations
 from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank,
-                                         matching_mistake, not_a_function, passed, skipped,
-                                         tensor_problem, unanswered, wrong)
+                                         matching_mistake, not_a_function, passed, same_values,
+                                         skipped, tensor_problem, unanswered, wrong)
 
 ACCUMULATE = "Exercise 2 (implement): gradient accumulation"
 CHECKPOINT = "Exercise 1 (implement): activation checkpointing"
@@ -423,18 +423,6 @@ def _trainer(seed: int, device) -> Trainer:
     return Trainer(model, opt, config)
 
 
-def _same_tensors(a, b) -> bool:
-    """``a`` and ``b`` (state dicts, lists or values, nested) hold the same values, bit for bit."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
-            and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_tensors(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_tensors(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def _not_resumed(saved: Trainer, resumed: Trainer) -> list:
     """Which of the run's three stateful objects ("model", "optimizer", "scaler") the learner's
     load did not bring back: all three compared at once, so that a resume missing two of them
@@ -443,7 +431,7 @@ def _not_resumed(saved: Trainer, resumed: Trainer) -> list:
              "optimizer": (saved.optimizer.state_dict()["state"],
                            resumed.optimizer.state_dict()["state"]),
              "scaler": (saved.scaler.state_dict(), resumed.scaler.state_dict())}
-    return [name for name, (a, b) in pairs.items() if not _same_tensors(a, b)]
+    return [name for name, (a, b) in pairs.items() if not same_values(a, b)]
 
 
 _RESUME_MISSING = {

@@ -36,8 +36,11 @@ import textwrap
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
+from amp_lessons import lineage  # light: no torch, so explain stays fast
+
 MAX_ROWS = 200  # rows of one table described row by row
 REQUIRE_ENV = "AMP_LESSONS_REQUIRE_PROVENANCE"
+_PACKAGE = Path(__file__).resolve().parents[1]
 
 
 class UntracedRowsError(ValueError):
@@ -57,7 +60,6 @@ def check_traced(key: str, described: Sequence[Mapping[str, object]]) -> None:
             f"{' ...' if len(missing) > 6 else ''} of {len(described)} came from no traced call: "
             f"make the rows with a function decorated @traced (amp_lessons.lineage), so explain "
             f"can name what produced each ({REQUIRE_ENV}=1)")
-_PACKAGE = Path(__file__).resolve().parents[1]
 
 
 # --- at publish time ----------------------------------------------------------------------------
@@ -155,7 +157,6 @@ def _rows_expression(call: ast.Call) -> Optional[ast.AST]:
 def _chain(made: lineage.Call, depth: int = 8) -> Dict[str, object]:
     """A traced call and the traced calls that made its inputs (not the calls inside it: the
     rows show those), as JSON."""
-    from amp_lessons import lineage
     out: Dict[str, object] = {"function": made.name, "file": made.file, "line": made.line,
                               "arguments": made.arguments}
     if depth and made.inputs:
@@ -166,7 +167,6 @@ def _chain(made: lineage.Call, depth: int = 8) -> Dict[str, object]:
 def _called_in(expr, frame) -> List[Dict[str, object]]:
     """Package functions called inside the ``publish`` call's rows expression, and traced
     results it names, outermost first."""
-    from amp_lessons import lineage
     found: List[Dict[str, object]] = []
     for node in ast.walk(expr):
         target = node.func if isinstance(node, ast.Call) else node if isinstance(
@@ -190,8 +190,6 @@ def _inline_inputs(expr, frame) -> List[tuple]:
     """``(function, items)`` for each package function called in the publish call's rows
     expression and each argument it is given: the argument's rows (a list's items, a mapping's
     values) or the argument itself, as objects."""
-    from amp_lessons import lineage
-
     out = []
     for node in ast.walk(expr):
         if not isinstance(node, ast.Call):
@@ -211,8 +209,6 @@ def _inline_inputs(expr, frame) -> List[tuple]:
 
 def _named_rows(expr, frame) -> List[object]:
     """The rows of every object a name in the publish call's rows expression stands for."""
-    from amp_lessons import lineage
-
     out: List[object] = []
     for node in ast.walk(expr):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
@@ -225,7 +221,6 @@ def _named_rows(expr, frame) -> List[object]:
 def _row_trail(row) -> List[lineage.Call]:
     """The calls that made ``row``, outermost first: the row's own, then those of the rows it
     was made from."""
-    from amp_lessons import lineage
     trail, seen = [], set()
     while row is not None and id(row) not in seen:
         seen.add(id(row))
@@ -251,7 +246,6 @@ def _made_from_content(row: Mapping, candidates: Sequence[Mapping]):
 
 
 def _row_record(i: int, row, trail: List[lineage.Call]) -> Dict[str, object]:
-    from amp_lessons import lineage
     label = next(iter(row.values()), None) if isinstance(row, Mapping) and row else None
     out: Dict[str, object] = {"row": i + 1, "first cell": lineage.short(label)}
     if not trail:
@@ -345,7 +339,6 @@ def _fields_read(expr) -> List[str]:
 def _field_sources(fn, field: str) -> List[Dict[str, object]]:
     """The package functions whose result ``fn`` stores as ``field`` (a keyword or dict key of
     the value it returns), following names back to the calls assigned to them."""
-    from amp_lessons import lineage
     found = _column_code(fn, field)
     if found is None:
         return []
@@ -392,7 +385,6 @@ def _columns(columns: Sequence[str], producers: Sequence[str],
              inputs: Mapping[str, Sequence[str]]) -> Dict[str, Dict[str, object]]:
     """Each column's source: the first producing function (outermost first) whose code computes
     it, the code, and the functions that computed the fields of traced inputs it reads."""
-    from amp_lessons import lineage
     out: Dict[str, Dict[str, object]] = {}
     for column in columns:
         for name in producers:
@@ -437,7 +429,6 @@ def record(key: str, rows: Sequence[Mapping], caller=None,
     """What ``report.publish`` stores beside a table (see the module's docstring). ``caller``:
     the frame that called ``publish`` (its call path and code are recorded); ``columns``: the
     table's columns (default: the first row's keys)."""
-    from amp_lessons import lineage
     if not isinstance(key, str) or not key:
         raise ValueError(f"key must be a non-empty string; got {key!r}")
     made = lineage.origin(rows)  # before the copy below: the object a traced call returned
@@ -500,7 +491,6 @@ def record(key: str, rows: Sequence[Mapping], caller=None,
 
 
 def _all_traced_rows() -> List[Mapping]:
-    from amp_lessons import lineage
     return [obj for obj, _, _ in reversed(lineage._MADE.values()) if isinstance(obj, Mapping)]
 
 

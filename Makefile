@@ -11,7 +11,9 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8888
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root,)
-NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+# (a kernel start may take long on a machine busy with three test sessions; conftest.py retries it)
+NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	--nbval-kernel-startup-timeout 120
 
 # Colab's own widget and plotly versions (no anywidget): a second, small venv that reuses .venv's
 # torch and test tools and overrides only the packages pinned in tests/colab_versions.txt.

@@ -1,7 +1,54 @@
-"""Repository-wide pytest hooks: nbval cells tagged ``requires-gpu`` are skipped without CUDA."""
+"""Repository-wide pytest hooks: nbval's kernel start is retried, cells tagged ``requires-gpu``
+are skipped without CUDA, and each notebook's time under nbval is recorded."""
 import pytest
 
 GPU_TAG = "requires-gpu"
+
+
+def pytest_configure(config):
+    """nbval's kernels start again when a start fails (up to three tries).
+
+    Several xdist workers start kernels at once, each kernel choosing free TCP ports by binding
+    and releasing them: two can pick the same port, and the loser never answers (CI saw a whole
+    notebook error with "Kernel didn't respond in 60 seconds" while the machine ran three test
+    sessions side by side). A failed start is shut down and a fresh kernel started on new ports.
+    """
+    try:
+        import nbval.plugin as plugin
+    except ImportError:
+        return
+    if getattr(plugin.RunningKernel, "_amp_lessons_retries", False):
+        return
+    plugin.RunningKernel = _retrying_kernel(plugin.RunningKernel)
+
+
+def _retrying_kernel(base, attempts=3):
+    import sys
+
+    class RetryingKernel(base):
+        _amp_lessons_retries = True
+
+        def __init__(self, *args, **kwargs):
+            for attempt in range(1, attempts + 1):
+                try:
+                    super().__init__(*args, **kwargs)
+                    return
+                except RuntimeError as error:  # start_new_kernel shut its own kernel down
+                    km = getattr(self, "km", None)
+                    if km is not None:  # started, but IOPub never came up: end it
+                        try:
+                            self.kc.stop_channels()
+                            km.shutdown_kernel(now=True)
+                        except Exception:
+                            pass
+                        self.km = None
+                    if attempt == attempts:
+                        raise RuntimeError(f"the notebook's kernel did not start in {attempts} "
+                                           f"tries; the last: {error}") from error
+                    print(f"\nnbval: kernel start {attempt} of {attempts} failed ({error}); "
+                          f"starting a fresh kernel", file=sys.stderr)
+
+    return RetryingKernel
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 """Every lesson notebook follows DESIGN.md's contract and carries the outputs of a full GPU run."""
 import ast
 import builtins
+import functools
 import re
 from pathlib import Path
 
@@ -154,6 +155,7 @@ def _aligns_columns(node) -> bool:
         isinstance(n, ast.Call) and _called(n.func) in ("ljust", "rjust") for n in ast.walk(node))
 
 
+@functools.lru_cache(maxsize=None)  # the package's sources, parsed once per test process
 def text_table_producers():
     """Names of the package's functions that return a text table: ``tables.text_table``, those
     that pad text into columns themselves, and every function that returns what one of them
@@ -174,7 +176,7 @@ def text_table_producers():
     while True:
         more = {name for name, called in returned.items() if called & producers} - producers - generic
         if not more:
-            return producers
+            return frozenset(producers)
         producers |= more
 
 

@@ -231,6 +231,29 @@ def read_only_reason(path: PathLike) -> str:
     return ""
 
 
+_SPECIAL_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                  (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+
+
+def special_file_reason(path: PathLike) -> str:
+    """What ``path`` is when it is there and is neither a regular file nor a folder (a device
+    such as /dev/null, a named pipe, a socket), else "". The writer replaces a file whole by a
+    rename, which would put a regular file in the device's or pipe's place (as root, /dev/null
+    itself): such a path is refused, in ``atomic_file`` and ``check_writable`` alike."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return ""
+    return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), "")
+
+
+def _special_file_error(path: Path, what: str, kind: str) -> OSError:
+    return OSError(errno.EINVAL, f"could not write {what} {path}: it is {kind}, not a regular "
+                                 f"file (the writer replaces a file whole, which would replace "
+                                 f"the {kind.split(' ', 1)[1].split(' (')[0]} itself); name a "
+                                 f"regular file")
+
+
 def _read_only_error(path: Path, what: str, reason: str) -> ReadOnlyFileError:
     return ReadOnlyFileError(errno.EACCES, f"could not write {what} {path}: it exists and "
                                            f"cannot be written ({reason}); make it writable "
@@ -277,6 +300,9 @@ def _atomic_file(path: PathLike, what: str = "file") -> Iterator[Any]:
     path = _through_links(path, what)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"could not write {what} {path}: it is a folder")
+    kind = special_file_reason(path)
+    if kind:
+        raise _special_file_error(path, what, kind)
     reason = read_only_reason(path)
     if reason:
         raise _read_only_error(path, what, reason)
@@ -348,13 +374,26 @@ def write_json(path: PathLike, doc, what: str = "JSON file", indent: int = 1) ->
 def check_writable(path: PathLike, what: str) -> None:
     """ValueError unless a file can be written at ``path`` (checked before the work starts):
     not a folder, not a read-only file (the writer's rule, ``read_only_reason``), and its folder
-    exists (or can be made) and is writable; through a symbolic link, its target's."""
+    exists (or can be made) and is writable; through a symbolic link, its target's. Not a
+    device, named pipe or socket either (``special_file_reason``). Any error of the system's
+    while checking (a name too long for the file system, say) is a ValueError naming ``what``
+    and the path, as the writer would have failed later."""
     try:
-        path = _through_links(path, what)
-    except OSError as exc:  # a loop of links
-        raise ValueError(exc.strerror) from None
+        _check_writable(_through_links(path, what), what)
+    except OSError as exc:  # a loop of links, ENAMETOOLONG, EACCES above ...: named, one line
+        why = str(exc.strerror or exc)
+        raise ValueError(why if str(path) in why else
+                         f"{what}: '{path}' cannot be written: {why}") from None
+
+
+def _check_writable(path: Path, what: str) -> None:
+    """``check_writable``'s checks on a path with its links followed."""
     if path.is_dir():
         raise ValueError(f"{what} must name a file, not a folder; got '{path}'")
+    kind = special_file_reason(path)
+    if kind:
+        raise ValueError(f"{what}: '{path}' is {kind}, not a regular file; name a regular file "
+                         f"(the writer replaces a file whole, by a rename)")
     reason = read_only_reason(path)
     if reason:
         raise ValueError(f"{what}: '{path}' exists and cannot be written ({reason}); make it "

@@ -32,6 +32,7 @@ import operator
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -311,7 +312,8 @@ def graded(check: Callable[..., Check]) -> Callable[..., Check]:
     """Wrap a lesson's ``check_*`` function: each "wrong" grade it returns is numbered, per
     exercise title, as the learner's next wrong attempt (``Check.attempt``), so that its answer
     shows from attempt ``REVEAL_AFTER`` on and not before; a grade that runs past
-    ``grade_limit_s()`` stops there and says so (not counted as an attempt). Use as a
+    ``grade_limit_s()`` stops there and says so, as does one whose learner's code calls
+    ``exit()`` (neither is counted as an attempt). Use as a
     decorator."""
     @functools.wraps(check)
     def counted(*args, **kwargs) -> Check:
@@ -324,6 +326,12 @@ def graded(check: Callable[..., Check]) -> Callable[..., Check]:
                          f"the grade stopped after {limit:g} s with your code still running: an "
                          f"endless loop, a sleep, or far more work than the exercise needs",
                          "look for a loop whose condition never changes, or a call that waits")
+        except SystemExit as exc:  # exit() or sys.exit() in the learner's code: a grade, not
+            return Check(check.__name__, "wrong",  # a cell that ends with no grade at all
+                         f"your code called exit() or sys.exit() (SystemExit: {exc.code!r}), "
+                         f"which ends a program, not a function",
+                         "return the answer from your function (return ...), or raise an "
+                         "exception to report a problem; never exit()")
         if isinstance(result, Check) and result.status == "wrong":
             n = _ATTEMPTS[result.exercise] = _ATTEMPTS.get(result.exercise, 0) + 1
             result = dataclasses.replace(result, attempt=n)
@@ -532,6 +540,27 @@ def same_values(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def read_bool(value: Any, what: str = "the answer") -> Tuple[Optional[bool], Optional[str]]:
+    """(``value`` as True or False, None), or (None, why not in words). True and False count,
+    as do NumPy's bools and a one-value bool tensor (what a comparison gives); anything else
+    does not, though Python would call it true or false: a string ("no" is true), a number, a
+    tensor of several values (whose truth raises), None."""
+    import torch
+    numpy = sys.modules.get("numpy")
+    if isinstance(value, bool) or numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value), None
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        if value.device.type == "meta":
+            return None, f"{what} is a tensor on the meta device, which holds no value"
+        if value.numel() == 1:
+            return bool(value), None
+        return None, (f"{what} must be True or False; got a bool tensor of shape "
+                      f"{tuple(value.shape)}")
+    shown = f"a tensor of {value.dtype}" if isinstance(value, torch.Tensor) else \
+        f"{type(value).__name__} {value!r:.60}"
+    return None, f"{what} must be True or False; got {shown}"
 
 
 def read_number(value: Any, what: str = "the answer") -> Tuple[Optional[float], Optional[str]]:

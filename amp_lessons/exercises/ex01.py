@@ -194,13 +194,26 @@ def _update_in_fp32_weight_in_fp16(start: float, update: float, steps: int) -> f
     return float(w)
 
 
+def _update_left_in_fp32(start: float, update: float, steps: int) -> float:
+    master = torch.tensor(start, dtype=torch.float32)
+    for _ in range(steps):
+        master = master + update  # the update never made an fp16 tensor: not what AMP adds
+    return float(master.half())
+
+
 WRONG_MASTER = {"fp16 weight": _fp16_only, "rounded to fp16 every step": _update_in_fp32_weight_in_fp16}
 
+_FP32_UPDATE_HINT = ("the update must be the fp16 number a 16-bit backward pass gives: make it "
+                     "torch.tensor(update, dtype=torch.float16) and cast it up (u.float()) as "
+                     "you add it; added as the fp32 number `update` it misses fp16's rounding of "
+                     "the update, which adds up over many steps")
 
 # Other inputs a train function is run on after the default one: a start other than 1 (an
 # ignored ``start`` shows), an update above half the fp16 gap at 0.5 and few enough steps that
-# one step more or less moves the fp16 result (an off-by-one loop shows), and a single step.
-MASTER_INPUTS = ((0.5, 3e-4, 200), (0.5, 3e-4, 1), (-2.0, 7e-4, 37))
+# one step more or less moves the fp16 result (an off-by-one loop shows), a single step, and an
+# update that fp16 rounds by 0.03% over 300 steps (an update left in fp32, the mistake the
+# second hint warns about, ends one fp16 value off).
+MASTER_INPUTS = ((0.5, 3e-4, 200), (0.5, 3e-4, 1), (-2.0, 7e-4, 37), (0.1, 2.9e-3, 300))
 
 
 def master_truth(start: float, update: float, steps: int) -> float:
@@ -247,6 +260,10 @@ def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-
                                 "its gap next to 1 (2**-10 in fp16, 2**-7 in bf16): keep the "
                                 "running weight in torch.float32 from start to end"),
                      f"an fp32 master ends at {want:.6g}")
+    if v != want and v == _update_left_in_fp32(start, update, steps):
+        return wrong(MASTER, f"the weight ended at {v:.6g}, where an fp32 master ends when the "
+                     f"update is added as an fp32 number, never rounded to fp16",
+                     hint.after(_FP32_UPDATE_HINT), f"an fp32 master ends at {want:.6g}")
     if v != want:
         return wrong(MASTER, f"the weight ended at {v:.6g}, not where an fp32 master ends",
                      hint.after("add the fp16 update, cast up, to the fp32 master at every step, "
@@ -257,6 +274,10 @@ def check_master_weight(train: Callable, start: float = 1.0, update: float = 1e-
         if bad is not None:
             return bad if bad.status == "wrong" else wrong(
                 MASTER, f"train{other} returned nothing", hint)
+        if got != truth and got == _update_left_in_fp32(*other):
+            return wrong(MASTER, f"train{other} ends at {got:.6g}, where an fp32 master ends "
+                         f"when the update is added as an fp32 number, never rounded to fp16",
+                         hint.after(_FP32_UPDATE_HINT), f"train{other} should end at {truth:.6g}")
         if got != truth:
             return wrong(MASTER, f"right at start={start}, update={update}, steps={steps}, but "
                          f"train{other} ends at {got:.6g}, not where an fp32 master ends",

@@ -10,8 +10,8 @@ from torch import nn
 from amp_lessons.numerics import formats
 from amp_lessons.tables import plural
 from amp_lessons.exercises.check import (Check, graded, hint_book, hint_reader, is_blank,
-                                         not_a_function, passed, tensor_problem, unanswered,
-                                         wrong)
+                                         not_a_function, passed, read_bool, tensor_problem,
+                                         unanswered, wrong)
 
 TENSOR = "Exercise 1 (implement): per-tensor amax scaling"
 ROW = "Exercise 2 (implement): per-row amax scaling"
@@ -275,8 +275,28 @@ def held_out_models(min_features: int) -> List[nn.Module]:
                                 seq_len=64)]
 
 
+class NotABool(Exception):
+    """A filter returned something other than True or False for a layer (the message says
+    what, for which layer)."""
+
+
 def _filter_answers(fn: Callable, model: nn.Module) -> dict:
-    return {name: fn(m, name) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """``fn``'s answer for every Linear of ``model``, each read with ``read_bool`` (None and
+    ``...`` kept: the stub's); ``NotABool`` for any other value: a string such as "no" is true
+    to Python, a tensor of several values has no truth, and neither is an answer."""
+    out = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        said = fn(m, name)
+        if said is None or said is Ellipsis:
+            out[name] = said
+            continue
+        value, why = read_bool(said, f"your filter's answer for {name}")
+        if why:
+            raise NotABool(why)
+        out[name] = value
+    return out
 
 
 @graded
@@ -298,6 +318,10 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
     rows = {r["layer"]: r for r in plan}
     try:
         answers = _filter_answers(fn, model)
+    except NotABool as exc:
+        return wrong(FILTER, str(exc), hint.after(
+            "return a bool for each layer: True to convert it to FP8, False to keep it in bf16 "
+            "(a comparison such as min(m.in_features, m.out_features) >= MIN_FEATURES gives one)"))
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(FILTER, f"{type(exc).__name__}: {exc}", hint)
     if all(v is None or v is Ellipsis for v in answers.values()):
@@ -326,6 +350,8 @@ def check_module_filter(fn: Callable, model: nn.Module, plan: Sequence[Mapping])
         width = other_plan[0]["in"]
         try:
             said = _filter_answers(fn, other)
+        except NotABool as exc:
+            return wrong(FILTER, f"on another GPT (d_model {width:,}): {exc}", hint)
         except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
             return wrong(FILTER, f"on another GPT (d_model {width:,}): {type(exc).__name__}: "
                          f"{exc}", hint)

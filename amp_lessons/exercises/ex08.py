@@ -234,12 +234,33 @@ def _kahan_case():
     return start, update.float()
 
 
+class NotAPairOfTensors(Exception):
+    """A Kahan update returned something other than (new_weight, new_compensation), two tensors
+    (the message says what it returned)."""
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: " + ", ".join(
+            _describe(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4])
+    return f"{type(value).__name__} {value!r:.60}"
+
+
 def _run_kahan(fn, start, update, steps):
+    """``fn`` applied ``steps`` times from ``start`` with a zero buffer, each call on copies;
+    None for the stub; ``NotAPairOfTensors`` where a call returns anything but two tensors
+    (read before the next call uses them)."""
     w, c = start.clone(), torch.zeros_like(start)
     for _ in range(steps):
         out = fn(w.clone(), c.clone(), update.clone())
         if out is None or out is Ellipsis:
             return None
+        if not (isinstance(out, (tuple, list)) and len(out) == 2
+                and all(isinstance(t, torch.Tensor) for t in out)):
+            raise NotAPairOfTensors(f"expected (new_weight, new_compensation), two tensors; got "
+                                    f"{_describe(out)}")
         w, c = out
     return w, c
 
@@ -303,6 +324,10 @@ def check_kahan_update(fn: Callable) -> Check:
         w, c = torch.as_tensor(w), torch.as_tensor(c)
         again = _run_kahan(fn, start, update, 1)
         same = again is not None and all(_bitwise_same(a, b) for a, b in zip(first, again))
+    except NotAPairOfTensors as exc:
+        return wrong(KAHAN, str(exc), hints.after(
+            "return both parts of the state, in this order: return new_weight, new_compensation "
+            "(two bf16 tensors shaped like the weight)"))
     except Exception as exc:  # noqa: BLE001 - the learner's code: report, do not crash
         return wrong(KAHAN, f"{type(exc).__name__}: {exc}", hints)
     if w.dtype != torch.bfloat16 or c.dtype != torch.bfloat16 or w.shape != start.shape:

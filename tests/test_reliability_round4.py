@@ -170,3 +170,116 @@ def test_an_answer_that_calls_exit_is_a_wrong_grade_not_a_dead_cell(grade):
              "ex01 master": ex01.check_master_weight}[grade](quits)
     assert check.status == "wrong" and "sys.exit() (SystemExit: 3)" in check.message, check
     assert check.attempt == 0  # not counted against the learner
+
+
+# --- class 1: lesson 08's optimizer refuses what it does not save, and resumes from any step -----
+
+def _bf16_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(32, generator=g).to(torch.bfloat16)),
+            nn.Parameter(torch.randn(4, 4, generator=g).to(torch.bfloat16))]
+
+
+def _steps(opt, ps, n, start=0):
+    for s in range(start, start + n):
+        g = torch.Generator().manual_seed(500 + s)
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype)
+        opt.step()
+    return [p.detach().clone() for p in ps]
+
+
+def _optimizer_view(opt):
+    return ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            dict(opt.defaults),
+            {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for p, s in opt.state.items()},
+            {str(d): g.get_state() for d, g in opt._generators.items()})
+
+
+def _same_view(a, b):
+    assert a[0] == b[0] and a[1] == b[1] and a[2].keys() == b[2].keys()
+    for k in a[2]:
+        for n in a[2][k]:
+            x, y = a[2][k][n], b[2][k][n]
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    assert a[3].keys() == b[3].keys() and all(torch.equal(a[3][d], b[3][d]) for d in a[3])
+
+
+def _damaged(change):
+    from amp_lessons.measure import optim as O
+
+    ps = _bf16_params()
+    opt = O.BF16AdamW(ps, rounding="stochastic", seed=4)
+    _steps(opt, ps, 2)
+    import copy
+    state = copy.deepcopy(opt.state_dict())
+    change(state)
+    return state
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("another optimizer's group setting", lambda s: s["param_groups"][0].update(momentum=0.9),
+     "param group 0 has 'momentum', settings BF16AdamW does not have"),
+    ("torch AdamW's foreach flag", lambda s: s["param_groups"][0].update(foreach=True),
+     "param group 0 has 'foreach'"),
+    ("a key beside state and param_groups", lambda s: s.update(model={}),
+     "holds 'model' besides 'state'"),
+    ("a key in BF16AdamW's record", lambda s: s["BF16AdamW"].update(generator=None),
+     "the BF16AdamW record holds 'generator'"),
+    ("a moment on the meta device", lambda s: s["state"][1].update(
+        exp_avg=s["state"][1]["exp_avg"].to("meta")), "exp_avg is on the meta device"),
+    ("a negative second moment", lambda s: s["state"][0]["exp_avg_sq"].fill_(-1.0),
+     "exp_avg_sq holds negative values"),
+])
+def test_bf16adamw_refuses_what_it_never_saves_and_changes_nothing(name, change, message):
+    from amp_lessons.measure import optim as O
+
+    state = _damaged(change)
+    ps = _bf16_params(1)
+    opt = O.BF16AdamW(ps, rounding="stochastic", seed=4)
+    _steps(opt, ps, 3)
+    before = _optimizer_view(opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(state)
+    _same_view(_optimizer_view(opt), before)
+
+
+def test_bf16adamw_loads_a_state_saved_beside_an_lr_scheduler():
+    from amp_lessons.measure import optim as O
+
+    ps = _bf16_params()
+    opt = O.BF16AdamW(ps, lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _steps(opt, ps, 1)
+    sched.step()
+    saved = opt.state_dict()
+    assert "initial_lr" in saved["param_groups"][0]
+    fresh = O.BF16AdamW(_bf16_params(), lr=1e-2)  # no scheduler yet: initial_lr is no stranger
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_a_state_from_fewer_steps_loads_into_an_optimizer_that_ran_more(rounding):
+    """Resume after a different number of steps: an optimizer that ran 5 steps, given the state
+    of step 2, continues as the run that stopped at step 2, bit for bit."""
+    from amp_lessons.measure import optim as O
+
+    ps = _bf16_params()
+    straight = O.BF16AdamW(ps, rounding=rounding, seed=7)
+    _steps(straight, ps, 2)
+    saved = {k: v for k, v in straight.state_dict().items()}
+    import copy
+    saved = copy.deepcopy(saved)
+    weights = [p.detach().clone() for p in ps]
+    end = _steps(straight, ps, 4, start=2)
+    ps2 = [nn.Parameter(w.clone()) for w in _bf16_params(3)]
+    other = O.BF16AdamW(ps2, rounding=rounding, seed=0)
+    _steps(other, ps2, 5, start=20)  # further on, with other moments and another generator
+    other.load_state_dict(saved)
+    with torch.no_grad():
+        for p, w in zip(ps2, weights):
+            p.copy_(w)
+    for a, b in zip(end, _steps(other, ps2, 4, start=2)):
+        assert torch.equal(a, b)

@@ -131,8 +131,10 @@ class BF16AdamW(torch.optim.Optimizer):
         parameter shapes). Everything is checked before anything changes: a state of torch's
         AdamW, of another rounding, with a group setting out of range, a moment of the wrong
         shape or dtype, a missing compensation buffer or a generator state that cannot be
-        restored raises ValueError, and the optimizer stays exactly as it was (settings, state,
-        generators). Tensors are copied in, so one state dict can be loaded into several
+        restored, a key BF16AdamW does not save (in the dict, its record or a param group:
+        another optimizer's settings such as ``momentum``; a scheduler's ``initial_lr`` is
+        fine), a moment on the meta device or a negative ``exp_avg_sq`` raises ValueError,
+        and the optimizer stays exactly as it was (settings, state, generators). Tensors are copied in, so one state dict can be loaded into several
         optimizers."""
         generators, seed = self._check_loadable(state_dict)
         plain = {k: v for k, v in state_dict.items() if k != STATE_KEY}
@@ -162,6 +164,11 @@ class BF16AdamW(torch.optim.Optimizer):
             raise ValueError("state_dict: not an optimizer state (a dict with 'state' and "
                              "'param_groups')")
         record = state_dict.get(STATE_KEY)
+        extra = sorted(map(str, set(state_dict) - {"state", "param_groups", STATE_KEY}))
+        if extra:
+            raise ValueError(f"state_dict: holds {', '.join(map(repr, extra))} besides 'state', "
+                             f"'param_groups' and {STATE_KEY!r}: not what BF16AdamW.state_dict() "
+                             f"saves (another optimizer's, or a whole checkpoint?)")
         if not isinstance(record, dict):
             raise ValueError(f"state_dict: not a BF16AdamW state (no {STATE_KEY!r} record of "
                              f"rounding, seed and generators): saved by another optimizer, "
@@ -171,6 +178,10 @@ class BF16AdamW(torch.optim.Optimizer):
                              f"{record.get('rounding')!r}; this one has rounding="
                              f"{self.rounding!r} (its state has other parts: build the "
                              f"optimizer with the same rounding)")
+        extra = sorted(map(str, set(record) - set(_RECORD_KEYS)))
+        if extra:
+            raise ValueError(f"state_dict: the {STATE_KEY} record holds {', '.join(map(repr, extra))}"
+                             f"; BF16AdamW saves only {', '.join(map(repr, _RECORD_KEYS))}")
         seed = check_seed("state_dict's seed", record.get("seed"))
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -183,6 +194,13 @@ class BF16AdamW(torch.optim.Optimizer):
                 raise ValueError(f"state_dict: param group {i} holds "
                                  f"{len(ids) if isinstance(ids, list) else 'no list of'} "
                                  f"parameters; this optimizer's holds {len(live['params'])}")
+            extra = sorted(map(str, set(saved) - {"params", *_GROUP_SETTINGS,
+                                                  *_SCHEDULER_KEYS} - set(live)))
+            if extra:
+                raise ValueError(f"state_dict: param group {i} has {', '.join(map(repr, extra))}"
+                                 f", settings BF16AdamW does not have (it has "
+                                 f"{', '.join(map(repr, _GROUP_SETTINGS))}): saved by another "
+                                 f"optimizer?")
             try:
                 _check_hyperparameters(saved.get("lr"), saved.get("betas"), saved.get("eps"),
                                        saved.get("weight_decay"))
@@ -245,6 +263,9 @@ class BF16AdamW(torch.optim.Optimizer):
 
 
 STATE_KEY = "BF16AdamW"  # BF16AdamW.state_dict()'s own record: rounding, seed, generators
+_RECORD_KEYS = ("rounding", "seed", "generators")
+_GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")  # what a param group of BF16AdamW holds
+_SCHEDULER_KEYS = ("initial_lr",)  # what torch's LR schedulers add to a group
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
@@ -283,6 +304,12 @@ def _check_param_state(key, entry, param: torch.Tensor, rounding: str) -> None:
                 type(t).__name__
             raise ValueError(f"state_dict: parameter {key!r}: {name} is {got}; the parameter "
                              f"is {tuple(param.shape)} {param.dtype}")
+        if t.device.type == "meta":
+            raise ValueError(f"state_dict: parameter {key!r}: {name} is on the meta device, "
+                             f"which holds no values to resume from")
+        if name == "exp_avg_sq" and bool((t < 0).any()):
+            raise ValueError(f"state_dict: parameter {key!r}: exp_avg_sq holds negative values; "
+                             f"an average of squared gradients never does (a damaged state?)")
 
 
 @torch.no_grad()

@@ -629,3 +629,47 @@ def test_run_configs_shows_the_course_progress_bar(capsys):
     assert "measuring" not in capsys.readouterr().err
     with pytest.raises(ValueError, match="progress must be True or False"):
         M.run_configs(skipped, "cpu", progress="yes")
+
+
+def test_measure_counts_optimizer_state_when_no_step_ran(monkeypatch):
+    def no_step(step, x, y, **kwargs):  # what a run looks like where every step was skipped
+        return {"times_ms": [1.0, 1.0], "loss": 1.0, "timer": "perf_counter"}
+    monkeypatch.setattr(M.runner, "time_steps", no_step)
+    row = M.measure(M.BenchConfig(precision="fp16", **TINY), "cpu", warmup=0, steps=1,
+                    breakdown=True, idle=False)
+    assert row["status"] == "ok" and row["optimizer_state_gib"] > 0
+    assert row["optimizer_state_gib"] == pytest.approx(row["params_gib"])  # SGD momentum
+    assert "GradScaler skipped every step" in row["reason"]
+
+
+def test_measure_reads_optimizer_state_as_before_when_steps_ran():
+    row = M.measure(M.BenchConfig(precision="fp32", **TINY), "cpu", warmup=0, steps=1,
+                    idle=False)
+    assert row["reason"] == ""
+    assert row["optimizer_state_gib"] == pytest.approx(row["params_gib"])
+
+
+def test_summarize_times_refuses_zero_times_and_batches():
+    with pytest.raises(ValueError, match="times_ms must have a median above 0 ms"):
+        M.summarize_times([0.0, 0.0], 8)
+    with pytest.raises(ValueError, match="times_ms must hold finite step times"):
+        M.summarize_times([float("nan")] * 6, 8)
+    with pytest.raises(ValueError, match="batch_size must be"):
+        M.summarize_times([1.0, 2.0], 0)
+
+
+def test_overhead_noise_says_when_the_overhead_decides_nothing():
+    rounds = [{"hand": 10.0, "trainer": 10.1}, {"hand": 10.0, "trainer": 10.3}]
+    out = M.overhead_noise(2.0, rounds)
+    assert out["overhead_spread_pct"] == pytest.approx(2.0)
+    assert out["note"].startswith("undecided") and "noise floor" in out["note"]
+    assert M.overhead_noise(50.0, rounds)["note"] == ""
+    assert M.overhead_noise(50.0, rounds, hand_spread=0.3)["note"].startswith("noisy")
+    assert M.overhead_noise(50.0, rounds[:1])["note"].startswith("undecided: one round")
+
+
+def test_compare_loops_reports_the_spread_of_its_overhead():
+    out = M.compare_loops(M.BenchConfig(precision="fp32", **TINY), "cpu", warmup=0, steps=1,
+                          rounds=2)
+    assert len(out["overhead_rounds_pct"]) == 2 and math.isfinite(out["overhead_spread_pct"])
+    assert "spread" in out and isinstance(out["note"], str)

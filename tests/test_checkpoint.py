@@ -1,11 +1,9 @@
 """amp_lessons.train.checkpoint and Trainer.save_checkpoint/load_checkpoint: atomic saves, verified
 all-or-nothing loads, exact resume, temporary files, file modes, a full disk."""
-import copy
 import errno
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from amp_lessons.train import checkpoint as C
 from amp_lessons.train import trainer as T
 from amp_lessons.data import TensorBatches
 from trainer_helpers import assert_same_tensors, batches, fresh, make_data, optimizer_tensors
+from amp_lessons.train.checkpoint import CheckpointError, check_optimizer_state
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -440,3 +439,40 @@ def test_a_checkpoint_from_a_newer_release_says_so(tmp_path):
     C.atomic_save(state, tmp_path / "other.pt")
     with pytest.raises(C.CheckpointError, match="not a checkpoint written by Trainer"):
         trainer.load_checkpoint(tmp_path / "other.pt")
+
+
+def _stepped(opt_class, **kw):
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    opt = opt_class(m.parameters(), **kw)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def test_another_kind_of_optimizers_state_is_refused_naming_what_is_missing():
+    m, rms = _stepped(torch.optim.RMSprop, lr=1e-3)
+    adam = torch.optim.Adam(m.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match=r"param group 0 lacks 'betas', which Adam needs"):
+        check_optimizer_state(rms.state_dict(), adam)
+    # its own kind loads, also where a scheduler added initial_lr to the live groups only
+    _, other = _stepped(torch.optim.Adam, lr=1e-3)
+    torch.optim.lr_scheduler.StepLR(adam, 1)
+    check_optimizer_state(other.state_dict(), adam)
+
+
+def test_checkpoint_paths_and_map_location_are_named(tmp_path):
+    """A bad map_location was reported as an unreadable (intact) file; a path of the wrong type
+    gave pathlib's TypeError."""
+    from amp_lessons.train import checkpoint as C
+
+    path = C.atomic_save({"a": torch.ones(1)}, tmp_path / "ok.pt")
+    with pytest.raises(ValueError, match="map_location must be a device .*; got 'gpu0'"):
+        C.read_verified(path, map_location="gpu0")
+    for bad in (None, 5, True):
+        with pytest.raises(ValueError, match="path must be a file path"):
+            C.read_verified(bad)
+        with pytest.raises(ValueError, match="path must be a file path"):
+            C.atomic_save({"a": 1}, bad)
+    for where in ("cpu", torch.device("cpu"), {"cuda:0": "cpu"}, lambda s, loc: s, None):
+        assert torch.equal(C.read_verified(path, map_location=where)["a"], torch.ones(1))

@@ -8,6 +8,8 @@ import pytest
 
 import amp_lessons.lessons as lessons_pkg
 from amp_lessons.publish import claims
+import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -360,3 +362,22 @@ def test_accuracy_effect_decides_only_where_a_difference_can_show():
         claims.accuracy_effect(says, [0.8], [0.9], 2, 450, 10)
     with pytest.raises(ValueError, match="base and variant"):
         claims.accuracy_effect(says, [], [0.9], 0.01, 450, 10)
+
+
+def test_decide_and_accuracy_gate_read_0d_tensors_and_arrays_as_numbers():
+    for bad in (float("nan"), torch.tensor(float("nan")), np.array(np.inf)):
+        assert claims.decide("R1", "01", "ran", True, "rule", {"s": bad}).outcome == \
+            "not decided here"
+    assert claims.accuracy_gate(torch.tensor(0.9), 10) is None  # was "the run diverged"
+    assert claims.accuracy_gate(np.float32(0.9), 10) is None
+
+
+def test_at_least_and_one_sided_never_read_against_their_ruling():
+    assert claims.at_least("speedup", 39.6, 40).why == "39.6% < 40%"  # was "40% < 40%"
+    assert claims.at_least("x", 1.46, 1.5, unit="x", digits=1).why == "1.46x < 1.5x"
+    assert claims.at_least("s", 48, 40).why == "48% >= 40%"
+    nan = claims.at_least("speedup", float("nan"), 40)
+    assert nan.held is None and "not decided" in nan.why  # was ruled "did not hold"
+    assert claims.one_sided(25.4, 20, 25, "%") == (True, "25.4% is 0.4% more than the claimed "
+                                                         "20-25%")  # was "25% is 0% more"
+    assert claims.one_sided(40, 20, 25, "%") == (True, "40% is 15% more than the claimed 20-25%")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from amp_lessons import data
+from amp_lessons.train.checkpoint import CheckpointError, check_optimizer_state
 
 
 def test_digits_shapes_and_split():
@@ -239,3 +240,41 @@ def test_set_loader_epoch_reaches_the_loader_or_its_sampler():
     set_loader_epoch(wrapped, 4)
     set_loader_epoch([1, 2, 3], 5)  # a plain list has neither: nothing to tell
     assert (direct.epoch, wrapped.sampler.epoch) == (3, 4)
+
+
+def test_tensor_batches_takes_every_valid_seed():
+    for seed in (2**62, 2**63 - 1):
+        batches = data.TensorBatches(torch.arange(10.).reshape(10, 1), torch.arange(10), 3,
+                                     seed=seed)
+        batches.set_epoch(7)
+        assert sum(len(x) for x, _ in batches) == 10
+        sampler = data.EpochShuffleSampler(10, seed)
+        sampler.set_epoch(3)
+        assert sorted(sampler) == list(range(10))
+    for seed, epoch in ((0, 0), (0, 5), (1, 2), (42, 9)):  # unchanged for the seeds that fitted
+        assert data.epoch_seed(seed, epoch) == seed * 100_003 + epoch
+    x = torch.arange(10.).reshape(10, 1)
+    order = [int(v) for xb, _ in data.TensorBatches(x, torch.arange(10), 10, seed=3) for v in xb]
+    g = torch.Generator().manual_seed(3 * 100_003)
+    assert order == torch.randperm(10, generator=g).tolist()
+
+
+def test_epochs_and_sampler_settings_are_checked_not_truncated():
+    """``set_epoch(1.7)`` was silently epoch 1 (a resumed run could reuse another epoch's
+    order); strings and negative sizes gave int() or torch errors that named nothing."""
+    tb = data.TensorBatches(torch.arange(6.0), torch.arange(6), 2)
+    sampler = data.EpochShuffleSampler(5)
+    loader = data.EpochDataLoader(torch.utils.data.TensorDataset(torch.arange(6.0)),
+                               sampler=data.EpochShuffleSampler(6), batch_size=2)
+    for obj in (tb, sampler, loader):
+        for bad in (1.7, "one", -1, None):
+            with pytest.raises(ValueError, match="epoch must be a whole number >= 0"):
+                obj.set_epoch(bad)
+        obj.set_epoch(2)
+    assert tb.epoch == sampler.epoch == loader.sampler.epoch == 2
+    with pytest.raises(ValueError, match="n must be a whole number >= 0; got -1"):
+        data.EpochShuffleSampler(-1)
+    for make in (lambda: data.EpochShuffleSampler(4, seed="x"),
+                 lambda: data.EpochDataLoader([1, 2], seed=-3)):
+        with pytest.raises(ValueError, match="seed must be a whole number >= 0"):
+            make()

@@ -15,6 +15,7 @@ import torch
 from amp_lessons.measure import distributed as D
 from amp_lessons.measure.distributed import RunConfig, SweepResult
 from amp_lessons.models import TinyTransformer, lm_loss
+from amp_lessons import data
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_CPUS = D.device_slots("gloo") >= 2
@@ -559,3 +560,49 @@ def test_runs_that_cannot_run_here_are_skipped_with_the_reason(monkeypatch):
         result.find("f", 1)
     assert "not run: f on 1 process: no fsdp2 here" in result.notes()
     assert result.find("d", 1)["efficiency"] == pytest.approx(1.0)
+
+
+def test_run_experiments_refuses_two_configs_with_one_label():
+    a = D.RunConfig(model="mlp", precision="fp32", batch_size=4, optimizer="sgd")
+    b = D.RunConfig(model="mlp", precision="fp32", batch_size=64)
+    assert a.name == b.name
+    with pytest.raises(ValueError, match="labels must be unique.*'mlp ddp fp32'"):
+        D.run_experiments(D.grid([a, b], [1]), backend="gloo")
+    with pytest.raises(ValueError, match="twice"):
+        D.run_experiments([(a, 1), (a, 1)], backend="gloo")
+
+
+def test_sweep_summary_never_folds_rows_of_two_runs():
+    row = {"label": "x", "model": "mlp", "strategy": "ddp", "precision": "fp32", "world_size": 1,
+           "rank": 0, "unit": "sample", "fsdp_wrap": None, "fsdp_units": None, "batch_size": 4,
+           "step_ms": 1.0, "peak_gib": None, "param_mib": 1.0, "grad_mib": 1.0,
+           "optimizer_state_mib": 1.0, "losses": [1.0], "spread": None, "peak_spread": None,
+           "steps": 6, "warmup": 1}
+    assert len(D.SweepResult([row], "gloo", 1).summary()) == 1
+    with pytest.raises(ValueError, match="batch_size"):
+        D.SweepResult([row, dict(row, batch_size=64)], "gloo", 1).summary()
+    with pytest.raises(ValueError, match="a rank repeats"):
+        D.SweepResult([row, dict(row)], "gloo", 1).summary()
+
+
+@pytest.mark.parametrize("model", ["small_cnn", "resnet18"])
+def test_make_batch_follows_the_models_input_channels(model):
+    config = D.RunConfig(model=model, precision="fp32", image_size=16,
+                                   model_kwargs={"in_channels": 1})
+    net = D.build_model(config)
+    x, y = D.make_batch(config, net, 0, 1, "cpu")
+    assert x.shape == (8, 1, 16, 16)
+    net(x)  # the worker's forward no longer fails on 3-channel images
+    three = D.RunConfig(model=model, precision="fp32", image_size=16)
+    x3, _ = D.make_batch(three, D.build_model(three), 0, 1, "cpu")
+    assert torch.equal(x3, data.synthetic_images(8, 16, 10, "cpu")[0])  # unchanged
+
+
+def test_runconfig_reads_precision_names_as_the_package_does_and_checks_its_label():
+    assert D.RunConfig(precision="AMP").precision == "fp16"
+    assert D.RunConfig(precision=" bf16 ").precision == "bf16"
+    for label in (5, ["x"]):
+        with pytest.raises(ValueError, match="label must be a string"):
+            D.RunConfig(label=label)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        D.RunConfig(precision="fp64")

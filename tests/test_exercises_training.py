@@ -409,3 +409,14 @@ def test_ex04_weight_copies(measured_04):
     assert "0.02183 bytes" in gib.message
     ok = ex04.check_weight_copies(COPIES)
     assert "whatever the batch" in ok.message and "quick profile" in ok.message
+
+
+def test_ex05_says_how_much_a_partly_checkpointed_answer_saved():
+    def every_other(blocks, x):
+        for i, b in enumerate(blocks):
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if i % 2 == 0 \
+                else b(x)
+        return x
+    text = repr(ex05.check_checkpointing(every_other, device="cpu"))
+    assert "wrong" in text and "nothing was checkpointed" not in text
+    assert "only part of the forward was checkpointed" in text and "% of what the plain" in text

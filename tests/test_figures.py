@@ -1,6 +1,6 @@
-"""Outside review of the lesson 04-09 figures (perf, fp8, weight and doctor plots): rows not
-measured (None, NaN, absent keys) show as such instead of raising or plotting NaN as a value, and
-bad settings raise ValueError naming the setting."""
+"""The lesson 04-09 figures (perf, fp8, weight and doctor plots) with rows not measured: None,
+NaN and absent keys show as such instead of raising or plotting NaN as a value, and bad settings
+raise ValueError naming the setting."""
 import math
 import types
 

@@ -16,6 +16,8 @@ from amp_lessons import models as M
 from amp_lessons.train import trainer as T
 from amp_lessons.lessons import l05_checkpointing as L
 from amp_lessons.ui import perf_plots as P
+from amp_lessons.measure.accumulation import accumulation_equivalence
+from amp_lessons.measure import activation_checkpointing as K
 
 TINY = dict(model="resnet18", image_size=16, num_classes=10)  # layer3 and layer4 at 1x1
 
@@ -815,3 +817,38 @@ def test_claim_r10_text_comes_from_the_device_count():
     assert out[1].sensitivity[0].held is True      # bf16 saves 42.5% >= 40%
     with pytest.raises(ValueError, match="devices"):
         L.verdict_r10(cards, techniques, devices=-1)
+
+
+def test_accumulation_equivalence_refuses_more_examples_than_the_split_holds():
+    with pytest.raises(ValueError, match=r"micro_batch \* micro_batches must be at most \d+ .*"
+                                         r"micro_batch=400 \* micro_batches=4 = 1600"):
+        accumulation_equivalence("mlp", "fp32", micro_batch=400, micro_batches=4, device="cpu")
+    with pytest.raises(ValueError, match="micro_batch"):
+        accumulation_equivalence("mlp", "fp32", micro_batch=1, micro_batches=2000, device="cpu")
+
+
+@pytest.mark.skipif(M.selective_checkpointing_problem() is not None, reason="needs torch >= 2.5")
+def test_sac_without_the_batchnorm_fix_really_has_no_fix():
+    r = K.checkpoint_equivalence("resnet18", "sac", image_size=32, batch_size=2, device="cpu")
+    assert r["batches_tracked"] == {"plain": 1, "checkpointed": 1,
+                                    "checkpointed without the fix": 2}
+    assert r["bn_rel_diff"] == 0.0 and r["bn_rel_diff_without_fix"] > 0
+    net = M.without_batchnorm_fix(M.resnet18(10, checkpoint="sac", small_input=True))
+    assert not any(type(u) is M.SelectiveCheckpointed for u in net.modules())
+
+
+@pytest.mark.parametrize("call", [
+    lambda: K.checkpoint_equivalence("resnet18", "block", 32, 2, device="cpu", seed=0),
+    lambda: K.checkpoint_sequential_pitfall(4, 32, 2, device="cpu", model="resnet18", seed=0)],
+    ids=["checkpoint_equivalence", "checkpoint_sequential_pitfall"])
+def test_checkpointing_measurements_leave_the_callers_random_stream_alone(call):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    call()
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_checkpoint_equivalence_names_a_batch_of_one():
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 2; got 1"):
+        K.checkpoint_equivalence("resnet18", "block", image_size=32, batch_size=1, device="cpu")

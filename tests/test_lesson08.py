@@ -10,6 +10,7 @@ from amp_lessons.numerics import formats
 from amp_lessons.measure import optim
 from amp_lessons.lessons import l08_weights as L
 from amp_lessons.ui import weight_plots as WP
+import torch.nn.functional as F
 
 
 # --- formats.ulp ---------------------------------------------------------------------------------
@@ -361,3 +362,33 @@ def test_cosine_lr_refuses_a_warmup_that_leaves_no_decay():
         L.cosine_lr(1e-3, 10, warmup=20)
     at = L.cosine_lr(1e-3, 10, warmup=8)
     assert at(7) == pytest.approx(1e-3) and at(9) == pytest.approx(1e-3 * 0.1)
+
+
+def _fp16_recipe(steps):
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 16) * 100, torch.randint(0, 4, (64,))
+    return optim.train_recipe(optim.get_recipe("fp32 master"),
+                          lambda: nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)),
+                          lambda s: (x, y), F.cross_entropy, steps=steps, lr_at=lambda s: 1e-3,
+                          device="cpu", amp_dtype=torch.float16)
+
+
+def test_train_recipe_reports_skipped_steps_instead_of_rounded_away():
+    row = _fp16_recipe(6)  # GradScaler backs off from 2**16 for the first five steps
+    assert row["status"] == "trained"
+    assert row["skipped_steps"] == [0, 1, 2, 3, 4]
+    assert [s for s, _ in row["rounded_away"]] == [5]
+    every = _fp16_recipe(3)
+    assert every["status"] == "not trained: GradScaler skipped all 3 steps"
+    assert every["rounded_away"] == [] and every["skipped_steps"] == [0, 1, 2]
+
+
+def test_bf16_adamw_add_param_group_refuses_fp32_params():
+    opt = optim.BF16AdamW([nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="params must be bfloat16 tensors.*float32"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="params must be bfloat16"):
+        opt.add_param_group({"params": (p for p in [nn.Parameter(torch.zeros(2))])})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))})
+    assert len(opt.param_groups) == 2

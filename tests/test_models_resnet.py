@@ -5,6 +5,10 @@ import torch
 
 from amp_lessons import models
 from amp_lessons.measure import SavedActivations
+import copy
+import torch.nn.functional as F
+from torch import nn
+from amp_lessons.measure.activation_checkpointing import relative_diff
 
 
 def _count(model):
@@ -189,3 +193,59 @@ def test_optimized_resnet_trains_one_step_with_checkpointing():
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.l2(F.dropout(F.relu(self.l1(x)), 0.5, self.training))
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
+
+    def forward(self, x):
+        return self.a(x, x, x, need_weights=False)[0]
+
+
+def _grad_diff(make) -> float:
+    torch.manual_seed(0)
+    plain = make().train()
+    wrapped = models.Checkpointed(copy.deepcopy(plain)).train()
+    x = torch.randn(2, 4, 16)
+    grads = []
+    for net in (plain, wrapped):
+        torch.manual_seed(123)  # the same random stream for both forwards
+        net(x.clone().requires_grad_()).pow(2).sum().backward()
+        grads.append([p.grad for p in net.parameters()])
+    return relative_diff(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("make", [_FunctionalDropout, _Attention],
+                         ids=["F.dropout", "attention dropout"])
+def test_checkpointed_replays_randomness_outside_dropout_modules(make):
+    assert models.Checkpointed(make()).preserve_rng_state
+    assert _grad_diff(make) == 0.0
+
+
+def test_checkpointed_refuses_rrelu_whose_replay_torch_gets_wrong():
+    assert models.random_modules(nn.Sequential(nn.Linear(4, 4), nn.RReLU())) == ["1"]
+    with pytest.raises(ValueError, match=r"nn.RReLU \(found at 1\).*193671"):
+        models.Checkpointed(nn.Sequential(nn.Linear(4, 4), nn.RReLU()))
+
+
+def test_checkpointed_skips_the_rng_state_only_for_known_deterministic_modules():
+    resnet = models.resnet18(num_classes=10, checkpoint="block")
+    units = [m for m in resnet.modules() if isinstance(m, models.Checkpointed)]
+    assert units and not any(u.preserve_rng_state for u in units)  # the lessons' timings
+    assert models.random_modules(nn.MultiheadAttention(16, 2)) == []  # dropout 0
+    assert models.random_modules(_FunctionalDropout()) == [""]  # a forward of its own
+    assert not models.Checkpointed(_FunctionalDropout(), deterministic=True).preserve_rng_state
+    assert models.Checkpointed(nn.Linear(2, 2), deterministic=False).preserve_rng_state
+    with pytest.raises(ValueError, match="deterministic must be True or False"):
+        models.Checkpointed(nn.Linear(2, 2), deterministic="yes")

@@ -4,6 +4,7 @@ import torch
 
 from amp_lessons import env
 from amp_lessons.numerics import precision
+from amp_lessons import data as D
 
 
 def test_normalize_precision():
@@ -71,3 +72,36 @@ def test_simulated_card_changes_what_probe_reports_without_a_gpu(monkeypatch):
     assert env.apply_simulation("cpu") is None  # nothing to cap on a CPU
     e = env.probe("quick")
     assert e.device.type == "cpu" or e.capability == (7, 5)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: D.synthetic_images(2, 8, device="cuda"), lambda: D.digits("train", device="cuda"),
+    lambda: D.digits_loaders(8, device="cuda:1"), lambda: precision.check_precision("fp32", "cuda")])
+def test_a_cuda_device_without_cuda_is_named_not_a_driver_error(monkeypatch, call):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device must be an available device; got 'cuda(:1)?' "
+                                         r"but CUDA is not available \(use 'cpu'\)"):
+        call()
+
+
+def test_a_gpu_past_the_last_one_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"device must be a CUDA device in \[0, 1\]; got 'cuda:2'"):
+        precision.available_device("cuda:2")
+    assert precision.available_device("cuda:1") == torch.device("cuda", 1)
+    assert precision.available_device("cpu") == torch.device("cpu")
+
+
+def test_a_negative_cuda_index_is_named():
+    with pytest.raises(ValueError, match="device must be a CUDA index >= 0; got -1"):
+        precision.as_device(-1)
+
+
+def test_autocast_error_by_op_names_a_bad_dtype_and_bad_logit_scales():
+    for kw, message in ((dict(dtype=["bf16"]), "dtype must be 'fp16', 'bf16'"),
+                        (dict(dtype="bf16", logit_scales=("8",)), "logit_scales must be"),
+                        (dict(dtype="bf16", logit_scales=8.0), "logit_scales must be"),
+                        (dict(dtype="bf16", logit_scales=(0.0,)), "logit_scales must be")):
+        with pytest.raises(ValueError, match=message):
+            precision.autocast_error_by_op("cpu", **kw)

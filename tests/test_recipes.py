@@ -5,6 +5,7 @@ import pytest
 
 from amp_lessons.train import recipes
 from amp_lessons.train.records import History
+from amp_lessons.train.checkpoint import CheckpointError, check_optimizer_state
 
 QUICK = dict(model="cnn", width=4, image_size=16, batch_size=128, progress=False)
 
@@ -68,3 +69,17 @@ def test_cosine_schedule_decays_to_zero():
     lrs = run.history.columns()["lr"]
     assert lrs[0] == pytest.approx(0.05) and lrs[-1] < 0.01 * lrs[0]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_resuming_in_another_precision_is_refused(tmp_path):
+    """``train --resume`` ran epoch 1 in fp32 and epoch 2 in fp16 and reported the run as fp16
+    (an outside review of the CLI): a resumed run continues exactly as it started."""
+    from amp_lessons.train.recipes import train_digits
+
+    ck = tmp_path / "ck.pt"
+    train_digits("fp32", model="mlp", epochs=1, device="cpu", checkpoint=ck, progress=False)
+    with pytest.raises(ValueError, match=r"resume: '.*ck.pt' was trained in fp32; this run asks "
+                                         r"for bf16: resume with precision 'fp32'"):
+        train_digits("bf16", model="mlp", epochs=2, device="cpu", resume=ck, progress=False)
+    run = train_digits("fp32", model="mlp", epochs=2, device="cpu", resume=ck, progress=False)
+    assert len(run.epochs) == 2

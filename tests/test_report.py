@@ -9,6 +9,10 @@ from nbformat.v4 import new_code_cell, new_notebook, new_output
 from amp_lessons import cli
 from amp_lessons.publish import report
 from amp_lessons.publish.notebooks import NOTEBOOK_DIR, course_notebooks
+import json
+import numpy as np
+import torch
+from amp_lessons.publish import claims
 
 ROWS = [{"config": "fp32", "img/s": 905.4, "peak GiB": 21.4}, {"config": "fp16", "img/s": 2944.0,
                                                                 "peak GiB": None}]
@@ -193,3 +197,20 @@ def test_collect_without_validation_reads_the_same_results(tmp_path):
     bad.write_text("[]")
     with pytest.raises(ValueError, match="bad.ipynb: not a Jupyter notebook"):
         report.collect([bad], validate=False)
+
+
+def test_published_rows_are_plain_json_numbers_and_non_finite_values_are_null():
+    """A NumPy float was published as its text ('1.23456') and NaN/inf as bare NaN/Infinity,
+    which is not JSON."""
+    bundle = report.result_bundle("lesson02.fp32_vs_amp", [
+        {"name": "fp16", "ms": np.float32(1.5), "n": np.int64(3), "t": torch.tensor(2.0)},
+        {"name": "bf16", "ms": float("nan"), "n": float("inf"), "t": None}], "T")
+    rows = bundle[report.RESULT_MIME]["rows"]
+    assert rows[0] == {"name": "fp16", "ms": 1.5, "n": 3, "t": 2.0}
+    assert rows[1] == {"name": "bf16", "ms": None, "n": None, "t": None}
+    json.dumps(bundle[report.RESULT_MIME], allow_nan=False)  # strict JSON
+
+
+def test_cheat_sheet_with_an_unclosed_comment_is_named():
+    with pytest.raises(ValueError, match="leading comment .* is never closed"):
+        report.cheat_sheet_body("<!-- unterminated\n# body")

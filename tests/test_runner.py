@@ -7,6 +7,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from amp_lessons import cli
 from amp_lessons.publish import notebooks as runner
+from pathlib import Path
 
 pytestmark = pytest.mark.slow
 
@@ -109,3 +110,12 @@ def test_environment_variable_sets_and_restores(monkeypatch):
             assert os.environ["AMP_LESSONS_TEST_VAR"] == "b"
         assert os.environ["AMP_LESSONS_TEST_VAR"] == "a"
     assert "AMP_LESSONS_TEST_VAR" not in os.environ
+
+
+@pytest.mark.parametrize("timeout", [None, "10", float("nan"), 0, -5, 2.5])
+def test_run_notebook_names_a_bad_timeout_before_starting_a_kernel(tmp_path, timeout):
+    path = tmp_path / "ok.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), path)
+    with pytest.raises(ValueError, match="timeout must be a whole number of seconds >= 1"):
+        runner.run_notebook(Path(path), out=tmp_path / "o", timeout=timeout, progress=False)
+    assert not (tmp_path / "o").exists()

@@ -8,6 +8,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from amp_lessons.publish import snapshots
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -201,3 +202,14 @@ def test_grid_lines_count_and_series_blends_do_not():
     lines = snapshots._line_colors(a).tolist()
     assert [240, 244, 250] in lines and [250, 251, 253] in lines
     assert [248, 213, 212] not in lines and [200, 200, 200] not in lines
+
+
+def test_a_malformed_figure_is_named_with_its_cell(tmp_path):
+    v = nbformat.v4
+    nb = v.new_notebook(cells=[v.new_code_cell("x"), v.new_code_cell("f", outputs=[
+        v.new_output("display_data", data={snapshots.PLOTLY_MIME: {"data": "bad", "layout": []}})])])
+    path = tmp_path / "badfig.ipynb"
+    nbformat.write(nb, path)
+    with pytest.raises(ValueError, match=r"badfig.ipynb: cell 1 holds a plotly figure that is "
+                                         r"not one"):
+        snapshots.add_images(path)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from amp_lessons import tables
+from amp_lessons.train.checkpoint import CheckpointError, check_optimizer_state
 
 
 @pytest.mark.parametrize("part, whole, text", [
@@ -209,3 +210,19 @@ def test_text_table_cells_stay_on_one_line_and_wide_characters_count_twice():
     assert {tables.display_width(x) for x in lines} == {16}
     assert tables.display_width("abc") == 3 and tables.display_width("e\u0301") == 1
     assert tables.display_width("e\u200bz") == 2  # a zero-width space takes no column
+
+
+def test_a_spread_past_100_percent_is_shown_not_raised_nor_clamped():
+    from amp_lessons.measure import rows as R
+    from amp_lessons.doctor.report import DoctorReport
+    from amp_lessons.tables import percent, spread_text
+
+    assert spread_text(0.0123) == percent(0.0123, 1.0) and spread_text(1.0) == "100.0%"
+    assert spread_text(8.188529515752963) == "818.9%"
+    assert spread_text(0.9999999) == "100.0%" and spread_text(1.004) == "100.4%"
+    for bad in (-0.1, float("nan"), None, "0.5"):
+        with pytest.raises(ValueError, match="spread must be a number >= 0"):
+            spread_text(bad)
+    assert DoctorReport._cell("spread", 37.55) == "3,755.0%"
+    (_, _, fmt), = [c for c in R.DEFAULT_COLUMNS if c[0] == "spread"]
+    assert fmt(2.5) == "250.0%"  # was clamped to "100%"

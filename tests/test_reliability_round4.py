@@ -283,3 +283,33 @@ def test_a_state_from_fewer_steps_loads_into_an_optimizer_that_ran_more(rounding
             p.copy_(w)
     for a, b in zip(end, _steps(other, ps2, 4, start=2)):
         assert torch.equal(a, b)
+
+
+# --- classes 3-5: train names its flag for sizes it would not honour, before any training ---------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--accumulate", "1000000000"], "--accumulate must be a whole number in [1, 22] (the "
+                                     "batches in one epoch of 1,347 examples at --batch-size 64)"),
+    (["--batch-size", "1347", "--accumulate", "2"], "--accumulate must be a whole number in "
+                                                   "[1, 1]"),
+    (["--batch-size", str(10 ** 18)], "--batch-size must be a whole number in [1, 1347]"),
+    (["--lr", "1e308", "--precision", "fp16"], "--lr must be a finite number in [0, 3.40282e+38]"),
+    (["--lr", "1e39"], "--lr must be a finite number in [0, 3.40282e+38]"),
+])
+def test_train_refuses_sizes_it_would_not_honour_by_flag(tmp_path, capsys, argv, message):
+    from amp_lessons.cli import main
+
+    out = tmp_path / "r.json"
+    status = main(["train", "--epochs", "1", "--no-progress", "--json", str(out)] + argv)
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("python -m amp_lessons train: error: " + message)
+    assert not out.exists()  # refused before training
+
+
+def test_the_largest_batch_and_accumulation_the_check_allows_are_taken():
+    from amp_lessons.cli import check_train_sizes
+
+    check_train_sizes(3e38, 1347, 1)
+    check_train_sizes(0.05, 64, 22)
+    check_train_sizes(0.0, 1, 1347)

@@ -96,5 +96,8 @@ def pytest_sessionfinish(session):
                   "profile": os.environ.get("AMP_LESSONS_PROFILE", ""),
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
                   "cpu_count": os.cpu_count(),
+                  # `make notebooks` runs alone; `make test` runs them beside two other test
+                  # sessions (AMP_LESSONS_TIMED_ALONE=0), where they take two to three times longer
+                  "alone": os.environ.get("AMP_LESSONS_TIMED_ALONE", "1") != "0",
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         (out / f"{Path(path).stem}.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -91,11 +91,13 @@ def build_records(build: Path = BUILD) -> Dict[str, dict]:
 
 def record(build: Path = BUILD, path: Path = RECORD, include_failed: bool = False) -> dict:
     """Keep the CPU seconds of the quick-profile runs in ``build`` in ``path`` (notebooks not in
-    ``build`` keep their earlier figure): passing runs only, unless ``include_failed`` (a run
+    ``build`` keep their earlier figure): runs made alone (``make notebooks``, not ``make test``,
+    which shares the machine), passing runs only, unless ``include_failed`` (a run
     whose failing cells are late checks still times the lesson; the record says it failed)."""
     kept = json.loads(path.read_text()) if path.exists() else {"how": HOW, "notebooks": {}}
     for name, r in build_records(build).items():
-        if r.get("profile") == "quick" and (include_failed or not r.get("failed")):
+        if r.get("profile") == "quick" and r.get("alone", False) and (
+                include_failed or not r.get("failed")):
             kept["notebooks"][name] = {"cpu_seconds": r["seconds"], "date": r["date"],
                                        "omp_num_threads": r.get("omp_num_threads"),
                                        "cpu_count": r.get("cpu_count"),

@@ -313,3 +313,60 @@ def test_the_largest_batch_and_accumulation_the_check_allows_are_taken():
     check_train_sizes(3e38, 1347, 1)
     check_train_sizes(0.05, 64, 22)
     check_train_sizes(0.0, 1, 1347)
+
+
+# --- class 2 (capstone): a state without the parts the grade reads is not passed unread -----------
+
+def _reference_state_but(part, value):
+    from amp_lessons.exercises import capstone
+
+    def make_state(model, precision):
+        state = dict(zip(("optimizer", "scaler", "scheduler"),
+                         capstone.reference_make_state(model, precision)))
+        state[part] = value
+        return state["optimizer"], state["scaler"], state["scheduler"]
+    return make_state
+
+
+def _step_without_scheduler(model, optimizer, scaler, scheduler, x, y, precision):
+    from amp_lessons.exercises import capstone
+
+    class Ignored:
+        def step(self):
+            pass
+    return capstone.reference_train_step(model, optimizer, scaler, Ignored(), x, y, precision)
+
+
+@pytest.mark.parametrize("part,value,kind", [
+    ("scheduler", None, "its scheduler is NoneType, not a learning-rate scheduler"),
+    ("scheduler", "cosine", "its scheduler is str, not a learning-rate scheduler"),
+])
+def test_capstone_training_refuses_a_state_without_a_scheduler(part, value, kind):
+    """Without a scheduler the held-schedule checks never ran, and the grade said 'the
+    overflowing step skipped with the schedule held'."""
+    from amp_lessons.exercises import capstone
+
+    check = capstone.check_training(_reference_state_but(part, value), _step_without_scheduler)
+    assert check.status == "wrong" and kind in check.message, check
+
+
+@pytest.mark.parametrize("part,value,kind", [
+    ("optimizer", None, "its optimizer is NoneType, not a torch.optim optimizer"),
+    ("scaler", None, "its scaler is NoneType, not a torch.amp.GradScaler"),
+])
+def test_capstone_make_state_parts_are_checked_before_a_step(part, value, kind):
+    from amp_lessons.exercises import capstone
+
+    model = capstone.unet(width=4)
+    state, bad = capstone._make(_reference_state_but(part, value), model, "fp16")
+    assert state is None and kind in bad
+
+
+def test_capstone_resume_says_part_2_first_instead_of_a_star_unpacking_error():
+    from amp_lessons.exercises import capstone
+
+    check = capstone.check_resume(_reference_state_but("scheduler", None),
+                                  _step_without_scheduler, capstone.reference_save,
+                                  capstone.reference_load)
+    assert check.status == "skipped" and check.message.startswith("part 2 first: "), check
+    assert "not a learning-rate scheduler" in check.message

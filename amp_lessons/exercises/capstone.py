@@ -312,6 +312,18 @@ def _make(make_state, model, precision):
     if not (isinstance(state, (tuple, list)) and len(state) == 3):
         return None, (f"make_state must return (optimizer, scaler, scheduler); got "
                       f"{type(state).__name__}")
+    optimizer, scaler, scheduler = state
+    for part, value, ok, kind in (
+            ("optimizer", optimizer, isinstance(optimizer, torch.optim.Optimizer),
+             "a torch.optim optimizer"),
+            ("scaler", scaler, isinstance(scaler, torch.amp.GradScaler),
+             "a torch.amp.GradScaler (enabled for fp16 only)"),
+            ("scheduler", scheduler, _count(scheduler) is not None
+             and callable(getattr(scheduler, "step", None)),
+             "a learning-rate scheduler (torch.optim.lr_scheduler)")):
+        if not ok:  # without one, the steps that grade it (a held schedule) cannot run
+            return None, (f"make_state(model, {precision!r}) must return (optimizer, scaler, "
+                          f"scheduler): its {part} is {type(value).__name__}, not {kind}")
     return tuple(state), None
 
 
@@ -473,7 +485,9 @@ def check_resume(make_state: Callable, train_step: Callable, save: Callable, loa
     data[SKIP_AT] = (_poisoned(data[SKIP_AT][0]), data[SKIP_AT][1])
     try:
         straight = unet(device=device)
-        objs = _make(make_state, straight, "fp16")[0]
+        objs, bad = _make(make_state, straight, "fp16")
+        if bad:  # part 2 grades it; the resume cannot run on it
+            return skipped(RESUME, f"part 2 first: {bad}")
         if objs is None:
             return skipped(RESUME, "part 2's make_state returns nothing yet")
         for x, y in data:

@@ -466,6 +466,11 @@ def _cmd_figure_images(args) -> int:
     for path in paths:
         if path.suffix != ".ipynb":
             return fail("figure-images", f"'{path}' is not a notebook file (.ipynb)")
+    try:  # the writer's rule before Chromium starts: a read-only notebook is refused, unrendered
+        for path in paths:
+            check_writable(path, "notebook")
+    except ValueError as exc:
+        return fail("figure-images", str(exc))
     try:
         added = add_images_to(paths, force=args.force)
     except (RuntimeError, ValueError, OSError) as exc:

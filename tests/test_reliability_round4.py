@@ -370,3 +370,24 @@ def test_capstone_resume_says_part_2_first_instead_of_a_star_unpacking_error():
                                   capstone.reference_load)
     assert check.status == "skipped" and check.message.startswith("part 2 first: "), check
     assert "not a learning-rate scheduler" in check.message
+
+
+def test_figure_images_refuses_a_read_only_notebook_before_chromium_starts(tmp_path, capsys,
+                                                                           monkeypatch):
+    import nbformat
+
+    from amp_lessons.cli import main
+    from amp_lessons.publish import snapshots
+
+    path = tmp_path / "locked.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]), path)
+    path.chmod(0o444)
+    monkeypatch.setattr(snapshots, "add_images_to",
+                        lambda *a, **k: pytest.fail("rendered a notebook it cannot write"))
+    try:
+        status = main(["figure-images", "--force", str(path)])
+    finally:
+        path.chmod(0o644)
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert f"notebook: '{path}' exists and cannot be written (read-only: mode 0444)" in err

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from amp_lessons.doctor.findings import finding
-from amp_lessons.doctor.scale import LAYER_LOSS_LIMIT
+from amp_lessons.doctor.scale import LAYER_LOSS_LIMIT, MAX_FLUSHED
 from amp_lessons.doctor.weights import share_text
 from amp_lessons.tables import plural
 
@@ -40,6 +40,18 @@ def cpu_only(op: str, device_type: str) -> bool:
 def _cpu_only_text(op: str) -> str:
     return (f" (on this CPU only: CPU autocast runs {op} in fp16, CUDA autocast runs it in "
             f"float32, so a CUDA GPU does not see this)")
+
+
+def cast_site(site: Optional[Mapping]) -> str:
+    """Where a float32 pass made inf/NaN from 16-bit inputs only (the learner's own ``.half()``
+    or ``.to(torch.float16)``: fp16's range applies there without autocast), as words
+    ("aten.sum in the loss on float16 inputs"); "" where the op's inputs were float32 or none
+    was located."""
+    dtypes = set((site or {}).get("input_dtypes") or ())
+    if not dtypes or not dtypes <= {"float16", "bfloat16"}:
+        return ""
+    where = site["module"] if site["module"] == "the loss" else f"module {site['module']}"
+    return f"{site['op']} in {where} on {'/'.join(sorted(dtypes))} inputs"
 
 
 def _is_attention(site: Mapping) -> bool:
@@ -96,10 +108,11 @@ def overflow_alarms(overflow: Sequence[Mapping], fp16_watch: Optional[Mapping],
 
 
 def collapse_alarm(fp16_watch: Optional[Mapping], trial: Sequence[Mapping],
-                   alt: str) -> List[Dict[str, str]]:
+                   alt: str, device_type: str = "cuda") -> List[Dict[str, str]]:
     """A loss scale that collapses: gradients inf/NaN under fp16 at loss scale 1 (so at every
     scale GradScaler can reach) while the forward was finite. Names the first parameter whose
-    gradient was non-finite and the backward op that made it."""
+    gradient was non-finite and the backward op that made it (said to be maybe this CPU's alone
+    where CUDA autocast runs that op in float32: ``cpu_only``)."""
     w = fp16_watch or {}
     if w.get("forward_nonfinite") or not w.get("first_nonfinite_parameter") or \
             w.get("loss_finite") is False:
@@ -109,7 +122,9 @@ def collapse_alarm(fp16_watch: Optional[Mapping], trial: Sequence[Mapping],
     return [finding(
         "nonfinite", f"the loss scale collapses: under fp16 the forward is finite but the "
         f"gradients are inf/NaN even at loss scale 1, so GradScaler skips every step whatever "
-        f"its scale; first non-finite gradient: {w['first_nonfinite_parameter']}",
+        f"its scale; first non-finite gradient: {w['first_nonfinite_parameter']}"
+        + (f" (maybe on this CPU only: CPU autocast runs {op['op']} in fp16, CUDA autocast "
+           f"runs it in float32)" if op and cpu_only(op["op"], device_type) else ""),
         f"fp16 autocast forward and backward at scale 1: {w['nonfinite_parameters']} "
         f"parameter gradients inf/NaN"
         + (f"; first made by {op['op']} in the backward of {op['module']}" if op else "")
@@ -126,16 +141,41 @@ def _lost(v) -> float:
 
 
 def underflow_alarm(ranking: Sequence[Mapping], k: Optional[int], default_k: int,
-                    alt: str) -> List[Dict[str, str]]:
+                    alt: str, flushed_at_k: float = 0.0,
+                    layers: Sequence[Mapping] = ()) -> List[Dict[str, str]]:
     """Gradient underflow confined to some parameters: the worst one by how much of its gradient
     fp16 loses (relative error after the round trip) at the scale GradScaler reaches, and at the
-    default init_scale where that is lower."""
+    default init_scale where that is lower. Where no parameter loses that much but more than
+    ``scale.MAX_FLUSHED`` of all gradient values (``flushed_at_k``) are flushed to zero at the
+    reached scale (which makes the advice bf16), the layer (of ``layers``, ``ranges.table``'s
+    rows) whose output gradient holds the most flushed values is named instead: the verdict
+    never calls fp16 unsafe without a site."""
     if not ranking or k is None:
         return []
 
     def bad(r):
         return max(_lost(r["error_k"]), _lost(r["error_default"]) if default_k < k else 0.0)
     over = [r for r in ranking if bad(r) > LAYER_LOSS_LIMIT]
+    if not over and flushed_at_k > MAX_FLUSHED:
+        def flushed(r):
+            return ((r.get("grad_fp16_counts") or {}).get("flushed") or 0)
+        most = sorted((r for r in layers if flushed(r)), key=flushed, reverse=True)[:3]
+        if not most:
+            return []
+        w = most[0]
+        c = w["grad_fp16_counts"]
+        return [finding(
+            "underflow", f"gradient underflow at {w['layer']}: at 2^{k}, the highest loss scale "
+            f"GradScaler reaches, fp16 flushes {share_text(flushed_at_k)} of all gradient values "
+            f"to zero, most in the gradient of {w['layer']}'s output ({c['flushed']:,} of "
+            f"{c['nonzero']:,} values), although no parameter's gradient changes by more than "
+            f"{share_text(max(_lost(r['error_k']) for r in ranking))} (relative error): the "
+            f"gradients span more than fp16's range", f"fp32 backward, each layer's output "
+            f"gradient at 2^{k} counted against fp16's range: "
+            + ", ".join(f"{r['layer']} {r['grad_fp16_counts']['flushed']:,} flushed"
+                        for r in most), "alarm", "grad-underflow", w["layer"],
+            f"train in {alt}; with fp16, keep {w['layer']} in fp32 (selective autocast) or check "
+            f"that training converges as in fp32")]
     if not over:
         return []
     w = max(over, key=bad)
@@ -169,10 +209,15 @@ def weights_alarms(diag: Mapping) -> List[Dict[str, str]]:
         names = [n for ns in low.values() for n in ns]
         remedies = "; ".join(f"{r['recipe']}: {r['bytes_per_parameter']:g} bytes per parameter "
                              f"({r['mib']:.3g} MiB here)" for r in diag.get("remedies", []))
+        half = rounded.get("half_stop_update")
+        later = (f"; half of them stop moving once an update falls below {half:.2g} (half a "
+                 f"unit in the last place of the median weight: a decayed learning rate, a "
+                 f"small gradient)" if half else "")
         out.append(finding(
             "weights", f"the weights are stored in {' and '.join(low)} without fp32 master "
             f"weights: {share_text(rounded['share'])} of them would not move in an optimizer step "
-            f"at lr {rounded['lr']:g} (the update is below half a unit in the last place)",
+            f"at lr {rounded['lr']:g} (the update is below half a unit in the last place)"
+            + later,
             f"{plural(rounded['weights'], 'weight')} of {plural(len(names), 'parameter')} "
             f"({names[0]}{' ...' if len(names) > 1 else ''}): w + update rounded back to its "
             f"dtype, {rounded['unchanged']:,} unchanged", "alarm", "16bit-weights",
@@ -233,14 +278,26 @@ def function_alarms(functions: Mapping[str, Mapping], error: Optional[str],
 
 
 def error_alarm(error: Optional[str], error_site: Optional[str],
-                functions: Mapping[str, Mapping]) -> List[Dict[str, str]]:
-    """An fp16 pass that raised where no custom Function explains it (a checkpoint whose
-    recompute differs from its forward, an op without a 16-bit kernel)."""
+                functions: Mapping[str, Mapping], device_type: str = "cuda"
+                ) -> List[Dict[str, str]]:
+    """An fp16 pass that raised where no custom Function explains it (a custom op registered
+    with ``torch.library`` and no autocast rule, a checkpoint whose recompute differs from its
+    forward, an op without a 16-bit kernel)."""
     if not error:
         return []
     if error_site and error_site.startswith("custom Function ") and \
             error_site[len("custom Function "):] in functions:
         return []
+    if error_site and error_site.startswith("custom op "):
+        op = error_site[len("custom op "):].split(" ")[0]
+        return [finding(
+            "custom", f"the custom op {op} fails under fp16 autocast: {error}", "one forward "
+            "and backward under fp16 autocast: autocast casts no input of an op registered "
+            "outside torch, so it received the 16-bit activations beside float32 weights",
+            "alarm", "custom-function", error_site,
+            f"give it an autocast rule: torch.library.register_autocast('{op}', "
+            f"'{device_type}', torch.float32) (lesson 04 names it), or cast its inputs to one "
+            f"dtype inside it")]
     cls = "checkpoint-recompute" if "CheckpointError" in error or "Recomputed" in error \
         else "fp16-failed"
     fix = ("make the checkpointed function compute the same dtypes when recomputed: keep "
@@ -252,6 +309,25 @@ def error_alarm(error: Optional[str], error_site: Optional[str],
                     "one forward and backward under fp16 autocast", "alarm", cls,
                     error_site or "not located (no module or custom Function in the traceback)",
                     fix)]
+
+
+def recompute_alarms(recomputes: Sequence[Mapping]) -> List[Dict[str, str]]:
+    """Modules whose forward ran again in the backward (a checkpoint's recompute) with matmuls
+    in another dtype than their forward's: the gradients are of another computation."""
+    out = []
+    for r in recomputes[:3]:
+        out.append(finding(
+            "custom", f"the checkpointed region {r['module']} recomputes in another dtype: its "
+            f"forward ran its matmuls in {'/'.join(r['forward'])}, the recompute in the backward "
+            f"in {'/'.join(r['recompute'])}, so the gradients are those of another computation "
+            f"than the forward's", "fp16 autocast forward and backward, matmul output dtypes "
+            "per module in the forward and when run again during the backward", "alarm",
+            "checkpoint-recompute", r["module"],
+            "make the region compute the same in both passes: no branch on "
+            "torch.is_grad_enabled() or autocast state inside it (a reentrant checkpoint runs "
+            "its first pass under no_grad); use torch.utils.checkpoint.checkpoint(..., "
+            "use_reentrant=False), which raises when the recompute differs (lesson 05)"))
+    return out
 
 
 def loss_alarms(loss_dtype: Optional[str], reductions: Sequence[Mapping],

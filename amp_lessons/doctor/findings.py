@@ -99,7 +99,29 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
         where = "; ".join(part for part in (
             f"layer outputs: {acts}" if acts else "", f"gradients: {grads}" if grads else "",
             "" if fp32_loss_finite else "the loss") if part)
-        if fp32_broken(fp32_nonfinite, fp32_loss_finite):
+        low = set((fp32_site or {}).get("input_dtypes") or ()) or {"float32"}
+        if fp32_broken(fp32_nonfinite, fp32_loss_finite) and low <= {"float16", "bfloat16"}:
+            # the op ran on 16-bit inputs in the float32 pass: the learner's code casts there
+            in_loss = fp32_site["module"] == "the loss"
+            cls = "loss-16bit" if in_loss else "reduction-16bit" if any(
+                fp32_site["op"].startswith(f"aten.{r}") for r in ("sum", "mean", "norm", "var",
+                                                                    "std", "cumsum", "prod")) \
+                else "activation-overflow"
+            out.append(finding("loss" if cls != "activation-overflow" else "overflow",
+                               f"your code computes {'the loss' if in_loss else 'in 16 bits'} "
+                               f"in {'/'.join(sorted(low))} itself and it overflows: "
+                               f"{fp32_site['op']} in {fp32_site['module']} returned inf/NaN "
+                               f"from finite {'/'.join(sorted(low))} inputs in the float32 run "
+                               f"(no autocast), so fp16's 65,504 applies there whatever the "
+                               f"precision you train in",
+                               "fp32 forward and backward without autocast, every op's output "
+                               "and input dtypes checked", "alarm", cls,
+                               f"{fp32_site['module']}, op {fp32_site['op']}",
+                               "compute it in float32: drop the .half() / .to(torch.float16) "
+                               "before it (for a loss: loss_fn(output.float(), target.float()))"
+                               "; under autocast the model's output is already 16-bit where it "
+                               "should be"))
+        elif fp32_broken(fp32_nonfinite, fp32_loss_finite):
             site = (f"{fp32_site['module']}, op {fp32_site['op']}" if fp32_site else
                     "not located to an op")
             out.append(finding("ranges", f"the model is not finite in fp32: inf/NaN values "

@@ -54,7 +54,7 @@ def from_shapes(model: nn.Module, crossover: Optional[int], source: str) -> Dict
                 "text": f"not decided from the shapes: no crossover width measured ({source})"}
     slower = not wide
     text = (f"FP8 would be slower than bf16: none of the {plural(len(shapes), 'Linear layer')} "
-            f"is {crossover:,} wide in both dimensions (widest: {widest[0]}, "
+            f"is {crossover:,} wide in both dimensions (widest: layer {widest[0]}, "
             f"{widest[1]:,}x{widest[2]:,}), and FP8 only beat compiled bf16 from width "
             f"{crossover:,} on ({source})" if slower else
             f"{len(wide)} of {plural(len(shapes), 'Linear layer')} are at least {crossover:,} "

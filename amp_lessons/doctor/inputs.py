@@ -470,6 +470,16 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device, in
         out_all = raw.model(inputs) if isinstance(inputs, torch.Tensor) else \
             raw.model(**inputs) if isinstance(inputs, dict) else raw.model(*inputs)
     out, key, output_text = choose_output(out_all, output)
+    own = dict(output_items(out_all)).get("loss")
+    if output is None and target is None and loss_fn is None and key == "logits" and \
+            own is not None and own.is_floating_point() and own.numel() == 1:
+        # HF style: labels went in, the model computed its loss; logits against made-up targets
+        # would measure another loss than the one it trains on
+        out, key = own, "loss"
+        output_text = (f"output 'loss' (by default: the model computes its own loss and no "
+                       f"target was given, so its logits would be measured against made-up "
+                       f"targets; the model returns {_describe(output_items(out_all))}; choose "
+                       f"another with output=, or give target=)")
     if not out.is_floating_point():
         raise ValueError(f"{output_text} must be a floating-point tensor to "
                          f"take a loss of; got {str(out.dtype).replace('torch.', '')}: choose "

@@ -112,6 +112,9 @@ class Watch:
     loss_dtype: Optional[str] = None
     error: Optional[str] = None
     error_site: Optional[str] = None
+    error_op: Optional[Dict[str, object]] = None
+    custom_ops: Dict[str, Dict[str, object]] = field(default_factory=dict)
+    recomputes: List[Dict[str, object]] = field(default_factory=list)
 
 
 class _Mode(TorchDispatchMode):
@@ -121,7 +124,14 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            try:
+                self.w.on_error(func, args, kwargs)
+            except Exception:  # noqa: BLE001
+                pass
+            raise
         try:
             self.w.on_op(func, args, kwargs, out)
         except Exception:  # noqa: BLE001 - the watch never breaks the model's own pass
@@ -137,6 +147,10 @@ class _Watcher:
         self.function_stack: List[str] = []
         self.backward_function: Optional[str] = None
         self.kinds = {name or ROOT: type(m).__name__ for name, m in model.named_modules()}
+        # per module, the dtypes its matmuls returned in the forward and when recomputed in the
+        # backward (a checkpoint: the module's forward runs again while gradients are computed)
+        self.forward_dtypes: Dict[str, set] = {}
+        self.recompute_dtypes: Dict[str, set] = {}
 
     # -- where the op runs ---------------------------------------------------------------------
     def where(self, backward: bool) -> str:
@@ -148,13 +162,35 @@ class _Watcher:
             return self.backward_module or "the loss"
         return self.stack[-1] if self.stack else "the loss"
 
+    def on_error(self, func, args, kwargs) -> None:
+        """The op an exception came from (the first one), with the module it ran in."""
+        if self.result.error_op is not None:
+            return
+        backward = torch._C._current_graph_task_id() != -1
+        ins = list(_tensors(list(args) + list((kwargs or {}).values())))
+        self.result.error_op = {"op": _op_name(func), "custom": _custom_op(func),
+                                "module": self.where(backward), "backward": backward,
+                                "input_dtypes": sorted({_short(t.dtype) for t in ins
+                                                        if t.is_floating_point()})}
+
     def on_op(self, func, args, kwargs, out) -> None:
         name = func.overloadpacket.__name__
         backward = torch._C._current_graph_task_id() != -1
         outs = [t for t in _tensors([out]) if t.is_floating_point()]
+        r = self.result
+        if _custom_op(func) and self.low is not None and len(r.custom_ops) < 50:
+            ins = list(_tensors(list(args) + list(kwargs.values())))
+            rec = r.custom_ops.setdefault(_op_name(func), {
+                "op": _op_name(func), "module": self.where(backward), "input_dtypes": []})
+            rec["input_dtypes"] = sorted(set(rec["input_dtypes"]) | {
+                _short(t.dtype) for t in ins if t.is_floating_point()})
         if not outs or name in UNINITIALISED:
             return
-        r = self.result
+        if name in MATMULS and self.stack and not self.function_stack and \
+                self.backward_function is None:
+            into = self.recompute_dtypes if backward else self.forward_dtypes
+            for module in set(self.stack):
+                into.setdefault(module, set()).add(_short(outs[0].dtype))
         if self.backward_function is not None and backward and name in MATMULS:
             rec = r.functions.get(self.backward_function)
             if rec is not None and self.low is not None and outs[0].dtype == torch.float32:
@@ -249,6 +285,19 @@ class _Watcher:
         return None
 
 
+def _op_name(func) -> str:
+    """``aten.mm``, or ``mylib::my_op`` for an op registered outside torch."""
+    name = func.overloadpacket.__name__
+    return f"{func.namespace}::{name}" if _custom_op(func) else f"aten.{name}"
+
+
+def _custom_op(func) -> bool:
+    """Whether ``func`` is an op registered outside torch (``torch.library``), which autocast
+    does not cast unless it registers an autocast rule."""
+    return getattr(func, "namespace", "aten") not in ("aten", "prims", "prim", "_c10d_functional",
+                                                      "c10d", "profiler", "quantized", "_quant")
+
+
 def _takes_device() -> bool:
     try:
         torch.is_autocast_enabled("cpu")
@@ -318,14 +367,34 @@ def watch(model: nn.Module, low: Optional[torch.dtype] = None) -> Iterator[Watch
         if site is None:
             site = next((n for n, r in w.result.functions.items()
                          if r.get("error")), None)
-        w.result.error_site = (f"custom Function {site}" if site else None) or (f"module {w.stack[-1]}" if w.stack else None)
+        op = w.result.error_op
+        if site:
+            w.result.error_site = f"custom Function {site}"
+        elif op and op["custom"]:
+            w.result.error_site = f"custom op {op['op']} (called in {op['module']})"
+        elif op:
+            w.result.error_site = f"{_module_words(op['module'])}, op {op['op']}" + \
+                (" (in the backward)" if op["backward"] else "")
+        elif w.stack:
+            w.result.error_site = _module_words(w.stack[-1])
         raise
     finally:
+        w.result.recomputes = [
+            {"module": m, "forward": sorted(w.forward_dtypes[m]), "recompute": sorted(d)}
+            for m, d in w.recompute_dtypes.items()
+            if m in w.forward_dtypes and d != w.forward_dtypes[m] and not any(
+                m.startswith(o + ".") for o in w.recompute_dtypes
+                if o != m and w.recompute_dtypes[o] != w.forward_dtypes.get(o))]
         torch.autograd.Function.apply = original
         for h in handles:
             h.remove()
         if hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             w.result.no_gradient = [n for n, _ in params if n not in got]
+
+
+def _module_words(module: str) -> str:
+    return module if module in (ROOT, "the loss") or module.startswith("custom Function ") \
+        else f"module {module}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

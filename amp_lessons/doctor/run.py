@@ -148,7 +148,7 @@ def _watch_doc(w) -> Dict[str, object]:
     return {k: getattr(w, k) for k in ("forward_nonfinite", "backward_nonfinite",
                                         "first_nonfinite_parameter", "nonfinite_parameters",
                                         "functions", "reductions", "no_gradient", "error",
-                                        "error_site")} if w is not None else {}
+                                        "error_site", "recomputes")} if w is not None else {}
 
 
 @keeps_rng
@@ -171,7 +171,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     Without a target the doctor makes one (``inputs.made_target``). ``output``: which output to
     take the loss of where the model returns a dict, dataclass or tuple (a key or index; by
     default ``logits``, else ``loss``: a one-number ``loss`` output is the loss itself, as is a
-    lone 0-dim output without a target); the
+    lone 0-dim output without a target, and so is a one-number ``loss`` beside
+    ``logits`` where no target is given: the loss of the labels the model was given); the
     report says which was used. ``loss_fn(output, target)`` defaults to cross-entropy for
     integer targets, MSE otherwise. ``optimizer``: its class and defaults are used on copies
     (default: the engine's foreach SGD), and its state is checked (an eps that is 0 in 16 bits).
@@ -293,6 +294,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     fp32_loss_finite = all(bool(torch.isfinite(t).all()) for t in fp32_losses)
     fp32_rows = [r for r in layers if r.get("act_nonfinite") or r.get("grad_nonfinite")]
     fp32_bad = _fp32_nonfinite(fp32_rows, fp32_loss_finite) if stats else []
+    fp32_cast = _diagnose.cast_site(fp32_watch.forward_nonfinite or fp32_watch.backward_nonfinite
+                                    if fp32_watch is not None else None) if fp32_bad else ""
     bar.lap("ranges (fp32 forward and backward, per layer and parameter)")
 
     # what autocast does; the watch finds where inf/NaN first appears, custom Functions, ...
@@ -344,7 +347,7 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     advice_args = (k, overflow, under_k, under_default, bf16, flushed_k)
     advice_kw = dict(fp16_nonfinite=fp16_bad, fp32_nonfinite=fp32_bad,
                      fp16_unchecked="" if fp16_failed else fp16_unchecked, worst_layer=worst,
-                     fp16_failed=fp16_failed)
+                     fp16_failed=fp16_failed, fp32_cast=fp32_cast)
     advice = _scale.advice(*advice_args, **advice_kw)
     bar.lap("fp16 autocast trace (ops, inf/NaN sites, custom Functions, reductions)")
 
@@ -430,12 +433,15 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     alarms: List[Dict[str, str]] = []
     if not fp32_bad:
         alarms += _diagnose.overflow_alarms(overflow, fw, alt, device.type)
-        alarms += _diagnose.collapse_alarm(fw, trial, alt)
-        alarms += _diagnose.underflow_alarm(ranking, k, _scale.DEFAULT_EXPONENT, alt)
+        alarms += _diagnose.collapse_alarm(fw, trial, alt, device.type)
+        alarms += _diagnose.underflow_alarm(ranking, k, _scale.DEFAULT_EXPONENT, alt,
+                                            flushed_k if advice.get("reason") == "flushed"
+                                            else 0.0, layers)
         alarms += _diagnose.function_alarms(fw.get("functions", {}), fw.get("error"),
                                             fw.get("error_site"), device.type)
         alarms += _diagnose.error_alarm(fw.get("error"), fw.get("error_site"),
-                                        fw.get("functions", {}))
+                                        fw.get("functions", {}), device.type)
+        alarms += _diagnose.recompute_alarms(fw.get("recomputes", []))
         alarms += _diagnose.loss_alarms(trace_doc.get("loss_dtype"), fw.get("reductions", []),
                                         b.loss_name, device.type)
     alarms += _diagnose.weights_alarms(weights_diag)
@@ -459,7 +465,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     verdict = _verdict.verdict(device.type, device_name, bf16, advice, fix_first,
                                sorted(weights_diag["low"]))
     if device.type != "cuda":
-        site = fw.get("forward_nonfinite") or {}
+        site = fw.get("forward_nonfinite") or (
+            fw.get("backward_nonfinite") if fw.get("first_nonfinite_parameter") else None) or {}
         cpu_op = site.get("op") if not overflow and _diagnose.cpu_only(site.get("op", ""),
                                                                         device.type) else ""
         verdict["on_gpu"] = _verdict.gpu_outlook(advice, fp16_unchecked if fp16_raised else "",

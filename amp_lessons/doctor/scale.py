@@ -59,7 +59,7 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
            flushed_at_k: float = 0.0, fp16_nonfinite: Sequence[str] = (),
            fp32_nonfinite: Sequence[str] = (), trial: Sequence[Dict[str, object]] = (),
            fp16_unchecked: str = "", worst_layer: Optional[Dict[str, object]] = None,
-           fp16_failed: Sequence[str] = ()) -> Dict[str, object]:
+           fp16_failed: Sequence[str] = (), fp32_cast: str = "") -> Dict[str, object]:
     """What to train this model in, as data: ``precision`` (fp16 or bf16), ``fp16_safe``,
     ``settings`` (ScalerSettings as a dict, for fp16), and ``lines``: the advice in sentences,
     each with the measurement behind it. ``overflow``: the fp16 overflow sites of the forward
@@ -72,7 +72,9 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
     ``scaler_trial`` rows (a run that ended with an inf/NaN loss), make fp16 not safe even where
     no layer's fp32 output passes 65,504 (an op inside or between layers overflowed).
     ``fp32_nonfinite``: where the fp32 forward or backward already held inf/NaN; then no
-    precision helps and the advice says so. ``fp16_unchecked``: why the fp16 forward could not be
+    precision helps and the advice says so, unless ``fp32_cast`` names the op that made it: an
+    op the learner's own code ran on 16-bit inputs (an explicit ``.half()``), which is to be
+    computed in float32. ``fp16_unchecked``: why the fp16 forward could not be
     run on this device; then ``fp16_safe`` is None (not checked). ``fp16_failed``: fp16 runs that
     raised or whose gradients were inf/NaN at every scale (sentences); a ``trial`` row that
     raised counts too: either makes fp16 not safe. ``worst_layer``: the parameter whose gradient
@@ -84,6 +86,14 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
     lines: List[str] = []
     alt = "bf16 (fp32's range in 16 bits)" if bf16_native else \
         "keep those layers in fp32 (this GPU has no native bf16)"
+    if fp32_nonfinite and fp32_cast:
+        lines.append(f"fp16 is not safe as your code is written: the float32 run is already "
+                     f"inf/NaN because your own code computes in 16 bits ({fp32_cast}), where "
+                     f"fp16's 65,504 applies even without autocast. Compute that part in float32 "
+                     f"(drop the .half() / .to(torch.float16) before it) and measure again; no "
+                     f"loss scale is advised until then.")
+        return {"precision": "none (16 bits in your code)", "fp16_safe": False,
+                "settings": None, "lines": lines}
     if fp32_nonfinite:
         shown = ", ".join(fp32_nonfinite[:3]) + (" ..." if len(fp32_nonfinite) > 3 else "")
         lines.append(f"The model is not finite in fp32: the float32 forward or backward already "
@@ -136,7 +146,7 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
                      f"to zero by fp16 ({underflow_at_k:.2%} flushed or subnormal): the gradients "
                      f"span more than fp16's range. Train in {alt}.")
         return {"precision": "bf16" if bf16_native else "fp16", "fp16_safe": False,
-                "settings": settings.as_dict(), "lines": lines}
+                "settings": settings.as_dict(), "lines": lines, "reason": "flushed"}
     w = worst_layer or {}
     def lost(key):
         v = w.get(key)

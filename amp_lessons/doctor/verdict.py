@@ -41,7 +41,12 @@ def verdict(device_type: str, device_name: str, bf16_native: bool, advice: Mappi
     masters = (f"; keep fp32 master weights (your weights are {' and '.join(weights_low)} now: "
                f"see the weights finding)" if weights_low else "")
     k = None
-    if str(advice.get("precision", "")).startswith("none"):
+    if str(advice.get("precision", "")) == "none (16 bits in your code)":
+        precision = "none"
+        text = ("fix your code first: it computes in 16 bits itself (an explicit .half()) and "
+                "gives inf/NaN even in a float32 run; compute that part in float32 (see the "
+                "findings for where)")
+    elif str(advice.get("precision", "")).startswith("none"):
         precision = "none"
         text = ("fix the model in fp32 first: it already gives inf/NaN in float32, and no "
                 "precision helps (see the findings for where)")
@@ -83,6 +88,8 @@ def gpu_outlook(advice: Mapping, fp16_raised: str = "", cpu_op: str = "") -> str
     fp16 autocast has no kernel for some layers: nn.LSTM), so fp16 is then "not checked".
     ``cpu_op``: the op whose inf/NaN made fp16 fail here, where CUDA autocast runs it in float32
     (``diagnose.cpu_only``): fp16 is then "not decided" for a GPU either."""
+    if str(advice.get("precision", "")) == "none (16 bits in your code)":
+        return "on a GPU: compute in float32 the part your code casts to 16 bits, then measure again"
     if str(advice.get("precision", "")).startswith("none"):
         return "on a GPU: fix the model in fp32 first"
     if cpu_op and not advice.get("fp16_safe"):
@@ -98,7 +105,22 @@ def gpu_outlook(advice: Mapping, fp16_raised: str = "", cpu_op: str = "") -> str
                 + (f", init_scale 2^{k}" if k is not None else ""))
     if advice.get("fp16_safe") is None:
         return "on a GPU: bf16 autocast where it has native bf16; fp16 not checked here"
-    return "on a GPU: bf16 autocast where it has native bf16; fp16 is unsafe for this model"
+    why = _reason(advice)
+    return ("on a GPU: bf16 autocast where it has native bf16; fp16 is unsafe for this model"
+            + (f" ({why})" if why else ""))
+
+
+def _reason(advice: Mapping) -> str:
+    """The first sentence of the advice line that says why fp16 is not safe ("" if none)."""
+    lines = advice.get("lines", [])
+    line = next((x for x in lines if "not safe" in x),
+                next((x for x in lines if "flushed to zero" in x and "Even there" in x), ""))
+    if line.startswith("fp16 is not safe") and ": " in line:
+        line = line.split(": ", 1)[1]
+    elif line.startswith("Even there, "):
+        line = line[len("Even there, "):]
+    first = line.split(". ")[0].rstrip(".")
+    return first[:240]
 
 
 def alarm_lines(findings: Sequence[Mapping]) -> List[str]:

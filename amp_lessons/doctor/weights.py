@@ -51,12 +51,18 @@ def rounded_away(model: nn.Module, lr: float, grads: Optional[Dict[str, torch.Te
     """Of the model's 16-bit weights: how many one step would leave unchanged (the update below
     half an ulp of the weight in its own dtype). The update is ``lr`` for Adam-like optimizers
     (their first step moves each weight by about lr) and ``lr * |grad|`` otherwise (``grads``:
-    float32 gradients by parameter name)."""
+    float32 gradients by parameter name). ``half_stop_update``: the update below which half of
+    the weights would not move (the median half-ulp), for a learning rate that decays."""
     total = lost = 0
+    half_ulps = []
     for n, p in model.named_parameters():
         if not (p.requires_grad and p.dtype in LOW):
             continue
         w = p.detach().float()
+        nz = w[w != 0].abs()
+        if nz.numel():  # half a unit in the last place of each nonzero weight, in its dtype
+            mant = {torch.float16: 10, torch.bfloat16: 7}[p.dtype]  # stored mantissa bits
+            half_ulps.append(torch.exp2(torch.floor(torch.log2(nz)) - mant - 1))
         if adam_like or grads is None or n not in grads:
             u = torch.full_like(w, lr)
         else:
@@ -64,8 +70,9 @@ def rounded_away(model: nn.Module, lr: float, grads: Optional[Dict[str, torch.Te
         moved = (w + u).to(p.dtype).float() != w
         total += w.numel()
         lost += int((~moved & (u > 0)).sum())
+    median = float(torch.cat(half_ulps).median()) if half_ulps else None
     return {"weights": total, "unchanged": lost, "share": lost / total if total else 0.0,
-            "lr": lr}
+            "lr": lr, "half_stop_update": median}
 
 
 def eps_in(dtype: torch.dtype, eps: float) -> float:

@@ -51,6 +51,17 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
+def _file_path(text: str) -> Path:
+    """An argparse type: a path that names a file (``_path``'s rule, and no trailing ``/``:
+    ``Path`` drops it, so ``--json out/`` wrote a file named ``out`` where the user named a
+    folder)."""
+    path = _path(text)
+    if text.endswith(("/", os.sep)) and text.strip("/" + os.sep):
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}: its trailing "
+                                         f"'/' names a folder (name the file in it)")
+    return path
+
+
 def as_flag(message: str, dests, renamed: Optional[dict] = None) -> str:
     """``message`` with the setting it starts with ("lr must be ...", "resume: ...") written as
     the command's flag ("--lr must be ..."): errors from the functions behind a command name
@@ -198,7 +209,7 @@ def _add_rehearse(sub) -> None:
                    help="folder for the executed copies and rehearsal_<card>.json")
     p.add_argument("--timeout", type=_positive_int, default=1800,
                    help="seconds one cell may run (default 1800)")
-    p.add_argument("--update", type=_path, default=None,
+    p.add_argument("--update", type=_file_path, default=None,
                    help="a rehearsal record (docs/rehearsal_t4.json) to merge this run into: "
                         "lessons run now replace their earlier records")
     p.set_defaults(func=_cmd_rehearse)
@@ -285,7 +296,7 @@ def _add_readme(sub) -> None:
                                    "their citations in metadata amp_lessons.cited) too.")
     p.add_argument("--check", action="store_true",
                    help="change nothing; exit 1 if the section is out of date")
-    p.add_argument("--readme", type=_path, default=None,
+    p.add_argument("--readme", type=_file_path, default=None,
                    help="README to update (default: the repo's, and then the lessons' cited "
                         "prose too; another README is written alone)")
     p.set_defaults(func=_cmd_readme)
@@ -395,7 +406,7 @@ def _add_claims(sub) -> None:
                                    "the rule, from amp_lessons/publish/claims.py, as Markdown (what "
                                    "docs/claims.md holds). Writes a file only where --out names "
                                    "one.")
-    p.add_argument("--out", type=_path, default=None, metavar="PATH",
+    p.add_argument("--out", type=_file_path, default=None, metavar="PATH",
                    help="write the Markdown to PATH instead of printing it "
                         "(the course's own copy: --out docs/claims.md)")
     p.add_argument("--check", action="store_true",
@@ -517,7 +528,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--steps", type=_positive_int, default=None, help="default: 15 (full), 3 (quick)")
     p.add_argument("--profile", choices=["quick", "full"], default=None,
                    help="default sizes to use (default: full with CUDA, quick without)")
-    p.add_argument("--json", type=_path, default=None, help="also write the rows as JSON here")
+    p.add_argument("--json", type=_file_path, default=None, help="also write the rows as JSON here")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -616,11 +627,11 @@ def _add_train(sub) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="default: the GPU if there is one")
     p.add_argument("--seed", type=_whole, default=0, help="default 0")
-    p.add_argument("--checkpoint", type=_path, default=None, metavar="PATH",
+    p.add_argument("--checkpoint", type=_file_path, default=None, metavar="PATH",
                    help="save a training checkpoint here after every epoch (atomically)")
-    p.add_argument("--resume", type=_path, default=None, metavar="PATH",
+    p.add_argument("--resume", type=_file_path, default=None, metavar="PATH",
                    help="continue exactly from this checkpoint")
-    p.add_argument("--json", type=_path, default=None, metavar="OUT",
+    p.add_argument("--json", type=_file_path, default=None, metavar="OUT",
                    help="also write the per-epoch results, summary and step history here")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_cmd_train, parser=p)

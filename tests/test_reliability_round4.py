@@ -391,3 +391,19 @@ def test_figure_images_refuses_a_read_only_notebook_before_chromium_starts(tmp_p
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err
     assert f"notebook: '{path}' exists and cannot be written (read-only: mode 0444)" in err
+
+
+@pytest.mark.parametrize("argv", [["claims", "--out", "{d}/claims.md/"],
+                                  ["train", "--json", "{d}/results/"],
+                                  ["train", "--checkpoint", "{d}/c.pt/"],
+                                  ["bench", "--json", "{d}/rows.json/"],
+                                  ["readme", "--readme", "{d}/README.md/"]])
+def test_a_file_flag_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path, capsys, argv):
+    """``Path`` drops a trailing '/': ``claims --out claims.md/`` wrote a file claims.md."""
+    from amp_lessons.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([a.replace("{d}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "its trailing '/' names a folder" in err, err
+    assert not list(tmp_path.iterdir())

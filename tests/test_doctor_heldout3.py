@@ -316,6 +316,32 @@ def scheduler_first(model, optimizer, scaler, batch, scheduler=None):
     scaler.update()
 
 
+def unscale_twice(model, optimizer, scaler, batch):
+    optimizer.zero_grad()
+    scaler.scale(_fp16_loss(model, *batch)).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.unscale_(optimizer)  # a helper that unscales again
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def update_then_step(model, optimizer, scaler, batch):
+    optimizer.zero_grad()
+    scaler.scale(_fp16_loss(model, *batch)).backward()
+    scaler.update()
+    scaler.step(optimizer)
+
+
+def step_every_micro_batch(model, optimizer, scaler, batch):
+    x, y = batch
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        scaler.scale(_fp16_loss(model, xs, ys) / 2).backward()
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+
+
 def careful_step(model, optimizer, scaler, batch, scheduler=None):
     optimizer.zero_grad()
     scaler.scale(_fp16_loss(model, *batch)).backward()
@@ -399,6 +425,12 @@ PROBLEMS = {
     "scheduler stepped before scaler.step": (
         lambda: (mlp(), dict(batch=classes(), step_fn=scheduler_first)),
         "scaler-misuse", "scheduler on skipped step"),
+    "scaler.unscale_ twice in a step": (
+        lambda: (mlp(), dict(batch=classes(), step_fn=unscale_twice)),
+        "scaler-misuse", "second unscale_"),
+    "scaler.update before scaler.step": (
+        lambda: (mlp(), dict(batch=classes(), step_fn=update_then_step)),
+        "scaler-misuse", "update before step"),
 }
 
 
@@ -561,6 +593,20 @@ def test_a_collapse_from_an_op_cuda_runs_in_float32_is_not_decided_for_a_gpu():
     hit = next(a for a in r.alarms() if a["class"] == "scale-collapse")
     assert "aten.log" in hit["site"] and "maybe on this CPU only" in hit["finding"]
     assert "fp16 not decided by this CPU run" in r.verdict["on_gpu"]
+
+
+def test_a_step_fn_that_grad_scaler_refuses_is_named_by_its_misuse():
+    """GradScaler's own error is read against the calls of the step that raised: a second
+    scaler.step in one step is not also called a missing update; an unscale_ twice is not a
+    missing update; update before step is a misuse, not "not checked"."""
+    seeded()
+    r = al.doctor(mlp(), classes(), step_fn=step_every_micro_batch, **QUICK)
+    assert [a["site"] for a in r.alarms()] == ["second step"], r.alarms()
+    r = al.doctor(mlp(), classes(), step_fn=unscale_twice, **QUICK)
+    assert [a["site"] for a in r.alarms()] == ["second unscale_"], r.alarms()
+    r = al.doctor(mlp(), classes(), step_fn=update_then_step, **QUICK)
+    assert r.step_check["status"] == "checked" and [a["site"] for a in r.alarms()] == [
+        "update before step"]
 
 
 def test_16bit_weights_that_still_move_say_when_they_stop():

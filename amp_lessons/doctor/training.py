@@ -175,15 +175,45 @@ def _misuse(per_step: List[List[str]], error: Optional[BaseException],
         found.setdefault(kind, {"misuse": kind, "what": what, "evidence": evidence, "fix": fix})
 
     text = str(error) if error is not None else ""
+    first = text.splitlines()[0] if text else ""
+    last = [e for e in per_step[-1] if e != "unscale op"] if per_step else []
+    n = len(per_step)
     if "step() has already been called since the last update()" in text:
-        add("second step", "scaler.step() called twice before update()", text.splitlines()[0],
-            "one scaler.step(optimizer) per scaler.update()")
-    if "unscale_() is being called after step()" in text or \
-            "unscale_() has already been called on this optimizer since the last update()" in text \
-            or "step() has already been called" in text and not any(
-                "update" in s for s in per_step):
-        add("missing update", "scaler.update() is not called after scaler.step()",
-            text.splitlines()[0], "call scaler.update() once per step, after scaler.step()")
+        if last.count("scaler.step") > 1:
+            add("second step", "scaler.step() called twice before update()",
+                f"step {n}: calls {', '.join(last)}; GradScaler raised: {first}",
+                "one scaler.step(optimizer) per scaler.update()")
+        else:
+            add("missing update", "scaler.update() is not called after scaler.step()",
+                f"step {n - 1} ended without update(); at step {n} GradScaler raised: {first}",
+                "call scaler.update() once per step, after scaler.step()")
+    if "unscale_() has already been called on this optimizer since the last update()" in text:
+        if last.count("unscale_") > 1:
+            add("second unscale_", "scaler.unscale_(optimizer) is called twice in one step (by "
+                "your step and by a helper, say): GradScaler refuses the second",
+                f"step {n}: calls {', '.join(last)}; GradScaler raised: {first}",
+                "call scaler.unscale_(optimizer) once per step, before clipping; scaler.step "
+                "does not unscale again (lesson 02)")
+        else:
+            add("missing update", "scaler.update() is not called after scaler.step()",
+                f"step {n - 1} ended without update(); at step {n} GradScaler raised: {first}",
+                "call scaler.update() once per step, after scaler.step()")
+    if "unscale_() is being called after step()" in text:
+        if "scaler.step" in last:
+            add("unscale_ after step", "scaler.unscale_(optimizer) is called after "
+                "scaler.step(): the step already used (and unscaled) the gradients",
+                f"step {n}: calls {', '.join(last)}; GradScaler raised: {first}",
+                "order: scaler.scale(loss).backward(), scaler.unscale_, clip, scaler.step, "
+                "scaler.update (lesson 02)")
+        else:
+            add("missing update", "scaler.update() is not called after scaler.step()",
+                f"step {n - 1} ended without update(); at step {n} GradScaler raised: {first}",
+                "call scaler.update() once per step, after scaler.step()")
+    if "No inf checks were recorded prior to update" in text:
+        add("update before step", "scaler.update() is called before scaler.step() (or "
+            "without it): the scale is updated from no inf check, and GradScaler refuses",
+            f"step {n}: calls {', '.join(last)}; GradScaler raised: {first}",
+            "order: scaler.step(optimizer), then scaler.update() (lesson 02)")
     for i, events in enumerate(per_step, 1):
         names = [e for e in events if e != "unscale op"]
         first_unscale = next((j for j, e in enumerate(events) if e in ("unscale_", "unscale op",

@@ -22,7 +22,7 @@ NONFINITE_POLICIES = ("skip", "raise", "ignore")
 class ScalerSettings:
     """GradScaler's four knobs (lesson 03) plus ``enabled``; the defaults are torch's.
 
-    ``init_scale`` in float32's normal range; ``growth_factor`` > 1; ``backoff_factor`` in (0, 1);
+    ``init_scale`` in float32's normal range; ``growth_factor`` in (1, 2**127]; ``backoff_factor`` in (0, 1);
     ``growth_interval`` a whole number >= 1. ``make(device_type)`` builds the GradScaler::
 
         scaler = ScalerSettings(init_scale=2.0**12).make("cuda")
@@ -39,7 +39,8 @@ class ScalerSettings:
         if not is_real(v) or not 2.0 ** -126 <= v <= 2.0 ** 127:
             raise ValueError(f"init_scale must be a finite number > 0 in float32's normal range "
                              f"[2**-126, 2**127] (the scale is a float32 tensor); got {v!r}")
-        growth = check_real("growth_factor", self.growth_factor, 1.0, low_open=True)
+        # (the scale is a float32 tensor: a factor past float32's range makes it inf at once)
+        growth = check_real("growth_factor", self.growth_factor, 1.0, 2.0 ** 127, low_open=True)
         if not is_real(self.backoff_factor) or not 0 < self.backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in the open interval (0, 1); "
                              f"got {self.backoff_factor!r}")

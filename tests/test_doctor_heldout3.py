@@ -273,6 +273,25 @@ class Retrieval(nn.Module):
         return self.fc(self.pool(self.backbone(x)))
 
 
+class VAE(nn.Module):
+    """Returns {'loss', 'recon'}; the KL term's logvar.exp() is computed in the model's own
+    forward, between its layers."""
+
+    def __init__(self, logvar_bias=0.0):
+        super().__init__()
+        self.enc, self.mu, self.logvar = nn.Linear(20, 32), nn.Linear(32, 8), nn.Linear(32, 8)
+        self.dec = nn.Linear(8, 20)
+        with torch.no_grad():
+            self.logvar.bias.fill_(logvar_bias)
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x))
+        mu, lv = self.mu(h), self.logvar(h)
+        rec = self.dec(mu + torch.randn_like(mu) * torch.exp(0.5 * lv))
+        kl = -0.5 * torch.mean(1 + lv - mu.pow(2) - lv.exp())
+        return {"loss": F.mse_loss(rec.float(), x) + kl.float(), "recon": rec}
+
+
 def mlp():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
@@ -607,6 +626,20 @@ def test_a_step_fn_that_grad_scaler_refuses_is_named_by_its_misuse():
     r = al.doctor(mlp(), classes(), step_fn=update_then_step, **QUICK)
     assert r.step_check["status"] == "checked" and [a["site"] for a in r.alarms()] == [
         "update before step"]
+
+
+def test_an_op_between_layers_is_fixed_where_the_forward_calls_it():
+    """An exp in the model's own forward (not in a submodule): the fix is that op in float32,
+    not "keep the model's own forward in fp32" (which is fp32 training); CUDA autocast runs exp
+    in float32, so the GPU is left undecided."""
+    g = seeded()
+    r = al.doctor(VAE(logvar_bias=12.0), inputs=torch.randn(16, 20, generator=g), **QUICK)
+    hit = next(a for a in r.alarms() if a["class"] == "activation-overflow")
+    assert hit["site"] == "the model's own forward (VAE), op aten.exp"
+    assert hit["fix"].startswith("run that aten.exp in float32 where the model's own forward")
+    assert "on this CPU only" in hit["finding"] and "not decided" in r.verdict["on_gpu"]
+    g = seeded()
+    assert not al.doctor(VAE(), inputs=torch.randn(16, 20, generator=g), **QUICK).alarms()
 
 
 def test_16bit_weights_that_still_move_say_when_they_stop():

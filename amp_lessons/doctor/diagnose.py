@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from amp_lessons.doctor.findings import finding
+from amp_lessons.doctor.probes import ROOT
 from amp_lessons.doctor.scale import LAYER_LOSS_LIMIT, MAX_FLUSHED
 from amp_lessons.doctor.weights import share_text
 from amp_lessons.tables import plural
@@ -91,9 +92,12 @@ def overflow_alarms(overflow: Sequence[Mapping], fp16_watch: Optional[Mapping],
     elif site:
         attention = _is_attention(site)
         cls = "attention-overflow" if attention else "activation-overflow"
+        between = site["module"] in (ROOT, "the loss")  # not inside any submodule
         fix = ("scale the scores by 1/sqrt(head_dim) before the softmax (or use "
                "F.scaled_dot_product_attention), or compute them in fp32" if attention else
-               f"keep {site['module']} in fp32 (selective autocast)")
+               f"run that {site['op']} in float32 where {site['module']} calls it (its input "
+               f".float(), or torch.autocast(..., enabled=False) around that line)" if between
+               else f"keep {site['module']} in fp32 (selective autocast)")
         largest = (f"; its largest input was {site['largest_input']:.4g}"
                    if site.get("largest_input") is not None else "")
         out.append(finding(

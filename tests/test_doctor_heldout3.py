@@ -411,7 +411,7 @@ PROBLEMS = {
     ".half() loss overflows in fp32 too": (
         lambda: (mlp(), dict(batch=(torch.randn(64, 16, generator=seeded()),
                                     torch.randn(64, 4) * 30), loss_fn=half_mse)),
-        "loss-16bit", "the loss, op aten.sum"),
+        "loss-16bit", "half_mse (the loss), op aten.sum"),
     "torch.sum over an fp16 log-prob": (
         lambda: (nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50)), dict(
             batch=(torch.randint(0, 50, (4, 64), generator=seeded()),

@@ -83,7 +83,8 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
             speed: Sequence[Mapping], fp8: Mapping, fp32_nonfinite: Sequence[Mapping] = (),
             fp32_loss_finite: bool = True, failures: Sequence[Mapping] = (),
             fp32_site: Optional[Mapping] = None, output_text: str = "",
-            read_as: str = "", speed_reason: str = "") -> List[Dict[str, str]]:
+            read_as: str = "", speed_reason: str = "",
+            loss_name: str = "") -> List[Dict[str, str]]:
     """The measurement findings of one doctor run, in the order a learner should read them (the
     diagnoses of ``diagnose`` go before them). ``fp32_nonfinite``: the layer rows whose fp32
     output or gradients held inf/NaN (their ``act_nonfinite`` / ``grad_nonfinite`` counts are
@@ -91,7 +92,8 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
     there); ``fp32_loss_finite``: whether the fp32 loss was finite; ``failures``: measurements
     that failed (``topic``, ``what``, ``reason``), each a finding; ``output_text`` and
     ``read_as``: which output the loss was taken of and how the batch was read;
-    ``speed_reason``: why no speed row was timed."""
+    ``speed_reason``: why no speed row was timed; ``loss_name``: the loss function's name (the
+    site of an inf/NaN the loss made from 16-bit inputs in the float32 pass)."""
     out = []
     if fp32_nonfinite or not fp32_loss_finite:
         acts, grads = _counts(fp32_nonfinite, "act_nonfinite"), _counts(fp32_nonfinite,
@@ -116,7 +118,8 @@ def collect(overflow: Sequence[Mapping], nonfinite_fp16: Sequence[str], k: Optio
                                f"precision you train in",
                                "fp32 forward and backward without autocast, every op's output "
                                "and input dtypes checked", "alarm", cls,
-                               f"{fp32_site['module']}, op {fp32_site['op']}",
+                               (f"{loss_name} (the loss)" if in_loss and loss_name else
+                                fp32_site["module"]) + f", op {fp32_site['op']}",
                                "compute it in float32: drop the .half() / .to(torch.float16) "
                                "before it (for a loss: loss_fn(output.float(), target.float()))"
                                "; under autocast the model's output is already 16-bit where it "

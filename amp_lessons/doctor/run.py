@@ -456,7 +456,7 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
                                          fp32_watch.backward_nonfinite)
                               if fp32_watch is not None else None,
                               output_text=b.output_text, read_as=b.read_as,
-                              speed_reason=speed_reason)
+                              speed_reason=speed_reason, loss_name=b.loss_name)
     order = {"alarm": 0, "warn": 1, "note": 2, "not checked": 3}
     found = sorted(alarms + found, key=lambda f: order[f["severity"]])  # stable: ties keep order
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

@@ -11,6 +11,7 @@ step, and healthy models of new shapes (a depthwise-separable CNN with GroupNorm
 nn.Transformer encoder-decoder, an MLP-mixer, a non-reentrant checkpoint, a custom op with an
 autocast rule). Each class of misjudgement found is pinned here."""
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -640,6 +641,20 @@ def test_an_op_between_layers_is_fixed_where_the_forward_calls_it():
     assert "on this CPU only" in hit["finding"] and "not decided" in r.verdict["on_gpu"]
     g = seeded()
     assert not al.doctor(VAE(), inputs=torch.randn(16, 20, generator=g), **QUICK).alarms()
+
+
+def test_a_checkpoint_recompute_cites_lesson_05_and_the_doctor_warns_nothing_of_its_own():
+    """torch.utils.checkpoint is lesson 05's; the doctor's own no-grad forwards of a reentrant
+    checkpoint made torch warn "None of the inputs have requires_grad=True" on every run."""
+    seeded()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = al.doctor(CkptNet(GradOnlyBlock(), True), classes(), **QUICK)
+    assert not [w for w in seen if "requires_grad" in str(w.message)], [str(w.message)
+                                                                        for w in seen]
+    hit = next(a for a in r.alarms() if a["class"] == "checkpoint-recompute")
+    assert hit["lesson"].startswith("lesson 05: activation checkpointing")
+    assert "use_reentrant=False" in hit["fix"]
 
 
 def test_16bit_weights_that_still_move_say_when_they_stop():

@@ -308,7 +308,7 @@ def error_alarm(error: Optional[str], error_site: Optional[str],
            "autocast outside it and use torch.utils.checkpoint.checkpoint(..., "
            "use_reentrant=False)" if cls == "checkpoint-recompute" else
            "run that part in fp32 (selective autocast) or train in bf16")
-    return [finding("custom" if cls == "checkpoint-recompute" else "trace",
+    return [finding("recompute" if cls == "checkpoint-recompute" else "trace",
                     f"the model fails under fp16 autocast: {error}",
                     "one forward and backward under fp16 autocast", "alarm", cls,
                     error_site or "not located (no module or custom Function in the traceback)",
@@ -321,7 +321,7 @@ def recompute_alarms(recomputes: Sequence[Mapping]) -> List[Dict[str, str]]:
     out = []
     for r in recomputes[:3]:
         out.append(finding(
-            "custom", f"the checkpointed region {r['module']} recomputes in another dtype: its "
+            "recompute", f"the checkpointed region {r['module']} recomputes in another dtype: its "
             f"forward ran its matmuls in {'/'.join(r['forward'])}, the recompute in the backward "
             f"in {'/'.join(r['recompute'])}, so the gradients are those of another computation "
             f"than the forward's", "fp16 autocast forward and backward, matmul output dtypes "
@@ -330,7 +330,7 @@ def recompute_alarms(recomputes: Sequence[Mapping]) -> List[Dict[str, str]]:
             "make the region compute the same in both passes: no branch on "
             "torch.is_grad_enabled() or autocast state inside it (a reentrant checkpoint runs "
             "its first pass under no_grad); use torch.utils.checkpoint.checkpoint(..., "
-            "use_reentrant=False), which raises when the recompute differs (lesson 05)"))
+            "use_reentrant=False), which raises when the recompute differs"))
     return out
 
 

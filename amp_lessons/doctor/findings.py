@@ -29,6 +29,8 @@ LESSONS = {"ranges": ("01", "fp16/bf16/fp8 ranges, underflow and overflow"),
            "custom": ("02", "custom autograd Functions under autocast: torch.amp.custom_fwd / "
                             "custom_bwd"),
            "loss": ("02", "the loss and reductions in float32 under autocast"),
+           "recompute": ("05", "activation checkpointing: the recompute must run as the forward "
+                               "did"),
            "step": ("02", "the AMP step's order: scale, backward, unscale_, clip, step, update"),
            "resume": ("05", "training checkpoints that resume exactly, scaler state included"),
            "outputs": ("09", "what the doctor measures: the output, the loss, the gradients")}

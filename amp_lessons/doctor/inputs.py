@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import inspect
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -292,6 +293,16 @@ def choose_output(out, output=None) -> Tuple[torch.Tensor, Union[str, int, None]
                      f"al.doctor(..., output=KEY) in Python, --output KEY on the command line")
 
 
+@contextmanager
+def quiet_no_grad() -> Iterator[None]:
+    """Silences the warning a reentrant ``torch.utils.checkpoint`` gives in the doctor's own
+    no-grad forwards ("None of the inputs have requires_grad=True"): it is about the doctor's
+    pass, not the learner's training, and would print on every run of such a model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")
+        yield
+
+
 class Call(nn.Module):
     """``model`` called on one input object: a tensor, a tuple/list (``model(*x)``) or a dict
     (``model(**x)``), so the engine's steps (which call ``model(x)``) run any forward signature.
@@ -465,7 +476,8 @@ def check_batch(model: nn.Module, batch, loss_fn: Optional[Callable], device, in
     inputs = move(inputs, device)
     shape = shape_text(inputs)
     check_not_empty(inputs, shape)
-    with kept_modes(model, False), torch.no_grad(), naming_layer(model, shape):
+    with kept_modes(model, False), torch.no_grad(), naming_layer(model, shape), \
+            quiet_no_grad():
         raw = Call(model, None)
         out_all = raw.model(inputs) if isinstance(inputs, torch.Tensor) else \
             raw.model(**inputs) if isinstance(inputs, dict) else raw.model(*inputs)

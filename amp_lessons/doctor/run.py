@@ -327,7 +327,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
             trace_doc["reason"] = f"the fp16 autocast forward failed: {fp16_unchecked}"
         if not fp16_failed:
             try:
-                ops = op_dtypes(lambda: call(b.inputs), device.type, torch.float16)
+                with _inputs.quiet_no_grad():
+                    ops = op_dtypes(lambda: call(b.inputs), device.type, torch.float16)
                 trace_doc.update(ops=ops, **_op_kinds(ops))
             except Exception as exc:  # noqa: BLE001
                 failures.append({"topic": "trace", "what": "the op count under fp16 autocast",

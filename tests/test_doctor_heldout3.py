@@ -362,6 +362,22 @@ def step_every_micro_batch(model, optimizer, scaler, batch):
     optimizer.zero_grad()
 
 
+def bf16_step(model, optimizer, scaler, batch):
+    x, y = batch
+    optimizer.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def fp16_step_without_scaler(model, optimizer, scaler, batch):
+    optimizer.zero_grad()
+    _fp16_loss(model, *batch).backward()
+    optimizer.step()
+
+
 def careful_step(model, optimizer, scaler, batch, scheduler=None):
     optimizer.zero_grad()
     scaler.scale(_fp16_loss(model, *batch)).backward()
@@ -655,6 +671,17 @@ def test_a_checkpoint_recompute_cites_lesson_05_and_the_doctor_warns_nothing_of_
     hit = next(a for a in r.alarms() if a["class"] == "checkpoint-recompute")
     assert hit["lesson"].startswith("lesson 05: activation checkpointing")
     assert "use_reentrant=False" in hit["fix"]
+
+
+def test_a_step_that_needs_no_grad_scaler_is_not_told_to_use_one():
+    """The course's own advice, bf16 autocast, needs no GradScaler: a bf16 (or float32) step that
+    never touches the scaler was two scaler-misuse alarms. An fp16 step without it still is."""
+    seeded()
+    r = al.doctor(mlp(), classes(), step_fn=bf16_step, **QUICK)
+    assert not r.alarms() and r.step_check["status"] == "checked", r.alarms()
+    assert "bf16 and float32 need none" in r.step_check["reason"]
+    r = al.doctor(mlp(), classes(), step_fn=fp16_step_without_scaler, **QUICK)
+    assert {"direct optimizer step", "loss not scaled"} <= {a["site"] for a in r.alarms()}
 
 
 def test_16bit_weights_that_still_move_say_when_they_stop():

@@ -38,6 +38,7 @@ class _Log:
         self.events: List[str] = []
         self.in_scaler_step = False
         self.grads: set = set()
+        self.fp16 = False  # whether any op in the step returned float16
 
     def add(self, what: str) -> None:
         self.events.append(what)
@@ -80,6 +81,8 @@ class _GradWrites(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if not self.log.fp16 and isinstance(out, torch.Tensor) and out.dtype == torch.float16:
+            self.log.fp16 = True
         if name == UNSCALE_OP:
             self.log.add("unscale op")
         elif name.endswith("_") and name not in NOT_MODIFYING and not self.log.in_scaler_step \
@@ -154,6 +157,18 @@ def check_step(step_fn: Optional[Callable], make_model: Callable, make_optimizer
                 per_step.append(log.events[start:])
                 break
             per_step.append(log.events[start:])
+    scaler_calls = {"scale", "unscale_", "scaler.step", "update"}
+    if error is None and not log.fp16 and not any(e in scaler_calls for s in per_step
+                                                  for e in s):
+        # a bf16 or float32 step: no fp16, so no GradScaler is needed and none is misused
+        return {"status": "checked", "problems": [], "steps": len(per_step),
+                "calls": [", ".join(e for e in s if e != "unscale op") or "(nothing)"
+                          for s in per_step], "init_scale": init,
+                "reason": f"{plural(len(per_step), 'step')}: your step computes nothing in "
+                          f"fp16 and does not use the GradScaler (bf16 and float32 need none): "
+                          f"no misuse possible",
+                "scheduler": "checked" if "scheduler" in kwargs else
+                "not checked: step_fn takes no scheduler keyword"}
     problems += _misuse(per_step, error, "scheduler" in kwargs)
     calls = [", ".join(e for e in s if e != "unscale op") or "(nothing)" for s in per_step]
     if error is not None and not problems:

@@ -684,6 +684,21 @@ def test_a_step_that_needs_no_grad_scaler_is_not_told_to_use_one():
     assert {"direct optimizer step", "loss not scaled"} <= {a["site"] for a in r.alarms()}
 
 
+def _scale_only(model, optimizer, scaler):
+    """A resume that keeps the scale alone: a new GradScaler(init_scale=the saved scale)."""
+    return torch.amp.GradScaler(next(model.parameters()).device.type,
+                                init_scale=scaler.get_scale())
+
+
+def test_a_resume_that_keeps_only_the_scale_says_what_was_lost():
+    seeded()
+    r = al.doctor(mlp(), classes(), checkpoint_fn=_scale_only, **QUICK)
+    hit = next(a for a in r.alarms() if a["class"] == "scaler-resume")
+    assert "growth tracker does not" in hit["finding"] and "starts again from init_scale" \
+        not in hit["finding"]
+    assert hit["evidence"].startswith("growth_tracker")
+
+
 def test_16bit_weights_that_still_move_say_when_they_stop():
     """At lr 1e-3 every fp16 weight still moves in one step: the alarm says from which update
     size half of them would not."""

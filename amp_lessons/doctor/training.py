@@ -313,9 +313,12 @@ def check_checkpoint(checkpoint_fn: Optional[Callable], make_model: Callable,
     problems = []
     for key in ("scale", "_growth_tracker"):
         if before.get(key) != after.get(key):
-            problems.append({"misuse": "scaler state lost on resume",
-                             "what": "the GradScaler's state is not saved and loaded with the "
-                                     "checkpoint: a resumed run starts again from init_scale",
+            what = ("the GradScaler's state is not saved and loaded with the checkpoint: a "
+                    "resumed run starts again from init_scale" if key == "scale" else
+                    "the scale comes back but the GradScaler's growth tracker does not (a "
+                    "scaler made from the saved scale alone): a resumed run counts its clean "
+                    "steps from 0 again, so the scale grows later than it would have")
+            problems.append({"misuse": "scaler state lost on resume", "what": what,
                              "evidence": f"{key.strip('_')} {before.get(key)!r} before saving, "
                                          f"{after.get(key)!r} after loading",
                              "fix": "save scaler.state_dict() in the checkpoint and call "

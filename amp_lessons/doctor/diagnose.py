@@ -146,14 +146,16 @@ def _lost(v) -> float:
 
 def underflow_alarm(ranking: Sequence[Mapping], k: Optional[int], default_k: int,
                     alt: str, flushed_at_k: float = 0.0,
-                    layers: Sequence[Mapping] = ()) -> List[Dict[str, str]]:
+                    layers: Sequence[Mapping] = (),
+                    outputs: Sequence[Mapping] = ()) -> List[Dict[str, str]]:
     """Gradient underflow confined to some parameters: the worst one by how much of its gradient
     fp16 loses (relative error after the round trip) at the scale GradScaler reaches, and at the
     default init_scale where that is lower. Where no parameter loses that much but more than
     ``scale.MAX_FLUSHED`` of all gradient values (``flushed_at_k``) are flushed to zero at the
-    reached scale (which makes the advice bf16), the layer (of ``layers``, ``ranges.table``'s
-    rows) whose output gradient holds the most flushed values is named instead: the verdict
-    never calls fp16 unsafe without a site."""
+    reached scale (which makes the advice bf16), the layer whose output gradient fp16 changes
+    most (``outputs``: ``layer``, ``error_k``, worst first), else the one holding the most
+    flushed values (of ``layers``, ``ranges.table``'s rows), is named instead: the verdict never
+    calls fp16 unsafe without a site."""
     if not ranking or k is None:
         return []
 
@@ -167,14 +169,20 @@ def underflow_alarm(ranking: Sequence[Mapping], k: Optional[int], default_k: int
         if not most:
             return []
         w = most[0]
+        if outputs and _lost(outputs[0]["error_k"]) > LAYER_LOSS_LIMIT:
+            w = next((r for r in layers if r["layer"] == outputs[0]["layer"] and flushed(r)), w)
+            most = [w] + [r for r in most if r is not w][:2]
         c = w["grad_fp16_counts"]
         return [finding(
             "underflow", f"gradient underflow at {w['layer']}: at 2^{k}, the highest loss scale "
             f"GradScaler reaches, fp16 flushes {share_text(flushed_at_k)} of all gradient values "
             f"to zero, most in the gradient of {w['layer']}'s output ({c['flushed']:,} of "
-            f"{c['nonzero']:,} values), although no parameter's gradient changes by more than "
-            f"{share_text(max(_lost(r['error_k']) for r in ranking))} (relative error): the "
-            f"gradients span more than fp16's range", f"fp32 backward, each layer's output "
+            f"{c['nonzero']:,} values)"
+            + (f"; the gradient into {outputs[0]['layer']}'s output changes by "
+               f"{share_text(_lost(outputs[0]['error_k']))} (relative error)" if outputs else
+               f", although no parameter's gradient changes by more than "
+               f"{share_text(max(_lost(r['error_k']) for r in ranking))} (relative error)")
+            + ": the gradients span more than fp16's range", f"fp32 backward, each layer's output "
             f"gradient at 2^{k} counted against fp16's range: "
             + ", ".join(f"{r['layer']} {r['grad_fp16_counts']['flushed']:,} flushed"
                         for r in most), "alarm", "grad-underflow", w["layer"],

@@ -33,11 +33,13 @@ def leaf_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 def _hooked_pass(model: nn.Module, run: Callable[[], torch.Tensor],
                  on_tensor: Callable[[str, str, torch.Tensor], None],
-                 on_param: Optional[Callable[[str, torch.Tensor], None]] = None) -> float:
+                 on_param: Optional[Callable[[str, torch.Tensor], None]] = None,
+                 on_output_grad: Optional[Callable[[str, torch.Tensor], None]] = None) -> float:
     """One forward + backward of ``run()``; ``on_tensor(layer, kind, tensor)`` sees every leaf
     layer's output (``act``), the gradient into it and its parameter gradients (``grad``);
-    ``on_param(name, grad)`` each parameter's gradient by its full name. Returns the loss.
-    Gradients are cleared afterwards."""
+    ``on_param(name, grad)`` each parameter's gradient by its full name; ``on_output_grad(layer,
+    grad)`` the gradient into each leaf layer's output alone. Returns the loss. Gradients are
+    cleared afterwards."""
     layers = leaf_layers(model)
     handles = []
 
@@ -48,7 +50,11 @@ def _hooked_pass(model: nn.Module, run: Callable[[], torch.Tensor],
                 return
             on_tensor(name, "act", out.detach())
             if out.requires_grad:
-                out.register_hook(lambda g: on_tensor(name, "grad", g.detach()))
+                def grad_hook(g):
+                    on_tensor(name, "grad", g.detach())
+                    if on_output_grad is not None:
+                        on_output_grad(name, g.detach())
+                out.register_hook(grad_hook)
         return forward_hook
 
     for name, module in layers.items():
@@ -154,13 +160,15 @@ def format_counts(a: torch.Tensor, plan: Sequence[Tuple[str, str, float]],
 
 def format_shares(model: nn.Module, run: Callable[[], torch.Tensor], grad_scale: float,
                   names=FORMATS, default_scale: Optional[float] = None,
-                  on_param: Optional[Callable[[str, torch.Tensor], None]] = None
+                  on_param: Optional[Callable[[str, torch.Tensor], None]] = None,
+                  on_output_grad: Optional[Callable[[str, torch.Tensor], None]] = None
                   ) -> Dict[str, Dict[str, Dict[str, Dict[str, int]]]]:
     """Pass two: per layer, per kind (``act`` at scale 1, ``grad`` times ``grad_scale``), per
     format: the counts of ``format_counts`` summed over the layer's tensors. With
     ``default_scale``, gradients are also counted in fp16 at that scale (key ``fp16@init``).
     ``on_param(name, grad)`` sees each parameter's gradient of the same pass
-    (``gradient_loss`` per parameter)."""
+    (``gradient_loss`` per parameter), ``on_output_grad(layer, grad)`` the gradient into each
+    leaf layer's output."""
     counts: Dict[str, Dict[str, Dict[str, Dict[str, int]]]] = {}
 
     def on_tensor(name, kind, t):
@@ -174,12 +182,12 @@ def format_shares(model: nn.Module, run: Callable[[], torch.Tensor], grad_scale:
             for field, value in c.items():
                 total[field] += value
 
-    _hooked_pass(model, run, on_tensor, on_param)
+    _hooked_pass(model, run, on_tensor, on_param, on_output_grad)
     return counts
 
 
 def gradient_loss(grad: torch.Tensor, scales: Dict[str, float]) -> Dict[str, Dict[str, float]]:
-    """What fp16 does to one parameter's gradient at each loss scale of ``scales`` (name ->
+    """What fp16 does to one parameter's (or layer output's) gradient at each loss scale of ``scales`` (name ->
     scale): ``nonzero`` values, the share ``flushed`` to zero, and the ``relative_error`` of the
     whole gradient after the round trip (``||fp16(g * s) / s - g|| / ||g||``, NaN where a value
     overflows at that scale: GradScaler skips that step instead)."""

@@ -128,6 +128,11 @@ class _Progress:
                   flush=True)
 
 
+def _lost(v) -> float:
+    """A relative error for ranking: NaN (an overflow: GradScaler skips that step) counts 0."""
+    return v if isinstance(v, float) and v == v else 0.0
+
+
 def _ranking(losses: Dict[str, Dict[str, Dict[str, float]]]) -> List[Dict[str, object]]:
     """Parameters by how much of their gradient fp16 loses at the reached scale (then at the
     default init_scale): the relative error of the gradient after the fp16 round trip, worst
@@ -265,6 +270,14 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     # the numerics, on the working copy
     bar.start("ranges (fp32 forward and backward, per layer and parameter)")
     grad_losses: Dict[str, Dict[str, Dict[str, float]]] = {}
+    output_losses: Dict[str, Dict[str, Dict[str, float]]] = {}  # gradient into each layer output
+
+    def on_output(name, g):
+        loss = _ranges.gradient_loss(g, scales)
+        old = output_losses.get(name)
+        if old is None or _lost(loss["reached"]["relative_error"]) > \
+                _lost(old["reached"]["relative_error"]):
+            output_losses[name] = loss
     fp32_watch = None
     try:
         with _probes.watch(work) as fp32_watch:
@@ -274,7 +287,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
         scales = {"default": _scale.DEFAULT.init_scale, "reached": grad_scale}
         counts = _ranges.format_shares(
             work, run, grad_scale, default_scale=_scale.DEFAULT.init_scale,
-            on_param=lambda n, g: grad_losses.__setitem__(n, _ranges.gradient_loss(g, scales)))
+            on_param=lambda n, g: grad_losses.__setitem__(n, _ranges.gradient_loss(g, scales)),
+            on_output_grad=on_output)
     except Exception as exc:  # noqa: BLE001 - a failed measurement is a finding, not a dead report
         if _inputs.is_out_of_memory(exc):
             raise
@@ -283,6 +297,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
         failures.append({"topic": "ranges", "what": "the fp32 forward and backward (per-layer "
                          "ranges)", "reason": _scale.failure_text(exc)})
     ranking = _ranking(grad_losses) if k is not None else []
+    outputs = [{**r, "layer": r.pop("parameter")} for r in _ranking(output_losses)] \
+        if k is not None else []
     kinds = {n: type(m).__name__ for n, m in _ranges.leaf_layers(work).items()}
     layers = _ranges.table(stats, counts, kinds)
     overflow = _ranges.overflow_sites(layers)
@@ -348,7 +364,8 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
     advice_args = (k, overflow, under_k, under_default, bf16, flushed_k)
     advice_kw = dict(fp16_nonfinite=fp16_bad, fp32_nonfinite=fp32_bad,
                      fp16_unchecked="" if fp16_failed else fp16_unchecked, worst_layer=worst,
-                     fp16_failed=fp16_failed, fp32_cast=fp32_cast)
+                     fp16_failed=fp16_failed, fp32_cast=fp32_cast,
+                     worst_output=outputs[0] if outputs else None)
     advice = _scale.advice(*advice_args, **advice_kw)
     bar.lap("fp16 autocast trace (ops, inf/NaN sites, custom Functions, reductions)")
 
@@ -437,7 +454,7 @@ def doctor(model: nn.Module, batch=None, loss_fn: Optional[Callable] = None,
         alarms += _diagnose.collapse_alarm(fw, trial, alt, device.type)
         alarms += _diagnose.underflow_alarm(ranking, k, _scale.DEFAULT_EXPONENT, alt,
                                             flushed_k if advice.get("reason") == "flushed"
-                                            else 0.0, layers)
+                                            else 0.0, layers, outputs)
         alarms += _diagnose.function_alarms(fw.get("functions", {}), fw.get("error"),
                                             fw.get("error_site"), device.type)
         alarms += _diagnose.error_alarm(fw.get("error"), fw.get("error_site"),

@@ -59,7 +59,8 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
            flushed_at_k: float = 0.0, fp16_nonfinite: Sequence[str] = (),
            fp32_nonfinite: Sequence[str] = (), trial: Sequence[Dict[str, object]] = (),
            fp16_unchecked: str = "", worst_layer: Optional[Dict[str, object]] = None,
-           fp16_failed: Sequence[str] = (), fp32_cast: str = "") -> Dict[str, object]:
+           fp16_failed: Sequence[str] = (), fp32_cast: str = "",
+           worst_output: Optional[Dict[str, object]] = None) -> Dict[str, object]:
     """What to train this model in, as data: ``precision`` (fp16 or bf16), ``fp16_safe``,
     ``settings`` (ScalerSettings as a dict, for fp16), and ``lines``: the advice in sentences,
     each with the measurement behind it. ``overflow``: the fp16 overflow sites of the forward
@@ -74,7 +75,11 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
     ``fp32_nonfinite``: where the fp32 forward or backward already held inf/NaN; then no
     precision helps and the advice says so, unless ``fp32_cast`` names the op that made it: an
     op the learner's own code ran on 16-bit inputs (an explicit ``.half()``), which is to be
-    computed in float32. ``fp16_unchecked``: why the fp16 forward could not be
+    computed in float32. ``worst_output``: the layer whose output gradient fp16 changes most
+    (``layer``, ``error_k``, ``share_k``, as ``worst_layer``'s): with it or ``worst_layer``
+    given, more than ``MAX_FLUSHED`` of all gradient values flushed makes fp16 unsafe only where
+    a gradient changes by more than ``LAYER_LOSS_LIMIT`` (the flushed values of a saturated
+    softmax are the smallest of their gradient and change no update). ``fp16_unchecked``: why the fp16 forward could not be
     run on this device; then ``fp16_safe`` is None (not checked). ``fp16_failed``: fp16 runs that
     raised or whose gradients were inf/NaN at every scale (sentences); a ``trial`` row that
     raised counts too: either makes fp16 not safe. ``worst_layer``: the parameter whose gradient
@@ -141,16 +146,28 @@ def advice(k: Optional[int], overflow: Sequence[Dict[str, object]], underflow_at
     default_k = int(math.log2(DEFAULT.init_scale))
     lines.append(f"GradScaler would settle near 2^{k} = {2.0 ** k:,.6g}: the largest power of two "
                  f"at which the largest gradient still fits under fp16's 65,504.")
-    if flushed_at_k > MAX_FLUSHED:
+    w = worst_layer or {}
+    def lost(key, row=None):
+        v = (w if row is None else row).get(key)
+        return v if isinstance(v, float) and v == v else 0.0
+    wo = worst_output or {}
+    measured = bool(w or wo)  # per-gradient relative errors, not only the share of values
+    flushed_note = ""
+    if flushed_at_k > MAX_FLUSHED and (not measured or lost("error_k", wo) > LAYER_LOSS_LIMIT):
+        where = (f"; the gradient into {wo['layer']}'s output changes by {wo['error_k']:.1%} "
+                 f"(relative error)" if wo else "")
         lines.append(f"Even there, {flushed_at_k:.2%} of the nonzero gradient values are flushed "
-                     f"to zero by fp16 ({underflow_at_k:.2%} flushed or subnormal): the gradients "
-                     f"span more than fp16's range. Train in {alt}.")
+                     f"to zero by fp16 ({underflow_at_k:.2%} flushed or subnormal){where}: the "
+                     f"gradients span more than fp16's range. Train in {alt}.")
         return {"precision": "bf16" if bf16_native else "fp16", "fp16_safe": False,
                 "settings": settings.as_dict(), "lines": lines, "reason": "flushed"}
-    w = worst_layer or {}
-    def lost(key):
-        v = w.get(key)
-        return v if isinstance(v, float) and v == v else 0.0
+    if flushed_at_k > MAX_FLUSHED:
+        worst_error = max(lost("error_k"), lost("error_k", wo))
+        flushed_note = (f"{flushed_at_k:.2%} of the nonzero gradient values are flushed to zero "
+                        f"at 2^{k}, but they are the smallest of their gradients (a saturated "
+                        f"softmax's, say): no layer's or parameter's gradient changes by more "
+                        f"than {worst_error:.2%} (relative error).")
+        lines.append(flushed_note)
     if w and lost("error_k") > LAYER_LOSS_LIMIT:
         lines.append(f"fp16 is not safe: the gradient of {w['parameter']} loses "
                      f"{w['error_k']:.1%} of its size to underflow (relative error; "

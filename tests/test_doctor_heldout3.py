@@ -537,6 +537,20 @@ class Mixer(nn.Module):
         return self.head(h.mean(1))
 
 
+class SegNet(nn.Module):
+    """Dense prediction: N x C x H x W logits against an N x H x W map of class ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.MaxPool2d(2))
+        self.up = nn.Sequential(nn.Upsample(scale_factor=2, mode="bilinear"),
+                                nn.Conv2d(8, 4, 3, padding=1))
+
+    def forward(self, x):
+        return self.up(self.down(x))
+
+
 def _encdec():
     g = seeded()
     return EncDec(), dict(
@@ -556,6 +570,8 @@ HEALTHY = {
     "non-reentrant checkpoint": lambda: (CkptNet(nn.Sequential(
         nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), False), dict(batch=classes())),
     "custom op with an autocast rule": lambda: (OpNet("ruled_mm"), dict(batch=classes())),
+    "segmentation, class-id maps as target": lambda: (SegNet(), dict(batch=(
+        torch.randn(2, 3, 16, 16, generator=seeded()), torch.randint(0, 4, (2, 16, 16))))),
     "a careful AMP step with a scheduler": lambda: (mlp(), dict(batch=classes(),
                                                                 step_fn=careful_step)),
 }

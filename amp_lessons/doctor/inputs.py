@@ -327,9 +327,15 @@ class Call(nn.Module):
 
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension for integer targets (classes, next tokens), mean
-    squared error (in float32) for float targets of the output's shape."""
+    """Cross-entropy over the last dimension for integer targets (classes, next tokens), or over
+    dimension 1 where the target has the output's shape without it (a segmentation map: output
+    N x C x H x W, target N x H x W, as F.cross_entropy takes them); mean squared error (in
+    float32) for float targets of the output's shape."""
     if is_class_ids(target):
+        dense = tuple(output.shape[:1]) + tuple(output.shape[2:])
+        if output.dim() > 2 and tuple(target.shape) == dense and \
+                tuple(target.shape) != tuple(output.shape[:-1]):
+            return F.cross_entropy(output.float(), target.long())
         return F.cross_entropy(output.flatten(0, -2).float(), target.flatten().long())
     return F.mse_loss(output.float(), target.float())
 

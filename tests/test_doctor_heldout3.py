@@ -867,3 +867,15 @@ def test_cli_several_inputs_and_a_factory_that_raises(model_file, capsys):
     status, out, err = _cli(capsys, "--model", f"{model_file}:broken", "--batch-shape", "2,3")
     assert status == 2 and len(err) == 1 and "weights file not found" in err[0], err
     assert "Traceback" not in err[0]
+
+
+def test_cli_takes_a_model_file_by_its_path(tmp_path, capsys):
+    """A new user passes the file they wrote: path/to/file.py:FACTORY (it was "No module named
+    '/tmp/.../models'; is it installed, or on PYTHONPATH?")."""
+    (tmp_path / "my_models.py").write_text(MODEL_FILE)
+    status, out, err = _cli(capsys, "--model", f"{tmp_path / 'my_models.py'}:two_inputs",
+                            "--input", "4,5", "--input", "4,7")
+    assert status == 0 and out.startswith("verdict for cpu"), err
+    status, out, err = _cli(capsys, "--model", f"{tmp_path / 'missing.py'}:build",
+                            "--batch-shape", "2,3")
+    assert status == 2 and len(err) == 1 and "missing.py" in err[0] and "does not exist" in err[0]

@@ -56,8 +56,8 @@ def add_parser(sub) -> None:
                                    "autocast's dtypes, speed and memory per precision (on a "
                                    "GPU), FP8 from the Linear shapes. Prints the verdict first.")
     p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
-                   help="a callable that builds the model, e.g. mypkg.models:build or "
-                        "torchvision:resnet50 (random weights)")
+                   help="a callable that builds the model, e.g. mypkg.models:build, "
+                        "path/to/models.py:build or torchvision:resnet50 (random weights)")
     p.add_argument("--batch-shape", default=None, metavar="N,...",
                    help="shape of one random input batch for a model of one input (default "
                         "2,3,224,224 when no --input is given)")

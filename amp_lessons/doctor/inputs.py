@@ -13,8 +13,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,16 +34,42 @@ from amp_lessons.tables import plural
 ZOO = {"torchvision": "torchvision.models"}
 
 
+def _import(module_name: str, spec: str):
+    """The module ``module_name`` names: a dotted module, or a ``.py`` file's path (imported
+    under its file name, its folder first on ``sys.path`` so its own imports resolve)."""
+    if not module_name.endswith(".py"):
+        return importlib.import_module(module_name)
+    path = os.path.abspath(os.path.expanduser(module_name))
+    if not os.path.isfile(path):
+        raise ValueError(f"model: the file {module_name!r} of {spec!r} does not exist")
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = os.path.splitext(os.path.basename(path))[0]
+    found = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module
+    try:
+        found.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
 def load_factory(spec: str) -> Callable[..., nn.Module]:
     """The callable a ``MODULE:FACTORY`` name points to (``torchvision:resnet50`` reads
-    ``torchvision.models.resnet50``); ValueError saying why it cannot be loaded."""
+    ``torchvision.models.resnet50``; ``path/to/models.py:build`` a file's); ValueError saying
+    why it cannot be loaded."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ValueError(f"model must be MODULE:FACTORY (e.g. mypackage.models:build or "
-                         f"torchvision:resnet50); got {spec!r}")
+        raise ValueError(f"model must be MODULE:FACTORY (e.g. mypackage.models:build, "
+                         f"path/to/models.py:build or torchvision:resnet50); got {spec!r}")
     module_name, attr = spec.split(":")
     module_name = ZOO.get(module_name, module_name)
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name, spec)
+    except ValueError:
+        raise
     except SystemExit as exc:  # a script without a __main__ guard ran its main() on import
         raise ValueError(f"model: importing {module_name!r} (of {spec!r}) ended the program "
                          f"(sys.exit({exc.code!r})): the module runs a script when imported. "

@@ -603,6 +603,16 @@ def test_a_model_returning_its_loss_and_logits_is_measured_on_its_own_loss():
     assert "'logits'" in r.output.split("(")[0] and "the target given" in r.loss
 
 
+def test_an_output_that_is_no_tensor_is_refused_saying_what_it_is():
+    seeded()
+    ids = {"input_ids": hf_inputs()["input_ids"]}
+    with pytest.raises(ValueError, match=r"^output 'hidden_states' is a tuple, not a tensor: "
+                                         r".*'logits' \(4x3 float32\)$"):
+        al.doctor(HFLike(), inputs=ids, output="hidden_states", **QUICK)
+    with pytest.raises(ValueError, match=r"^output 'loss' is None for this batch .*labels"):
+        al.doctor(HFLike(), inputs=ids, output="loss", **QUICK)
+
+
 def test_a_loss_the_user_casts_to_fp16_is_not_called_an_fp32_bug():
     """An inf from fp16 inputs in the float32 run is the user's own .half(): the verdict says to
     compute that part in float32, not that no precision helps."""

@@ -246,6 +246,7 @@ def shape_text(x) -> str:
     return ", ".join(f"{k}: {shape_text(v)}" for k, v in items)
 
 
+_MISSING = object()
 OUTPUT_KEYS = ("logits", "loss")  # the outputs taken by default, in this order
 
 
@@ -255,6 +256,11 @@ def output_items(out) -> List[Tuple[Union[str, int, None], torch.Tensor]]:
     a tuple/list otherwise (entries that are not tensors left out)."""
     if isinstance(out, torch.Tensor):
         return [(None, out)]
+    return [(k, v) for k, v in _entries(out) if isinstance(v, torch.Tensor)]
+
+
+def _entries(out) -> List[Tuple[Union[str, int], object]]:
+    """Every entry of a dict, dataclass, named tuple, tuple or list output, tensors or not."""
     if isinstance(out, dict):
         pairs = list(out.items())
     elif dataclasses.is_dataclass(out) and not isinstance(out, type):
@@ -265,7 +271,7 @@ def output_items(out) -> List[Tuple[Union[str, int, None], torch.Tensor]]:
         pairs = list(enumerate(out))
     else:
         pairs = []
-    return [(k, v) for k, v in pairs if isinstance(v, torch.Tensor)]
+    return pairs
 
 
 def _describe(items) -> str:
@@ -303,6 +309,16 @@ def choose_output(out, output=None) -> Tuple[torch.Tensor, Union[str, int, None]
                 all(isinstance(k, str) for k, _ in items):
             key = items[key][0]
         if key not in keys:
+            other = dict(_entries(out)).get(key, _MISSING)
+            if other is None:
+                raise ValueError(f"output {output!r} is None for this batch (a model that "
+                                 f"computes its loss returns it when given its labels: pass "
+                                 f"them as an input); the model's tensor outputs are "
+                                 f"{_describe(items)}")
+            if other is not _MISSING:
+                raise ValueError(f"output {output!r} is a {type(other).__name__}, not a tensor: "
+                                 f"the loss is taken of one tensor; the model's tensor outputs "
+                                 f"are {_describe(items)}")
             raise ValueError(f"output {output!r} is not among the model's outputs: "
                              f"{_describe(items)}")
         return keys[key], key, f"output {key!r} (as given)"

@@ -250,6 +250,36 @@ class CkptNet(nn.Module):
         return self.head(checkpoint(self.block, self.inp(x), use_reentrant=self.reentrant))
 
 
+class InnerBF16Region(nn.Module):
+    """A non-reentrant checkpoint of a region that enters bf16 autocast itself: its recompute
+    runs as its forward did (and non-reentrant recompute stops early, once it has what the
+    backward needs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.f = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def region(self, h):
+        with torch.autocast(h.device.type, dtype=torch.bfloat16):
+            return self.f(h).float()
+
+    def forward(self, x):
+        return self.head(checkpoint(self.region, self.inp(x), use_reentrant=False))
+
+
+class SequentialCheckpoint(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU())
+                                    for _ in range(4)])
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint_sequential(
+            self.body, 2, self.inp(x), use_reentrant=True))
+
+
 class GeM(nn.Module):
     """Generalized-mean pooling (image retrieval) with a learned exponent: x.clamp(eps)^p
     underflows to 0 in fp16, and d/dp of the mean's 1/p-th power takes log(0)."""
@@ -569,6 +599,9 @@ HEALTHY = {
     "HF dataclass with its own loss": lambda: (HFLike(), dict(inputs=hf_inputs())),
     "non-reentrant checkpoint": lambda: (CkptNet(nn.Sequential(
         nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), False), dict(batch=classes())),
+    "checkpointed region entering bf16 itself": lambda: (InnerBF16Region(),
+                                                         dict(batch=classes())),
+    "checkpoint_sequential (reentrant)": lambda: (SequentialCheckpoint(), dict(batch=classes())),
     "custom op with an autocast rule": lambda: (OpNet("ruled_mm"), dict(batch=classes())),
     "segmentation, class-id maps as target": lambda: (SegNet(), dict(batch=(
         torch.randn(2, 3, 16, 16, generator=seeded()), torch.randint(0, 4, (2, 16, 16))))),

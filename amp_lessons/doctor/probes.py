@@ -151,6 +151,7 @@ class _Watcher:
         # backward (a checkpoint: the module's forward runs again while gradients are computed)
         self.forward_dtypes: Dict[str, set] = {}
         self.recompute_dtypes: Dict[str, set] = {}
+        self.recomputed: set = set()  # modules whose forward ran during a backward
 
     # -- where the op runs ---------------------------------------------------------------------
     def where(self, backward: bool) -> str:
@@ -188,9 +189,20 @@ class _Watcher:
             return
         if name in MATMULS and self.stack and not self.function_stack and \
                 self.backward_function is None:
-            into = self.recompute_dtypes if backward else self.forward_dtypes
-            for module in set(self.stack):
-                into.setdefault(module, set()).add(_short(outs[0].dtype))
+            # the module running now and its ancestors (a checkpoint that stops its recompute
+            # early leaves stale names on the stack); in the backward only a recompute counts:
+            # a module whose forward ran again there, with gradients on (backward kernels run
+            # without)
+            top = self.stack[-1]
+            chain = {m for m in self.stack if m == top or m == ROOT or top.startswith(m + ".")}
+            if backward:
+                if torch.is_grad_enabled():
+                    for module in chain & self.recomputed:
+                        self.recompute_dtypes.setdefault(module, set()).add(
+                            _short(outs[0].dtype))
+            else:
+                for module in chain:
+                    self.forward_dtypes.setdefault(module, set()).add(_short(outs[0].dtype))
         if self.backward_function is not None and backward and name in MATMULS:
             rec = r.functions.get(self.backward_function)
             if rec is not None and self.low is not None and outs[0].dtype == torch.float32:
@@ -325,6 +337,8 @@ def watch(model: nn.Module, low: Optional[torch.dtype] = None) -> Iterator[Watch
     def pre(name):
         def hook(module, inputs):
             w.stack.append(name)
+            if torch._C._current_graph_task_id() != -1:
+                w.recomputed.add(name)
         return hook
 
     def post(name):

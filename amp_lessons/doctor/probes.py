@@ -15,7 +15,11 @@ the block only:
   it raised, and 16-bit-capable ops its backward ran in float32: a recompute outside autocast);
 - on reduction ops (sum, mean, var, norm ...) with a 16-bit output: the same op again in float32
   and the relative difference;
-- post-accumulate-grad hooks: the first parameter whose gradient is inf/NaN, in backward order.
+- post-accumulate-grad hooks: the first parameter whose gradient is inf/NaN, in backward order;
+- the op an exception came from, with its module (``Watch.error_op``; an op registered outside
+  torch with ``torch.library`` is named as a custom op), and such custom ops' input dtypes;
+- per module, the dtypes its matmuls returned in the forward and when its forward ran again in
+  the backward (a checkpoint's recompute): ``Watch.recomputes`` lists the regions that differ.
 
 Everything is removed when the block ends, also on an error (``Watch.error_site`` then names the
 custom Function or module the error came from).

@@ -752,32 +752,11 @@ def out_of_memory_text(exc: BaseException, device, lower: str) -> str:
     return f"out of memory on {device}: {asked}{held}; {lower}"
 
 
-def check_train_sizes(lr: float, batch_size: int, accumulate: int) -> None:
-    """ValueError naming the setting (as ``train``'s flag, through ``as_flag``) for sizes the
-    digits run would not honour: a learning rate float32 cannot hold (SGD's update on float32
-    weights fails with torch's 'cannot be converted to type float without overflow'), a batch
-    larger than the training set (it would train on batches of the whole set, unsaid), or more
-    micro-batches per step than one epoch has (each epoch would be one shorter step)."""
-    import torch
-
-    from amp_lessons.data import digits
-    from amp_lessons.validate import check_int, check_real
-
-    check_real("lr", lr, 0.0, float(torch.finfo(torch.float32).max))
-    examples = len(digits("train")[1])
-    check_int("batch_size", batch_size, 1, examples)
-    batches = -(-examples // batch_size)
-    if accumulate > batches:
-        raise ValueError(f"accumulate must be a whole number in [1, {batches}] (the batches in "
-                         f"one epoch of {examples:,} examples at --batch-size {batch_size}); "
-                         f"got {accumulate}")
-
-
 def _train(args, finished: List[dict]) -> int:
     from amp_lessons.files import DiskFullError, FileTooLargeError, ReadOnlyFileError
     from amp_lessons.measure.oom import is_out_of_memory
     from amp_lessons.tables import json_safe
-    from amp_lessons.train.recipes import train_digits
+    from amp_lessons.train.recipes import check_train_sizes, train_digits
     from amp_lessons.train.trainer import ScalerSettings
 
     def on_epoch(e: dict) -> None:
@@ -794,7 +773,7 @@ def _train(args, finished: List[dict]) -> int:
     device = None if args.device == "auto" else args.device
     try:
         check_seed("seed", args.seed)
-        check_train_sizes(args.lr, args.batch_size, args.accumulate)
+        check_train_sizes(args.lr, args.batch_size, args.accumulate)  # before the env probe
         if args.json is not None:  # probed before training: a failure costs no training run
             from amp_lessons.env import probe
 

@@ -289,7 +289,7 @@ def test_a_state_from_fewer_steps_loads_into_an_optimizer_that_ran_more(rounding
 
 @pytest.mark.parametrize("argv,message", [
     (["--accumulate", "1000000000"], "--accumulate must be a whole number in [1, 22] (the "
-                                     "batches in one epoch of 1,347 examples at --batch-size 64)"),
+                                     "batches in one epoch of 1,347 examples in batches of 64)"),
     (["--batch-size", "1347", "--accumulate", "2"], "--accumulate must be a whole number in "
                                                    "[1, 1]"),
     (["--batch-size", str(10 ** 18)], "--batch-size must be a whole number in [1, 1347]"),
@@ -308,7 +308,7 @@ def test_train_refuses_sizes_it_would_not_honour_by_flag(tmp_path, capsys, argv,
 
 
 def test_the_largest_batch_and_accumulation_the_check_allows_are_taken():
-    from amp_lessons.cli import check_train_sizes
+    from amp_lessons.train.recipes import check_train_sizes
 
     check_train_sizes(3e38, 1347, 1)
     check_train_sizes(0.05, 64, 22)

@@ -9,11 +9,11 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from amp_lessons.data import digits_loaders
+from amp_lessons.data import digits, digits_loaders
 from amp_lessons.models import build_digits_model
 from amp_lessons.numerics.precision import Device, as_device, check_precision
 from amp_lessons.train.records import History
-from amp_lessons.validate import check_int, check_seed, is_real
+from amp_lessons.validate import check_int, check_real, check_seed, is_real
 from amp_lessons.files import check_writable
 from amp_lessons.train.trainer import Hooks, ScalerSettings, TrainConfig, Trainer
 
@@ -63,6 +63,22 @@ class DigitsRun:
                 "skipped_steps": self.skipped_steps}
 
 
+def check_train_sizes(lr: float, batch_size: int, accumulate: int) -> None:
+    """ValueError naming the setting for sizes ``train_digits`` would not honour (the CLI's
+    ``train`` names them as its flags): a learning rate float32 cannot hold (SGD's update on
+    float32 weights fails with torch's 'cannot be converted to type float without overflow'), a
+    batch larger than the training set (it would train on batches of the whole set, unsaid), or
+    more micro-batches per step than one epoch has (each epoch would be one shorter step)."""
+    check_real("lr", lr, 0.0, float(torch.finfo(torch.float32).max))
+    examples = len(digits("train")[1])
+    check_int("batch_size", batch_size, 1, examples)
+    batches = -(-examples // batch_size)
+    if check_int("accumulate", accumulate, 1) > batches:
+        raise ValueError(f"accumulate must be a whole number in [1, {batches}] (the batches in "
+                         f"one epoch of {examples:,} examples in batches of {batch_size}); "
+                         f"got {accumulate}")
+
+
 def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
                  batch_size: int = 64, lr: float = 0.05, width: int = 32,
                  image_size: Optional[int] = None, scaler: Optional[ScalerSettings] = None,
@@ -95,6 +111,7 @@ def train_digits(precision: str = "fp32", model: str = "cnn", epochs: int = 3,
         check_writable(checkpoint, "checkpoint")  # not after the first epoch has trained
     if not is_real(lr) or lr <= 0:
         raise ValueError(f"lr must be a finite number > 0; got {lr!r}")
+    check_train_sizes(lr, batch_size, accumulate)
     if lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"lr_schedule must be 'constant' or 'cosine'; got {lr_schedule!r}")
     dev = as_device(device)

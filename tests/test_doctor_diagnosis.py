@@ -1,8 +1,7 @@
-"""The doctor on models an outside review tried (amp_lessons.doctor): overflow in a plain op,
-tuple/dict inputs, a layer fp16 autocast cannot run, a frozen BatchNorm, the default scale at
-the ceiling, bad arguments, the trace's labels, a model already inf in fp32, an empty batch,
-dict outputs, float16 parameters, small-integer targets, op kinds counted once, FP8 off a GPU.
-Each test fails without its fix. Fast, CPU."""
+"""The doctor's diagnosis at its edges (amp_lessons.doctor): overflow in a plain op, tuple/dict
+inputs, a layer fp16 autocast cannot run, a frozen BatchNorm, the default scale at the ceiling,
+bad arguments, the trace's labels, a model already inf in fp32, an empty batch, dict outputs,
+float16 parameters, small-integer targets, op kinds counted once, FP8 off a GPU. Fast, CPU."""
 import math
 
 import pytest

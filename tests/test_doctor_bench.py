@@ -35,7 +35,7 @@ def test_no_false_alarm_on_the_healthy_models(rows):
 
 def test_every_class_is_diagnosed_by_a_case_or_not_checked():
     """Each failure class has a reproduction, except fp32-nonfinite and fp16-failed (covered in
-    test_doctor_review) ; and without step_fn / checkpoint_fn the report says 'not checked'."""
+    test_doctor_diagnosis) ; and without step_fn / checkpoint_fn the report says 'not checked'."""
     covered = {cls for c in PROBLEMS for cls in c.classes}
     assert covered >= set(CLASSES) - {"fp32-nonfinite", "fp16-failed"}
     model, kwargs = HEALTHY[2].build()

@@ -772,7 +772,7 @@ def test_an_op_between_layers_is_fixed_where_the_forward_calls_it():
     r = al.doctor(VAE(logvar_bias=12.0), inputs=torch.randn(16, 20, generator=g), **QUICK)
     hit = next(a for a in r.alarms() if a["class"] == "activation-overflow")
     assert hit["site"] == "the model's own forward (VAE), op aten.exp"
-    assert hit["fix"].startswith("run that aten.exp in float32 where the model's own forward")
+    assert hit["fix"].startswith("run that aten.exp in float32 at the line of the model's own forward")
     assert "on this CPU only" in hit["finding"] and "not decided" in r.verdict["on_gpu"]
     g = seeded()
     assert not al.doctor(VAE(), inputs=torch.randn(16, 20, generator=g), **QUICK).alarms()

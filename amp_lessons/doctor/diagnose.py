@@ -95,8 +95,9 @@ def overflow_alarms(overflow: Sequence[Mapping], fp16_watch: Optional[Mapping],
         between = site["module"] in (ROOT, "the loss")  # not inside any submodule
         fix = ("scale the scores by 1/sqrt(head_dim) before the softmax (or use "
                "F.scaled_dot_product_attention), or compute them in fp32" if attention else
-               f"run that {site['op']} in float32 where {site['module']} calls it (its input "
-               f".float(), or torch.autocast(..., enabled=False) around that line)" if between
+               f"run that {site['op']} in float32 at the line of {site['module']} that calls it "
+               f"(its input .float(), or torch.autocast(..., enabled=False) around that line)"
+               if between
                else f"keep {site['module']} in fp32 (selective autocast)")
         largest = (f"; its largest input was {site['largest_input']:.4g}"
                    if site.get("largest_input") is not None else "")

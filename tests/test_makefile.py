@@ -151,13 +151,20 @@ def test_what_times_itself_runs_alone_and_the_rest_side_by_side():
     assert all(runs.index(c) < runs.index(notebooks) for c in alone)
 
 
-def test_make_test_builds_its_three_venvs_at_once_without_j_on_the_command_line():
-    """A plain `make test` (the README's command, and `.ci/run`'s) builds .venv, .venv-colab and
-    .venv-oldest at once: a sub-make with -j3 for the three, none built after another."""
+def test_make_test_builds_its_venvs_at_once_and_the_oldest_in_the_background():
+    """A plain `make test` (the README's command, and `.ci/run`'s) builds .venv and .venv-colab at
+    once (a sub-make with -j2), and .venv-oldest in the background at the lowest CPU priority,
+    waited for (its exit status checked) before the stage that needs it."""
     text = (ROOT / "Makefile").read_text()
     (venvs,) = re.findall(r"^venvs:\n\t(.*)$", text, flags=re.M)
-    assert "-j3" in venvs and all(s in venvs for s in ("$(STAMP)", "$(COLAB_STAMP)", "$(OLDEST_STAMP)"))
-    assert re.search(r"^test: venvs$", text, flags=re.M)
+    assert "-j2" in venvs and all(s in venvs for s in ("$(STAMP)", "$(COLAB_STAMP)"))
+    recipe = re.search(r"^test:\n((?:\t.*\n)+)", text, flags=re.M).group(1)
+    lines = [line for line in recipe.replace("\\\n", " ").splitlines()]
+    assert "nice -n 19 $(MAKE) --no-print-directory $(OLDEST_STAMP)" in lines[0]
+    assert lines[0].rstrip().endswith("&") and "$(OLDEST_LOG).status" in lines[0]
+    assert "$(MAKE) --no-print-directory venvs" in lines[1]
+    (wait,) = [i for i, line in enumerate(lines) if "while [ ! -f $(OLDEST_LOG).status ]" in line]
+    assert "exit 1" in lines[wait] and wait == len(lines) - 2 and "test-oldest" in lines[-1]
     for stamp in ("COLAB_STAMP", "OLDEST_STAMP"):  # neither waits for .venv
         (rule,) = re.findall(rf"^\$\({stamp}\):(.*)$", text, flags=re.M)
         assert "$(STAMP)" not in rule, rule

@@ -131,7 +131,9 @@ def replay(update: Callable, scales: Sequence[float], skipped: Sequence[bool],
 # ends with 8 skips in a row, which take the scale below 1 (no demo's scale goes there), then
 # clean steps: a rule that puts a floor under the scale (max(scale * backoff_factor, 1)),
 # which GradScaler does not, differs there.
-OTHER_SETTINGS = ScalerSettings(init_scale=2.0 ** 10, growth_factor=4.0, backoff_factor=0.25,
+# backoff_factor is not 1 / growth_factor here (the demo's 2 and 0.5 are): a rule that backs off
+# by dividing by growth_factor reproduces the demo and shows only under these settings
+OTHER_SETTINGS = ScalerSettings(init_scale=2.0 ** 10, growth_factor=4.0, backoff_factor=0.125,
                                 growth_interval=3)
 OTHER_SKIPPED = ((False,) * 7 + (True, True) + (False,) * 5 + (True,) + (False,) * 4
                  + (True,) * 8 + (False,) * 4)

@@ -407,11 +407,14 @@ def reference_efficiency(per_s_1: float, per_s_n: float, n: int) -> float:
 
 
 WRONG_EFFICIENCY = {"the speed-up": lambda per_s_1, per_s_n, n: per_s_n / per_s_1,
-                    "the inverse": lambda per_s_1, per_s_n, n: n * per_s_1 / per_s_n}
+                    "the inverse": lambda per_s_1, per_s_n, n: n * per_s_1 / per_s_n,
+                    "a percentage": lambda per_s_1, per_s_n, n: 100 * per_s_n / (n * per_s_1)}
 EFFICIENCY_MISTAKES = {
     "the speed-up": "that is the speed-up; divide it by the number of processes",
     "the inverse": "that is the inverse: what the n processes measured goes on top, the ideal "
                    "(n times one process) below",
+    "a percentage": "that is the efficiency in percent: return the fraction (0.9, not 90), as "
+                    "the sweep's table does",
 }
 
 

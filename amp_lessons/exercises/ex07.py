@@ -142,6 +142,23 @@ def _scale_on(fn, x):
         return None
 
 
+def _held_out(fn, reference, hint, name: str = TENSOR) -> Optional[Check]:
+    """A wrong grade where ``fn``, right on the graded tensor, is not right on ``_other_tensor()``
+    (a scale computed once and returned as a constant is right on one tensor only), else None."""
+    other = _other_tensor()
+    want = reference(other)
+    try:
+        got = torch.as_tensor(fn(other.clone()), dtype=torch.float64)
+        right = got.shape == want.shape and torch.allclose(got, want.double(), rtol=1e-4)
+    except Exception:  # noqa: BLE001 - the learner's code on a second input
+        right = False
+    if right:
+        return None
+    return wrong(name, "right on the lesson's tensor, but not on another tensor of the same "
+                 "shape", hint.after("compute the scale from the x your function receives, "
+                                     "not from the lesson's tensor or a number worked out once"))
+
+
 _SAME_DEVICE = ("compute the scale from x with torch operations, on x's device, and return it "
                 "in x's dtype (no .to(...), no .double())")
 
@@ -196,6 +213,8 @@ def check_per_tensor_scale(fn: Callable) -> Check:
                      f"magnitude on e4m3's largest value",
                      _scale_hint(pairs, "over the whole tensor", hint, e4m3_max() / x.max()),
                      f"{float(want):.4g} (448 / amax(|x|))")
+    if (held := _held_out(fn, reference_per_tensor, hint)) is not None:
+        return held
     return passed(TENSOR, f"scale {float(want):.4g}; median relative error after an e4m3 round "
                   f"trip {_round_trip_error(x, want):.2%}")
 
@@ -240,6 +259,8 @@ def check_per_row_scale(fn: Callable) -> Check:
                      _scale_hint([(g, want)], "of each row", hint,
                                  e4m3_max() / x.amax(dim=-1, keepdim=True)),
                      "448 / amax(|row|) for each row, shape (rows, 1)")
+    if (held := _held_out(fn, reference_per_row, hint, ROW)) is not None:
+        return held
     tensor_err = _round_trip_error(x, reference_per_tensor(x))
     return passed(ROW, f"median relative error after an e4m3 round trip {_round_trip_error(x, want):.2%} "
                   f"(one scale for the tensor: {tensor_err:.2%})")

@@ -76,3 +76,63 @@ def test_ex06_efficiency_in_percent_is_named():
     assert "0.93" not in repr(check)
     assert ex06.check_efficiency(lambda one, many, n: np.float32(many) / np.float32(n * one),
                                  []).passed
+
+
+# --- ex02's loop: a scheduler test that is right only while the scale never grows ----------------
+
+def _loop_with_scheduler_test(keep_stepping):
+    """The fixed loop of lesson 02 with the scheduler stepped where ``keep_stepping(new, old)``."""
+    def loop(model, optimizer, scheduler, batches, device_type, init_scale):
+        scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
+        for x, y in batches:
+            with torch.autocast(device_type, dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            if keep_stepping(scaler.get_scale(), scale):
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    return loop
+
+
+def test_ex02_refuses_a_scheduler_that_steps_only_while_the_scale_is_unchanged():
+    """`==` in place of the hint's `>=` matches the trainer over 20 steps at growth_interval 2000
+    (the scale never grows there); run again with scalers that grow, it misses every growth."""
+    from amp_lessons.exercises import ex02
+
+    result = ex02.check_fixed_loop(_loop_with_scheduler_test(lambda new, old: new == old),
+                                   device="cpu")
+    assert result.status == "wrong", result
+    assert "skipped the steps where the scale grew" in result.message
+
+
+def test_ex02_still_passes_a_right_loop_whose_scaler_cannot_be_made_to_grow():
+    """A loop that bound GradScaler before the grade (an import at the top) cannot be probed
+    with growing scalers: it is graded on the 20 steps alone, not refused."""
+    from torch.amp import GradScaler as BoundEarly
+
+    from amp_lessons.exercises import ex02
+
+    def loop(model, optimizer, scheduler, batches, device_type, init_scale):
+        scaler = BoundEarly(device_type, init_scale=init_scale)
+        for x, y in batches:
+            with torch.autocast(device_type, dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            if not scaler.get_scale() < scale:
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    assert ex02.check_fixed_loop(loop, device="cpu").status == "passed"
+    assert ex02.check_fixed_loop(_loop_with_scheduler_test(lambda new, old: new >= old),
+                                 device="cpu").status == "passed"
+    assert torch.amp.GradScaler.__name__ == "GradScaler"  # the probe put the class back

@@ -1,5 +1,6 @@
 """Lesson 02's exercises: name the dtypes autocast gives, fix a loop with three bugs (graded
 bitwise against ``trainer.Trainer``), write an autograd Function that survives autocast."""
+import contextlib
 import functools
 import math
 import re
@@ -252,6 +253,44 @@ def _same_weights(mine, theirs, device) -> bool:
 
 
 @graded
+@contextlib.contextmanager
+def _growing_scalers(interval: int = 2):
+    """``torch.amp.GradScaler`` made to grow its scale every ``interval`` clean steps while the
+    block runs (20 steps at the default 2,000 never grow it, so a loop that steps the scheduler
+    only while the scale stays *equal* looks right); yields the list of scalers built under it
+    (empty where a loop bound the class before the block: then nothing can be told)."""
+    original, made = torch.amp.GradScaler, []
+
+    class Growing(original):
+        def __init__(self, *args, **kwargs):
+            kwargs["growth_interval"] = interval
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    torch.amp.GradScaler = Growing
+    try:
+        yield made
+    finally:
+        torch.amp.GradScaler = original
+
+
+def _lr_when_the_scale_grows(loop: Callable, device) -> Optional[tuple]:
+    """(the loop's final learning rate, the reference loop's) with scalers that grow every two
+    clean steps, or None where the loop's scaler could not be made to grow (or it raised)."""
+    rates = []
+    for candidate in (reference_loop, loop):
+        model, optimizer, scheduler, batches = _loop_setup(device)
+        with _growing_scalers() as made:
+            try:
+                candidate(model, optimizer, scheduler, batches, device.type, LOOP_INIT_SCALE)
+            except Exception:  # noqa: BLE001 - the learner's loop, run a second time
+                return None
+        if not made:
+            return None
+        rates.append(scheduler.get_last_lr()[0])
+    return rates[1], rates[0]
+
+
 def check_fixed_loop(loop: Callable, device=None) -> Check:
     """Run ``loop(model, optimizer, scheduler, batches, device_type, init_scale)`` for 20 fp16
     steps and compare the weights bitwise with ``Trainer`` on the same model and data."""
@@ -298,6 +337,18 @@ def check_fixed_loop(loop: Callable, device=None) -> Check:
     lr = scheduler.get_last_lr()[0]
     mine = model.state_dict()
     if lr == ref_lr and _same_weights(mine, ref, device):
+        grown = _lr_when_the_scale_grows(loop, device)
+        if grown is not None and grown[0] != grown[1]:
+            what = ("skipped the steps where the scale grew" if grown[0] > grown[1] else
+                    "stepped on steps the scaler skipped")
+            return wrong(LOOP, f"the weights and the learning rate match over these {LOOP_STEPS} "
+                         f"steps, in which the scale never grows (growth_interval 2000); with "
+                         f"scalers that grow every 2 clean steps your learning rate ends at "
+                         f"{grown[0]:.4g} and the reference loop's at {grown[1]:.4g}: your "
+                         f"scheduler {what}",
+                         hint.after("a step was skipped only where scaler.update() lowered the "
+                                    "scale; where it kept or raised the scale, the optimizer "
+                                    "stepped, so the scheduler steps too"))
         how = "bit for bit" if device.type == "cpu" else "to rounding"
         return passed(LOOP, f"after {LOOP_STEPS} steps your weights equal the trainer's {how} "
                       f"(final learning rate {lr:.4g})")

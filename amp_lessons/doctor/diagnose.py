@@ -101,11 +101,15 @@ def overflow_alarms(overflow: Sequence[Mapping], fp16_watch: Optional[Mapping],
                else f"keep {site['module']} in fp32 (selective autocast)")
         largest = (f"; its largest input was {site['largest_input']:.4g}"
                    if site.get("largest_input") is not None else "")
+        zero = (f"; it divided by (or took the log of) a 16-bit zero: a value fp16 flushed to "
+                f"0 (an underflow: below 6e-08), not one too large"
+                if site.get("zero_operand") else "")
         out.append(finding(
-            "overflow", f"fp16 overflows inside {site['module']}"
+            "overflow", f"fp16 {'gives inf/NaN' if zero else 'overflows'} inside "
+            f"{site['module']}"
             + (f" ({site['kind']})" if site.get("kind") else "") + f": {site['op']} returned "
             f"inf/NaN from finite {'/'.join(site['input_dtypes'])} inputs under fp16 autocast, "
-            f"although no layer's fp32 output passes 65,504"
+            f"although no layer's fp32 output passes 65,504{zero}"
             + (_cpu_only_text(site["op"]) if cpu_only(site["op"], device_type) else ""),
             f"one forward under fp16 autocast, every op's output checked{largest}", "alarm", cls,
             _op_site(site), f"{fix}; or train in {alt}"))

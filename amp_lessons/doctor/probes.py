@@ -228,7 +228,8 @@ class _Watcher:
                                   "input_dtypes": sorted({_short(t.dtype) for t in ins
                                                           if t.is_floating_point()}),
                                   "output_dtype": _short(outs[0].dtype),
-                                  "largest_input": biggest})
+                                  "largest_input": biggest,
+                                  "zero_operand": _zero_operand(name, args)})
         if not backward and name in REDUCTIONS and outs[0].dtype in LOW and \
                 len(r.reductions) < 50:
             self.check_reduction(func, name, args, kwargs, outs[0])
@@ -299,6 +300,15 @@ class _Watcher:
     def _leave_backward(self):
         self.backward_function = None
         return None
+
+
+def _zero_operand(name: str, args) -> bool:
+    """Whether the op divides by, or takes the log / reciprocal root of, a 16-bit zero: inf/NaN
+    that comes from an underflow (a value flushed to 0), not from a value too large."""
+    at = {"div": 1, "div_": 1, "reciprocal": 0, "rsqrt": 0, "log": 0, "log2": 0, "log10": 0}
+    i = at.get(name)
+    t = args[i] if i is not None and len(args) > i else None
+    return isinstance(t, torch.Tensor) and t.dtype in LOW and bool((t == 0).any())
 
 
 def _op_name(func) -> str:

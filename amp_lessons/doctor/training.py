@@ -242,6 +242,20 @@ def _misuse(per_step: List[List[str]], error: Optional[BaseException],
                 f"step {i}: {writes[0].replace('grad write ', '')} on the gradients before "
                 f"unscale_ (calls: {', '.join(names)})",
                 "call scaler.unscale_(optimizer) before clip_grad_norm_ (lesson 02)")
+        late = [j for j, e in enumerate(names) if e == "unscale_" and "update" in names[:j]]
+        if late and error is None:
+            # after update() GradScaler does not refuse it: the "unscaled" mark is carried into
+            # the next step, whose scaler.step then does not unscale its new gradients
+            nxt = per_step[i] if i < len(per_step) else []
+            stale = "scaler.step" in nxt and "unscale op" not in nxt[:nxt.index("scaler.step")]
+            add("unscale_ after step", "scaler.unscale_(optimizer) is called after "
+                "scaler.step() (clipping after the step, say): the clipping changes nothing "
+                "in this step's update, and the optimizer stays marked as unscaled, so the next "
+                "step's scaler.step() applies its gradients still multiplied by the loss scale",
+                f"step {i}: calls {', '.join(names)}" + (
+                    f"; step {i + 1}'s scaler.step() unscaled nothing" if stale else ""),
+                "order: scaler.scale(loss).backward(), scaler.unscale_, clip, scaler.step, "
+                "scaler.update (lesson 02)")
         if names.count("scaler.step") > 1:
             add("second step", "scaler.step() is called more than once per step",
                 f"step {i}: {plural(names.count('scaler.step'), 'call')}", "one scaler.step per update")
@@ -311,7 +325,16 @@ def check_checkpoint(checkpoint_fn: Optional[Callable], make_model: Callable,
                           "saved state into a new one, as a resumed run does"}
     after = restored.state_dict()
     problems = []
-    for key in ("scale", "_growth_tracker"):
+    if not restored.is_enabled():
+        problems.append({"misuse": "scaler state lost on resume", "what": "the GradScaler the "
+                         "resumed run uses is disabled (enabled=False): it loads no state and "
+                         "scales no loss, so fp16 gradients that underflow are lost and steps "
+                         "with inf/NaN gradients are no longer skipped",
+                         "evidence": f"scale {before.get('scale')!r} before saving; the resumed "
+                                     f"scaler is disabled",
+                         "fix": "make the resumed GradScaler enabled as the saved one was, then "
+                                "call scaler.load_state_dict() (lesson 05)"})
+    for key in ("scale", "_growth_tracker") if not problems else ():
         if before.get(key) != after.get(key):
             what = ("the GradScaler's state is not saved and loaded with the checkpoint: a "
                     "resumed run starts again from init_scale" if key == "scale" else

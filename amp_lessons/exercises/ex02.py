@@ -252,7 +252,6 @@ def _same_weights(mine, theirs, device) -> bool:
                for a, b in zip(mine.values(), theirs.values()))
 
 
-@graded
 @contextlib.contextmanager
 def _growing_scalers(interval: int = 2):
     """``torch.amp.GradScaler`` made to grow its scale every ``interval`` clean steps while the
@@ -291,6 +290,7 @@ def _lr_when_the_scale_grows(loop: Callable, device) -> Optional[tuple]:
     return rates[1], rates[0]
 
 
+@graded
 def check_fixed_loop(loop: Callable, device=None) -> Check:
     """Run ``loop(model, optimizer, scheduler, batches, device_type, init_scale)`` for 20 fp16
     steps and compare the weights bitwise with ``Trainer`` on the same model and data."""

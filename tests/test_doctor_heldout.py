@@ -11,14 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_lessons as al
-
-QUICK = dict(precisions=(), trial_steps=1, compile=False)
-
-
-def seeded(s=0):
-    torch.manual_seed(s)
-    return torch.Generator().manual_seed(s)
-
+from doctor_helpers import QUICK, seeded
 
 # --- problems ---------------------------------------------------------------------------------
 

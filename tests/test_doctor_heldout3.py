@@ -20,19 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import amp_lessons as al
-
-QUICK = dict(precisions=(), trial_steps=1, compile=False)
-
-
-def seeded(s=0):
-    torch.manual_seed(s)
-    return torch.Generator().manual_seed(s)
-
-
-def classes(n=8, d=16, k=4, s=0):
-    g = seeded(s)
-    return torch.randn(n, d, generator=g), torch.randint(0, k, (n,), generator=g)
-
+from doctor_helpers import QUICK, classes, healthy_report, seeded
 
 # --- models -------------------------------------------------------------------------------------
 
@@ -614,11 +602,7 @@ HEALTHY = {
 def test_heldout3_healthy_model_raises_no_alarm(name):
     seeded()
     model, kwargs = HEALTHY[name]()
-    r = al.doctor(model, **{**QUICK, **kwargs})
-    assert not r.alarms(), [(a["class"], a["site"], a["finding"]) for a in r.alarms()]
-    assert r.advice["fp16_safe"] is True, r.advice["lines"]
-    assert r.verdict["text"].startswith("stay in fp32: CPU")
-    assert "fp16 is unsafe" not in r.verdict["on_gpu"]
+    healthy_report(model, **kwargs)
 
 
 # --- the classes of misjudgement, one by one ----------------------------------------------------

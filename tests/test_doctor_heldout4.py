@@ -19,19 +19,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import amp_lessons as al
-
-QUICK = dict(precisions=(), trial_steps=1, compile=False)
-
-
-def seeded(s=0):
-    torch.manual_seed(s)
-    return torch.Generator().manual_seed(s)
-
-
-def classes(n=8, d=16, k=4):
-    g = seeded()
-    return torch.randn(n, d, generator=g), torch.randint(0, k, (n,), generator=g)
-
+from doctor_helpers import QUICK, classes, healthy_report, seeded
 
 def mlp():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -437,11 +425,7 @@ HEALTHY = {
 def test_heldout4_healthy_model_raises_no_alarm(name):
     seeded()
     model, kwargs = HEALTHY[name]()
-    r = al.doctor(model, **{**QUICK, **kwargs})
-    assert not r.alarms(), [(a["class"], a["site"], a["finding"]) for a in r.alarms()]
-    assert r.advice["fp16_safe"] is True, r.advice["lines"]
-    assert r.verdict["text"].startswith("stay in fp32: CPU")
-    assert "fp16 is unsafe" not in r.verdict["on_gpu"]
+    healthy_report(model, **kwargs)
 
 
 @pytest.mark.parametrize("build", [unet, vit], ids=["U-Net", "ViT"])

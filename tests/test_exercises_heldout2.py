@@ -80,10 +80,12 @@ def test_ex06_efficiency_in_percent_is_named():
 
 # --- ex02's loop: a scheduler test that is right only while the scale never grows ----------------
 
-def _loop_with_scheduler_test(keep_stepping):
-    """The fixed loop of lesson 02 with the scheduler stepped where ``keep_stepping(new, old)``."""
+def _loop_with_scheduler_test(keep_stepping, scaler_class=None):
+    """The fixed loop of lesson 02 with the scheduler stepped where ``keep_stepping(new, old)``;
+    its GradScaler is ``scaler_class``, or ``torch.amp.GradScaler`` looked up as the loop runs."""
     def loop(model, optimizer, scheduler, batches, device_type, init_scale):
-        scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
+        make = scaler_class or torch.amp.GradScaler
+        scaler = make(device_type, init_scale=init_scale)
         for x, y in batches:
             with torch.autocast(device_type, dtype=torch.float16):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -117,21 +119,7 @@ def test_ex02_still_passes_a_right_loop_whose_scaler_cannot_be_made_to_grow():
 
     from amp_lessons.exercises import ex02
 
-    def loop(model, optimizer, scheduler, batches, device_type, init_scale):
-        scaler = BoundEarly(device_type, init_scale=init_scale)
-        for x, y in batches:
-            with torch.autocast(device_type, dtype=torch.float16):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scale = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            if not scaler.get_scale() < scale:
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-
+    loop = _loop_with_scheduler_test(lambda new, old: not new < old, scaler_class=BoundEarly)
     assert ex02.check_fixed_loop(loop, device="cpu").status == "passed"
     assert ex02.check_fixed_loop(_loop_with_scheduler_test(lambda new, old: new >= old),
                                  device="cpu").status == "passed"

@@ -157,30 +157,24 @@ def check_step(step_fn: Optional[Callable], make_model: Callable, make_optimizer
                 per_step.append(log.events[start:])
                 break
             per_step.append(log.events[start:])
+    calls = [", ".join(e for e in s if e != "unscale op") or "(nothing)" for s in per_step]
+    checked = {"status": "checked", "problems": problems, "calls": calls, "steps": len(per_step),
+               "init_scale": init, "scheduler": "checked" if "scheduler" in kwargs else
+               "not checked: step_fn takes no scheduler keyword"}
     scaler_calls = {"scale", "unscale_", "scaler.step", "update"}
     if error is None and not log.fp16 and not any(e in scaler_calls for s in per_step
                                                   for e in s):
         # a bf16 or float32 step: no fp16, so no GradScaler is needed and none is misused
-        return {"status": "checked", "problems": [], "steps": len(per_step),
-                "calls": [", ".join(e for e in s if e != "unscale op") or "(nothing)"
-                          for s in per_step], "init_scale": init,
-                "reason": f"{plural(len(per_step), 'step')}: your step computes nothing in "
-                          f"fp16 and does not use the GradScaler (bf16 and float32 need none): "
-                          f"no misuse possible",
-                "scheduler": "checked" if "scheduler" in kwargs else
-                "not checked: step_fn takes no scheduler keyword"}
+        return dict(checked, reason=f"{plural(len(per_step), 'step')}: your step computes "
+                                    f"nothing in fp16 and does not use the GradScaler (bf16 and "
+                                    f"float32 need none): no misuse possible")
     problems += _misuse(per_step, error, "scheduler" in kwargs)
-    calls = [", ".join(e for e in s if e != "unscale op") or "(nothing)" for s in per_step]
     if error is not None and not problems:
         return {"status": "error", "problems": [], "calls": calls,
                 "reason": f"step_fn raised {failure_text(error)}"}
-    return {"status": "checked", "problems": problems, "calls": calls, "steps": len(per_step),
-            "init_scale": init, "reason": "" if problems else
-            f"{plural(len(per_step), 'step')} from init_scale 2^{int(torch.tensor(init).log2())}, the "
-            f"first ones overflowing: no misuse seen",
-            "scheduler": "checked" if "scheduler" in kwargs else
-            "not checked: step_fn takes no scheduler keyword"}
-
+    return dict(checked, reason="" if problems else
+                f"{plural(len(per_step), 'step')} from init_scale "
+                f"2^{int(torch.tensor(init).log2())}, the first ones overflowing: no misuse seen")
 
 def _misuse(per_step: List[List[str]], error: Optional[BaseException],
             scheduler: bool) -> List[Dict[str, str]]:
@@ -193,15 +187,19 @@ def _misuse(per_step: List[List[str]], error: Optional[BaseException],
     first = text.splitlines()[0] if text else ""
     last = [e for e in per_step[-1] if e != "unscale op"] if per_step else []
     n = len(per_step)
+
+    def missing_update():  # what GradScaler's refusals mean where the step itself looks right
+        add("missing update", "scaler.update() is not called after scaler.step()",
+            f"step {n - 1} ended without update(); at step {n} GradScaler raised: {first}",
+            "call scaler.update() once per step, after scaler.step()")
+
     if "step() has already been called since the last update()" in text:
         if last.count("scaler.step") > 1:
             add("second step", "scaler.step() called twice before update()",
                 f"step {n}: calls {', '.join(last)}; GradScaler raised: {first}",
                 "one scaler.step(optimizer) per scaler.update()")
         else:
-            add("missing update", "scaler.update() is not called after scaler.step()",
-                f"step {n - 1} ended without update(); at step {n} GradScaler raised: {first}",
-                "call scaler.update() once per step, after scaler.step()")
+            missing_update()
     if "unscale_() has already been called on this optimizer since the last update()" in text:
         if last.count("unscale_") > 1:
             add("second unscale_", "scaler.unscale_(optimizer) is called twice in one step (by "
@@ -210,9 +208,7 @@ def _misuse(per_step: List[List[str]], error: Optional[BaseException],
                 "call scaler.unscale_(optimizer) once per step, before clipping; scaler.step "
                 "does not unscale again (lesson 02)")
         else:
-            add("missing update", "scaler.update() is not called after scaler.step()",
-                f"step {n - 1} ended without update(); at step {n} GradScaler raised: {first}",
-                "call scaler.update() once per step, after scaler.step()")
+            missing_update()
     if "unscale_() is being called after step()" in text:
         if "scaler.step" in last:
             add("unscale_ after step", "scaler.unscale_(optimizer) is called after "
@@ -221,9 +217,7 @@ def _misuse(per_step: List[List[str]], error: Optional[BaseException],
                 "order: scaler.scale(loss).backward(), scaler.unscale_, clip, scaler.step, "
                 "scaler.update (lesson 02)")
         else:
-            add("missing update", "scaler.update() is not called after scaler.step()",
-                f"step {n - 1} ended without update(); at step {n} GradScaler raised: {first}",
-                "call scaler.update() once per step, after scaler.step()")
+            missing_update()
     if "No inf checks were recorded prior to update" in text:
         add("update before step", "scaler.update() is called before scaler.step() (or "
             "without it): the scale is updated from no inf check, and GradScaler refuses",

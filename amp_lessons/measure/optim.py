@@ -134,8 +134,8 @@ class BF16AdamW(torch.optim.Optimizer):
         restored, a key BF16AdamW does not save (in the dict, its record or a param group:
         another optimizer's settings such as ``momentum``; a scheduler's ``initial_lr`` is
         fine), a moment on the meta device or a negative ``exp_avg_sq`` raises ValueError,
-        and the optimizer stays exactly as it was (settings, state, generators). Tensors are copied in, so one state dict can be loaded into several
-        optimizers."""
+        and the optimizer stays exactly as it was (settings, state, generators). Tensors are
+        copied in, so one state dict can be loaded into several optimizers."""
         generators, seed = self._check_loadable(state_dict)
         plain = {k: v for k, v in state_dict.items() if k != STATE_KEY}
         plain["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
